@@ -1,0 +1,76 @@
+"""GRPO-family math as pure tensor functions, each family behind a name registry.
+
+Design decision: nothing here knows about models, workers or configs -- tensors in, tensors out,
+shapes in the docstrings, conventions (verl vs TRL) as documented parameters -- so the trainer
+selects variants by name and users add one by registering a function:
+
+    advantages  compute_advantages(rewards, group_ids, estimator="grpo", **opts), compute_gae
+    loss        policy_loss(logprobs, old_logprobs, advantages, mask, loss_fn="ppo_clip", agg=...)
+    reduction   aggregate(values, mask, mode, num_tokens=, num_seqs=, max_len=), loss_denominators
+    KL/entropy  kl_penalty(logprobs, ref_logprobs, kind), entropy_from_logits
+    sampling    apply_sampling_filters, sample_from_logits, logprobs_from_logits
+"""
+
+from groupflow.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GroupStats,
+    compute_advantages,
+    compute_gae,
+    group_stats,
+    register_advantage_estimator,
+)
+from groupflow.algorithms.aggregation import (
+    AGGREGATIONS,
+    aggregate,
+    loss_denominators,
+    register_aggregation,
+)
+from groupflow.algorithms.kl import (
+    KL_ESTIMATORS,
+    entropy_from_logits,
+    kl_penalty,
+    register_kl_estimator,
+)
+from groupflow.algorithms.policy_loss import (
+    POLICY_LOSSES,
+    masked_mean,
+    policy_loss,
+    register_policy_loss,
+)
+from groupflow.algorithms.registry import (
+    Registry,
+    UnknownNameError,
+    UnknownOptionError,
+)
+from groupflow.algorithms.sampling import (
+    apply_sampling_filters,
+    logprobs_from_logits,
+    sample_from_logits,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "GroupStats",
+    "Registry",
+    "UnknownNameError",
+    "UnknownOptionError",
+    "aggregate",
+    "apply_sampling_filters",
+    "compute_advantages",
+    "compute_gae",
+    "entropy_from_logits",
+    "group_stats",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "loss_denominators",
+    "masked_mean",
+    "policy_loss",
+    "register_advantage_estimator",
+    "register_aggregation",
+    "register_kl_estimator",
+    "register_policy_loss",
+    "sample_from_logits",
+]

@@ -1,0 +1,208 @@
+"""Clipped policy-gradient losses per action, selected by name, aggregated by `aggregate`.
+
+Design decision: a policy loss is a registered function from (logprobs, old_logprobs,
+advantages, mask) to a per-action loss [B, T] plus metrics; `policy_loss` validates inputs,
+broadcasts advantages, calls it, and reduces the result with the same aggregation modes and
+global denominators as every other loss term. A new loss (e.g. CISPO) is one function and one
+`@register_policy_loss` line; the trainer only passes `loss_fn=<name>`.
+
+old_logprobs and advantages are detached here: gradients flow through `logprobs` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from groupflow.algorithms.aggregation import Number, aggregate
+from groupflow.algorithms.registry import Registry, check_options
+
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""Signature: fn(logprobs [B,T], old_logprobs [B,T], advantages [B,T], valid [B,T] bool, *, <options>)
+-> (per-action loss [B,T], metrics {name: 0-dim detached tensor}). old_logprobs and advantages
+arrive detached and zeroed at invalid positions; options must be keyword-only."""
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+RATIO_LEVELS = ("token", "sequence")
+
+
+def register_policy_loss(name: str, **kwargs):
+    return POLICY_LOSSES.register(name, **kwargs)
+
+
+def masked_mean(x: Tensor, valid: Tensor) -> Tensor:
+    """Mean of x over valid positions; 0 when there are none (no NaN, no host sync)."""
+    n = valid.sum()
+    return torch.where(valid, x, 0.0).sum() / n.clamp(min=1)
+
+
+def _masked_extreme(x: Tensor, valid: Tensor, largest: bool, empty: float) -> Tensor:
+    fill = -torch.inf if largest else torch.inf
+    filled = torch.where(valid, x, fill)
+    value = filled.max() if largest else filled.min()
+    return torch.where(valid.any(), value, torch.full_like(value, empty))
+
+
+def _validate_ppo_options(ratio_level, eps_low, eps_high, clip_ratio_c, delta, log_ratio_clamp):
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"clip_eps_low must be in [0, 1), got {eps_low!r}")
+    if not eps_high >= 0.0:
+        raise ValueError(f"clip_eps_high must be >= 0 (or None = clip_eps_low), got {eps_high!r}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c!r}")
+    if delta is not None and not delta > 1.0 + eps_high:
+        raise ValueError(f"delta must be > 1 + clip_eps_high = {1.0 + eps_high}, got {delta!r}")
+    if not log_ratio_clamp > 0:
+        raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp!r}")
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    valid: Tensor,
+    *,
+    ratio_level: str = "token",
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float | None = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    delta: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate, token- or sequence-level ratio, with dual clip and TRL's delta.
+
+    L = max(-A * min(rho, delta), -A * clip(rho, 1 - eps_low, 1 + eps_high)); for A < 0 also
+    L = min(L, -c * A) (verl dual clip, c = clip_ratio_c). The log-ratio is clamped to
+    +-log_ratio_clamp before exp (verl: 20).
+
+    ratio_level="sequence" (GSPO): rho_i = exp(sum_t m (logp - old) / sum_t m), shared by every
+    token of sample i (a sample without valid tokens gets rho = 1). We differentiate this ratio
+    directly (as TRL does); verl's stop-gradient "GSPO-token" form has the same value and, with
+    per-sample advantages and any of our aggregation modes, the same gradient.
+
+    Clip fractions (over valid tokens): clipfrac_low = rho < 1 - eps_low with A < 0,
+    clipfrac_high = rho > 1 + eps_high with A > 0 (the regions where clipping zeroes the
+    gradient, TRL's definition), clipfrac_dual = the dual clip is active (A < 0, -c*A < L).
+    """
+    eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
+    _validate_ppo_options(ratio_level, clip_eps_low, eps_high, clip_ratio_c, delta, log_ratio_clamp)
+
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    if ratio_level == "sequence":
+        count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+        log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / count).expand_as(logprobs)
+    ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp).exp()
+
+    unclipped_ratio = ratio if delta is None else ratio.clamp(max=delta)
+    loss_unclipped = -advantages * unclipped_ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + eps_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    negative = advantages < 0
+    dual_active = torch.zeros_like(valid)
+    if clip_ratio_c is not None:
+        dual_bound = -clip_ratio_c * advantages
+        dual_active = negative & (loss > dual_bound)
+        loss = torch.where(negative, torch.minimum(loss, dual_bound), loss)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        metrics = {
+            "clipfrac_low": masked_mean(((r < 1.0 - clip_eps_low) & negative).float(), valid),
+            "clipfrac_high": masked_mean(((r > 1.0 + eps_high) & (advantages > 0)).float(), valid),
+            "clipfrac_dual": masked_mean(dual_active.float(), valid),
+            "ratio_mean": torch.where(valid.any(), masked_mean(r, valid), 1.0),
+            "ratio_max": _masked_extreme(r, valid, largest=True, empty=1.0),
+            "ratio_min": _masked_extreme(r, valid, largest=False, empty=1.0),
+        }
+    return loss, metrics
+
+
+def _validate_inputs(logprobs, old_logprobs, advantages, mask) -> None:
+    named = (
+        ("logprobs", logprobs),
+        ("old_logprobs", old_logprobs),
+        ("advantages", advantages),
+        ("mask", mask),
+    )
+    for name, t in named:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    for name, t in (("old_logprobs", old_logprobs), ("mask", mask)):
+        if t.shape != logprobs.shape:
+            raise ValueError(
+                f"{name} must have the shape of logprobs {tuple(logprobs.shape)}, got {tuple(t.shape)}"
+            )
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(
+            f"advantages must be [B] = {tuple(logprobs.shape[:1])} or [B, T] = "
+            f"{tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
+        )
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_fn: str = "ppo_clip",
+    agg: str = "token_mean",
+    num_tokens: Number | None = None,
+    num_seqs: Number | None = None,
+    max_len: Number | None = None,
+    **opts,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Aggregated policy-gradient loss and metrics.
+
+    Args:
+        logprobs: [B, T] current policy log-probs of the taken actions (with grad).
+        old_logprobs: [B, T] sampling policy's log-probs (detached here).
+        advantages: [B] (broadcast over actions) or [B, T] (detached here).
+        mask: [B, T] bool or 0/1; 1 on actions that count.
+        loss_fn: a name in POLICY_LOSSES ("ppo_clip" or a registered one).
+        agg, num_tokens, num_seqs, max_len: aggregation mode and the mini-batch-global
+            denominators, see `groupflow.algorithms.aggregation` (pass the same for every
+            micro-batch and SUM the micro-batch losses).
+        **opts: options of the loss function (ppo_clip: ratio_level, clip_eps_low, clip_eps_high,
+            clip_ratio_c, delta, log_ratio_clamp); unknown ones raise.
+
+    Returns:
+        (scalar loss, metrics) with metrics as 0-dim detached tensors averaged over the valid
+        tokens of THIS call: clipfrac_low/high/dual, approx_kl (= mean of old - logp),
+        ratio_mean/max/min (ratio stats are 1 when there are no valid tokens).
+
+    Note (TRL's "the loss is ~0" surprise): with one optimizer step per rollout batch (mu = 1,
+    one mini-batch) `old_logprobs` may be `logprobs.detach()`; then ratio == 1 exactly, the
+    gradient is the plain policy gradient, and the loss VALUE equals -aggregate(A), which is ~0
+    because group-normalised advantages average to zero. A near-zero logged loss is therefore
+    expected and does not mean nothing is learned; watch rewards, KL and clip fractions instead.
+    """
+    fn = POLICY_LOSSES.get(loss_fn)
+    check_options(fn, opts, what=f"policy loss {loss_fn!r}")
+    _validate_inputs(logprobs, old_logprobs, advantages, mask)
+    valid = mask != 0
+    old = old_logprobs.detach().to(logprobs.dtype)
+    adv = advantages.detach().to(logprobs.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1).expand_as(logprobs)
+    # Zero the inputs at invalid positions: a NaN/inf there (padding) would otherwise poison the
+    # backward pass through torch.where.
+    old = torch.where(valid, old, 0.0)
+    adv = torch.where(valid, adv, 0.0)
+    safe_logprobs = torch.where(valid, logprobs, 0.0)
+
+    per_token, metrics = fn(safe_logprobs, old, adv, valid, **opts)
+    loss = aggregate(
+        per_token, valid, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
+    )
+    with torch.no_grad():
+        metrics = {**metrics, "approx_kl": masked_mean(old - safe_logprobs.detach(), valid)}
+    return loss, metrics

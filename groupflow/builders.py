@@ -1,0 +1,165 @@
+"""Builders: turn the typed config into plain objects (tokenizer, model, data, rewards, worker).
+
+Design decision: this is the only module that reads config sections to construct things; the
+objects it returns take plain arguments and never see the config again (style.md principle 6).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from groupflow.config import Config
+from groupflow.data import (
+    DataError,
+    PromptRow,
+    load_prompt_rows,
+    make_task_rows,
+    render_prompt,
+    train_char_tokenizer,
+)
+from groupflow.models.causal_lm import ModelLoadError, build_tiny_llama, load_causal_lm
+from groupflow.rewards import build_reward_runner
+
+log = logging.getLogger("groupflow")
+
+__all__ = [
+    "EncodedPrompts",
+    "build_tokenizer",
+    "build_model",
+    "build_data",
+    "build_reward",
+    "encode_prompts",
+]
+
+
+@dataclass
+class EncodedPrompts:
+    """Prompt rows with their rendered text and token ids (computed once at load)."""
+
+    rows: list[PromptRow]
+    texts: list[str]
+    ids: list[list[int]]
+    num_filtered: int = 0
+
+
+def build_tokenizer(cfg: Config, run_dir: Path):
+    """Load the tokenizer from a local directory, or train the demo's character tokenizer."""
+    from transformers import AutoTokenizer
+
+    m = cfg.model
+    if m.tiny is not None and m.tokenizer_path is None:
+        saved = run_dir / "tokenizer"
+        if saved.is_dir():  # resume: reuse the exact tokenizer the run started with
+            return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+        tok = train_char_tokenizer()
+        tok.save_pretrained(str(saved))
+        return tok
+    path = Path(m.tokenizer_path or m.path).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"tokenizer path '{path}' does not exist or is not a directory")
+    tok = AutoTokenizer.from_pretrained(
+        str(path), trust_remote_code=m.trust_remote_code, local_files_only=True
+    )
+    if tok.pad_token_id is None:
+        # Padding is masked everywhere, so any id works; EOS is the usual choice (as TRL does).
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif isinstance(extra, (list, tuple)):
+        ids.update(extra)
+    ids.discard(None)
+    if not ids:
+        raise ModelLoadError(
+            "the tokenizer has no EOS token; generation could never stop on its own"
+        )
+    return sorted(ids)
+
+
+def build_model(cfg: Config, tokenizer):
+    m = cfg.model
+    if m.tiny is not None:
+        t = m.tiny
+        model = build_tiny_llama(
+            len(tokenizer),
+            hidden_size=t.hidden_size,
+            num_layers=t.num_layers,
+            num_heads=t.num_heads,
+            intermediate_size=t.intermediate_size,
+            max_positions=t.max_positions,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            seed=t.seed,
+        )
+    else:
+        model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def build_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Training and validation rows (the built-in task's held-out split never overlaps training)."""
+    d = cfg.data
+    if d.task is not None:
+        train, val = make_task_rows(
+            d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits
+        )
+        train_rows = list(load_prompt_rows(train))
+        val_rows = list(load_prompt_rows(val))
+    else:
+        train_rows = list(load_prompt_rows(d.train_files, on_bad_row=d.bad_rows))
+        val_rows = list(load_prompt_rows(d.val_files, on_bad_row=d.bad_rows)) if d.val_files else []
+    if d.max_val_prompts is not None:
+        val_rows = val_rows[: d.max_val_prompts]
+    return train_rows, val_rows
+
+
+def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) -> EncodedPrompts:
+    """Render (chat template where asked) and tokenize each prompt once; filter or reject over-long ones."""
+    d = cfg.data
+    texts = [render_prompt(r, tokenizer, d.use_chat_template) for r in rows]
+    # A chat template writes its own special tokens into the text; a plain prompt gets the
+    # tokenizer's usual BOS (if it has one).
+    templated = [r.is_chat or bool(d.use_chat_template) for r in rows]
+    ids = [
+        tokenizer(t, add_special_tokens=not chat)["input_ids"] for t, chat in zip(texts, templated)
+    ]
+    keep = []
+    for r, t, i in zip(rows, texts, ids):
+        if len(i) <= d.max_prompt_tokens:
+            keep.append((r, t, i))
+        elif d.overlong_prompts == "error":
+            raise DataError(
+                f"{split} prompt from {r.source}, row {r.index} has {len(i)} tokens, more than "
+                f"data.max_prompt_tokens={d.max_prompt_tokens} (set data.overlong_prompts=filter to skip such rows)"
+            )
+    filtered = len(rows) - len(keep)
+    if filtered:
+        log.warning(
+            "%s data: filtered %d prompt(s) longer than %d tokens",
+            split,
+            filtered,
+            d.max_prompt_tokens,
+        )
+    if not keep:
+        raise DataError(
+            f"every {split} prompt is longer than data.max_prompt_tokens={d.max_prompt_tokens}"
+        )
+    rows_, texts_, ids_ = (list(x) for x in zip(*keep))
+    return EncodedPrompts(rows_, texts_, ids_, filtered)
+
+
+def build_reward(cfg: Config):
+    specs = [s.model_dump() for s in cfg.reward.functions] or None
+    return build_reward_runner(specs, failure_value=cfg.reward.failure_value)

@@ -1,0 +1,200 @@
+"""The ``groupflow`` command: train, eval, generate, export, plot.
+
+Design decision: one entry point per job, each a thin function that loads the typed config (YAML +
+``key=value`` overrides) and calls library code; errors the user can fix (config, data, paths) are
+printed as one clear message and exit code 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
+
+
+def _train(args) -> int:
+    from groupflow.config import load_config
+    from groupflow.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg)
+    final = trainer.fit()
+    _print_summary(trainer.run_dir, final)
+    if args.plot:
+        from groupflow.plotting import plot_run
+
+        paths = plot_run(trainer.run_dir)
+        print(f"plots: {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def _print_summary(run_dir: Path, final: dict) -> None:
+    from groupflow.tracking import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    key = "val/greedy/acc"
+    before = next((r[key] for r in rows if r.get(key) is not None), None)
+    after = next((r[key] for r in reversed(rows) if r.get(key) is not None), None)
+    print(f"run directory: {run_dir}")
+    if before is not None and after is not None:
+        print(
+            f"held-out greedy accuracy: before {before:.1%} → after {after:.1%} ({(after - before) * 100:+.1f} points)"
+        )
+
+
+def _load_trainer_for_inference(args):
+    from groupflow.config import load_config
+    from groupflow.trainer import Trainer
+
+    overrides = list(args.overrides) + ["run.resume=never"]
+    cfg = load_config(args.config, overrides)
+    trainer = Trainer(cfg)
+    if args.checkpoint:
+        from groupflow.checkpoint import find_latest_checkpoint, load_checkpoint
+
+        path = Path(args.checkpoint)
+        if (path / "checkpoints").is_dir():
+            path = find_latest_checkpoint(path / "checkpoints")
+            if path is None:
+                raise FileNotFoundError(
+                    f"no complete checkpoint under {args.checkpoint}/checkpoints"
+                )
+        trainer.actor.model.load_state_dict(load_checkpoint(path)["model"])
+    return trainer
+
+
+def _eval(args) -> int:
+    trainer = _load_trainer_for_inference(args)
+    if trainer.val is None:
+        raise ValueError(
+            "eval needs validation data: set data.val_files (or use a built-in data.task)"
+        )
+    from groupflow.evaluation import evaluate
+
+    v = trainer.cfg.validation
+    metrics, records = evaluate(
+        trainer.actor,
+        trainer.tokenizer,
+        trainer.val,
+        trainer.reward_fn,
+        base_params=trainer.sampling,
+        samples=v.samples_per_prompt,
+        temperature=v.temperature,
+        greedy=v.greedy,
+        seed=trainer.cfg.run.seed,
+        return_records=True,
+    )
+    for k, val in sorted(metrics.items()):
+        print(f"{k:<40} {val:.4f}")
+    if args.output:
+        with open(args.output, "w") as f:
+            for mode, recs in records.items():
+                for r in recs:
+                    f.write(json.dumps({"mode": mode, **r}) + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _generate(args) -> int:
+    from dataclasses import replace
+
+    trainer = _load_trainer_for_inference(args)
+    tok = trainer.tokenizer
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ValueError("generate: give --prompt TEXT (repeatable) or prompts on standard input")
+    params = replace(trainer.sampling, n=args.num_samples)
+    if args.greedy:
+        params = replace(params, temperature=0.0)
+    ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    out = trainer.actor.generate(ids, params, seeds=list(range(len(ids) * params.n)))
+    for i, (r, m) in enumerate(zip(out.responses, out.response_mask)):
+        text = tok.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+        print(
+            json.dumps(
+                {
+                    "prompt": prompts[i // params.n],
+                    "completion": text,
+                    "finish_reason": out.finish_reasons[i],
+                }
+            )
+        )
+    return 0
+
+
+def _export(args) -> int:
+    trainer = _load_trainer_for_inference(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer.actor.model.save_pretrained(str(out), safe_serialization=True)
+    trainer.tokenizer.save_pretrained(str(out))
+    print(f"exported HF model to {out}")
+    return 0
+
+
+def _plot(args) -> int:
+    from groupflow.plotting import plot_run
+
+    for p in plot_run(args.run_dir, out_dir=args.out):
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="groupflow", description="GRPO-family RL post-training")
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train with a config file and key=value overrides")
+    t.add_argument("config")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. actor.lr=1e-5")
+    t.add_argument(
+        "--no-plot", dest="plot", action="store_false", help="do not write plots at the end"
+    )
+    t.set_defaults(func=_train)
+
+    def inference(name, help_, func):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("config")
+        s.add_argument("overrides", nargs="*")
+        s.add_argument(
+            "--checkpoint", help="a checkpoint dir, or a run dir (its newest checkpoint)"
+        )
+        s.set_defaults(func=func)
+        return s
+
+    e = inference("eval", "evaluate a model on the validation data", _eval)
+    e.add_argument("--output", help="write per-sample records (JSONL) here")
+    g = inference("generate", "sample completions for prompts", _generate)
+    g.add_argument("--prompt", action="append")
+    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--greedy", action="store_true")
+    x = inference("export", "write an HF model directory (safetensors, config, tokenizer)", _export)
+    x.add_argument("--out", required=True)
+
+    pl = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None)
+    pl.set_defaults(func=_plot)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except _USER_ERRORS as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"groupflow {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Prompt data: dataset loading and validation, the prompt stream, the synthetic demo task, and
+the demo's character tokenizer.
+
+Design decision: everything downstream sees `PromptRow`s (a prompt plus a flat `fields` dict for
+reward functions), whatever the file format or row shape; see `datasets` for the validation rules
+and `loader` for the deterministic, resumable prompt stream.
+"""
+
+from groupflow.data.datasets import (
+    DataError,
+    PromptDataset,
+    PromptRow,
+    filter_overlong,
+    load_prompt_rows,
+    normalize_row,
+    prompt_token_lengths,
+    render_prompt,
+)
+from groupflow.data.loader import PromptLoader
+from groupflow.data.synthetic import (
+    REWARD_FUNCTIONS,
+    accuracy,
+    add_reward,
+    clean_completion,
+    exact_match,
+    make_task_rows,
+    reverse_reward,
+    sft_pairs,
+)
+from groupflow.data.tokenizer import train_char_tokenizer
+
+__all__ = [
+    "DataError",
+    "PromptDataset",
+    "PromptLoader",
+    "PromptRow",
+    "REWARD_FUNCTIONS",
+    "accuracy",
+    "add_reward",
+    "clean_completion",
+    "exact_match",
+    "filter_overlong",
+    "load_prompt_rows",
+    "make_task_rows",
+    "normalize_row",
+    "prompt_token_lengths",
+    "render_prompt",
+    "reverse_reward",
+    "sft_pairs",
+    "train_char_tokenizer",
+]

@@ -1,0 +1,74 @@
+"""Per-token log-probs (and entropy) of responses under a causal LM, chunked over tokens.
+
+Design decision: run the decoder once for the whole [prompt | response] sequence, then apply the
+LM head to a few rows of hidden states at a time, so at most ``chunk_tokens × V`` logits exist at
+once instead of ``B × T × V``. Under autograd each chunk is checkpointed: its logits are recomputed
+in backward rather than kept, which is what makes a 150k-vocabulary model fit on small hardware.
+Logits are divided by the sampling temperature and never truncated by top-k/top-p (algorithms.md
+§5), matching what the rollout engine records.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from groupflow.algorithms import entropy_from_logits
+from groupflow.models.causal_lm import decoder_hidden_states
+
+__all__ = ["response_logprobs"]
+
+
+def _chunk_stats(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+):
+    logits = head(hidden).float() / temperature
+    logz = logits.logsumexp(-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    if not want_entropy:
+        return logp, torch.zeros_like(logp)
+    return logp, entropy_from_logits(logits)
+
+
+def response_logprobs(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, T] of ``responses`` given left-padded prompts; entropy [B, T] if asked.
+
+    Positions where ``response_mask`` is 0 hold garbage and must be masked by the caller.
+    """
+    temperature = temperature if temperature > 0 else 1.0
+    input_ids = torch.cat([prompt_ids, responses], dim=1)
+    attention = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    hidden = decoder_hidden_states(model, input_ids, attention)
+    p, t = prompt_ids.shape[1], responses.shape[1]
+    hidden = hidden[:, p - 1 : p + t - 1]  # the state before each response token predicts it
+    head = model.get_output_embeddings()
+    rows = max(1, chunk_tokens // max(t, 1))
+    use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
+    logps, ents = [], []
+    for start in range(0, hidden.shape[0], rows):
+        h, y = hidden[start : start + rows], responses[start : start + rows]
+        if use_ckpt:
+            lp, ent = checkpoint(
+                _chunk_stats, head, h, y, temperature, with_entropy, use_reentrant=False
+            )
+        else:
+            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy)
+        logps.append(lp)
+        ents.append(ent)
+    logp = torch.cat(logps)
+    return logp, (torch.cat(ents) if with_entropy else None)

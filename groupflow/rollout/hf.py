@@ -1,0 +1,206 @@
+"""Generation with an HF causal LM: shared prompt prefill, per-sample seeded sampling, log-probs.
+
+Design decisions:
+- We run our own decode loop instead of ``model.generate``: the sampling filters must be exactly
+  the ones in ``groupflow.algorithms`` (so the recorded log-probs and the training forward agree),
+  and the G samples of a prompt must share one prefill — the prompt is encoded once and its KV
+  cache repeated G times, which is where most of the prompt compute of GRPO goes.
+- Every output sample draws its randomness from its own ``torch.Generator`` seeded by the caller.
+  A sample's tokens therefore depend only on its prompt and seed, not on which other prompts share
+  the batch or how much left padding they cause: batched and unbatched generation agree, and a
+  resumed run replays the same samples.
+- The recorded log-prob is ``log_softmax(logits / T)`` of the sampled token *without* top-k/top-p/
+  min-p truncation, which is what the training forward computes (algorithms.md §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from groupflow.algorithms import apply_sampling_filters
+from groupflow.models.causal_lm import cache_kwarg, token_positions
+
+__all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float | None = None
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    n: int = 1  # samples per prompt, sharing one prefill
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class GenerationOutput:
+    prompt_ids: torch.Tensor  # [B, P] left-padded, B = prompts * n (sample j of prompt i at i*n+j)
+    prompt_mask: torch.Tensor  # [B, P]
+    responses: torch.Tensor  # [B, T] right-padded with pad_id
+    response_mask: torch.Tensor  # [B, T] 1 for generated tokens up to and including EOS/stop
+    logprobs: torch.Tensor  # [B, T] sampling log-probs (0 where masked)
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" or "length"
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists into a left-padded [N, P] tensor and its attention mask."""
+    if not sequences:
+        raise ValueError("left_pad: no sequences")
+    width = max(len(s) for s in sequences)
+    if width == 0:
+        raise ValueError("left_pad: every sequence is empty")
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if len(s) == 0:
+            raise ValueError(
+                f"left_pad: sequence {i} is empty (an empty prompt cannot be generated from)"
+            )
+        ids[i, width - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from [B, V] logits; returns (tokens, their sampling log-probs)."""
+    logits = logits.float()
+    filtered = apply_sampling_filters(
+        logits,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+    )
+    if params.temperature == 0:
+        tokens = filtered.argmax(-1)
+    else:
+        # Exponential race (equivalent to Gumbel-max): argmax p_v / E_v with E ~ Exp(1) drawn from
+        # each sample's own generator, so a row's draw never depends on its neighbours.
+        noise = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators])
+        exp_noise = -torch.log1p(-noise)  # Exp(1) from U[0,1); never log(0)
+        tokens = (filtered.log_softmax(-1) - exp_noise.log()).argmax(-1)
+    scale = params.temperature if params.temperature > 0 else 1.0
+    logp = (logits / scale).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logp
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    seeds: Sequence[int],
+    pad_id: int,
+    eos_ids: Sequence[int],
+    tokenizer=None,
+) -> GenerationOutput:
+    """Sample ``params.n`` responses per prompt.
+
+    ``seeds`` has one entry per output sample (len(prompts) * n). ``tokenizer`` is needed only for
+    stop strings.
+    """
+    n_out = len(prompts) * params.n
+    if len(seeds) != n_out:
+        raise ValueError(f"generate: need one seed per output sample ({n_out}), got {len(seeds)}")
+    if params.stop and tokenizer is None:
+        raise ValueError("generate: stop strings need a tokenizer")
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+    cache_name = cache_kwarg(model)
+
+    was_training = model.training
+    model.eval()
+    try:
+        # Prefill once per prompt, then share the cache across its n samples.
+        out = model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=token_positions(prompt_mask),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = getattr(out, cache_name, None)
+        if cache is None:
+            cache = out.past_key_values
+        logits = out.logits[:, -1]
+        if params.n > 1:
+            cache.batch_repeat_interleave(params.n)
+            logits = logits.repeat_interleave(params.n, dim=0)
+            prompt_ids = prompt_ids.repeat_interleave(params.n, dim=0)
+            prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0)
+
+        next_pos = prompt_mask.sum(-1)  # position of the first generated token, per row
+        tokens_out, logps_out = [], []
+        alive = torch.ones(n_out, dtype=torch.bool, device=device)
+        done_at = torch.full((n_out,), params.max_new_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(n_out, dtype=torch.bool, device=device)
+        attn = prompt_mask
+        stop_window = _stop_window(params.stop)
+        for t in range(params.max_new_tokens):
+            tok, logp = _sample(logits, params, generators)
+            tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
+            tokens_out.append(tok)
+            logps_out.append(torch.where(alive, logp, torch.zeros_like(logp)))
+            finished = alive & torch.isin(tok, eos)
+            if params.stop:
+                finished |= alive & _hits_stop(tokens_out, params.stop, stop_window, tokenizer)
+            done_at = torch.where(finished, torch.full_like(done_at, t + 1), done_at)
+            stopped |= finished
+            alive &= ~finished
+            if not bool(alive.any()) or t == params.max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            out = model(
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=(next_pos + t)[:, None],
+                use_cache=True,
+                **{cache_name: cache},
+            )
+            logits = out.logits[:, -1]
+    finally:
+        model.train(was_training)
+
+    responses = torch.stack(tokens_out, dim=1)
+    width = responses.shape[1]
+    response_mask = (torch.arange(width, device=device)[None, :] < done_at[:, None]).long()
+    responses = responses.masked_fill(response_mask == 0, pad_id)
+    logprobs = torch.stack(logps_out, dim=1) * response_mask
+    reasons = ["stop" if s else "length" for s in stopped.tolist()]
+    return GenerationOutput(prompt_ids, prompt_mask, responses, response_mask, logprobs, reasons)
+
+
+def _stop_window(stop: Sequence[str]) -> int:
+    # A token decodes to at least one character (special tokens aside), so the last
+    # max(len(stop)) tokens always contain a freshly completed stop string.
+    return max((len(s) for s in stop), default=0) + 1
+
+
+def _hits_stop(
+    tokens_out: list[torch.Tensor], stop: Sequence[str], window: int, tokenizer
+) -> torch.Tensor:
+    recent = torch.stack(tokens_out[-window:], dim=1).tolist()
+    texts = tokenizer.batch_decode(recent, skip_special_tokens=True)
+    return torch.tensor(
+        [any(s in text for s in stop) for text in texts], device=tokens_out[-1].device
+    )

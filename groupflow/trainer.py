@@ -1,0 +1,377 @@
+"""The driver (single controller): rollout → reward → advantages → update, one stage per line.
+
+Design decision: ``fit`` reads like the algorithm and holds no tensor math. Each stage is a method
+that returns a Batch, and the Batch is validated against the stage contract at every boundary, so
+a broken reward function or custom estimator is reported where it happened. Computation lives in
+the worker (``ActorRolloutWorker``); math lives in ``groupflow.algorithms``; this file decides only
+*what happens in which order*, plus validation, logging and checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from groupflow import builders
+from groupflow.algorithms import compute_advantages
+from groupflow.batch import Batch
+from groupflow.checkpoint import (
+    capture_rng_state,
+    find_latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from groupflow.config import Config
+from groupflow.contracts import validate
+from groupflow.data import PromptLoader, PromptRow
+from groupflow.evaluation import evaluate
+from groupflow.rollout.hf import SamplingParams
+from groupflow.sft import warm_start
+from groupflow.tracking import Tracker, save_config
+from groupflow.utils.timing import StageTimer
+from groupflow.workers.actor import ActorRolloutWorker
+
+log = logging.getLogger("groupflow")
+
+__all__ = ["Trainer", "sample_seed"]
+
+
+def sample_seed(run_seed: int, step: int, index: int) -> int:
+    """Seed of one rollout sample: depends only on (run seed, step, sample slot), so resume replays it."""
+    return (run_seed * 1_000_003 + step * 100_003 + index) % (2**63 - 1)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.run.num_threads:
+            torch.set_num_threads(cfg.run.num_threads)
+        torch.manual_seed(cfg.run.seed)
+        self.tokenizer = builders.build_tokenizer(cfg, self.run_dir)
+        model = builders.build_model(cfg, self.tokenizer)
+        train_rows, val_rows = builders.build_data(cfg)
+        self.train = builders.encode_prompts(train_rows, self.tokenizer, cfg, "train")
+        self.val = (
+            builders.encode_prompts(val_rows, self.tokenizer, cfg, "validation")
+            if val_rows
+            else None
+        )
+        self.reward_fn = builders.build_reward(cfg)
+        self.reward_fn.check_fields({k for r in self.train.rows for k in r.fields})
+        # Rows are tokenized once at load; rollout looks their ids and text up by identity.
+        self._encoded = {
+            id(r): (t, i) for r, t, i in zip(self.train.rows, self.train.texts, self.train.ids)
+        }
+        self.loader = PromptLoader(
+            self.train.rows, cfg.data.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle
+        )
+        self.actor = ActorRolloutWorker(
+            model,
+            self.tokenizer,
+            cfg.actor,
+            total_steps=cfg.run.total_steps,
+            pad_id=self.tokenizer.pad_token_id,
+            eos_ids=builders.eos_ids(self.tokenizer, model),
+        )
+        r = cfg.rollout
+        self.sampling = SamplingParams(
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            min_p=r.min_p,
+            max_new_tokens=r.max_new_tokens,
+            stop=tuple(r.stop),
+            n=r.samples_per_prompt,
+        )
+        self.step = 0
+        self.tracker: Tracker | None = None
+
+    # ----- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg
+        resumed = self.maybe_resume()
+        save_config(self.run_dir, cfg.to_dict())
+        self.tracker = Tracker(
+            self.run_dir,
+            backends=["jsonl", *cfg.run.loggers],
+            run_name=cfg.run.name,
+            config=cfg.to_dict(),
+            console_every=cfg.run.console_every,
+            total_steps=cfg.run.total_steps,
+            resume_step=self.step if resumed else None,
+        )
+        if not resumed:
+            start = {}
+            if cfg.sft.steps:
+                start.update(
+                    warm_start(
+                        self.actor,
+                        self.tokenizer,
+                        self.train,
+                        self.reward_fn,
+                        self.sampling,
+                        cfg.sft,
+                        cfg.run.seed,
+                        cfg.sft.target_field,
+                    )
+                )
+            if cfg.validation.before_training and self.val is not None:
+                start.update(self.validate())
+            if start:
+                self.tracker.log(start, step=0)
+        last: dict[str, float] = {}
+        while self.step < cfg.run.total_steps:
+            timer = StageTimer()
+            with timer("step"):
+                with timer("rollout_and_reward"):
+                    batch, sampling_metrics = self.collect(self.step)
+                with timer("old_logprobs"):
+                    batch = self.add_logprobs(batch)
+                with timer("advantages"):
+                    batch = validate(self.add_advantages(batch), "advantaged")
+                with timer("update"):
+                    update_metrics = self.actor.update(
+                        validate(batch, "train_ready"),
+                        temperature=self.sampling.temperature,
+                        generator=torch.Generator().manual_seed(
+                            sample_seed(cfg.run.seed, self.step, -1)
+                        ),
+                    )
+            self.step += 1
+            last = {**batch_metrics(batch), **sampling_metrics, **update_metrics, **timer.metrics()}
+            last["perf/tokens_per_s"] = float(
+                batch["response_mask"].sum() + batch["prompt_mask"].sum()
+            ) / max(timer.seconds("step"), 1e-9)
+            if self._due(cfg.validation.every_steps) or self.step == cfg.run.total_steps:
+                last.update(self.validate())
+            self.tracker.log(last, step=self.step)
+            if cfg.run.samples_every and self.step % cfg.run.samples_every == 0:
+                self.tracker.log_samples(
+                    self.step, batch.rows(["prompt", "completion", "rewards"])[:8]
+                )
+            if self._due(cfg.run.save_every) or (
+                self.step == cfg.run.total_steps and cfg.run.save_every
+            ):
+                self.save()
+        self.tracker.close()
+        return last
+
+    def _due(self, every: int) -> bool:
+        return bool(every) and self.step % every == 0
+
+    # ----- stages ---------------------------------------------------------------------------------
+    def collect(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """Rollout + reward for one step; with dynamic sampling, refill zero-signal groups (DAPO)."""
+        cfg = self.cfg
+        rows = self.loader.next_batch()
+        batch = self.rollout_and_reward(rows, step, round_=0)
+        if not cfg.algorithm.dynamic_sampling:
+            return batch, {}
+        kept, dropped, rounds = [], 0, 0
+        while True:
+            informative = _informative_groups(batch)
+            dropped += int(batch["group_ids"].unique().numel()) - len(informative)
+            kept.append(batch.index(torch.isin(batch["group_ids"], torch.tensor(informative))))
+            rounds += 1
+            have = sum(int(b["group_ids"].unique().numel()) for b in kept)
+            if have >= cfg.data.prompts_per_step or rounds >= cfg.algorithm.max_sampling_rounds:
+                break
+            batch = self.rollout_and_reward(
+                self.loader.take(cfg.data.prompts_per_step - have), step, round_=rounds
+            )
+        batch = Batch.concat([b for b in kept if len(b)] or [batch])
+        batch = _first_groups(batch, cfg.data.prompts_per_step)
+        return batch, {
+            "sampling/rounds": rounds,
+            "sampling/dropped_groups": dropped,
+            "sampling/kept_groups": int(batch["group_ids"].unique().numel()),
+        }
+
+    def rollout_and_reward(self, rows: list[PromptRow], step: int, round_: int) -> Batch:
+        n = self.sampling.n
+        base = round_ * 1_000_000  # distinct seeds and group ids for refill rounds
+        seeds = [sample_seed(self.cfg.run.seed, step, base + i) for i in range(len(rows) * n)]
+        texts, ids = zip(*(self._encoded[id(r)] for r in rows))
+        out = self.actor.generate(list(ids), self.sampling, seeds)
+        batch = rollout_batch(
+            out, rows, list(texts), n, group_offset=base, uid_prefix=f"{step}-{round_}"
+        )
+        batch["completion"] = self.decode(batch)
+        validate(batch, "rollout")
+        return validate(self.add_rewards(batch), "rewarded")
+
+    def add_rewards(self, batch: Batch) -> Batch:
+        fields = _fields(batch["row"])
+        lengths = batch["response_mask"].sum(1).tolist()
+        result = self.reward_fn(
+            list(batch["prompt"]), list(batch["completion"]), completion_lengths=lengths, **fields
+        )
+        batch["rewards"] = result.total.float()
+        batch.meta["reward_metrics"] = result.metrics
+        return batch
+
+    def add_logprobs(self, batch: Batch) -> Batch:
+        """Old log-probs (needed when there is more than one optimizer step per batch) and reference ones."""
+        a = self.cfg.actor
+        several_steps = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
+        need_old = a.recompute_old_logprobs == "always" or (
+            a.recompute_old_logprobs == "auto" and several_steps
+        )
+        t = self.sampling.temperature
+        if need_old:
+            batch["old_logprobs"] = self.actor.compute_logprobs(batch, temperature=t)
+        else:
+            # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the rollout's
+            # log-probs serve (same numerics; see tests/rollout) and the first ratio is 1.
+            batch["old_logprobs"] = batch["rollout_logprobs"]
+        if self.actor.ref_model is not None:
+            batch["ref_logprobs"] = self.actor.compute_logprobs(
+                batch, temperature=t, reference=True
+            )
+        return batch
+
+    def add_advantages(self, batch: Batch) -> Batch:
+        al = self.cfg.algorithm
+        opts: dict[str, Any] = {
+            "adv_clip_max": al.adv_clip_max,
+            "reward_threshold": al.reward_threshold,
+        }
+        if al.estimator == "grpo":
+            opts.update(scale=al.scale, eps=al.eps)
+        elif al.estimator == "reinforce_pp_baseline":
+            opts.update(eps=al.eps)
+        batch["advantages"] = compute_advantages(
+            batch["rewards"], batch["group_ids"], al.estimator, **opts
+        )
+        return batch
+
+    def decode(self, batch: Batch) -> list[str]:
+        ids = [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])]
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    # ----- validation -----------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        if self.val is None:
+            return {}
+        v = self.cfg.validation
+        return evaluate(
+            self.actor,
+            self.tokenizer,
+            self.val,
+            self.reward_fn,
+            base_params=self.sampling,
+            samples=v.samples_per_prompt,
+            temperature=v.temperature,
+            greedy=v.greedy,
+            seed=self.cfg.run.seed,
+        )
+
+    # ----- checkpoints ----------------------------------------------------------------------------
+    def save(self) -> Path:
+        state = self.actor.state_dict()
+        state.update(
+            loader=self.loader.state_dict(),
+            rng=capture_rng_state(),
+            trainer_state={"step": self.step},
+        )
+        return save_checkpoint(
+            self.run_dir / "checkpoints", self.step, state, keep_last=self.cfg.run.keep_last
+        )
+
+    def maybe_resume(self) -> bool:
+        mode = self.cfg.run.resume
+        if mode == "never":
+            return False
+        path = (
+            find_latest_checkpoint(self.run_dir / "checkpoints") if mode == "auto" else Path(mode)
+        )
+        if path is None:
+            return False
+        if not path.is_dir():
+            raise FileNotFoundError(f"run.resume: checkpoint directory '{path}' does not exist")
+        state = load_checkpoint(path)
+        self.actor.load_state_dict(state)
+        self.loader.load_state_dict(state["loader"])
+        restore_rng_state(state["rng"])
+        self.step = int(state["trainer_state"]["step"])
+        log.info("resumed from %s at step %d", path, self.step)
+        return True
+
+
+# ----- batch assembly helpers (pure) ----------------------------------------------------------------
+
+
+def rollout_batch(
+    out, rows: list[PromptRow], texts: list[str], n: int, group_offset: int, uid_prefix: str
+) -> Batch:
+    """Generation output → a Batch in the rollout contract; sample j of prompt i sits at i*n + j."""
+    b = len(rows) * n
+    return Batch(
+        {
+            "prompt_ids": out.prompt_ids,
+            "prompt_mask": out.prompt_mask,
+            "responses": out.responses,
+            "response_mask": out.response_mask,
+            "rollout_logprobs": out.logprobs,
+            "group_ids": torch.arange(len(rows)).repeat_interleave(n) + group_offset,
+        },
+        {
+            "uid": [f"{uid_prefix}-{i}" for i in range(b)],
+            "prompt": [texts[i // n] for i in range(b)],
+            "row": [rows[i // n] for i in range(b)],
+            "finish_reason": out.finish_reasons,
+        },
+    )
+
+
+def _fields(rows) -> dict[str, list]:
+    """Per-sample dataset fields by name, for the reward functions (missing → None)."""
+    keys = dict.fromkeys(k for r in rows for k in r.fields)
+    return {k: [r.fields.get(k) for r in rows] for k in keys}
+
+
+def _informative_groups(batch: Batch) -> list[int]:
+    gids, rewards = batch["group_ids"], batch["rewards"]
+    out = []
+    for g in gids.unique().tolist():
+        r = rewards[gids == g]
+        if r.numel() > 1 and float(r.max() - r.min()) > 0:
+            out.append(g)
+    return out
+
+
+def _first_groups(batch: Batch, k: int) -> Batch:
+    order = list(dict.fromkeys(batch["group_ids"].tolist()))[:k]
+    return batch.index(torch.isin(batch["group_ids"], torch.tensor(order)))
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    rewards, adv = batch["rewards"], batch["advantages"]
+    lengths = batch["response_mask"].sum(1).float()
+    finished_by_length = sum(r == "length" for r in batch["finish_reason"]) / len(batch)
+    m = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "reward/max": float(rewards.max()),
+        "reward/min": float(rewards.min()),
+        "acc/train": float((rewards >= 1.0).float().mean()),
+        "advantages/mean": float(adv.mean()),
+        "advantages/std": float(adv.std(unbiased=False)),
+        "advantages/max": float(adv.max()),
+        "advantages/min": float(adv.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(finished_by_length),
+        "batch/samples": float(len(batch)),
+    }
+    for k, v in batch.meta.get("reward_metrics", {}).items():
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            m[k] = float(v)
+    return m

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv and installs groupflow with its test and optional extras, pinning torch through
+# constraints.txt so a CPU machine never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() {
+  # pip's "Location ... is ignored" warnings about this machine's local indexes are noise.
+  local log
+  log=$(mktemp)
+  if ! .venv/bin/python -m pip install -q -c constraints.txt "$@" >"$log" 2>&1; then
+    grep -v "^WARNING: Location" "$log" >&2
+    echo "setup: pip install $* failed" >&2
+    exit 1
+  fi
+  rm -f "$log"
+}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip_install torch==2.13.0
+pip_install -e ".[test,math,loggers]"
+.venv/bin/python -c "import torch, transformers, groupflow; print('groupflow ready: torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from groupflow.config import Config
+from groupflow.data.tokenizer import DEFAULT_ALPHABET
 from groupflow.data import (
     DataError,
     PromptRow,
@@ -44,8 +45,12 @@ class EncodedPrompts:
     num_filtered: int = 0
 
 
-def build_tokenizer(cfg: Config, run_dir: Path):
-    """Load the tokenizer from a local directory, or train the demo's character tokenizer."""
+def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = ()):
+    """Load the tokenizer from a local directory, or train a character tokenizer on ``corpus``.
+
+    The tiny model's vocabulary is exactly the characters of the data (prompts and answers): a
+    small output space is what lets a 0.2M-parameter model learn quickly on a CPU.
+    """
     from transformers import AutoTokenizer
 
     m = cfg.model
@@ -53,7 +58,10 @@ def build_tokenizer(cfg: Config, run_dir: Path):
         saved = run_dir / "tokenizer"
         if saved.is_dir():  # resume: reuse the exact tokenizer the run started with
             return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
-        tok = train_char_tokenizer()
+        texts = [str(r.prompt) for r in corpus] + [
+            str(v) for r in corpus for v in r.fields.values()
+        ]
+        tok = train_char_tokenizer(texts, base_alphabet="" if corpus else DEFAULT_ALPHABET)
         tok.save_pretrained(str(saved))
         return tok
     path = Path(m.tokenizer_path or m.path).expanduser()

@@ -188,11 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from groupflow.utils.env import load_dotenv_file
+
+    load_dotenv_file()  # API keys for W&B / MLflow from a git-ignored .env; never overrides the environment
     try:
         return args.func(args)
     except _USER_ERRORS as e:
+        if args.log_level.upper() == "DEBUG":
+            raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"groupflow {args.command}: error: {msg}", file=sys.stderr)
+        print("(run with --log-level DEBUG for the full traceback)", file=sys.stderr)
         return 2
 
 

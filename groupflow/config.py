@@ -185,6 +185,7 @@ class SFTConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     batch_samples: int = Field(64, ge=1)
     stop_at_accuracy: float | None = Field(None, ge=0, le=1)  # on a probe of TRAINING prompts
+    check_every: int = Field(10, ge=1)  # steps between probe-accuracy checks
     target_field: str = "answer"
 
 

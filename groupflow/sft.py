@@ -50,7 +50,7 @@ def warm_start(
     for step in range(1, cfg.steps + 1):
         chosen = [pairs[rng.randrange(len(pairs))] for _ in range(cfg.batch_samples)]
         loss = actor.sft_step([p for p, _ in chosen], [t for _, t in chosen], optimizer)
-        if cfg.stop_at_accuracy is not None and step % 10 == 0:
+        if cfg.stop_at_accuracy is not None and step % cfg.check_every == 0:
             recs = generate_and_score(actor, tokenizer, probe, reward_fn, greedy, seed)
             acc = _accuracy_metrics(recs, "p", 1, 1.0)["p/acc"]
             if acc >= cfg.stop_at_accuracy:

@@ -54,9 +54,9 @@ class Trainer:
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
-        self.tokenizer = builders.build_tokenizer(cfg, self.run_dir)
-        model = builders.build_model(cfg, self.tokenizer)
         train_rows, val_rows = builders.build_data(cfg)
+        self.tokenizer = builders.build_tokenizer(cfg, self.run_dir, train_rows + val_rows)
+        model = builders.build_model(cfg, self.tokenizer)
         self.train = builders.encode_prompts(train_rows, self.tokenizer, cfg, "train")
         self.val = (
             builders.encode_prompts(val_rows, self.tokenizer, cfg, "validation")

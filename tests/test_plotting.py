@@ -1,0 +1,117 @@
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+
+from groupflow.plotting import PANELS, Panel, _trailing_mean, plot_run
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    """Width and height from the IHDR chunk, after checking the signature: a real PNG, not just a file."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    assert data[-8:-4] == b"IEND"
+    return struct.unpack(">II", data[16:24])
+
+
+def _write_run(run_dir: Path, rows: list[dict]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    (run_dir / "metrics.jsonl").write_text(text)
+
+
+def _rl_rows(n: int) -> list[dict]:
+    rows = []
+    for step in range(1, n + 1):
+        row = {
+            "step": step,
+            "wall_time": step * 0.5,
+            "reward/mean": step / n,
+            "reward/std": 0.1,
+            "reward/correct": step / n,
+            "reward/format": 0.9,
+            "reward/failed_count": 0,
+            "acc/mean": step / n,
+            "actor/kl": 0.01 * step if step != 3 else None,
+            "actor/pg_loss": (-1) ** step * 0.1,
+            "actor/entropy": 2.0 - step / n,
+            "actor/grad_norm": 1.0,
+            "response_length/mean": 10 + step,
+            "time/step": 0.5,
+        }
+        rows.append(row)
+        if step % 5 == 0:
+            rows.append({"step": step, "val/acc": step / n})  # validation on its own line
+    return rows
+
+
+def test_plot_run_writes_every_panel_and_an_overview(tmp_path):
+    _write_run(tmp_path, _rl_rows(30))
+    paths = plot_run(tmp_path)
+    names = [p.name for p in paths]
+    assert names == [f"{panel.name}.png" for panel in PANELS] + ["overview.png"]
+    assert all(p.parent == tmp_path / "plots" for p in paths)
+    single_w, single_h = _png_size(paths[0])
+    overview_w, overview_h = _png_size(paths[-1])
+    assert single_w > 400 and single_h > 300
+    assert overview_w > single_w and overview_h > single_h  # 3 x 3 grid of 7 panels
+
+
+def test_missing_metrics_give_fewer_panels(tmp_path):
+    _write_run(
+        tmp_path,
+        [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3, "actor/kl": 0.01}],
+    )
+    out = tmp_path / "custom_out"
+    paths = plot_run(tmp_path, out_dir=out)
+    assert [p.name for p in paths] == ["reward.png", "kl.png", "overview.png"]
+    for p in paths:
+        assert p.parent == out
+        _png_size(p)
+
+
+def test_custom_metric_patterns(tmp_path):
+    _write_run(tmp_path, _rl_rows(5))
+    paths = plot_run(tmp_path, metrics=["time/*", "actor/grad_norm"])
+    assert [p.stem for p in paths] == ["time", "actor_grad_norm", "overview"]
+
+
+def test_missing_or_empty_metrics_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl in .*groupflow run directory"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="is empty: the run has not logged any step yet"):
+        plot_run(tmp_path)
+    _write_run(tmp_path, [{"step": 1, "custom/thing": 1.0}])
+    with pytest.raises(ValueError, match=r"logged metrics: \['custom/thing'\]\. Pass metrics="):
+        plot_run(tmp_path)
+    assert not (tmp_path / "plots").exists()
+
+
+def test_panel_key_selection_order_and_exclusions():
+    reward = PANELS[0]
+    keys = [
+        "reward/std",
+        "reward/format",
+        "reward/mean",
+        "reward/correct",
+        "reward/failed_count",
+        "acc/mean",
+    ]
+    assert reward.keys(keys) == ["reward/mean", "reward/correct", "reward/format"]
+    accuracy = Panel("accuracy", "Accuracy", ("acc/*", "val/*acc*"))
+    assert accuracy.keys(["val/loss", "val/gsm8k/acc", "acc/mean", "val/accuracy"]) == [
+        "acc/mean",
+        "val/accuracy",
+        "val/gsm8k/acc",
+    ]
+
+
+def test_trailing_mean_skips_nan():
+    out = _trailing_mean([math.nan, 1.0, 3.0, math.nan, 5.0], window=2)
+    assert math.isnan(out[0])
+    assert out[1:] == [1.0, 2.0, 2.0, 4.0]

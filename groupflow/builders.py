@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from groupflow.config import Config
-from groupflow.data.tokenizer import DEFAULT_ALPHABET
 from groupflow.data import (
     DataError,
     PromptRow,
@@ -20,6 +19,7 @@ from groupflow.data import (
     render_prompt,
     train_char_tokenizer,
 )
+from groupflow.data.tokenizer import DEFAULT_ALPHABET
 from groupflow.models.causal_lm import ModelLoadError, build_tiny_llama, load_causal_lm
 from groupflow.rewards import build_reward_runner
 

@@ -106,7 +106,7 @@ def build_model(cfg: Config, tokenizer):
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
-            seed=t.seed,
+            seed=cfg.run.seed if t.seed is None else t.seed,
         )
     else:
         model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
@@ -116,21 +116,28 @@ def build_model(cfg: Config, tokenizer):
     return model
 
 
-def build_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow]]:
-    """Training and validation rows (the built-in task's held-out split never overlaps training)."""
+def build_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], dict[str, float]]:
+    """Training and validation rows plus load statistics (skipped malformed rows).
+
+    The built-in task's held-out split never overlaps its training split.
+    """
     d = cfg.data
     if d.task is not None:
-        train, val = make_task_rows(
-            d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits
-        )
-        train_rows = list(load_prompt_rows(train))
-        val_rows = list(load_prompt_rows(val))
+        train, val = make_task_rows(d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits)
+        train_set, val_set = load_prompt_rows(train), load_prompt_rows(val)
     else:
-        train_rows = list(load_prompt_rows(d.train_files, on_bad_row=d.bad_rows))
-        val_rows = list(load_prompt_rows(d.val_files, on_bad_row=d.bad_rows)) if d.val_files else []
+        train_set = load_prompt_rows(d.train_files, on_bad_row=d.bad_rows)
+        val_set = load_prompt_rows(d.val_files, on_bad_row=d.bad_rows) if d.val_files else None
+    val_rows = list(val_set) if val_set is not None else []
     if d.max_val_prompts is not None:
         val_rows = val_rows[: d.max_val_prompts]
-    return train_rows, val_rows
+    stats = {
+        "data/train_rows": float(len(train_set)),
+        "data/train_skipped_bad_rows": float(train_set.num_skipped),
+        "data/val_rows": float(len(val_rows)),
+        "data/val_skipped_bad_rows": float(val_set.num_skipped if val_set is not None else 0),
+    }
+    return list(train_set), val_rows, stats
 
 
 def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) -> EncodedPrompts:

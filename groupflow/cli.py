@@ -75,21 +75,7 @@ def _eval(args) -> int:
         raise ValueError(
             "eval needs validation data: set data.val_files (or use a built-in data.task)"
         )
-    from groupflow.evaluation import evaluate
-
-    v = trainer.cfg.validation
-    metrics, records = evaluate(
-        trainer.actor,
-        trainer.tokenizer,
-        trainer.val,
-        trainer.reward_fn,
-        base_params=trainer.sampling,
-        samples=v.samples_per_prompt,
-        temperature=v.temperature,
-        greedy=v.greedy,
-        seed=trainer.cfg.run.seed,
-        return_records=True,
-    )
+    metrics, records = trainer.validate(return_records=True)
     for k, val in sorted(metrics.items()):
         print(f"{k:<40} {val:.4f}")
     if args.output:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "Config",
@@ -43,7 +43,7 @@ class TinyModelConfig(_Section):
     num_heads: int = Field(4, ge=1)
     intermediate_size: int | None = Field(None, ge=8)
     max_positions: int = Field(128, ge=8)
-    seed: int = 0
+    seed: int | None = None  # initialisation seed; None: run.seed
 
 
 class ModelConfig(_Section):
@@ -110,13 +110,24 @@ class ValidationConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    estimator: str = "grpo"
+    estimator: str = "grpo"  # a name in groupflow.algorithms.ADVANTAGE_ESTIMATORS
+    estimator_options: dict[str, Any] = Field(
+        default_factory=dict
+    )  # extra options of that estimator
     scale: Literal["group", "batch", "none"] = "group"
     eps: float = Field(1e-6, ge=0)
     adv_clip_max: float | None = Field(None, gt=0)
     reward_threshold: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_sampling_rounds: int = Field(3, ge=1)
+
+    @field_validator("estimator")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from groupflow.algorithms import ADVANTAGE_ESTIMATORS
+
+        ADVANTAGE_ESTIMATORS.get(name)  # raises, listing the valid names
+        return name
 
 
 class ActorConfig(_Section):
@@ -134,7 +145,8 @@ class ActorConfig(_Section):
     loss_agg: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
     ] = "token_mean"
-    loss_fn: str = "ppo_clip"
+    loss_fn: str = "ppo_clip"  # a name in groupflow.algorithms.POLICY_LOSSES
+    loss_options: dict[str, Any] = Field(default_factory=dict)  # extra options of that loss
     ratio_level: Literal["token", "sequence"] = "token"
     clip_eps_low: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0)
@@ -146,6 +158,14 @@ class ActorConfig(_Section):
     logprob_chunk_tokens: int = Field(4096, ge=1)  # tokens whose logits exist at once
     recompute_old_logprobs: Literal["auto", "always", "never"] = "auto"
     max_nonfinite_steps: int = Field(3, ge=1)
+
+    @field_validator("loss_fn")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        from groupflow.algorithms import POLICY_LOSSES
+
+        POLICY_LOSSES.get(name)  # raises, listing the valid names
+        return name
 
     @model_validator(mode="after")
     def _micro(self):
@@ -207,6 +227,9 @@ class RunConfig(_Section):
 
 
 class Config(_Section):
+    # Modules imported before validation, so that user code can register estimators, losses
+    # and rewards (e.g. "my_pkg.algos") and the config can name them.
+    imports: list[str] = Field(default_factory=list)
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig
     data: DataConfig
@@ -270,6 +293,15 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 
 def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
+    import importlib
+
+    for module in data.get("imports") or []:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(
+                f"invalid configuration in {source}: 'imports': cannot import '{module}' ({e})"
+            ) from e
     try:
         return Config.model_validate(data)
     except ValidationError as e:

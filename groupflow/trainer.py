@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from groupflow import builders
-from groupflow.algorithms import compute_advantages
+from groupflow.algorithms import ADVANTAGE_ESTIMATORS, compute_advantages
+from groupflow.algorithms.registry import option_names
 from groupflow.batch import Batch
 from groupflow.checkpoint import (
     capture_rng_state,
@@ -54,7 +55,7 @@ class Trainer:
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
-        train_rows, val_rows = builders.build_data(cfg)
+        train_rows, val_rows, self.data_stats = builders.build_data(cfg)
         self.tokenizer = builders.build_tokenizer(cfg, self.run_dir, train_rows + val_rows)
         model = builders.build_model(cfg, self.tokenizer)
         self.train = builders.encode_prompts(train_rows, self.tokenizer, cfg, "train")
@@ -90,6 +91,7 @@ class Trainer:
             stop=tuple(r.stop),
             n=r.samples_per_prompt,
         )
+        self.estimator_options = estimator_options(cfg)
         self.step = 0
         self.tracker: Tracker | None = None
 
@@ -108,7 +110,7 @@ class Trainer:
             resume_step=self.step if resumed else None,
         )
         if not resumed:
-            start = {}
+            start = dict(self.data_stats)
             if cfg.sft.steps:
                 start.update(
                     warm_start(
@@ -239,16 +241,13 @@ class Trainer:
 
     def add_advantages(self, batch: Batch) -> Batch:
         al = self.cfg.algorithm
-        opts: dict[str, Any] = {
-            "adv_clip_max": al.adv_clip_max,
-            "reward_threshold": al.reward_threshold,
-        }
-        if al.estimator == "grpo":
-            opts.update(scale=al.scale, eps=al.eps)
-        elif al.estimator == "reinforce_pp_baseline":
-            opts.update(eps=al.eps)
         batch["advantages"] = compute_advantages(
-            batch["rewards"], batch["group_ids"], al.estimator, **opts
+            batch["rewards"],
+            batch["group_ids"],
+            al.estimator,
+            adv_clip_max=al.adv_clip_max,
+            reward_threshold=al.reward_threshold,
+            **self.estimator_options,
         )
         return batch
 
@@ -257,9 +256,9 @@ class Trainer:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     # ----- validation -----------------------------------------------------------------------------
-    def validate(self) -> dict[str, float]:
+    def validate(self, return_records: bool = False):
         if self.val is None:
-            return {}
+            return ({}, {}) if return_records else {}
         v = self.cfg.validation
         return evaluate(
             self.actor,
@@ -271,6 +270,7 @@ class Trainer:
             temperature=v.temperature,
             greedy=v.greedy,
             seed=self.cfg.run.seed,
+            return_records=return_records,
         )
 
     # ----- checkpoints ----------------------------------------------------------------------------
@@ -306,6 +306,14 @@ class Trainer:
 
 
 # ----- batch assembly helpers (pure) ----------------------------------------------------------------
+
+
+def estimator_options(cfg: Config) -> dict[str, Any]:
+    """The typed options (scale, eps) the chosen estimator declares, plus its free-form extras."""
+    al = cfg.algorithm
+    accepted = option_names(ADVANTAGE_ESTIMATORS.get(al.estimator)) or ()
+    typed = {k: getattr(al, k) for k in ("scale", "eps") if k in accepted}
+    return {**typed, **al.estimator_options}
 
 
 def rollout_batch(

@@ -19,7 +19,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from groupflow.algorithms import aggregate, kl_penalty, loss_denominators, policy_loss
+from groupflow.algorithms import (
+    POLICY_LOSSES,
+    aggregate,
+    kl_penalty,
+    loss_denominators,
+    policy_loss,
+)
+from groupflow.algorithms.registry import option_names
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.models.logprobs import response_logprobs
@@ -45,6 +52,14 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: 
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def loss_options(cfg: ActorConfig) -> dict:
+    """The typed PPO options the chosen loss declares, plus its free-form extras (``loss_options``)."""
+    accepted = option_names(POLICY_LOSSES.get(cfg.loss_fn))
+    typed = ("ratio_level", "clip_eps_low", "clip_eps_high", "clip_ratio_c", "delta")
+    chosen = {k: getattr(cfg, k) for k in typed if accepted is None or k in accepted}
+    return {**chosen, **cfg.loss_options}
 
 
 def micro_batches(
@@ -117,6 +132,7 @@ class ActorRolloutWorker:
             self.optimizer,
             lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio),
         )
+        self.loss_options = loss_options(cfg)
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
 
@@ -223,11 +239,7 @@ class ActorRolloutWorker:
                 mask,
                 loss_fn=cfg.loss_fn,
                 agg=cfg.loss_agg,
-                ratio_level=cfg.ratio_level,
-                clip_eps_low=cfg.clip_eps_low,
-                clip_eps_high=cfg.clip_eps_high,
-                clip_ratio_c=cfg.clip_ratio_c,
-                delta=cfg.delta,
+                **self.loss_options,
                 **denominators,
             )
             share = float(mask.sum()) / max(

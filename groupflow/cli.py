@@ -56,7 +56,7 @@ def _load_trainer_for_inference(args):
     cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg)
     if args.checkpoint:
-        from groupflow.checkpoint import find_latest_checkpoint, load_checkpoint
+        from groupflow.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
 
         path = Path(args.checkpoint)
         if (path / "checkpoints").is_dir():
@@ -65,7 +65,11 @@ def _load_trainer_for_inference(args):
                 raise FileNotFoundError(
                     f"no complete checkpoint under {args.checkpoint}/checkpoints"
                 )
-        trainer.actor.model.load_state_dict(load_checkpoint(path)["model"])
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as e:
+            raise ValueError(f"--checkpoint: {e}") from None
+        trainer.actor.model.load_state_dict(state["model"])
     return trainer
 
 

@@ -11,6 +11,7 @@ object: builders pass plain arguments into workers (style.md principle 6).
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -270,10 +271,35 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 f"override '{item}' is not of the form key=value (e.g. actor.lr=1e-4)"
             )
         try:
-            out[key] = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as e:
-            raise ConfigError(f"override '{item}': value is not valid YAML ({e})") from e
+            raise ConfigError(
+                f"override '{item}': value is not valid YAML{_yaml_where(e)}"
+            ) from None
+        out[key] = _yaml11_float(value)
     return out
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
+
+
+def _yaml11_float(value: Any) -> Any:
+    """YAML 1.1 reads '1e-4' (no dot) as a string; users mean a float."""
+    if isinstance(value, str) and _FLOAT.match(value):
+        return float(value)
+    if isinstance(value, list):
+        return [_yaml11_float(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _yaml11_float(v) for k, v in value.items()}
+    return value
+
+
+def _yaml_where(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if mark is None:
+        return f": {problem}"
+    return f" (line {mark.line + 1}, column {mark.column + 1}): {problem}"
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -321,12 +347,14 @@ def load_config(
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from e
+            raise ConfigError(f"config file '{path}' is not valid YAML{_yaml_where(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{path}' must contain a mapping at the top level")
+        data = _yaml11_float(data)
     if overrides:
         ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = apply_overrides(data, ov)
+        source = f"{source} with overrides" if path is not None else source
     return config_from_dict(data, source)
 
 

@@ -33,7 +33,7 @@ from groupflow.data import PromptLoader, PromptRow
 from groupflow.evaluation import evaluate
 from groupflow.rollout.hf import SamplingParams
 from groupflow.sft import warm_start
-from groupflow.tracking import Tracker, save_config
+from groupflow.tracking import Tracker
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker
 
@@ -99,71 +99,71 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg
         resumed = self.maybe_resume()
-        save_config(self.run_dir, cfg.to_dict())
         self.tracker = Tracker(
-            self.run_dir,
-            backends=["jsonl", *cfg.run.loggers],
-            run_name=cfg.run.name,
-            config=cfg.to_dict(),
-            console_every=cfg.run.console_every,
-            total_steps=cfg.run.total_steps,
-            resume_step=self.step if resumed else None,
-        )
-        if not resumed:
-            start = dict(self.data_stats)
-            if cfg.sft.steps:
-                start.update(
-                    warm_start(
-                        self.actor,
-                        self.tokenizer,
-                        self.train,
-                        self.reward_fn,
-                        self.sampling,
-                        cfg.sft,
-                        cfg.run.seed,
-                        cfg.sft.target_field,
-                    )
-                )
-            if cfg.validation.before_training and self.val is not None:
-                start.update(self.validate())
-            if start:
-                self.tracker.log(start, step=0)
+            self.run_dir, backends=["jsonl", *cfg.run.loggers], run_name=cfg.run.name,
+            config=cfg.to_dict(), console_every=cfg.run.console_every,
+            total_steps=cfg.run.total_steps, resume_step=self.step if resumed else None,
+        )  # fmt: skip
         last: dict[str, float] = {}
-        while self.step < cfg.run.total_steps:
-            timer = StageTimer()
-            with timer("step"):
-                with timer("rollout_and_reward"):
-                    batch, sampling_metrics = self.collect(self.step)
-                with timer("old_logprobs"):
-                    batch = self.add_logprobs(batch)
-                with timer("advantages"):
-                    batch = validate(self.add_advantages(batch), "advantaged")
-                with timer("update"):
-                    update_metrics = self.actor.update(
-                        validate(batch, "train_ready"),
-                        temperature=self.sampling.temperature,
-                        generator=torch.Generator().manual_seed(
-                            sample_seed(cfg.run.seed, self.step, -1)
-                        ),
+        try:
+            if not resumed:
+                self.tracker.log(self.before_training(), step=0)
+            while self.step < cfg.run.total_steps:
+                batch, last = self.train_step()
+                if self._due(cfg.validation.every_steps) or self.step == cfg.run.total_steps:
+                    last.update(self.validate())
+                self.tracker.log(last, step=self.step)
+                if self._due(cfg.run.samples_every):
+                    self.tracker.log_samples(
+                        self.step, batch.rows(["prompt", "completion", "rewards"])[:8]
                     )
-            self.step += 1
-            last = {**batch_metrics(batch), **sampling_metrics, **update_metrics, **timer.metrics()}
-            last["perf/tokens_per_s"] = float(
-                batch["response_mask"].sum() + batch["prompt_mask"].sum()
-            ) / max(timer.seconds("step"), 1e-9)
-            if self._due(cfg.validation.every_steps) or self.step == cfg.run.total_steps:
-                last.update(self.validate())
-            self.tracker.log(last, step=self.step)
-            if cfg.run.samples_every and self.step % cfg.run.samples_every == 0:
-                self.tracker.log_samples(
-                    self.step, batch.rows(["prompt", "completion", "rewards"])[:8]
-                )
-            if self._due(cfg.run.save_every) or (
-                self.step == cfg.run.total_steps and cfg.run.save_every
-            ):
-                self.save()
-        self.tracker.close()
+                if self._due(cfg.run.save_every) or (
+                    self.step == cfg.run.total_steps and cfg.run.save_every
+                ):
+                    self.save()
+        finally:
+            self.tracker.close()
         return last
+
+    def train_step(self) -> tuple[Batch, dict[str, float]]:
+        """One GRPO step: rollout → reward → (old/ref log-probs) → advantages → update."""
+        timer = StageTimer()
+        with timer("step"):
+            with timer("rollout_and_reward"):
+                batch, sampling_metrics = self.collect(self.step)
+            with timer("old_logprobs"):
+                batch = self.add_logprobs(batch)
+            with timer("advantages"):
+                batch = validate(self.add_advantages(batch), "advantaged")
+            with timer("update"):
+                shuffle = torch.Generator().manual_seed(
+                    sample_seed(self.cfg.run.seed, self.step, -1)
+                )
+                update_metrics = self.actor.update(
+                    validate(batch, "train_ready"),
+                    temperature=self.sampling.temperature,
+                    generator=shuffle,
+                )
+        self.step += 1
+        tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
+        metrics = {**batch_metrics(batch), **sampling_metrics, **update_metrics, **timer.metrics()}
+        metrics["perf/tokens_per_s"] = tokens / max(timer.seconds("step"), 1e-9)
+        return batch, metrics
+
+    def before_training(self) -> dict[str, float]:
+        """Data statistics, the optional supervised warm start, and the baseline validation."""
+        cfg = self.cfg
+        metrics = dict(self.data_stats)
+        if cfg.sft.steps:
+            metrics.update(
+                warm_start(
+                    self.actor, self.tokenizer, self.train, self.reward_fn, self.sampling,
+                    cfg.sft, cfg.run.seed, cfg.sft.target_field,
+                )
+            )  # fmt: skip
+        if cfg.validation.before_training:
+            metrics.update(self.validate())
+        return metrics
 
     def _due(self, every: int) -> bool:
         return bool(every) and self.step % every == 0

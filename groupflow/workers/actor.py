@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -63,28 +62,60 @@ def loss_options(cfg: ActorConfig) -> dict:
 
 
 def micro_batches(
-    lengths: Sequence[int], max_samples: int | None, max_tokens: int | None
+    lengths: Sequence[int | tuple[int, int]], max_samples: int | None, max_tokens: int | None
 ) -> list[list[int]]:
     """Consecutive index groups: by sample count, or packed greedily under a token budget.
 
-    A single sample longer than the token budget gets a micro-batch of its own (it cannot be split).
+    ``lengths`` are per-sample token counts, or (prompt, response) pairs: a trimmed micro-batch is
+    padded to its longest prompt plus its longest response, so that is the width charged against
+    the budget. A single sample longer than the budget gets a micro-batch of its own.
     """
     n = len(lengths)
     if max_tokens is None:
         size = max_samples or n
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-    out, cur, width = [], [], 0
-    for i, length in enumerate(lengths):
-        # Padded cost of a micro-batch is rows × longest row.
-        new_width = max(width, int(length))
-        if cur and new_width * (len(cur) + 1) > max_tokens:
+    pairs = [
+        (int(x), 0) if isinstance(x, (int, float)) else (int(x[0]), int(x[1])) for x in lengths
+    ]
+    out: list[list[int]] = []
+    cur: list[int] = []
+    p_max = r_max = 0
+    for i, (p, r) in enumerate(pairs):
+        new_p, new_r = max(p_max, p), max(r_max, r)
+        if cur and (new_p + new_r) * (len(cur) + 1) > max_tokens:
             out.append(cur)
-            cur, new_width = [], int(length)
+            cur, new_p, new_r = [], p, r
         cur.append(i)
-        width = new_width
+        p_max, r_max = new_p, new_r
     if cur:
         out.append(cur)
     return out
+
+
+# Metrics that are extremes combine by max/min; the rest are sums of micro-batch contributions
+# (losses with global denominators, token-weighted means) and means over optimizer steps.
+_EXTREMES = {"actor/ratio_max": max, "actor/ratio_min": min}
+
+
+def _accumulate(stats: dict[str, float], key: str, value: float, weight: float = 1.0) -> None:
+    op = _EXTREMES.get(key)
+    if op is not None:
+        stats[key] = op(stats[key], value) if key in stats else value
+    else:
+        stats[key] = stats.get(key, 0.0) + value * weight
+
+
+def _combine_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for s in steps for k in s):
+        values = [s[key] for s in steps if key in s]
+        op = _EXTREMES.get(key)
+        out[key] = op(values) if op is not None else sum(values) / len(values)
+    return out
+
+
+def _lengths(batch: Batch) -> list[tuple[int, int]]:
+    return list(zip(batch["prompt_mask"].sum(1).tolist(), batch["response_mask"].sum(1).tolist()))
 
 
 def _trim(batch: Batch) -> Batch:
@@ -164,7 +195,7 @@ class ActorRolloutWorker:
         was_training = model.training
         model.eval()
         out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-        lengths = (batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)).tolist()
+        lengths = _lengths(batch)
         try:
             for idx in micro_batches(
                 lengths, self.cfg.micro_batch_samples, self.cfg.micro_batch_tokens
@@ -193,28 +224,27 @@ class ActorRolloutWorker:
         self.model.train()
         n = len(batch)
         mb_size = cfg.mini_batch_samples or n
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
+        lr = self.optimizer.param_groups[0][
+            "lr"
+        ]  # the LR this update uses (logged before stepping the schedule)
+        per_step: list[dict[str, float]] = []
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(n, generator=generator) if n > mb_size else torch.arange(n)
             for start in range(0, n, mb_size):
-                stats = self._optimizer_step(
-                    batch.index(order[start : start + mb_size]), temperature
+                per_step.append(
+                    self._optimizer_step(batch.index(order[start : start + mb_size]), temperature)
                 )
-                for k, v in stats.items():
-                    sums[k] += v
-                    counts[k] += 1
         self.scheduler.step()
-        metrics = {k: sums[k] / counts[k] for k in sums}
-        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics = _combine_steps(per_step)
+        metrics["actor/lr"] = lr
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
         return metrics
 
     def _optimizer_step(self, mini: Batch, temperature: float) -> dict[str, float]:
         cfg = self.cfg
         denominators = loss_denominators(mini["response_mask"])
-        lengths = (mini["prompt_mask"].sum(1) + mini["response_mask"].sum(1)).tolist()
-        stats: dict[str, float] = defaultdict(float)
+        lengths = _lengths(mini)
+        stats: dict[str, float] = {}
         want_entropy = True  # logged every step; the cost is one logsumexp per chunk
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = 0.0
@@ -245,9 +275,9 @@ class ActorRolloutWorker:
             share = float(mask.sum()) / max(
                 1, denominators["num_tokens"]
             )  # token weight of this micro-batch
-            stats["actor/pg_loss"] += float(loss.detach())
+            _accumulate(stats, "actor/pg_loss", float(loss.detach()))
             ent = aggregate(entropy, mask, cfg.loss_agg, **denominators)
-            stats["actor/entropy"] += float(ent.detach())
+            _accumulate(stats, "actor/entropy", float(ent.detach()))
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * ent
             if self.ref_model is not None:
@@ -257,10 +287,10 @@ class ActorRolloutWorker:
                     cfg.loss_agg,
                     **denominators,
                 )
-                stats["actor/kl_loss"] += float(kl.detach())
+                _accumulate(stats, "actor/kl_loss", float(kl.detach()))
                 loss = loss + cfg.kl_coef * kl
             for k, v in pg_metrics.items():
-                stats[f"actor/{k}"] += float(v) * share
+                _accumulate(stats, f"actor/{k}", float(v), share)
             loss.backward()
             total_loss += float(loss.detach())
         grad_norm = self._clip_grad()

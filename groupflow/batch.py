@@ -351,7 +351,10 @@ class Batch:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.tensors = {}
         for k, (arr, dtype, device, requires_grad) in state["tensors"].items():
-            t = torch.from_numpy(np.ascontiguousarray(arr))
+            # Buffers handed over zero-copy (e.g. by Ray's object store) are read-only; torch needs
+            # writable memory, so those are copied once here.
+            arr = np.ascontiguousarray(arr)
+            t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
             target = getattr(torch, dtype)
             if t.dtype != target:
                 t = t.view(target)

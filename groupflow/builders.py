@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from groupflow.config import Config
+from groupflow.config import Config, ModelConfig
 from groupflow.data import (
     DataError,
     PromptRow,
@@ -43,6 +43,14 @@ class EncodedPrompts:
     texts: list[str]
     ids: list[list[int]]
     num_filtered: int = 0
+
+
+def tokenizer_dir(cfg: Config, run_dir: Path) -> Path:
+    """Where the tokenizer lives: the run's own (tiny models) or the model's local directory."""
+    m = cfg.model
+    if m.tiny is not None and m.tokenizer_path is None:
+        return run_dir / "tokenizer"
+    return Path(m.tokenizer_path or m.path).expanduser()
 
 
 def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = ()):
@@ -92,8 +100,9 @@ def eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def build_model(cfg: Config, tokenizer):
-    m = cfg.model
+def build_model(m: ModelConfig, tokenizer, seed: int):
+    """The policy model: a tiny Llama built from ``m.tiny`` (initialised from ``seed`` unless it sets
+    its own) or an HF model loaded from the local directory ``m.path``."""
     if m.tiny is not None:
         t = m.tiny
         model = build_tiny_llama(
@@ -106,7 +115,7 @@ def build_model(cfg: Config, tokenizer):
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
-            seed=cfg.run.seed if t.seed is None else t.seed,
+            seed=seed if t.seed is None else t.seed,
         )
     else:
         model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
@@ -123,7 +132,9 @@ def build_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], dict[str,
     """
     d = cfg.data
     if d.task is not None:
-        train, val = make_task_rows(d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits)
+        train, val = make_task_rows(
+            d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits
+        )
         train_set, val_set = load_prompt_rows(train), load_prompt_rows(val)
     else:
         train_set = load_prompt_rows(d.train_files, on_bad_row=d.bad_rows)

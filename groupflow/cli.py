@@ -69,7 +69,7 @@ def _load_trainer_for_inference(args):
             state = load_checkpoint(path)
         except CheckpointError as e:
             raise ValueError(f"--checkpoint: {e}") from None
-        trainer.actor.model.load_state_dict(state["model"])
+        trainer.actor.load_weights(state["model"])
     return trainer
 
 
@@ -103,15 +103,20 @@ def _generate(args) -> int:
     if args.greedy:
         params = replace(params, temperature=0.0)
     ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
-    out = trainer.actor.generate(ids, params, seeds=list(range(len(ids) * params.n)))
-    for i, (r, m) in enumerate(zip(out.responses, out.response_mask)):
+    from groupflow.workers.actor import prompts_batch
+
+    seeds = [list(range(i * params.n, (i + 1) * params.n)) for i in range(len(ids))]
+    out = trainer.actor.generate(
+        prompts_batch(ids, seeds, range(len(ids))), params, max(len(i) for i in ids)
+    )
+    for i, (r, m) in enumerate(zip(out["responses"], out["response_mask"])):
         text = tok.decode(r[m.bool()].tolist(), skip_special_tokens=True)
         print(
             json.dumps(
                 {
                     "prompt": prompts[i // params.n],
                     "completion": text,
-                    "finish_reason": out.finish_reasons[i],
+                    "finish_reason": out["finish_reason"][i],
                 }
             )
         )
@@ -122,8 +127,7 @@ def _export(args) -> int:
     trainer = _load_trainer_for_inference(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainer.actor.model.save_pretrained(str(out), safe_serialization=True)
-    trainer.tokenizer.save_pretrained(str(out))
+    trainer.actor.save_pretrained(str(out))
     print(f"exported HF model to {out}")
     return 0
 

@@ -224,7 +224,24 @@ class RunConfig(_Section):
     console_every: int = Field(10, ge=1)
     samples_every: int = Field(10, ge=0)
     num_threads: int | None = Field(None, ge=1)
-    backend: Literal["local"] = "local"
+    # Where the actor workers run: in this process ("local", one worker) or as Ray actors
+    # ("ray"; num_workers data-parallel ranks, FSDP2 when > 1). The driver code is the same.
+    backend: Literal["local", "ray"] = "local"
+    num_workers: int = Field(1, ge=1)
+    ray_address: str | None = (
+        None  # an existing cluster ("auto" or host:port); None starts a local one
+    )
+    worker_timeout_s: float = Field(
+        600.0, gt=0
+    )  # every remote call fails with a clear error after this
+
+    @model_validator(mode="after")
+    def _workers(self):
+        if self.backend == "local" and self.num_workers > 1:
+            raise ValueError(
+                "the local backend runs one in-process worker; use run.backend=ray for num_workers > 1"
+            )
+        return self
 
 
 class Config(_Section):

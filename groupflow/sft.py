@@ -12,8 +12,7 @@ import logging
 import random
 from dataclasses import replace
 
-import torch
-
+from groupflow.batch import Batch
 from groupflow.config import SFTConfig
 
 log = logging.getLogger("groupflow")
@@ -43,13 +42,18 @@ def warm_start(
         target = tokenizer(str(row.fields[target_field]), add_special_tokens=False)["input_ids"]
         pairs.append((ids, target + [tokenizer.eos_token_id]))
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(actor.model.parameters(), lr=cfg.lr)
     probe = _probe(encoded, 128, seed)
     greedy = replace(sampling, temperature=0.0, n=1)
     loss, acc, step = float("nan"), 0.0, 0
     for step in range(1, cfg.steps + 1):
         chosen = [pairs[rng.randrange(len(pairs))] for _ in range(cfg.batch_samples)]
-        loss = actor.sft_step([p for p, _ in chosen], [t for _, t in chosen], optimizer)
+        batch = Batch(
+            non_tensors={
+                "prompt_token_ids": [p for p, _ in chosen],
+                "target_ids": [t for _, t in chosen],
+            }
+        )
+        loss = actor.sft_step(batch, cfg.lr)
         if cfg.stop_at_accuracy is not None and step % cfg.check_every == 0:
             recs = generate_and_score(actor, tokenizer, probe, reward_fn, greedy, seed)
             acc = _accuracy_metrics(recs, "p", 1, 1.0)["p/acc"]

@@ -30,12 +30,13 @@ from groupflow.checkpoint import (
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptLoader, PromptRow
+from groupflow.distributed import RayOptions, WorkerGroup
 from groupflow.evaluation import evaluate
 from groupflow.rollout.hf import SamplingParams
 from groupflow.sft import warm_start
 from groupflow.tracking import Tracker
 from groupflow.utils.timing import StageTimer
-from groupflow.workers.actor import ActorRolloutWorker
+from groupflow.workers.actor import ActorRolloutWorker, ModelSpec, prompts_batch
 
 log = logging.getLogger("groupflow")
 
@@ -57,7 +58,6 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         train_rows, val_rows, self.data_stats = builders.build_data(cfg)
         self.tokenizer = builders.build_tokenizer(cfg, self.run_dir, train_rows + val_rows)
-        model = builders.build_model(cfg, self.tokenizer)
         self.train = builders.encode_prompts(train_rows, self.tokenizer, cfg, "train")
         self.val = (
             builders.encode_prompts(val_rows, self.tokenizer, cfg, "validation")
@@ -73,14 +73,13 @@ class Trainer:
         self.loader = PromptLoader(
             self.train.rows, cfg.data.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle
         )
-        self.actor = ActorRolloutWorker(
-            model,
-            self.tokenizer,
-            cfg.actor,
-            total_steps=cfg.run.total_steps,
-            pad_id=self.tokenizer.pad_token_id,
-            eos_ids=builders.eos_ids(self.tokenizer, model),
-        )
+        # The actor workers build their own model in their own process (local: this one).
+        spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, self.run_dir)), cfg.run.seed)
+        self.actor = WorkerGroup(
+            ActorRolloutWorker, cfg.run.num_workers, backend=cfg.run.backend, timeout_s=cfg.run.worker_timeout_s,
+            ray_options=RayOptions(address=cfg.run.ray_address), spec=spec, cfg=cfg.actor,
+            total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
+        )  # fmt: skip
         r = cfg.rollout
         self.sampling = SamplingParams(
             temperature=r.temperature,
@@ -136,13 +135,10 @@ class Trainer:
             with timer("advantages"):
                 batch = validate(self.add_advantages(batch), "advantaged")
             with timer("update"):
-                shuffle = torch.Generator().manual_seed(
-                    sample_seed(self.cfg.run.seed, self.step, -1)
-                )
                 update_metrics = self.actor.update(
-                    validate(batch, "train_ready"),
+                    _model_inputs(validate(batch, "train_ready")),
                     temperature=self.sampling.temperature,
-                    generator=shuffle,
+                    shuffle_seed=sample_seed(self.cfg.run.seed, self.step, -1),
                 )
         self.step += 1
         tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
@@ -201,10 +197,10 @@ class Trainer:
         base = round_ * 1_000_000  # distinct seeds and group ids for refill rounds
         seeds = [sample_seed(self.cfg.run.seed, step, base + i) for i in range(len(rows) * n)]
         texts, ids = zip(*(self._encoded[id(r)] for r in rows))
-        out = self.actor.generate(list(ids), self.sampling, seeds)
-        batch = rollout_batch(
-            out, rows, list(texts), n, group_offset=base, uid_prefix=f"{step}-{round_}"
-        )
+        prompts = prompts_batch(ids, [seeds[i * n : (i + 1) * n] for i in range(len(rows))],
+                                [base + i for i in range(len(rows))])  # fmt: skip
+        out = self.actor.generate(prompts, self.sampling, max(len(i) for i in ids))
+        batch = with_prompt_info(out, rows, list(texts), n, uid_prefix=f"{step}-{round_}")
         batch["completion"] = self.decode(batch)
         validate(batch, "rollout")
         return validate(self.add_rewards(batch), "rewarded")
@@ -228,15 +224,17 @@ class Trainer:
         )
         t = self.sampling.temperature
         if need_old:
-            batch["old_logprobs"] = self.actor.compute_logprobs(batch, temperature=t)
+            batch["old_logprobs"] = self.actor.compute_logprobs(
+                _model_inputs(batch), temperature=t
+            )["logprobs"]
         else:
             # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the rollout's
             # log-probs serve (same numerics; see tests/rollout) and the first ratio is 1.
             batch["old_logprobs"] = batch["rollout_logprobs"]
-        if self.actor.ref_model is not None:
+        if a.kl_coef > 0:
             batch["ref_logprobs"] = self.actor.compute_logprobs(
-                batch, temperature=t, reference=True
-            )
+                _model_inputs(batch), temperature=t, reference=True
+            )["logprobs"]
         return batch
 
     def add_advantages(self, batch: Batch) -> Batch:
@@ -316,27 +314,31 @@ def estimator_options(cfg: Config) -> dict[str, Any]:
     return {**typed, **al.estimator_options}
 
 
-def rollout_batch(
-    out, rows: list[PromptRow], texts: list[str], n: int, group_offset: int, uid_prefix: str
+def with_prompt_info(
+    out: Batch, rows: list[PromptRow], texts: list[str], n: int, uid_prefix: str
 ) -> Batch:
-    """Generation output → a Batch in the rollout contract; sample j of prompt i sits at i*n + j."""
+    """Attach uids, prompt text and dataset rows to generated samples (sample j of prompt i at i*n + j)."""
     b = len(rows) * n
-    return Batch(
-        {
-            "prompt_ids": out.prompt_ids,
-            "prompt_mask": out.prompt_mask,
-            "responses": out.responses,
-            "response_mask": out.response_mask,
-            "rollout_logprobs": out.logprobs,
-            "group_ids": torch.arange(len(rows)).repeat_interleave(n) + group_offset,
-        },
-        {
-            "uid": [f"{uid_prefix}-{i}" for i in range(b)],
-            "prompt": [texts[i // n] for i in range(b)],
-            "row": [rows[i // n] for i in range(b)],
-            "finish_reason": out.finish_reasons,
-        },
-    )
+    out["uid"] = [f"{uid_prefix}-{i}" for i in range(b)]
+    out["prompt"] = [texts[i // n] for i in range(b)]
+    out["row"] = [rows[i // n] for i in range(b)]
+    return out
+
+
+_MODEL_KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+    "responses",
+    "response_mask",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+)
+
+
+def _model_inputs(batch: Batch) -> Batch:
+    """Only the tensors the workers need: dataset rows and texts stay on the driver."""
+    return batch.select(*[k for k in _MODEL_KEYS if k in batch], meta=False)
 
 
 def _fields(rows) -> dict[str, list]:

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from groupflow.batch import Batch
 from groupflow.data import PromptRow
 from groupflow.evaluation import evaluate, pass_at_k
 from groupflow.rewards.base import RewardFunction, RewardRunner
-from groupflow.rollout.hf import GenerationOutput, SamplingParams
+from groupflow.rollout.hf import SamplingParams
 
 RIGHT, CLOSE, WRONG = 1, 2, 3
 TEXT = {RIGHT: "right", CLOSE: "close", WRONG: "wrong"}
@@ -43,21 +44,23 @@ class FakeActor:
     sampled: list
     calls: list = field(default_factory=list)
 
-    def generate(self, prompts, params: SamplingParams, seeds):
+    def generate(self, prompts_in, params: SamplingParams, prompt_width: int = 0):
+        seeds = [s for per_prompt in prompts_in["seeds"] for s in per_prompt]
         self.calls.append((params, list(seeds)))
         tokens = []
-        for (p,) in prompts:  # each prompt is the single token id = its index
+        for (p,) in prompts_in[
+            "prompt_token_ids"
+        ]:  # each prompt is the single token id = its index
             plan = [self.greedy[p]] if params.temperature == 0 else self.sampled[p]
             assert len(plan) == params.n
             tokens.extend(plan)
         b = len(tokens)
-        return GenerationOutput(
-            prompt_ids=torch.zeros(b, 1, dtype=torch.long),
-            prompt_mask=torch.ones(b, 1, dtype=torch.long),
-            responses=torch.tensor(tokens).view(b, 1),
-            response_mask=torch.ones(b, 1, dtype=torch.long),
-            logprobs=torch.zeros(b, 1),
-            finish_reasons=["stop"] * b,
+        return Batch(
+            {
+                "responses": torch.tensor(tokens).view(b, 1),
+                "response_mask": torch.ones(b, 1, dtype=torch.long),
+            },
+            {"finish_reason": ["stop"] * b},
         )
 
 

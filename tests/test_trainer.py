@@ -203,7 +203,9 @@ def test_dynamic_sampling_drops_constant_reward_groups(tiny_config, helpers_on_p
     )
     trainer = Trainer(cfg)
     rounds = _spy(monkeypatch, trainer, "rollout_and_reward")
-    trained = _spy_args(monkeypatch, trainer.actor, "update")
+    trained = _spy_args(
+        monkeypatch, trainer, "add_logprobs"
+    )  # the batch that goes on to the update
     trainer.fit()
 
     def constant_groups(batch) -> int:

@@ -127,6 +127,10 @@ class WorkerGroup:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.name = getattr(factory, "__name__", str(factory))
         self.backend, self.world_size, self.timeout_s = backend, world_size, timeout_s
+        cls, factory = (
+            factory,
+            getattr(factory, "create", factory),
+        )  # a class may bring a factory classmethod
         self.startup_timeout_s = max(startup_timeout_s, timeout_s)
         self._factory = factory
         env = {"GROUPFLOW_WORLD_SIZE": str(world_size)}
@@ -161,8 +165,8 @@ class WorkerGroup:
             # Constructors run concurrently (process-group rendezvous needs every rank); surface
             # their failures here rather than at the first call.
             self._ray_get(ray, [h.ready.remote() for h in self._hosts], "__init__", startup=True)
-        for attr in dir(factory):
-            mode = dispatch_mode(getattr(factory, attr, None))
+        for attr in dir(cls):
+            mode = dispatch_mode(getattr(cls, attr, None))
             if mode is not None and not attr.startswith("_"):
                 setattr(self, attr, self._bind(attr, mode))
 
@@ -178,9 +182,7 @@ class WorkerGroup:
         per_rank, pad = split_args(mode, self.world_size, args, kwargs)
         ranks = [0] if mode == "one" else range(self.world_size)
         if self.backend == "local":
-            results = [
-                self._check(r, method, *self._hosts[r].call(method, *per_rank[r])) for r in ranks
-            ]
+            results = [self._call_local(r, method, *per_rank[r]) for r in ranks]
         else:
             import ray
 
@@ -188,6 +190,15 @@ class WorkerGroup:
             results = self._ray_get(ray, futures, method)
         inputs = len(args[0]) if mode == "dp" else 0
         return collect(mode, results, inputs=inputs, pad=pad)
+
+    def _call_local(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
+        # In-process: the original exception propagates (its type matters to callers), with a note
+        # saying where it happened.
+        try:
+            return getattr(self._hosts[rank].worker, method)(*args, **kwargs)
+        except Exception as e:
+            e.add_note(f"(in {self.name} rank {rank}, method {method}())")
+            raise
 
     def _check(self, rank: int, method: str, ok: bool, value: Any) -> Any:
         if not ok:
@@ -228,6 +239,17 @@ class WorkerGroup:
         if self.backend != "local":
             raise RuntimeError("local_worker() is only available with the local backend")
         return self._hosts[rank].worker
+
+    def __getattr__(self, name: str) -> Any:
+        # Inspection convenience (tests, tools): with in-process workers, read rank 0's attributes.
+        hosts = self.__dict__.get("_hosts")
+        if name.startswith("_") or not hosts:
+            raise AttributeError(name)
+        if self.__dict__.get("backend") == "local":
+            return getattr(hosts[0].worker, name)
+        raise AttributeError(
+            f"WorkerGroup has no method '{name}'; worker attributes are only reachable in-process (backend=local)"
+        )
 
 
 class _Nothing:

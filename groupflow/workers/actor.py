@@ -2,11 +2,17 @@
 
 Design decision: colocation, as in verl's ActorRolloutRefWorker — generation, log-prob
 recomputation, the reference model and the update live in one worker, so weights are never copied
-between a "trainer" and a "generator". The driver never touches tensors math: it calls
-``generate``, ``compute_logprobs`` and ``update`` with Batches. The update follows algorithms.md:
-μ epochs × mini-batches (one optimizer step each) × micro-batches (gradient accumulation), with
-loss denominators computed once per mini-batch so the gradient does not depend on how the
-mini-batch is cut into micro-batches.
+between a "trainer" and a "generator" in one process. The driver never touches tensor math: it
+calls ``generate``, ``compute_logprobs`` and ``update`` with Batches through a WorkerGroup, which
+splits them across data-parallel ranks (dispatch mode ``dp``).
+
+The update follows algorithms.md: μ epochs × mini-batches (one optimizer step each) ×
+micro-batches (gradient accumulation), with loss denominators computed once per mini-batch and
+summed over ranks, so the gradient depends neither on the micro-batch size nor on the number of
+ranks. With several ranks the policy is sharded with FSDP2 (its reducer averages gradients, so each
+rank's loss is scaled by the world size), and generation runs on a full, unsharded copy that is
+refreshed after every update — ranks then generate independently, without collectives inside a
+decode loop whose length differs per rank.
 """
 
 from __future__ import annotations
@@ -28,10 +34,25 @@ from groupflow.algorithms import (
 from groupflow.algorithms.registry import option_names
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
+from groupflow.distributed import PAD_KEY, register
+from groupflow.distributed.parallel import (
+    all_reduce,
+    clip_grad_norm,
+    full_model_state,
+    init_process_group,
+    shard,
+)
 from groupflow.models.logprobs import response_logprobs
-from groupflow.rollout.hf import GenerationOutput, SamplingParams, generate
+from groupflow.rollout.hf import SamplingParams, generate, left_pad
 
-__all__ = ["ActorRolloutWorker", "NonFiniteLossError", "lr_lambda", "micro_batches"]
+__all__ = [
+    "ActorRolloutWorker",
+    "ModelSpec",
+    "prompts_batch",
+    "NonFiniteLossError",
+    "lr_lambda",
+    "micro_batches",
+]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -95,6 +116,7 @@ def micro_batches(
 # Metrics that are extremes combine by max/min; the rest are sums of micro-batch contributions
 # (losses with global denominators, token-weighted means) and means over optimizer steps.
 _EXTREMES = {"actor/ratio_max": max, "actor/ratio_min": min}
+_REDUCE_OP = {"actor/ratio_max": "max", "actor/ratio_min": "min"}
 
 
 def _accumulate(stats: dict[str, float], key: str, value: float, weight: float = 1.0) -> None:
@@ -134,8 +156,81 @@ def _trim(batch: Batch) -> Batch:
     return out
 
 
+class _PolicyForward(nn.Module):
+    """The FSDP root: its forward computes response log-probs, so root-level parameters (embeddings,
+    final norm, LM head) are gathered by FSDP2's hooks around the whole chunked computation."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self,
+        prompt_ids,
+        prompt_mask,
+        responses,
+        response_mask,
+        temperature,
+        chunk_tokens,
+        with_entropy,
+    ):
+        return response_logprobs(
+            self.lm, prompt_ids, prompt_mask, responses, response_mask,
+            temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+        )  # fmt: skip
+
+
+class ModelSpec:
+    """How a worker builds its model and tokenizer inside its own process (picklable for Ray)."""
+
+    def __init__(self, model_cfg, tokenizer_dir: str, seed: int):
+        self.model_cfg, self.tokenizer_dir, self.seed = model_cfg, tokenizer_dir, seed
+
+    def build(self):
+        from transformers import AutoTokenizer
+
+        from groupflow.builders import build_model
+
+        tok = AutoTokenizer.from_pretrained(
+            self.tokenizer_dir,
+            local_files_only=True,
+            trust_remote_code=self.model_cfg.trust_remote_code,
+        )
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return build_model(self.model_cfg, tok, self.seed), tok
+
+
+def prompts_batch(
+    token_ids: Sequence[Sequence[int]], seeds: Sequence[Sequence[int]], group_ids: Sequence[int]
+) -> Batch:
+    """The input of ``generate``: one row per prompt with its token ids and one seed per sample."""
+    return Batch(
+        {"group_ids": torch.as_tensor(list(group_ids), dtype=torch.long)},
+        {"prompt_token_ids": [list(t) for t in token_ids], "seeds": [list(s) for s in seeds]},
+    )
+
+
+def _pad_to(t: torch.Tensor, width: int, value: int | float, left: bool) -> torch.Tensor:
+    extra = width - t.shape[1]
+    if extra <= 0:
+        return t
+    filler = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+    return torch.cat([filler, t] if left else [t, filler], dim=1)
+
+
+def _drop_padding(batch: Batch) -> Batch:
+    """Zero the masks of dispatch padding so those samples count nowhere (losses, denominators)."""
+    if PAD_KEY not in batch:
+        return batch
+    out = batch.copy()
+    keep = (~batch[PAD_KEY]).to(batch["response_mask"].dtype)[:, None]
+    out["response_mask"] = batch["response_mask"] * keep
+    return out
+
+
 class ActorRolloutWorker:
-    """Policy + optional frozen reference + AdamW + LR schedule + HF rollout engine."""
+    """Policy (FSDP2-sharded when world_size > 1) + frozen reference + AdamW + schedule + rollout."""
 
     def __init__(
         self,
@@ -146,8 +241,10 @@ class ActorRolloutWorker:
         total_steps: int,
         pad_id: int,
         eos_ids: Sequence[int],
+        rank: int = 0,
+        world_size: int = 1,
     ):
-        self.model = model
+        self.rank, self.world_size = rank, world_size
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.pad_id, self.eos_ids = pad_id, list(eos_ids)
@@ -155,7 +252,13 @@ class ActorRolloutWorker:
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        params = [p for p in model.parameters() if p.requires_grad]
+        # Sharded training needs a full copy for generation (see the module docstring).
+        self.rollout_model = (
+            copy.deepcopy(model).eval().requires_grad_(False) if world_size > 1 else None
+        )
+        self.model = model
+        self.policy = shard(_PolicyForward(model), list(_decoder_layers(model)))
+        params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -164,66 +267,100 @@ class ActorRolloutWorker:
             lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio),
         )
         self.loss_options = loss_options(cfg)
+        self.sft_optimizer: torch.optim.Optimizer | None = None
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
 
+    @classmethod
+    def create(
+        cls,
+        rank: int,
+        world_size: int,
+        *,
+        spec: ModelSpec,
+        cfg: ActorConfig,
+        total_steps: int,
+        pg_timeout_s: float = 600.0,
+    ):
+        """Factory used by WorkerGroup: join the process group, then build the model in this process."""
+        init_process_group(rank, world_size, pg_timeout_s)
+        model, tok = spec.build()
+        from groupflow.builders import eos_ids
+
+        return cls(model, tok, cfg, total_steps=total_steps, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
+                   rank=rank, world_size=world_size)  # fmt: skip
+
     # ----- rollout ----------------------------------------------------------------------------
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
-    ) -> GenerationOutput:
-        return generate(
-            self.model,
-            prompts,
-            params,
-            seeds=seeds,
-            pad_id=self.pad_id,
-            eos_ids=self.eos_ids,
-            tokenizer=self.tokenizer,
-        )
+    @register("dp")
+    def generate(self, prompts: Batch, params: SamplingParams, prompt_width: int = 0) -> Batch:
+        """``params.n`` samples per prompt row (``prompt_token_ids``, ``seeds``, ``group_ids``).
+
+        Output widths are fixed — prompts left-padded to ``prompt_width``, responses right-padded
+        to ``params.max_new_tokens`` — so parts generated on different ranks concatenate.
+        """
+        model = self.rollout_model if self.rollout_model is not None else self.model
+        seeds = [s for per_prompt in prompts["seeds"] for s in per_prompt]
+        out = generate(
+            model, list(prompts["prompt_token_ids"]), params, seeds=seeds,
+            pad_id=self.pad_id, eos_ids=self.eos_ids, tokenizer=self.tokenizer,
+        )  # fmt: skip
+        width = max(prompt_width, out.prompt_ids.shape[1])
+        tensors = {
+            "prompt_ids": _pad_to(out.prompt_ids, width, self.pad_id, left=True),
+            "prompt_mask": _pad_to(out.prompt_mask, width, 0, left=True),
+            "responses": _pad_to(out.responses, params.max_new_tokens, self.pad_id, left=False),
+            "response_mask": _pad_to(out.response_mask, params.max_new_tokens, 0, left=False),
+            "rollout_logprobs": _pad_to(out.logprobs, params.max_new_tokens, 0.0, left=False),
+            "group_ids": prompts["group_ids"].repeat_interleave(params.n),
+        }
+        return Batch(tensors, {"finish_reason": out.finish_reasons})
 
     # ----- log-probs --------------------------------------------------------------------------
+    @register("dp")
     @torch.no_grad()
     def compute_logprobs(
         self, batch: Batch, *, temperature: float, reference: bool = False
-    ) -> torch.Tensor:
-        """Log-probs [B, T] of the batch's responses (policy or reference), 0 where masked."""
-        model = self.ref_model if reference else self.model
-        if model is None:
+    ) -> Batch:
+        """``logprobs`` [B, T] of the batch's responses under the policy or the reference; 0 where masked."""
+        if reference and self.ref_model is None:
             raise RuntimeError(
                 "compute_logprobs(reference=True) needs actor.kl_coef > 0 (no reference model)"
             )
+        # Unsharded models only: the number of micro-batches may differ per rank (token budgets),
+        # and a forward without gradients must not wait on collectives.
+        model = self.ref_model if reference else (self.rollout_model or self.model)
         was_training = model.training
         model.eval()
         out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-        lengths = _lengths(batch)
         try:
             for idx in micro_batches(
-                lengths, self.cfg.micro_batch_samples, self.cfg.micro_batch_tokens
+                _lengths(batch), self.cfg.micro_batch_samples, self.cfg.micro_batch_tokens
             ):
                 mb = _trim(batch.index(idx))
                 lp, _ = response_logprobs(
-                    model,
-                    mb["prompt_ids"],
-                    mb["prompt_mask"],
-                    mb["responses"],
-                    mb["response_mask"],
-                    temperature=temperature,
-                    chunk_tokens=self.cfg.logprob_chunk_tokens,
-                )
+                    model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+                    temperature=temperature, chunk_tokens=self.cfg.logprob_chunk_tokens,
+                )  # fmt: skip
                 out[idx, : lp.shape[1]] = lp * mb["response_mask"]
         finally:
             model.train(was_training)
-        return out
+        return Batch({"logprobs": out})
 
     # ----- update -----------------------------------------------------------------------------
+    @register("dp")
     def update(
-        self, batch: Batch, *, temperature: float, generator: torch.Generator | None = None
+        self, batch: Batch, *, temperature: float, shuffle_seed: int | None = None
     ) -> dict[str, float]:
-        """μ epochs over shuffled mini-batches; one optimizer step per mini-batch."""
+        """μ epochs over shuffled mini-batches; one optimizer step per mini-batch (all ranks in step)."""
         cfg = self.cfg
-        self.model.train()
+        batch = _drop_padding(batch)
+        self.policy.train()
         n = len(batch)
-        mb_size = cfg.mini_batch_samples or n
+        # mini_batch_samples counts samples over all ranks; each rank holds an equal share
+        mb_size = max(1, (cfg.mini_batch_samples or n * self.world_size) // self.world_size)
+        generator = (
+            torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+        )
         lr = self.optimizer.param_groups[0][
             "lr"
         ]  # the LR this update uses (logged before stepping the schedule)
@@ -235,6 +372,7 @@ class ActorRolloutWorker:
                     self._optimizer_step(batch.index(order[start : start + mb_size]), temperature)
                 )
         self.scheduler.step()
+        self._sync_rollout_weights()
         metrics = _combine_steps(per_step)
         metrics["actor/lr"] = lr
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
@@ -242,75 +380,87 @@ class ActorRolloutWorker:
 
     def _optimizer_step(self, mini: Batch, temperature: float) -> dict[str, float]:
         cfg = self.cfg
-        denominators = loss_denominators(mini["response_mask"])
-        lengths = _lengths(mini)
+        local = loss_denominators(mini["response_mask"])
+        # Denominators of the whole mini-batch across ranks (algorithms.md §3); dispatch padding
+        # rows (zero masks) count as no tokens and no sequences.
+        real_rows = int((~mini[PAD_KEY]).sum()) if PAD_KEY in mini else len(mini)
+        denominators = {
+            "num_tokens": int(all_reduce(local["num_tokens"])),
+            "num_seqs": int(all_reduce(real_rows)),
+            "max_len": int(all_reduce(local["max_len"], op="max")),
+        }
+        groups = micro_batches(_lengths(mini), cfg.micro_batch_samples, cfg.micro_batch_tokens)
+        # Every rank runs the same number of forward/backward passes (FSDP collectives): a rank
+        # with fewer micro-batches repeats its last one with a zero mask (no loss, no gradient).
+        n_micro = int(all_reduce(len(groups), op="max"))
         stats: dict[str, float] = {}
-        want_entropy = True  # logged every step; the cost is one logsumexp per chunk
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = 0.0
-        for idx in micro_batches(lengths, cfg.micro_batch_samples, cfg.micro_batch_tokens):
-            mb = _trim(mini.index(idx))
-            mask = mb["response_mask"]
-            logp, entropy = response_logprobs(
-                self.model,
-                mb["prompt_ids"],
-                mb["prompt_mask"],
-                mb["responses"],
-                mask,
-                temperature=temperature,
-                chunk_tokens=cfg.logprob_chunk_tokens,
-                with_entropy=want_entropy,
-            )
-            old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
-            loss, pg_metrics = policy_loss(
-                logp,
-                old,
-                mb["advantages"],
-                mask,
-                loss_fn=cfg.loss_fn,
-                agg=cfg.loss_agg,
-                **self.loss_options,
-                **denominators,
-            )
-            share = float(mask.sum()) / max(
-                1, denominators["num_tokens"]
-            )  # token weight of this micro-batch
-            _accumulate(stats, "actor/pg_loss", float(loss.detach()))
-            ent = aggregate(entropy, mask, cfg.loss_agg, **denominators)
-            _accumulate(stats, "actor/entropy", float(ent.detach()))
-            if cfg.entropy_coef:
-                loss = loss - cfg.entropy_coef * ent
-            if self.ref_model is not None:
-                kl = aggregate(
-                    kl_penalty(logp, mb["ref_logprobs"], cfg.kl_kind),
-                    mask,
-                    cfg.loss_agg,
-                    **denominators,
-                )
-                _accumulate(stats, "actor/kl_loss", float(kl.detach()))
-                loss = loss + cfg.kl_coef * kl
-            for k, v in pg_metrics.items():
-                _accumulate(stats, f"actor/{k}", float(v), share)
-            loss.backward()
+        for i in range(n_micro):
+            mb = _trim(mini.index(groups[min(i, len(groups) - 1)]))
+            mask = mb["response_mask"] if i < len(groups) else torch.zeros_like(mb["response_mask"])
+            loss, contrib = self._micro_loss(mb, mask, temperature, denominators)
+            for k, (v, w) in contrib.items():
+                _accumulate(stats, k, v, w)
+            # FSDP2 averages gradients over ranks; the losses already use global denominators.
+            (loss * self.world_size).backward()
             total_loss += float(loss.detach())
-        grad_norm = self._clip_grad()
+        grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.grad_clip)
+        # Same keys on every rank (see _micro_loss), reduced in a fixed order.
+        stats = {k: all_reduce(stats[k], _REDUCE_OP.get(k, "sum")) for k in sorted(stats)}
+        for k, neutral in (("actor/ratio_max", 1.0), ("actor/ratio_min", 1.0)):
+            if k in stats and not math.isfinite(stats[k]):
+                stats[k] = neutral  # no valid token anywhere
+        total_loss = all_reduce(total_loss)
         stats["actor/grad_norm"] = grad_norm
         stats["actor/loss"] = total_loss
         if not (math.isfinite(total_loss) and math.isfinite(grad_norm)):
             self._skip_nonfinite()
             stats["actor/nonfinite_skipped"] = 1.0
-            return dict(stats)
+            return stats
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
         stats["actor/nonfinite_skipped"] = 0.0
-        return dict(stats)
+        return stats
 
-    def _clip_grad(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    def _micro_loss(self, mb: Batch, mask: torch.Tensor, temperature: float, denominators: dict):
+        """Loss of one micro-batch and its metric contributions {key: (value, weight)}."""
+        cfg = self.cfg
+        logp, entropy = self.policy(
+            mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+            temperature, cfg.logprob_chunk_tokens, True,
+        )  # fmt: skip
+        old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+        loss, pg_metrics = policy_loss(
+            logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
+            **self.loss_options, **denominators,
+        )  # fmt: skip
+        share = float(mask.sum()) / max(
+            1, denominators["num_tokens"]
+        )  # token weight of this micro-batch
+        ent = aggregate(entropy, mask, cfg.loss_agg, **denominators)
+        contrib = {
+            "actor/pg_loss": (float(loss.detach()), 1.0),
+            "actor/entropy": (float(ent.detach()), 1.0),
+        }
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * ent
+        if self.ref_model is not None:
+            kl = aggregate(
+                kl_penalty(logp, mb["ref_logprobs"], cfg.kl_kind),
+                mask,
+                cfg.loss_agg,
+                **denominators,
+            )
+            contrib["actor/kl_loss"] = (float(kl.detach()), 1.0)
+            loss = loss + cfg.kl_coef * kl
+        has_tokens = bool(mask.sum() > 0)
+        for k, v in pg_metrics.items():
+            value = float(v)
+            if not has_tokens and f"actor/{k}" in _EXTREMES:
+                value = -math.inf if k.endswith("max") else math.inf  # ignored by max/min
+            contrib[f"actor/{k}"] = (value, share)
+        return loss, contrib
 
     def _skip_nonfinite(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -322,38 +472,47 @@ class ActorRolloutWorker:
                 "lower actor.lr, check rewards/advantages for extreme values, or raise actor.max_nonfinite_steps"
             )
 
-    # ----- supervised warm start --------------------------------------------------------------
-    def sft_step(
-        self, prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], optimizer
-    ) -> float:
-        """One cross-entropy step on (prompt, target) token pairs; loss over target tokens only."""
-        from groupflow.rollout.hf import left_pad
+    def _sync_rollout_weights(self) -> None:
+        """Refresh the unsharded generation copy from the FSDP shards (a collective: all ranks call it)."""
+        if self.rollout_model is None:
+            return
+        full = full_model_state(self.policy)
+        self.rollout_model.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
 
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
-        width = max(len(t) for t in targets)
+    # ----- supervised warm start --------------------------------------------------------------
+    @register("dp")
+    def sft_step(self, batch: Batch, lr: float) -> float:
+        """One cross-entropy step on (``prompt_token_ids``, ``target_ids``) rows; loss over target tokens."""
+        if self.sft_optimizer is None:
+            self.sft_optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr)
+        prompt_ids, prompt_mask = left_pad(list(batch["prompt_token_ids"]), self.pad_id)
+        targets = list(batch["target_ids"])
+        width = int(all_reduce(max(len(t) for t in targets), op="max"))
         responses = torch.full((len(targets), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(responses)
         for i, t in enumerate(targets):
             responses[i, : len(t)] = torch.as_tensor(list(t))
             mask[i, : len(t)] = 1
-        self.model.train()
-        logp, _ = response_logprobs(
-            self.model,
-            prompt_ids,
-            prompt_mask,
-            responses,
-            mask,
-            chunk_tokens=self.cfg.logprob_chunk_tokens,
+        if PAD_KEY in batch:
+            mask = mask * (~batch[PAD_KEY]).long()[:, None]
+        self.policy.train()
+        logp, _ = self.policy(
+            prompt_ids, prompt_mask, responses, mask, 1.0, self.cfg.logprob_chunk_tokens, False
         )
-        loss = -(logp * mask).sum() / mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        optimizer.step()
-        return float(loss.detach())
+        tokens = all_reduce(float(mask.sum()))
+        loss = -(logp * mask).sum() / max(tokens, 1.0)
+        self.sft_optimizer.zero_grad(set_to_none=True)
+        (loss * self.world_size).backward()
+        clip_grad_norm(list(self.policy.parameters()), 1.0)
+        self.sft_optimizer.step()
+        self._sync_rollout_weights()
+        return all_reduce(float(loss.detach()))
 
     # ----- state ------------------------------------------------------------------------------
+    @register("rank0")
     def state_dict(self) -> dict:
+        if self.world_size > 1:
+            raise RuntimeError("state_dict() is for one worker; sharded workers use save_sharded()")
         return {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
@@ -362,6 +521,7 @@ class ActorRolloutWorker:
             "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
         }
 
+    @register("rank0")
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -369,3 +529,37 @@ class ActorRolloutWorker:
         if self.ref_model is not None and state.get("ref_model") is not None:
             self.ref_model.load_state_dict(state["ref_model"])
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
+        self._sync_rollout_weights()
+
+    @register("all")
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) policy weights, e.g. from a single-worker checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(
+            self.policy,
+            {f"lm.{k}": v for k, v in weights.items()},
+            options=StateDictOptions(full_state_dict=True),
+        )
+        self._sync_rollout_weights()
+
+    @register("rank0")
+    def save_pretrained(self, out_dir: str) -> None:
+        """Write a plain HF directory (safetensors + config + tokenizer) from the (gathered) weights."""
+        full = full_model_state(self.policy)
+        if self.rank == 0:
+            target = (
+                copy.deepcopy(self.rollout_model) if self.rollout_model is not None else self.model
+            )
+            target.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
+            target.save_pretrained(out_dir, safe_serialization=True)
+            self.tokenizer.save_pretrained(out_dir)
+
+
+def _decoder_layers(model: nn.Module):
+    """The transformer blocks of an HF causal LM (FSDP2 shards each as a unit)."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    if layers is None:
+        raise ValueError(f"cannot find the transformer layers of {type(model).__name__} to shard")
+    return list(layers)

@@ -183,7 +183,7 @@ def test_optimizer_steps_per_update_are_epochs_times_mini_batches():
     model = _model()
     worker = _worker(model, ppo_epochs=2, mini_batch_samples=2)
     seen = _record_steps(worker)
-    worker.update(_batch(n=8), temperature=1.0, generator=torch.Generator().manual_seed(0))
+    worker.update(_batch(n=8), temperature=1.0, shuffle_seed=0)
     assert len(seen) == 2 * (8 // 2)
     assert worker.scheduler.last_epoch == 1  # the schedule advances once per rollout step
 

@@ -1,0 +1,95 @@
+"""torch.distributed helpers for data-parallel workers: process group, FSDP2, reductions, state.
+
+Design decision: every function here is a no-op (or the obvious single-process equivalent) when
+no process group is initialised, so the worker code has one path for 1 and N ranks — the
+difference between the embedded default and a Ray cluster is only whether ``init`` ran.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "init_process_group",
+    "is_distributed",
+    "all_reduce",
+    "shard",
+    "full_model_state",
+    "clip_grad_norm",
+]
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def init_process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None:
+    """Join the group described by MASTER_ADDR/MASTER_PORT (set by the WorkerGroup); gloo on CPU, nccl on GPU."""
+    if world_size <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise RuntimeError(
+            "init_process_group: MASTER_ADDR/MASTER_PORT are not set (start workers through a WorkerGroup)"
+        )
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def all_reduce(value: float | int | torch.Tensor, op: str = "sum") -> float:
+    """Reduce a Python number across ranks (identity on one rank)."""
+    if not is_distributed():
+        return float(value)
+    t = torch.tensor(float(value), dtype=torch.float64)
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    dist.all_reduce(t, op=ops[op])
+    return float(t)
+
+
+def shard(root: nn.Module, layers: list[nn.Module]) -> nn.Module:
+    """FSDP2: shard each transformer layer, then the root (embeddings, norm, head) — only if distributed."""
+    if not is_distributed():
+        return root
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(root)
+    return root
+
+
+def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on every rank; a plain state_dict when not distributed."""
+    if not is_distributed():
+        return {k: v.detach() for k, v in module.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
+    """Global grad norm (before clipping) over possibly sharded (DTensor) gradients, then clip.
+
+    torch's clip_grad_norm_ handles FSDP2's DTensor gradients (the norm is reduced across ranks);
+    the returned norm is a DTensor there, so it is materialised for logging.
+    """
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    total = torch.nn.utils.clip_grad_norm_(
+        params, max_norm if max_norm is not None else float("inf")
+    )
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    return float(total)

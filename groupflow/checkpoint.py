@@ -172,6 +172,19 @@ def _write_component(directory: Path, name: str, value: Any) -> dict[str, Any]:
     return {"file": path.name, "format": fmt, "bytes": path.stat().st_size}
 
 
+def _inventory(directory: Path, name: str) -> dict[str, Any]:
+    root = directory / name
+    if not root.is_dir():
+        raise CheckpointError(f"writer for component {name!r} did not create {root}")
+    files = {
+        str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*")) if f.is_file()
+    }
+    for f in root.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    return {"file": name, "format": "dir", "bytes": 0, "files": files}
+
+
 def _torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -188,6 +201,8 @@ def _torch_load(path: Path) -> Any:
 
 
 def _read_component(path: Path, fmt: str) -> Any:
+    if fmt == "dir":
+        return path  # read by the code that wrote it (e.g. torch.distributed.checkpoint)
     if fmt == "safetensors":
         return _load_safetensors(str(path), device="cpu")
     if fmt == "json":
@@ -228,11 +243,28 @@ def _problem(path: Path, expected_step: int | None) -> str | None:
             or not isinstance(info.get("bytes"), int)
         ):
             return f"has a malformed {MANIFEST} entry for component {name!r}"
+        if info.get("format") == "dir":
+            problem = _dir_problem(path / file, info.get("files"))
+            if problem:
+                return problem
+            continue
         if not (path / file).is_file():
             return f"is missing {file}"
         size = (path / file).stat().st_size
         if size != info["bytes"]:
             return f"has {file} of {size} bytes, but {MANIFEST} says {info['bytes']}"
+    return None
+
+
+def _dir_problem(root: Path, files: Any) -> str | None:
+    if not isinstance(files, dict) or not root.is_dir():
+        return f"is missing its {root.name}/ directory"
+    for rel, size in files.items():
+        f = root / rel
+        if not f.is_file():
+            return f"is missing {root.name}/{rel}"
+        if f.stat().st_size != size:
+            return f"has {root.name}/{rel} of {f.stat().st_size} bytes, but {MANIFEST} says {size}"
     return None
 
 
@@ -341,6 +373,7 @@ def save_checkpoint(
     step: int,
     state: Mapping[str, Any],
     keep_last: int | None = None,
+    writers: Mapping[str, Any] | None = None,
 ) -> Path:
     """Atomically write ``state`` (component name -> value) to ``ckpt_root/step_<step>``.
 
@@ -363,6 +396,11 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         components = {name: _write_component(tmp, name, value) for name, value in state.items()}
+        # Directories written by other code (e.g. every rank writing its shards with
+        # torch.distributed.checkpoint) are inventoried like files: name, size, per file.
+        for name, write in (writers or {}).items():
+            write(tmp / name)
+            components[name] = _inventory(tmp, name)
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,

@@ -52,7 +52,12 @@ def _load_trainer_for_inference(args):
     from groupflow.config import load_config
     from groupflow.trainer import Trainer
 
-    overrides = list(args.overrides) + ["run.resume=never"]
+    # Inference runs in this process on one worker; a sharded checkpoint is resharded on load.
+    overrides = list(args.overrides) + [
+        "run.resume=never",
+        "run.backend=local",
+        "run.num_workers=1",
+    ]
     cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg)
     if args.checkpoint:
@@ -69,7 +74,10 @@ def _load_trainer_for_inference(args):
             state = load_checkpoint(path)
         except CheckpointError as e:
             raise ValueError(f"--checkpoint: {e}") from None
-        trainer.actor.load_weights(state["model"])
+        if "shards" in state:
+            trainer.actor.load_sharded(str(state["shards"]))
+        else:
+            trainer.actor.load_weights(state["model"])
     return trainer
 
 

@@ -273,14 +273,21 @@ class Trainer:
 
     # ----- checkpoints ----------------------------------------------------------------------------
     def save(self) -> Path:
-        state = self.actor.state_dict()
-        state.update(
-            loader=self.loader.state_dict(),
-            rng=capture_rng_state(),
-            trainer_state={"step": self.step},
-        )
+        """Atomic checkpoint: model/optimizer (one file set, or every rank's shards), loader, RNG, step."""
+        state = {
+            "loader": self.loader.state_dict(),
+            "rng": capture_rng_state(),
+            "trainer_state": {"step": self.step},
+        }
+        writers = {}
+        if self.cfg.run.num_workers == 1:
+            state.update(self.actor.state_dict())
+        else:
+            state["actor_state"] = self.actor.train_state()
+            writers["shards"] = lambda path: self.actor.save_sharded(str(path))
+        root = self.run_dir / "checkpoints"
         return save_checkpoint(
-            self.run_dir / "checkpoints", self.step, state, keep_last=self.cfg.run.keep_last
+            root, self.step, state, keep_last=self.cfg.run.keep_last, writers=writers
         )
 
     def maybe_resume(self) -> bool:
@@ -295,12 +302,25 @@ class Trainer:
         if not path.is_dir():
             raise FileNotFoundError(f"run.resume: checkpoint directory '{path}' does not exist")
         state = load_checkpoint(path)
-        self.actor.load_state_dict(state)
+        load_actor_state(self.actor, state, self.cfg.run.num_workers, path)
         self.loader.load_state_dict(state["loader"])
         restore_rng_state(state["rng"])
         self.step = int(state["trainer_state"]["step"])
         log.info("resumed from %s at step %d", path, self.step)
         return True
+
+
+def load_actor_state(actor, state: dict, num_workers: int, path: Path) -> None:
+    """Restore the actor from a single-worker checkpoint or from shards (any number of ranks)."""
+    if "shards" in state:  # sharded: DCP reshards to however many workers load it
+        actor.load_sharded(str(state["shards"]), state["actor_state"])
+    elif num_workers == 1:
+        actor.load_state_dict(state)
+    else:
+        raise ValueError(
+            f"checkpoint {path} was written by one worker; resuming it on {num_workers} workers is not "
+            "supported (resume with run.num_workers=1, or start the sharded run from its exported weights)"
+        )
 
 
 # ----- batch assembly helpers (pure) ----------------------------------------------------------------

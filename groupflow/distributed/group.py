@@ -208,23 +208,31 @@ class WorkerGroup:
         return value
 
     def _ray_get(self, ray, futures: list, method: str, startup: bool = False) -> list:
+        """Wait for every rank (one shared deadline) and report the root cause of a failure.
+
+        When one rank dies, its peers usually fail too (a collective loses its partner); the
+        dead rank is reported first because it is the cause, the others' errors are the effect.
+        """
+        import time
+
         from ray.exceptions import GetTimeoutError, RayActorError
 
         timeout = self.startup_timeout_s if startup else self.timeout_s
-        results = []
-        for rank, fut in enumerate(futures):
+        deadline = time.monotonic() + timeout
+        outcomes: list[tuple[str, Any]] = []
+        for fut in futures:
             try:
-                value = ray.get(fut, timeout=timeout)
+                outcomes.append(("ok", ray.get(fut, timeout=max(0.0, deadline - time.monotonic()))))
             except GetTimeoutError:
-                raise WorkerError(
-                    self.name, rank, method, f"no answer within {timeout:g} s (timeout)"
-                ) from None
+                outcomes.append(("timeout", f"no answer within {timeout:g} s (timeout)"))
             except RayActorError as e:
-                raise WorkerError(
-                    self.name, rank, method, f"the worker process died ({type(e).__name__}: {e})"
-                ) from None
-            results.append(self._check(rank, method, *value) if isinstance(value, tuple) else value)
-        return results
+                outcomes.append(("died", f"the worker process died ({type(e).__name__}: {e})"))
+        for kind in ("died", "timeout"):
+            for rank, (k, detail) in enumerate(outcomes):
+                if k == kind:
+                    raise WorkerError(self.name, rank, method, detail)
+        return [self._check(rank, method, *value) if isinstance(value, tuple) else value
+                for rank, (_, value) in enumerate(outcomes)]  # fmt: skip
 
     def shutdown(self) -> None:
         if self.backend == "ray":

@@ -531,6 +531,43 @@ class ActorRolloutWorker:
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
         self._sync_rollout_weights()
 
+    @register("rank0")
+    def train_state(self) -> dict:
+        """The small, rank-identical part of the training state (schedule, guards)."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+        }
+
+    @register("rank0")
+    def save_sharded(self, path: str) -> None:
+        """Every rank writes its shards of model and optimizer (torch.distributed.checkpoint)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    @register("rank0")
+    def load_sharded(self, path: str, train_state: dict | None = None) -> None:
+        """Load a sharded checkpoint written by any number of ranks (DCP reshards on load)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.policy,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        if train_state:
+            self.scheduler.load_state_dict(train_state["scheduler"])
+            self.nonfinite_in_a_row, self.nonfinite_total = train_state["nonfinite"]
+        self._sync_rollout_weights()
+
     @register("all")
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) policy weights, e.g. from a single-worker checkpoint."""

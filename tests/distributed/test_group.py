@@ -94,14 +94,18 @@ def test_ray_timeout_and_dead_worker():
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
     )
-    g = WorkerGroup(ToyWorker, 2, backend="ray", timeout_s=2)
+    slow = WorkerGroup(ToyWorker, 2, backend="ray", timeout_s=2)
     try:
-        with pytest.raises(WorkerError, match=r"rank 1: die\(\) failed: the worker process died"):
-            g.die(1)
-        # a call that outlives the timeout fails (after a timeout the group is not reused)
         with pytest.raises(
             WorkerError, match=r"rank 0: sleep\(\) failed: no answer within 2 s \(timeout\)"
         ):
-            g.sleep(10)
+            slow.sleep(10)
     finally:
-        g.shutdown()
+        slow.shutdown()
+    dying = WorkerGroup(ToyWorker, 2, backend="ray", timeout_s=30)
+    try:
+        # the dead rank is reported, not a peer (the root cause comes first)
+        with pytest.raises(WorkerError, match=r"rank 1: die\(\) failed: the worker process died"):
+            dying.die(1)
+    finally:
+        dying.shutdown()

@@ -34,3 +34,32 @@ def test_short_demo_raises_reward(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "held-out greedy accuracy: before" in out
     assert (tmp_path / "demo" / "plots").is_dir()
+
+
+@pytest.mark.slow
+def test_short_demo_on_two_ray_workers(tmp_path):
+    pytest.importorskip("ray")
+    code = main(
+        [
+            "train",
+            "examples/reverse_demo.yaml",
+            f"run.output_dir={tmp_path}",
+            "run.name=demo-ray",
+            "run.backend=ray",
+            "run.num_workers=2",
+            "run.total_steps=12",
+            "run.save_every=6",
+            "run.loggers=[]",
+            "data.task.num_val=32",
+            "validation.every_steps=0",
+            "validation.samples_per_prompt=1",
+            "--no-plot",
+        ]
+    )
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "demo-ray" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 12
+    assert all(r["actor/grad_norm"] >= 0 and r["reward/mean"] >= 0 for r in steps)
+    assert rows[0]["sft/steps"] > 0 and "val/greedy/acc" in rows[-1]
+    assert (tmp_path / "demo-ray" / "checkpoints" / "step_12" / "shards").is_dir()

@@ -15,6 +15,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -100,7 +101,6 @@ def _sample(
     return tokens, logp
 
 
-@torch.no_grad()
 def generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -116,6 +116,17 @@ def generate(
     ``seeds`` has one entry per output sample (len(prompts) * n). ``tokenizer`` is needed only for
     stop strings.
     """
+    # Inference mode skips autograd's version counters and view tracking on every decode op
+    # (~5-10% of generation on CPU). Its tensors cannot be saved for backward, and the training
+    # forward indexes with these ids, so they are cloned back to normal tensors outside it.
+    with torch.inference_mode():
+        out = _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer)
+    return dataclasses.replace(
+        out, **{k: v.clone() for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
+    )
+
+
+def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer) -> GenerationOutput:
     n_out = len(prompts) * params.n
     if len(seeds) != n_out:
         raise ValueError(f"generate: need one seed per output sample ({n_out}), got {len(seeds)}")

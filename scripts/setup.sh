@@ -17,5 +17,5 @@ pip_install() {
 }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip_install torch==2.13.0
-pip_install -e ".[test,math,loggers]"
+pip_install -e ".[test,math,loggers,ray]"
 .venv/bin/python -c "import torch, transformers, groupflow; print('groupflow ready: torch', torch.__version__, '| transformers', transformers.__version__)"

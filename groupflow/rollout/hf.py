@@ -93,7 +93,10 @@ def _sample(
     else:
         # Exponential race (equivalent to Gumbel-max): argmax p_v / E_v with E ~ Exp(1) drawn from
         # each sample's own generator, so a row's draw never depends on its neighbours.
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators])
+        # CPU generators on every device: a sample's stream does not depend on where it runs.
+        noise = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators]).to(
+            logits.device
+        )
         exp_noise = -torch.log1p(-noise)  # Exp(1) from U[0,1); never log(0)
         tokens = (filtered.log_softmax(-1) - exp_noise.log()).argmax(-1)
     scale = params.temperature if params.temperature > 0 else 1.0

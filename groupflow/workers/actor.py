@@ -245,6 +245,8 @@ class ActorRolloutWorker:
         world_size: int = 1,
     ):
         self.rank, self.world_size = rank, world_size
+        # Tensors cross the worker boundary on the CPU; inside, they live where the model does.
+        self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.pad_id, self.eos_ids = pad_id, list(eos_ids)
@@ -285,6 +287,7 @@ class ActorRolloutWorker:
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
         model, tok = spec.build()
+        model.to(worker_device(rank))
         from groupflow.builders import eos_ids
 
         return cls(model, tok, cfg, total_steps=total_steps, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
@@ -311,8 +314,9 @@ class ActorRolloutWorker:
             "responses": _pad_to(out.responses, params.max_new_tokens, self.pad_id, left=False),
             "response_mask": _pad_to(out.response_mask, params.max_new_tokens, 0, left=False),
             "rollout_logprobs": _pad_to(out.logprobs, params.max_new_tokens, 0.0, left=False),
-            "group_ids": prompts["group_ids"].repeat_interleave(params.n),
         }
+        tensors = {k: v.cpu() for k, v in tensors.items()}
+        tensors["group_ids"] = prompts["group_ids"].repeat_interleave(params.n)
         return Batch(tensors, {"finish_reason": out.finish_reasons})
 
     # ----- log-probs --------------------------------------------------------------------------
@@ -329,6 +333,7 @@ class ActorRolloutWorker:
         # Unsharded models only: the number of micro-batches may differ per rank (token budgets),
         # and a forward without gradients must not wait on collectives.
         model = self.ref_model if reference else (self.rollout_model or self.model)
+        batch = batch.to(self.device)
         was_training = model.training
         model.eval()
         out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
@@ -344,7 +349,7 @@ class ActorRolloutWorker:
                 out[idx, : lp.shape[1]] = lp * mb["response_mask"]
         finally:
             model.train(was_training)
-        return Batch({"logprobs": out})
+        return Batch({"logprobs": out.cpu()})
 
     # ----- update -----------------------------------------------------------------------------
     @register("dp")
@@ -353,7 +358,7 @@ class ActorRolloutWorker:
     ) -> dict[str, float]:
         """μ epochs over shuffled mini-batches; one optimizer step per mini-batch (all ranks in step)."""
         cfg = self.cfg
-        batch = _drop_padding(batch)
+        batch = _drop_padding(batch.to(self.device))
         self.policy.train()
         n = len(batch)
         # mini_batch_samples counts samples over all ranks; each rank holds an equal share
@@ -495,6 +500,9 @@ class ActorRolloutWorker:
             mask[i, : len(t)] = 1
         if PAD_KEY in batch:
             mask = mask * (~batch[PAD_KEY]).long()[:, None]
+        prompt_ids, prompt_mask, responses, mask = (
+            t.to(self.device) for t in (prompt_ids, prompt_mask, responses, mask)
+        )
         self.policy.train()
         logp, _ = self.policy(
             prompt_ids, prompt_mask, responses, mask, 1.0, self.cfg.logprob_chunk_tokens, False
@@ -591,6 +599,17 @@ class ActorRolloutWorker:
             target.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
             target.save_pretrained(out_dir, safe_serialization=True)
             self.tokenizer.save_pretrained(out_dir)
+
+
+def worker_device(rank: int) -> torch.device:
+    """This worker's GPU (by local rank) when CUDA is available, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    import os
+
+    local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def _decoder_layers(model: nn.Module):

@@ -157,7 +157,9 @@ def _convert_gguf(args) -> int:
 def _prepare_gsm8k(args) -> int:
     from groupflow.data.gsm8k import convert_gsm_symbolic
 
-    print(f"wrote {convert_gsm_symbolic(args.out, language=args.language)}")
+    print(
+        f"wrote {convert_gsm_symbolic(args.out, language=args.language, source_dir=args.source_dir)}"
+    )
     return 0
 
 
@@ -216,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--out", required=True)
     d.add_argument("--language", default="en")
+    d.add_argument(
+        "--source-dir", default=None, help="read the TOML problem files from here instead"
+    )
     d.set_defaults(func=_prepare_gsm8k)
 
     pl = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")

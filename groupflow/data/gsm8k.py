@@ -15,12 +15,11 @@ unrendered templates or fractions as answers: they convert when every file parse
 fail naming the file. Files marked ``ignore = true`` are skipped, as the package itself does.
 The package is read as data only (its TOML files), never imported.
 
-CLI: ``python -m groupflow.data.gsm8k --out data/gsm8k_symbolic_en.parquet [--language en]``.
+CLI: ``groupflow prepare-gsm8k --out data/gsm8k_symbolic_en.parquet [--language en]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -36,7 +35,6 @@ __all__ = [
     "convert_gsm_symbolic",
     "gsm_symbolic_dir",
     "gsm_symbolic_rows",
-    "main",
     "parse_final_answer",
     "read_problem",
     "to_verl_row",
@@ -204,26 +202,3 @@ def convert_gsm_symbolic(
     """
     directory = Path(source_dir) if source_dir is not None else gsm_symbolic_dir(language)
     return write_rows(gsm_symbolic_rows(directory), out_path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m groupflow.data.gsm8k",
-        description=f"Write the GSM8K test problems shipped by '{GSM_SYMBOLIC_PACKAGE}' as "
-        "verl-style rows (.parquet or .jsonl).",
-    )
-    p.add_argument("--out", required=True, help="output file, e.g. data/gsm8k_symbolic_en.parquet")
-    p.add_argument("--language", default="en", help="a language directory of the package (en)")
-    p.add_argument("--source-dir", default=None, help="read TOML files from here instead")
-    args = p.parse_args(argv)
-    try:
-        out = convert_gsm_symbolic(args.out, language=args.language, source_dir=args.source_dir)
-    except GSMSymbolicError as e:
-        print(f"gsm8k: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

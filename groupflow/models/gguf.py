@@ -16,17 +16,15 @@ converted float weights are the 4-bit values dequantised, not the original bf16 
 :func:`find_smollm2_gguf` locates the file without importing that package (its ``__init__``
 needs ``llm`` and ``llama-cpp-python``, which groupflow does not need).
 
-CLI: ``python -m groupflow.models.gguf --out DIR [--gguf PATH] [--dtype float32] [--overwrite]``.
+CLI: ``groupflow convert-gguf --out DIR [--gguf PATH] [--dtype float32] [--overwrite]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import logging
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -41,7 +39,6 @@ __all__ = [
     "convert_gguf_to_hf",
     "find_smollm2_gguf",
     "load_gguf",
-    "main",
     "save_plain_hf",
 ]
 
@@ -199,35 +196,3 @@ def convert_gguf_to_hf(
     save_plain_hf(model, tokenizer, out, dtype, overwrite=overwrite)
     log.info("converted %s to %s (%s)", gguf_path, out, dtype)
     return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m groupflow.models.gguf",
-        description="Convert a GGUF model to a Hugging Face directory (default: the "
-        f"SmolLM2-135M-Instruct GGUF shipped by the '{SMOLLM2_PACKAGE}' package).",
-    )
-    p.add_argument(
-        "--out", required=True, help="output directory (e.g. models/smollm2-135m-instruct)"
-    )
-    p.add_argument("--gguf", default=None, help=f"a .gguf file (default: {SMOLLM2_GGUF_NAME})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
-        out = convert_gguf_to_hf(gguf, args.out, args.dtype, overwrite=args.overwrite)
-    except (ValueError, FileExistsError) as e:
-        print(f"convert-gguf: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote Hugging Face model directory {out} (from {gguf})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

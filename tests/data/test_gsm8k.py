@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from groupflow.cli import main as cli_main
 from groupflow.data import load_prompt_rows
 from groupflow.data.gsm8k import (
     GSM8K_INSTRUCTION,
@@ -12,7 +13,6 @@ from groupflow.data.gsm8k import (
     convert_gsm_symbolic,
     gsm_symbolic_dir,
     gsm_symbolic_rows,
-    main,
     parse_final_answer,
 )
 
@@ -135,13 +135,19 @@ def test_parse_final_answer_uses_the_last_marker():
 
 def test_cli_error_exit_code_and_message(tmp_path, capsys):
     src = _write(tmp_path / "sym", {"bad.toml": 'question = "Q?"\n'})
-    assert main(["--out", str(tmp_path / "o.jsonl"), "--source-dir", str(src)]) == 2
+    assert (
+        cli_main(["prepare-gsm8k", "--out", str(tmp_path / "o.jsonl"), "--source-dir", str(src)])
+        == 2
+    )
     assert "bad.toml" in capsys.readouterr().err
 
 
 def test_cli_writes_file(tmp_path, capsys):
     src = _write(tmp_path / "sym", GOOD)
-    assert main(["--out", str(tmp_path / "o.jsonl"), "--source-dir", str(src)]) == 0
+    assert (
+        cli_main(["prepare-gsm8k", "--out", str(tmp_path / "o.jsonl"), "--source-dir", str(src)])
+        == 0
+    )
     assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 3
 
 

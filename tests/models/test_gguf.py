@@ -14,13 +14,13 @@ import json
 import pytest
 import torch
 
+from groupflow.cli import main as cli_main
 from groupflow.models import gguf as gguf_mod
 from groupflow.models.gguf import (
     GGUFConversionError,
     convert_gguf_to_hf,
     find_smollm2_gguf,
     load_gguf,
-    main,
     save_plain_hf,
 )
 
@@ -90,7 +90,7 @@ def test_bad_dtype_is_refused(tmp_path):
 def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
     bad = tmp_path / "fake.gguf"
     bad.write_bytes(b"nope")
-    assert main(["--out", str(tmp_path / "o"), "--gguf", str(bad)]) == 2
+    assert cli_main(["convert-gguf", "--out", str(tmp_path / "o"), "--gguf", str(bad)]) == 2
     assert "GGUF magic bytes" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 

@@ -58,7 +58,7 @@ def main() -> None:
                 start = time.perf_counter()
                 trainer.train_step()
                 times[backend].append(time.perf_counter() - start)
-        trainers["ray"].actor.shutdown()
+        trainers["ray"].shutdown()
     local = statistics.median(times["local"][1:])
     ray = statistics.median(times["ray"][1:])
     print(

@@ -244,6 +244,27 @@ class RunConfig(_Section):
         return self
 
 
+class PoolConfig(_Section):
+    """Where one role's workers run with run.backend=ray: ``nodes × workers_per_node`` Ray actors,
+    each reserving these CPUs/GPUs (a node's workers are packed onto one machine)."""
+
+    nodes: int = Field(1, ge=1)
+    workers_per_node: int | None = Field(None, ge=1)  # None: actor → num_workers / nodes, else 1
+    cpus_per_worker: float = Field(1.0, ge=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+
+
+class PlacementConfig(_Section):
+    """Resource pools per role. ``colocated`` roles live inside the actor worker and share its
+    weights (the default, no copies); a pool gives the role its own workers, fed weights by the
+    driver (the rollout after every update, the reference once)."""
+
+    actor: PoolConfig = Field(default_factory=PoolConfig)
+    rollout: Literal["colocated"] | PoolConfig = "colocated"
+    reference: Literal["colocated"] | PoolConfig = "colocated"
+    timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to place a pool
+
+
 class Config(_Section):
     # Modules imported before validation, so that user code can register estimators, losses
     # and rewards (e.g. "my_pkg.algos") and the config can name them.
@@ -257,6 +278,40 @@ class Config(_Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @model_validator(mode="after")
+    def _placement(self):
+        pl, run = self.placement, self.run
+        a = pl.actor
+        if a.workers_per_node is None and run.num_workers % a.nodes:
+            raise ValueError(
+                f"run.num_workers={run.num_workers} does not split evenly over "
+                f"placement.actor.nodes={a.nodes}"
+            )
+        per_node = a.workers_per_node or run.num_workers // a.nodes
+        if a.nodes * per_node != run.num_workers:
+            raise ValueError(
+                f"placement.actor: {a.nodes} node(s) × {per_node} worker(s) per node does not "
+                f"make run.num_workers={run.num_workers}"
+            )
+        if pl.reference != "colocated" and self.actor.kl_coef == 0:
+            raise ValueError(
+                "placement.reference is a pool but actor.kl_coef is 0, so no reference model is "
+                "used; set actor.kl_coef > 0 or placement.reference=colocated"
+            )
+        for role in ("rollout", "reference"):
+            pool = getattr(pl, role)
+            if (
+                pool != "colocated"
+                and run.backend == "local"
+                and pool.nodes * (pool.workers_per_node or 1) > 1
+            ):
+                raise ValueError(
+                    f"placement.{role}: the local backend runs one in-process worker per role; "
+                    "use run.backend=ray for more"
+                )
+        return self
 
     @model_validator(mode="after")
     def _cross(self):

@@ -29,8 +29,13 @@ def warm_start(
     cfg: SFTConfig,
     seed: int,
     target_field: str = "answer",
+    rollout=None,
+    sync=None,
 ):
-    """Run up to ``cfg.steps`` SFT steps; returns metrics (steps run, last loss, probe accuracy)."""
+    """Run up to ``cfg.steps`` SFT steps; returns metrics (steps run, last loss, probe accuracy).
+
+    ``rollout`` generates the probe (default: the actor); ``sync`` first pushes the actor's weights
+    to it when it is placed apart from the actor."""
     from groupflow.evaluation import _accuracy_metrics, generate_and_score
 
     pairs = []
@@ -55,7 +60,9 @@ def warm_start(
         )
         loss = actor.sft_step(batch, cfg.lr)
         if cfg.stop_at_accuracy is not None and step % cfg.check_every == 0:
-            recs = generate_and_score(actor, tokenizer, probe, reward_fn, greedy, seed)
+            if sync is not None:
+                sync()
+            recs = generate_and_score(rollout or actor, tokenizer, probe, reward_fn, greedy, seed)
             acc = _accuracy_metrics(recs, "p", 1, 1.0)["p/acc"]
             if acc >= cfg.stop_at_accuracy:
                 break

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,15 @@ from groupflow.checkpoint import (
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptLoader, PromptRow
-from groupflow.distributed import RayOptions, WorkerGroup
+from groupflow.distributed import PoolSpec, RayOptions, WorkerGroup
+from groupflow.distributed.group import ensure_ray
 from groupflow.evaluation import evaluate
 from groupflow.rollout.hf import SamplingParams
 from groupflow.sft import warm_start
 from groupflow.tracking import Tracker
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker, ModelSpec, prompts_batch
+from groupflow.workers.inference import InferenceWorker
 
 log = logging.getLogger("groupflow")
 
@@ -73,13 +76,28 @@ class Trainer:
         self.loader = PromptLoader(
             self.train.rows, cfg.data.prompts_per_step, seed=cfg.run.seed, shuffle=cfg.data.shuffle
         )
-        # The actor workers build their own model in their own process (local: this one).
+        # Workers build their own models in their own processes (local: this one). Rollout and
+        # reference live inside the actor worker unless placement gives them pools of their own.
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, self.run_dir)), cfg.run.seed)
-        self.actor = WorkerGroup(
-            ActorRolloutWorker, cfg.run.num_workers, backend=cfg.run.backend, timeout_s=cfg.run.worker_timeout_s,
-            ray_options=RayOptions(address=cfg.run.ray_address), spec=spec, cfg=cfg.actor,
-            total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
+        pl = cfg.placement
+        if cfg.run.backend == "ray" and not cfg.run.ray_address:
+            ensure_ray(None, num_cpus=max(os.cpu_count() or 1, int(total_cpus(cfg)) + 2))
+        self.actor = role_group(
+            cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
+            pg_timeout_s=cfg.run.worker_timeout_s, colocated_reference=pl.reference == "colocated",
         )  # fmt: skip
+        self.rollout = self.actor
+        if pl.rollout != "colocated":
+            self.rollout = role_group(
+                cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout"
+            )
+        self.reference = None
+        if cfg.actor.kl_coef > 0:
+            self.reference = self.actor
+            if pl.reference != "colocated":
+                self.reference = role_group(
+                    cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor, role="reference"
+                )
         r = cfg.rollout
         self.sampling = SamplingParams(
             temperature=r.temperature,
@@ -105,6 +123,7 @@ class Trainer:
         )  # fmt: skip
         last: dict[str, float] = {}
         try:
+            self.sync_rollout()
             if not resumed:
                 self.tracker.log(self.before_training(), step=0)
             while self.step < cfg.run.total_steps:
@@ -140,6 +159,8 @@ class Trainer:
                     temperature=self.sampling.temperature,
                     shuffle_seed=sample_seed(self.cfg.run.seed, self.step, -1),
                 )
+            with timer("weight_sync"):
+                self.sync_rollout()
         self.step += 1
         tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
         metrics = {**batch_metrics(batch), **sampling_metrics, **update_metrics, **timer.metrics()}
@@ -154,12 +175,31 @@ class Trainer:
             metrics.update(
                 warm_start(
                     self.actor, self.tokenizer, self.train, self.reward_fn, self.sampling,
-                    cfg.sft, cfg.run.seed, cfg.sft.target_field,
+                    cfg.sft, cfg.run.seed, cfg.sft.target_field, rollout=self.rollout,
+                    sync=self.sync_rollout,
                 )
             )  # fmt: skip
+            self.sync_rollout()
+            self.reset_reference()  # RL's reference is the warm-started policy, where RL begins
         if cfg.validation.before_training:
             metrics.update(self.validate())
         return metrics
+
+    def sync_rollout(self) -> None:
+        """Push the actor's current weights into a separately placed rollout pool (no-op colocated)."""
+        if self.rollout is not self.actor:
+            self.rollout.load_weights(self.actor.full_weights())
+
+    def reset_reference(self) -> None:
+        if self.reference is self.actor:
+            self.actor.reset_reference()
+        elif self.reference is not None:
+            self.reference.load_weights(self.actor.full_weights())
+
+    def shutdown(self) -> None:
+        """Stop every worker group (Ray actors and their resource pools)."""
+        for group in dict.fromkeys(g for g in (self.actor, self.rollout, self.reference) if g):
+            group.shutdown()
 
     def _due(self, every: int) -> bool:
         return bool(every) and self.step % every == 0
@@ -199,7 +239,7 @@ class Trainer:
         texts, ids = zip(*(self._encoded[id(r)] for r in rows))
         prompts = prompts_batch(ids, [seeds[i * n : (i + 1) * n] for i in range(len(rows))],
                                 [base + i for i in range(len(rows))])  # fmt: skip
-        out = self.actor.generate(prompts, self.sampling, max(len(i) for i in ids))
+        out = self.rollout.generate(prompts, self.sampling, max(len(i) for i in ids))
         batch = with_prompt_info(out, rows, list(texts), n, uid_prefix=f"{step}-{round_}")
         batch["completion"] = self.decode(batch)
         validate(batch, "rollout")
@@ -231,8 +271,8 @@ class Trainer:
             # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the rollout's
             # log-probs serve (same numerics; see tests/rollout) and the first ratio is 1.
             batch["old_logprobs"] = batch["rollout_logprobs"]
-        if a.kl_coef > 0:
-            batch["ref_logprobs"] = self.actor.compute_logprobs(
+        if self.reference is not None:
+            batch["ref_logprobs"] = self.reference.compute_logprobs(
                 _model_inputs(batch), temperature=t, reference=True
             )["logprobs"]
         return batch
@@ -259,7 +299,7 @@ class Trainer:
             return ({}, {}) if return_records else {}
         v = self.cfg.validation
         return evaluate(
-            self.actor,
+            self.rollout,
             self.tokenizer,
             self.val,
             self.reward_fn,
@@ -285,6 +325,9 @@ class Trainer:
         else:
             state["actor_state"] = self.actor.train_state()
             writers["shards"] = lambda path: self.actor.save_sharded(str(path))
+        if self.reference is not None and self.cfg.sft.steps:
+            # a warm-started reference is not the model the config builds: keep its weights
+            state["reference"] = self.reference.reference_weights()
         root = self.run_dir / "checkpoints"
         return save_checkpoint(
             root, self.step, state, keep_last=self.cfg.run.keep_last, writers=writers
@@ -303,6 +346,8 @@ class Trainer:
             raise FileNotFoundError(f"run.resume: checkpoint directory '{path}' does not exist")
         state = load_checkpoint(path)
         load_actor_state(self.actor, state, self.cfg.run.num_workers, path)
+        if self.reference is not None and state.get("reference") is not None:
+            self.reference.load_reference(state["reference"])
         self.loader.load_state_dict(state["loader"])
         restore_rng_state(state["rng"])
         self.step = int(state["trainer_state"]["step"])
@@ -316,11 +361,34 @@ def load_actor_state(actor, state: dict, num_workers: int, path: Path) -> None:
         actor.load_sharded(str(state["shards"]), state["actor_state"])
     elif num_workers == 1:
         actor.load_state_dict(state)
-    else:
-        raise ValueError(
-            f"checkpoint {path} was written by one worker; resuming it on {num_workers} workers is not "
-            "supported (resume with run.num_workers=1, or start the sharded run from its exported weights)"
-        )
+    else:  # one worker's full state, sharded over num_workers on load
+        actor.load_full_state(state)
+
+
+def role_group(config: Config, role: str, worker_cls, /, **kwargs) -> WorkerGroup:
+    """The worker group of one role, placed in the pool ``config.placement`` gives it; ``kwargs``
+    go to the worker's constructor."""
+    spec, run = pool_spec(config, role), config.run
+    return WorkerGroup(
+        worker_cls, spec.world_size, backend=run.backend, timeout_s=run.worker_timeout_s,
+        ray_options=RayOptions(address=run.ray_address), pool=spec,
+        placement_timeout_s=config.placement.timeout_s, **kwargs,
+    )  # fmt: skip
+
+
+def pool_spec(cfg: Config, role: str) -> PoolSpec:
+    pool = getattr(cfg.placement, role)
+    default = cfg.run.num_workers // pool.nodes if role == "actor" else 1
+    return PoolSpec(pool.nodes, pool.workers_per_node or default, pool.cpus_per_worker,
+                    pool.gpus_per_worker, name=role)  # fmt: skip
+
+
+def total_cpus(cfg: Config) -> float:
+    """Logical CPUs every pool of this run reserves together (a local Ray instance declares them)."""
+    roles = ["actor"] + [
+        r for r in ("rollout", "reference") if getattr(cfg.placement, r) != "colocated"
+    ]
+    return sum(pool_spec(cfg, r).world_size * pool_spec(cfg, r).cpus_per_worker for r in roles)
 
 
 # ----- batch assembly helpers (pure) ----------------------------------------------------------------

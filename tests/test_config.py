@@ -128,6 +128,60 @@ def test_invalid_values_name_the_key(overrides, expected):
     assert expected in _error(apply_overrides(_base(), overrides))
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            {"run.backend": "ray", "run.num_workers": 3, "placement.actor.nodes": 2},
+            "run.num_workers=3 does not split evenly over placement.actor.nodes=2",
+        ),
+        (
+            {
+                "run.backend": "ray",
+                "run.num_workers": 4,
+                "placement.actor": {"nodes": 2, "workers_per_node": 3},
+            },
+            "placement.actor: 2 node(s) × 3 worker(s) per node does not make run.num_workers=4",
+        ),
+        (
+            {"placement.reference": {"workers_per_node": 1}},
+            "placement.reference is a pool but actor.kl_coef is 0",
+        ),
+        (
+            {"placement.rollout": {"workers_per_node": 2}},
+            "placement.rollout: the local backend runs one in-process worker per role",
+        ),
+        ({"placement.rollout": "apart"}, "'placement.rollout"),
+        ({"placement.actor.gpus_per_worker": -1}, "'placement.actor.gpus_per_worker'"),
+    ],
+)
+def test_bad_placement_names_the_key(overrides, expected):
+    assert expected in _error(apply_overrides(_base(), overrides))
+
+
+def test_placement_pools_per_role():
+    data = apply_overrides(
+        _base(),
+        {
+            "run.backend": "ray",
+            "run.num_workers": 4,
+            "actor.kl_coef": 0.05,
+            "placement.actor": {"nodes": 2, "gpus_per_worker": 1},
+            "placement.rollout": {"nodes": 1, "workers_per_node": 2, "gpus_per_worker": 1},
+            "placement.reference": {"cpus_per_worker": 2},
+        },
+    )
+    from groupflow.trainer import pool_spec, total_cpus
+
+    cfg = config_from_dict(data)
+    actor = pool_spec(cfg, "actor")
+    assert (actor.nodes, actor.workers_per_node, actor.gpus_per_worker) == (2, 2, 1)
+    assert pool_spec(cfg, "rollout").world_size == 2
+    assert pool_spec(cfg, "reference").bundle() == {"CPU": 2}
+    assert total_cpus(cfg) == 4 * 1 + 2 * 1 + 1 * 2
+    assert config_from_dict(_base()).placement.rollout == "colocated"
+
+
 def test_mini_batch_dividing_samples_is_accepted():
     cfg = config_from_dict(apply_overrides(_base(), {"actor.mini_batch_samples": 64}))
     assert cfg.actor.mini_batch_samples == 64

@@ -537,3 +537,51 @@ def test_reward_failing_for_one_sample_does_not_stop_the_step(tiny_config, helpe
         assert rows[step]["reward/min"] == -1.0
         assert rows[step]["reward/max"] <= 1.0
         assert math.isfinite(rows[step]["actor/pg_loss"])
+
+
+# ----- placement: roles in their own pools ----------------------------------------------------
+
+
+def test_rollout_and_reference_in_their_own_pools_give_the_colocated_numbers(tiny_config):
+    colocated = Trainer(tiny_config(run__name="colo", run__total_steps=2, actor__kl_coef=0.1))
+    colocated.fit()
+    apart = Trainer(
+        tiny_config(
+            run__name="apart",
+            run__total_steps=2,
+            actor__kl_coef=0.1,
+            placement__rollout={"workers_per_node": 1},
+            placement__reference={"workers_per_node": 1},
+        )
+    )
+    assert apart.rollout is not apart.actor and apart.reference is not apart.actor
+    assert apart.actor.ref_model is None  # the reference lives only in its own worker
+    apart.fit()
+    a, c = _steps(apart.run_dir), _steps(colocated.run_dir)
+    for step in (1, 2):
+        assert a[step]["reward/mean"] == c[step]["reward/mean"]  # the same tokens were sampled
+        # log-probs from another (identical) model object: equal up to float summation order
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+            assert a[step][k] == pytest.approx(c[step][k], rel=1e-5, abs=1e-7), (step, k)
+    # the rollout worker holds the actor's updated weights, the reference the initial ones
+    trained = apart.actor.model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in apart.rollout.model.state_dict().items())
+    assert not all(
+        torch.equal(v, trained[k]) for k, v in apart.reference.model.state_dict().items()
+    )
+    assert "time/weight_sync" in a[1]
+
+
+def test_reference_is_the_warm_started_policy_and_survives_resume(tiny_config, tmp_path):
+    overrides = dict(actor__kl_coef=0.1, sft__steps=5, sft__batch_samples=16)
+    full = Trainer(tiny_config(run__name="full", run__total_steps=3, **overrides))
+    full.fit()
+    rows = _steps(full.run_dir)
+    # RL starts from the warm-started policy and so does the reference: KL is 0 at step 1
+    assert rows[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    part = tiny_config(run__name="part", run__total_steps=2, run__save_every=2, **overrides)
+    Trainer(part).fit()
+    Trainer(tiny_config(run__name="part", run__total_steps=3, **overrides)).fit()
+    resumed = _steps(tmp_path / "part")
+    for k in ("actor/kl_loss", "actor/pg_loss", "reward/mean"):
+        assert resumed[3][k] == rows[3][k], k

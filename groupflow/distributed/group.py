@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from groupflow.distributed.dispatch import collect, dispatch_mode, split_args
+from groupflow.distributed.placement import PoolSpec, RayPool
 
 __all__ = ["WorkerGroup", "WorkerError", "RayOptions"]
 
@@ -119,6 +120,8 @@ class WorkerGroup:
         startup_timeout_s: float = 300.0,
         ray_options: RayOptions | None = None,
         worker_threads: int | None = 1,
+        pool: PoolSpec | None = None,
+        placement_timeout_s: float | None = None,
         **kwargs: Any,
     ):
         if backend not in ("local", "ray"):
@@ -133,6 +136,7 @@ class WorkerGroup:
         )  # a class may bring a factory classmethod
         self.startup_timeout_s = max(startup_timeout_s, timeout_s)
         self._factory = factory
+        self._pool: RayPool | None = None
         env = {"GROUPFLOW_WORLD_SIZE": str(world_size)}
         if world_size > 1:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -143,24 +147,38 @@ class WorkerGroup:
             ]
         else:
             opts = ray_options or RayOptions()
+            spec = pool or PoolSpec(
+                nodes=1, workers_per_node=world_size, cpus_per_worker=opts.num_cpus_per_worker,
+                gpus_per_worker=opts.num_gpus_per_worker, name=self.name,
+            )  # fmt: skip
+            if spec.world_size != world_size:
+                raise ValueError(
+                    f"pool '{spec.name}' holds {spec.world_size} workers "
+                    f"({spec.nodes} nodes × {spec.workers_per_node}), but world_size is {world_size}"
+                )
             # Declare enough logical CPUs for every worker plus the probe: with Ray's default (the
             # core count) a third 1-CPU actor on a 2-core machine waits forever.
-            needed = int(world_size * opts.num_cpus_per_worker) + 2
+            needed = int(world_size * spec.cpus_per_worker) + 2
             ray = ensure_ray(opts.address, num_cpus=max(os.cpu_count() or 1, needed))
             if worker_threads:
                 env["GROUPFLOW_WORKER_THREADS"] = str(worker_threads)
-            remote = ray.remote(
-                num_cpus=opts.num_cpus_per_worker, num_gpus=opts.num_gpus_per_worker
-            )(_Host)
+            self._pool = RayPool(spec, timeout_s=placement_timeout_s or self.startup_timeout_s)
+            remote = ray.remote(_Host)
             if world_size > 1:
                 # the rendezvous address must be rank 0's node, which may be another machine
-                probe = ray.remote(num_cpus=0)(_Host).remote(_Nothing, 0, 1, {}, {})
+                where = self._pool.options(0)["scheduling_strategy"]
+                probe = remote.options(num_cpus=0, scheduling_strategy=where).remote(
+                    _Nothing, 0, 1, {}, {}
+                )
                 env["MASTER_ADDR"] = self._ray_get(
                     ray, [probe.node_ip.remote()], "node_ip", startup=True
                 )[0]
                 ray.kill(probe)
             self._hosts = [
-                remote.remote(factory, r, world_size, env, kwargs) for r in range(world_size)
+                remote.options(**self._pool.options(r)).remote(
+                    factory, r, world_size, {**env, "LOCAL_RANK": str(spec.slot(r)[1])}, kwargs
+                )
+                for r in range(world_size)
             ]
             # Constructors run concurrently (process-group rendezvous needs every rank); surface
             # their failures here rather than at the first call.
@@ -240,6 +258,9 @@ class WorkerGroup:
 
             for h in self._hosts:
                 ray.kill(h)
+            if self._pool is not None:
+                self._pool.remove()
+                self._pool = None
         self._hosts = []
 
     # local backend only: direct access for tests and single-process tools

@@ -229,6 +229,48 @@ def _drop_padding(batch: Batch) -> Batch:
     return out
 
 
+def generate_batch(model, tokenizer, pad_id: int, eos_ids, prompts: Batch, params: SamplingParams,
+                   prompt_width: int = 0) -> Batch:  # fmt: skip
+    """Generate ``params.n`` samples per prompt row into fixed-width, CPU tensors (see ``generate``)."""
+    seeds = [s for per_prompt in prompts["seeds"] for s in per_prompt]
+    out = generate(
+        model, list(prompts["prompt_token_ids"]), params, seeds=seeds,
+        pad_id=pad_id, eos_ids=eos_ids, tokenizer=tokenizer,
+    )  # fmt: skip
+    width = max(prompt_width, out.prompt_ids.shape[1])
+    tensors = {
+        "prompt_ids": _pad_to(out.prompt_ids, width, pad_id, left=True),
+        "prompt_mask": _pad_to(out.prompt_mask, width, 0, left=True),
+        "responses": _pad_to(out.responses, params.max_new_tokens, pad_id, left=False),
+        "response_mask": _pad_to(out.response_mask, params.max_new_tokens, 0, left=False),
+        "rollout_logprobs": _pad_to(out.logprobs, params.max_new_tokens, 0.0, left=False),
+    }
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    tensors["group_ids"] = prompts["group_ids"].repeat_interleave(params.n)
+    return Batch(tensors, {"finish_reason": out.finish_reasons})
+
+
+@torch.no_grad()
+def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: ActorConfig,
+                   device: torch.device) -> Batch:  # fmt: skip
+    """``logprobs`` [B, T] of the batch's responses under an unsharded ``model``; 0 where masked."""
+    batch = batch.to(device)
+    was_training = model.training
+    model.eval()
+    out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    try:
+        for idx in micro_batches(_lengths(batch), cfg.micro_batch_samples, cfg.micro_batch_tokens):
+            mb = _trim(batch.index(idx))
+            lp, _ = response_logprobs(
+                model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+                temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens,
+            )  # fmt: skip
+            out[idx, : lp.shape[1]] = lp * mb["response_mask"]
+    finally:
+        model.train(was_training)
+    return Batch({"logprobs": out.cpu()})
+
+
 class ActorRolloutWorker:
     """Policy (FSDP2-sharded when world_size > 1) + frozen reference + AdamW + schedule + rollout."""
 
@@ -243,6 +285,7 @@ class ActorRolloutWorker:
         eos_ids: Sequence[int],
         rank: int = 0,
         world_size: int = 1,
+        colocated_reference: bool = True,
     ):
         self.rank, self.world_size = rank, world_size
         # Tensors cross the worker boundary on the CPU; inside, they live where the model does.
@@ -250,9 +293,10 @@ class ActorRolloutWorker:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.pad_id, self.eos_ids = pad_id, list(eos_ids)
-        # β = 0 never builds a reference model (algorithms.md §4).
+        # β = 0 never builds a reference model (algorithms.md §4); nor does a reference placed in
+        # its own pool (then ``ref_logprobs`` arrive with the batch).
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and colocated_reference:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         # Sharded training needs a full copy for generation (see the module docstring).
         self.rollout_model = (
@@ -283,6 +327,7 @@ class ActorRolloutWorker:
         cfg: ActorConfig,
         total_steps: int,
         pg_timeout_s: float = 600.0,
+        colocated_reference: bool = True,
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
@@ -291,7 +336,7 @@ class ActorRolloutWorker:
         from groupflow.builders import eos_ids
 
         return cls(model, tok, cfg, total_steps=total_steps, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
-                   rank=rank, world_size=world_size)  # fmt: skip
+                   rank=rank, world_size=world_size, colocated_reference=colocated_reference)  # fmt: skip
 
     # ----- rollout ----------------------------------------------------------------------------
     @register("dp")
@@ -302,22 +347,8 @@ class ActorRolloutWorker:
         to ``params.max_new_tokens`` — so parts generated on different ranks concatenate.
         """
         model = self.rollout_model if self.rollout_model is not None else self.model
-        seeds = [s for per_prompt in prompts["seeds"] for s in per_prompt]
-        out = generate(
-            model, list(prompts["prompt_token_ids"]), params, seeds=seeds,
-            pad_id=self.pad_id, eos_ids=self.eos_ids, tokenizer=self.tokenizer,
-        )  # fmt: skip
-        width = max(prompt_width, out.prompt_ids.shape[1])
-        tensors = {
-            "prompt_ids": _pad_to(out.prompt_ids, width, self.pad_id, left=True),
-            "prompt_mask": _pad_to(out.prompt_mask, width, 0, left=True),
-            "responses": _pad_to(out.responses, params.max_new_tokens, self.pad_id, left=False),
-            "response_mask": _pad_to(out.response_mask, params.max_new_tokens, 0, left=False),
-            "rollout_logprobs": _pad_to(out.logprobs, params.max_new_tokens, 0.0, left=False),
-        }
-        tensors = {k: v.cpu() for k, v in tensors.items()}
-        tensors["group_ids"] = prompts["group_ids"].repeat_interleave(params.n)
-        return Batch(tensors, {"finish_reason": out.finish_reasons})
+        return generate_batch(model, self.tokenizer, self.pad_id, self.eos_ids, prompts, params,
+                              prompt_width)  # fmt: skip
 
     # ----- log-probs --------------------------------------------------------------------------
     @register("dp")
@@ -333,23 +364,7 @@ class ActorRolloutWorker:
         # Unsharded models only: the number of micro-batches may differ per rank (token budgets),
         # and a forward without gradients must not wait on collectives.
         model = self.ref_model if reference else (self.rollout_model or self.model)
-        batch = batch.to(self.device)
-        was_training = model.training
-        model.eval()
-        out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-        try:
-            for idx in micro_batches(
-                _lengths(batch), self.cfg.micro_batch_samples, self.cfg.micro_batch_tokens
-            ):
-                mb = _trim(batch.index(idx))
-                lp, _ = response_logprobs(
-                    model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
-                    temperature=temperature, chunk_tokens=self.cfg.logprob_chunk_tokens,
-                )  # fmt: skip
-                out[idx, : lp.shape[1]] = lp * mb["response_mask"]
-        finally:
-            model.train(was_training)
-        return Batch({"logprobs": out.cpu()})
+        return batch_logprobs(model, batch, temperature, self.cfg, self.device)
 
     # ----- update -----------------------------------------------------------------------------
     @register("dp")
@@ -450,7 +465,9 @@ class ActorRolloutWorker:
         }
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * ent
-        if self.ref_model is not None:
+        if cfg.kl_coef > 0:
+            if "ref_logprobs" not in mb:
+                raise ValueError("actor.kl_coef > 0 but the batch has no 'ref_logprobs'")
             kl = aggregate(
                 kl_penalty(logp, mb["ref_logprobs"], cfg.kl_kind),
                 mask,
@@ -525,7 +542,6 @@ class ActorRolloutWorker:
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "ref_model": None if self.ref_model is None else self.ref_model.state_dict(),
             "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
         }
 
@@ -534,8 +550,26 @@ class ActorRolloutWorker:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.ref_model is not None and state.get("ref_model") is not None:
+        if self.ref_model is not None and state.get("ref_model") is not None:  # older checkpoints
             self.ref_model.load_state_dict(state["ref_model"])
+        self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
+        self._sync_rollout_weights()
+
+    @register("all")
+    def load_full_state(self, state: dict) -> None:
+        """Resume a single-worker checkpoint on any number of ranks: the full weights and the
+        optimizer state (re-keyed from parameter indices to names) are sharded on load."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        names = [n for n, p in self.policy.named_parameters() if p.requires_grad]
+        set_state_dict(
+            self.policy,
+            self.optimizer,
+            model_state_dict={f"lm.{k}": v for k, v in state["model"].items()},
+            optim_state_dict=optimizer_state_by_name(state["optimizer"], names),
+            options=StateDictOptions(full_state_dict=True),
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
         self._sync_rollout_weights()
 
@@ -589,6 +623,31 @@ class ActorRolloutWorker:
         self._sync_rollout_weights()
 
     @register("rank0")
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full (unsharded) weights on the CPU, e.g. for a rollout pool (a collective)."""
+        full = full_model_state(self.policy)
+        return {k.removeprefix("lm."): v.detach().cpu() for k, v in full.items()}
+
+    @register("all")
+    def reset_reference(self) -> None:
+        """Make the current policy the reference (after a supervised warm start: RL starts there)."""
+        if self.ref_model is None:
+            return
+        full = full_model_state(self.policy)
+        self.ref_model.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
+
+    @register("rank0")
+    def reference_weights(self) -> dict[str, torch.Tensor] | None:
+        if self.ref_model is None:
+            return None
+        return {k: v.detach().cpu() for k, v in self.ref_model.state_dict().items()}
+
+    @register("all")
+    def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(weights)
+
+    @register("rank0")
     def save_pretrained(self, out_dir: str) -> None:
         """Write a plain HF directory (safetensors + config + tokenizer) from the (gathered) weights."""
         full = full_model_state(self.policy)
@@ -599,6 +658,23 @@ class ActorRolloutWorker:
             target.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
             target.save_pretrained(out_dir, safe_serialization=True)
             self.tokenizer.save_pretrained(out_dir)
+
+
+def optimizer_state_by_name(osd: dict, names: Sequence[str]) -> dict:
+    """A ``torch.optim`` state dict keyed by parameter index, re-keyed by parameter name (the form
+    ``torch.distributed.checkpoint.state_dict`` shards from); indices follow ``names``' order."""
+    count = sum(len(g["params"]) for g in osd["param_groups"])
+    if count != len(names):
+        raise ValueError(
+            f"the checkpoint's optimizer holds {count} parameters but the model has {len(names)}; "
+            "was it written for a different model?"
+        )
+    return {
+        "state": {names[i]: v for i, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
 
 
 def worker_device(rank: int) -> torch.device:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from groupflow.batch import Batch
-from groupflow.distributed import WorkerError, WorkerGroup
+from groupflow.distributed import PlacementError, PoolSpec, WorkerError, WorkerGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 from toy_worker import ToyWorker  # noqa: E402
@@ -109,3 +109,47 @@ def test_ray_timeout_and_dead_worker():
             dying.die(1)
     finally:
         dying.shutdown()
+
+
+def test_pool_spec_slots_and_bad_counts():
+    spec = PoolSpec(
+        nodes=2, workers_per_node=3, cpus_per_worker=2, gpus_per_worker=0.5, name="actor"
+    )
+    assert spec.world_size == 6
+    assert [spec.slot(r) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert spec.bundle() == {"CPU": 2, "GPU": 0.5}
+    with pytest.raises(IndexError, match="rank 6 outside pool 'actor' of 6"):
+        spec.slot(6)
+    with pytest.raises(ValueError, match="pool 'ref': nodes and workers_per_node must be >= 1"):
+        PoolSpec(nodes=0, name="ref")
+
+
+@pytest.mark.slow
+def test_ray_pools_place_workers_per_node_and_report_what_cannot_fit():
+    pytest.importorskip("ray")
+    import os
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    )
+    spec = PoolSpec(nodes=2, workers_per_node=2, cpus_per_worker=0.5, name="toy")
+    g = WorkerGroup(ToyWorker, 4, backend="ray", timeout_s=60, pool=spec)
+    try:
+        where = g.placement()
+        assert [(r, lr) for r, lr, _ in where] == [(0, "0"), (1, "1"), (2, "0"), (3, "1")]
+        groups = [pg for _, _, pg in where]
+        # one placement group per node: ranks 0-1 share one, ranks 2-3 another
+        assert groups[0] == groups[1] != groups[2] == groups[3]
+        assert g.double(Batch({"x": torch.arange(5.0)}))["y"].tolist() == [0, 2, 4, 6, 8]
+    finally:
+        g.shutdown()
+    with pytest.raises(
+        ValueError, match=r"pool 'toy' holds 4 workers \(2 nodes × 2\), but world_size is 3"
+    ):
+        WorkerGroup(ToyWorker, 3, backend="ray", pool=spec)
+    greedy = PoolSpec(workers_per_node=1, cpus_per_worker=1, gpus_per_worker=4, name="gpu")
+    with pytest.raises(
+        PlacementError,
+        match=r"pool 'gpu': Ray could not place 1 node\(s\) × 1 worker\(s\) with \{'CPU': 1, 'GPU': 4\} each within 3 s",
+    ):
+        WorkerGroup(ToyWorker, 1, backend="ray", pool=greedy, placement_timeout_s=3)

@@ -64,3 +64,11 @@ class ToyWorker:
 
     def not_exposed(self):
         return "hidden"
+
+    @register("all")
+    def placement(self) -> tuple[int, str, str]:
+        """(rank, LOCAL_RANK, the Ray placement group id) — where the pool put this worker."""
+        import ray
+
+        pg = ray.get_runtime_context().get_placement_group_id()
+        return self.rank, os.environ.get("LOCAL_RANK", ""), str(pg)

@@ -1,0 +1,71 @@
+"""The inference worker: a frozen copy of the policy in its own pool (rollout or reference role).
+
+Design decision: roles are colocated by default — the actor worker generates and holds the
+reference itself, so weights are never copied (verl's hybrid engine). When the config places
+the rollout or the reference in a separate pool (other GPUs, other nodes), that role runs in this
+worker: a full, unsharded model with no optimizer and no process group (its ranks never talk to
+each other; each takes its share of the batch). The driver pushes weights into it —
+``load_weights`` after every update for the rollout role, once (after any warm start) for the
+reference — so its methods have the same names and outputs as the actor's and the driver's calls
+do not change with placement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from groupflow.batch import Batch
+from groupflow.config import ActorConfig
+from groupflow.distributed import register
+from groupflow.rollout.hf import SamplingParams
+from groupflow.workers.actor import ModelSpec, batch_logprobs, generate_batch, worker_device
+
+__all__ = ["InferenceWorker"]
+
+
+class InferenceWorker:
+    """Generation and log-probs on a frozen full model; weights arrive from the actor."""
+
+    def __init__(self, model, tokenizer, cfg: ActorConfig, *, pad_id: int, eos_ids, role: str,
+                 rank: int = 0, world_size: int = 1):  # fmt: skip
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer, self.cfg, self.role = tokenizer, cfg, role
+        self.pad_id, self.eos_ids = pad_id, list(eos_ids)
+        self.rank, self.world_size = rank, world_size
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def create(cls, rank: int, world_size: int, *, spec: ModelSpec, cfg: ActorConfig, role: str):
+        from groupflow.builders import eos_ids
+
+        model, tok = spec.build()
+        model.to(worker_device(rank))
+        return cls(model, tok, cfg, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
+                   role=role, rank=rank, world_size=world_size)  # fmt: skip
+
+    @register("dp")
+    def generate(self, prompts: Batch, params: SamplingParams, prompt_width: int = 0) -> Batch:
+        return generate_batch(self.model, self.tokenizer, self.pad_id, self.eos_ids, prompts,
+                              params, prompt_width)  # fmt: skip
+
+    @register("dp")
+    def compute_logprobs(
+        self, batch: Batch, *, temperature: float, reference: bool = False
+    ) -> Batch:
+        """Log-probs under this worker's model (``reference`` is accepted for call parity with the
+        actor: a reference-role worker's model *is* the reference)."""
+        if reference and self.role != "reference":
+            raise RuntimeError(f"compute_logprobs(reference=True) on the {self.role} worker")
+        return batch_logprobs(self.model, batch, temperature, self.cfg, self.device)
+
+    @register("all")
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(weights)
+
+    @register("all")
+    def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        self.load_weights(weights)
+
+    @register("rank0")
+    def reference_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}

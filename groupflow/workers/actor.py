@@ -648,7 +648,13 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     )  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        inject_adapter_in_model(config, model)
+        try:
+            inject_adapter_in_model(config, model)
+        except ValueError as e:  # PEFT's message does not name our config key
+            raise ValueError(
+                f"actor.lora.target_modules={lora.target_modules!r}: {e} Use names of "
+                f"{type(model).__name__}'s Linear layers (e.g. q_proj, v_proj) or 'all-linear'"
+            ) from e
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     if not any(p.requires_grad for p in model.parameters()):

@@ -17,7 +17,15 @@ from typing import Any
 import torch
 
 from groupflow import builders
-from groupflow.algorithms import ADVANTAGE_ESTIMATORS, compute_advantages
+from groupflow.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    build_kl_controller,
+    compute_advantages,
+    compute_gae,
+    kl_in_reward,
+    place_outcome_reward,
+    sequence_mean_kl,
+)
 from groupflow.algorithms.registry import option_names
 from groupflow.batch import Batch
 from groupflow.checkpoint import (
@@ -37,6 +45,12 @@ from groupflow.sft import warm_start
 from groupflow.tracking import Tracker
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker, ModelSpec, prompts_batch
+from groupflow.workers.critic import CriticSpec, CriticWorker
+from groupflow.workers.reward_model import (
+    ModelRewardRunner,
+    RewardModelWorker,
+    check_reward_model_path,
+)
 
 log = logging.getLogger("groupflow")
 
@@ -53,6 +67,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_role_paths(cfg)  # a missing model directory fails now, not mid-run
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
@@ -64,8 +79,10 @@ class Trainer:
             if val_rows
             else None
         )
-        self.reward_fn = builders.build_reward(cfg)
-        self.reward_fn.check_fields({k for r in self.train.rows for k in r.fields})
+        rm_only = cfg.reward_model is not None and cfg.reward_model.only
+        self.reward_fn = None if rm_only else builders.build_reward(cfg)
+        if self.reward_fn is not None:
+            self.reward_fn.check_fields({k for r in self.train.rows for k in r.fields})
         # Rows are tokenized once at load; rollout looks their ids and text up by identity.
         self._encoded = {
             id(r): (t, i) for r, t, i in zip(self.train.rows, self.train.texts, self.train.ids)
@@ -75,11 +92,11 @@ class Trainer:
         )
         # The actor workers build their own model in their own process (local: this one).
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, self.run_dir)), cfg.run.seed)
-        self.actor = WorkerGroup(
-            ActorRolloutWorker, cfg.run.num_workers, backend=cfg.run.backend, timeout_s=cfg.run.worker_timeout_s,
-            ray_options=RayOptions(address=cfg.run.ray_address), spec=spec, cfg=cfg.actor,
-            total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
+        self.actor = self._role_group(
+            "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
+            reference=cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None,
         )  # fmt: skip
+        self._add_ppo_roles(spec)
         r = cfg.rollout
         self.sampling = SamplingParams(
             temperature=r.temperature,
@@ -93,6 +110,42 @@ class Trainer:
         self.estimator_options = estimator_options(cfg)
         self.step = 0
         self.tracker: Tracker | None = None
+
+    def _role_group(self, name: str, worker_cls, **kwargs) -> WorkerGroup:
+        """The worker group of one role (actor, critic, reward_model): where every role is placed."""
+        r = self.cfg.run
+        return WorkerGroup(
+            worker_cls, r.num_workers, backend=r.backend, timeout_s=r.worker_timeout_s,
+            ray_options=RayOptions(address=r.ray_address), pg_timeout_s=r.worker_timeout_s, **kwargs,
+        )  # fmt: skip
+
+    def _add_ppo_roles(self, policy_spec: ModelSpec) -> None:
+        """The optional roles: critic (estimator gae), reward model, KL-in-reward controller."""
+        cfg = self.cfg
+        self.critic = None
+        if cfg.critic is not None:
+            self.critic = self._role_group(
+                "critic", CriticWorker, spec=CriticSpec(cfg.critic, policy_spec, cfg.run.seed),
+                total_steps=cfg.run.total_steps,
+            )  # fmt: skip
+        if cfg.reward_model is not None:
+            rm = cfg.reward_model
+            raw = {
+                t: r.prompt
+                for rows in (self.train, self.val)
+                if rows
+                for t, r in zip(rows.texts, rows.rows)
+            }
+            self.reward_fn = ModelRewardRunner(
+                self.reward_fn, self._role_group("reward_model", RewardModelWorker, cfg=rm),
+                weight=rm.weight, label=rm.label, raw_prompts=raw,
+            )  # fmt: skip
+        k = cfg.algorithm.kl_in_reward
+        self.kl_ctrl = (
+            build_kl_controller(k.controller, k.coef, k.target_kl, k.horizon)
+            if k is not None
+            else None
+        )
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -132,19 +185,36 @@ class Trainer:
                 batch, sampling_metrics = self.collect(self.step)
             with timer("old_logprobs"):
                 batch = self.add_logprobs(batch)
+            if self.critic is not None:
+                with timer("values"):
+                    batch["values"] = self.critic.compute_values(_model_inputs(batch))["values"]
             with timer("advantages"):
                 batch = validate(self.add_advantages(batch), "advantaged")
             with timer("update"):
-                update_metrics = self.actor.update(
-                    _model_inputs(validate(batch, "train_ready")),
-                    temperature=self.sampling.temperature,
-                    shuffle_seed=sample_seed(self.cfg.run.seed, self.step, -1),
-                )
+                update_metrics = self.update(validate(batch, "train_ready"))
         self.step += 1
         tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
         metrics = {**batch_metrics(batch), **sampling_metrics, **update_metrics, **timer.metrics()}
         metrics["perf/tokens_per_s"] = tokens / max(timer.seconds("step"), 1e-9)
         return batch, metrics
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """Critic update (if any), then the actor's — except during the critic warm-up steps."""
+        metrics: dict[str, float] = {}
+        seed = sample_seed(self.cfg.run.seed, self.step, -1)
+        if self.critic is not None:
+            critic_keys = [*(k for k in _MODEL_KEYS if k in batch), "values", "returns"]
+            metrics.update(
+                self.critic.update_critic(batch.select(*critic_keys, meta=False), shuffle_seed=seed)
+            )
+            if self.step < self.cfg.critic.warmup_steps:
+                return metrics
+        metrics.update(
+            self.actor.update(
+                _model_inputs(batch), temperature=self.sampling.temperature, shuffle_seed=seed
+            )
+        )
+        return metrics
 
     def before_training(self) -> dict[str, float]:
         """Data statistics, the optional supervised warm start, and the baseline validation."""
@@ -157,6 +227,9 @@ class Trainer:
                     cfg.sft, cfg.run.seed, cfg.sft.target_field,
                 )
             )  # fmt: skip
+        if self.critic is not None and cfg.critic.path is None and cfg.critic.tiny is None:
+            # "initialised from the policy" means from the policy that PPO starts from
+            self.critic.load_backbone(self.actor.full_weights())
         if cfg.validation.before_training:
             metrics.update(self.validate())
         return metrics
@@ -231,7 +304,7 @@ class Trainer:
             # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the rollout's
             # log-probs serve (same numerics; see tests/rollout) and the first ratio is 1.
             batch["old_logprobs"] = batch["rollout_logprobs"]
-        if a.kl_coef > 0:
+        if a.kl_coef > 0 or self.cfg.algorithm.kl_in_reward is not None:
             batch["ref_logprobs"] = self.actor.compute_logprobs(
                 _model_inputs(batch), temperature=t, reference=True
             )["logprobs"]
@@ -239,8 +312,18 @@ class Trainer:
 
     def add_advantages(self, batch: Batch) -> Batch:
         al = self.cfg.algorithm
+        rewards = batch["rewards"]
+        if al.kl_in_reward is not None or al.estimator == "gae":
+            token_rewards = self.token_rewards(batch)
+            if al.estimator == "gae":
+                batch["advantages"], batch["returns"] = compute_gae(
+                    token_rewards, batch["values"], batch["response_mask"],
+                    al.gamma, al.lam, al.whiten_advantages,
+                )  # fmt: skip
+                return batch
+            rewards = token_rewards.sum(-1)  # outcome estimators see r - β·ΣKL (as verl does)
         batch["advantages"] = compute_advantages(
-            batch["rewards"],
+            rewards,
             batch["group_ids"],
             al.estimator,
             adv_clip_max=al.adv_clip_max,
@@ -248,6 +331,24 @@ class Trainer:
             **self.estimator_options,
         )
         return batch
+
+    def token_rewards(self, batch: Batch) -> torch.Tensor:
+        """The outcome reward on each sample's last valid token, minus β·KL when configured."""
+        mask = batch["response_mask"]
+        token_rewards = place_outcome_reward(batch["rewards"], mask)
+        k = self.cfg.algorithm.kl_in_reward
+        if k is None:
+            return token_rewards
+        beta = self.kl_ctrl.value
+        token_rewards, kl = kl_in_reward(
+            token_rewards, batch["old_logprobs"], batch["ref_logprobs"], mask, beta, k.kind
+        )
+        current = float(sequence_mean_kl(kl, mask))
+        self.kl_ctrl.update(current, n_steps=len(batch))
+        batch.meta.setdefault("reward_metrics", {}).update(
+            {"kl_in_reward/kl": current, "kl_in_reward/coef": beta}
+        )
+        return token_rewards
 
     def decode(self, batch: Batch) -> list[str]:
         ids = [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])]
@@ -285,6 +386,13 @@ class Trainer:
         else:
             state["actor_state"] = self.actor.train_state()
             writers["shards"] = lambda path: self.actor.save_sharded(str(path))
+        if self.critic is not None and self.cfg.run.num_workers == 1:
+            state.update({f"critic_{k}": v for k, v in self.critic.state_dict().items()})
+        elif self.critic is not None:
+            state["critic_train_state"] = self.critic.train_state()
+            writers["critic_shards"] = lambda path: self.critic.save_sharded(str(path))
+        if self.kl_ctrl is not None:
+            state["kl_controller"] = self.kl_ctrl.state_dict()
         root = self.run_dir / "checkpoints"
         return save_checkpoint(
             root, self.step, state, keep_last=self.cfg.run.keep_last, writers=writers
@@ -303,6 +411,7 @@ class Trainer:
             raise FileNotFoundError(f"run.resume: checkpoint directory '{path}' does not exist")
         state = load_checkpoint(path)
         load_actor_state(self.actor, state, self.cfg.run.num_workers, path)
+        load_ppo_state(self.critic, self.kl_ctrl, state, path)
         self.loader.load_state_dict(state["loader"])
         restore_rng_state(state["rng"])
         self.step = int(state["trainer_state"]["step"])
@@ -323,12 +432,43 @@ def load_actor_state(actor, state: dict, num_workers: int, path: Path) -> None:
         )
 
 
+def check_role_paths(cfg: Config) -> None:
+    """Model directories of the optional roles must exist before anything else starts."""
+    from groupflow.models.causal_lm import ModelLoadError
+
+    if cfg.reward_model is not None:
+        check_reward_model_path(cfg.reward_model)
+    if cfg.critic is not None and cfg.critic.path is not None:
+        p = Path(cfg.critic.path).expanduser()
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(
+                f"critic.path: '{p}' is not a Hugging Face model directory (no config.json)"
+            )
+
+
+def load_ppo_state(critic, kl_ctrl, state: dict, path: Path) -> None:
+    """Restore the critic (weights, optimizer, schedule) and the KL controller's β."""
+    if critic is not None:
+        if "critic_shards" in state:
+            critic.load_sharded(str(state["critic_shards"]), state["critic_train_state"])
+        elif "critic_model" in state:
+            critic.load_state_dict(
+                {k: state[f"critic_{k}"] for k in ("model", "optimizer", "scheduler")}
+            )
+        else:
+            raise ValueError(f"checkpoint {path} has no critic state, but this run has a critic")
+    if kl_ctrl is not None and "kl_controller" in state:
+        kl_ctrl.load_state_dict(state["kl_controller"])
+
+
 # ----- batch assembly helpers (pure) ----------------------------------------------------------------
 
 
 def estimator_options(cfg: Config) -> dict[str, Any]:
     """The typed options (scale, eps) the chosen estimator declares, plus its free-form extras."""
     al = cfg.algorithm
+    if al.estimator == "gae":  # token-level: gamma, lam, whiten_advantages are its options
+        return {}
     accepted = option_names(ADVANTAGE_ESTIMATORS.get(al.estimator)) or ()
     typed = {k: getattr(al, k) for k in ("scale", "eps") if k in accepted}
     return {**typed, **al.estimator_options}

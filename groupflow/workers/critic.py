@@ -55,6 +55,11 @@ class CriticSpec:
         self.cfg, self.policy, self.seed = cfg, policy, seed
 
     def build(self) -> nn.Module:
+        from groupflow.models.causal_lm import resolve_dtype
+
+        return self._build().to(resolve_dtype(self.cfg.dtype))
+
+    def _build(self) -> nn.Module:
         c = self.cfg
         if c.path is not None:
             return load_value_model(

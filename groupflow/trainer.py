@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,13 @@ class Trainer:
     def _role_group(self, name: str, worker_cls, **kwargs) -> WorkerGroup:
         """The worker group of one role (actor, critic, reward_model): where every role is placed."""
         r = self.cfg.run
+        if r.backend == "ray":
+            # Reserve logical CPUs for every role's workers at once: Ray is started by the first
+            # group, and a later role asking for more than it declared would wait forever.
+            from groupflow.distributed.group import ensure_ray
+
+            roles = 1 + (self.cfg.critic is not None) + (self.cfg.reward_model is not None)
+            ensure_ray(r.ray_address, num_cpus=max(os.cpu_count() or 1, roles * r.num_workers + 2))
         return WorkerGroup(
             worker_cls, r.num_workers, backend=r.backend, timeout_s=r.worker_timeout_s,
             ray_options=RayOptions(address=r.ray_address), pg_timeout_s=r.worker_timeout_s, **kwargs,

@@ -141,20 +141,23 @@ class CriticWorker:
     def compute_values(self, batch: Batch) -> Batch:
         """``values`` [B, T] of the states before each response token; 0 where masked."""
         batch = batch.to(self.device)
-        self.model.eval()
+        self.critic.eval()
         out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-        for idx in micro_batches(
+        groups = micro_batches(
             _lengths(batch), self.cfg.micro_batch_samples, self.cfg.micro_batch_tokens
-        ):
+        )
+        # Through the FSDP root (it gathers the shards), so every rank runs the same number of
+        # forwards: a rank with fewer micro-batches repeats its last one and discards it.
+        n_micro = int(all_reduce(len(groups), op="max"))
+        for i in range(n_micro):
+            idx = groups[min(i, len(groups) - 1)]
             mb = _trim(batch.index(idx))
-            v = response_values(
-                self.model,
-                mb["prompt_ids"],
-                mb["prompt_mask"],
-                mb["responses"],
-                mb["response_mask"],
+            v = self.critic(
+                mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
             )
-            out[idx, : v.shape[1]] = v * mb["response_mask"]
+            if i < len(groups):
+                out[idx, : v.shape[1]] = v * mb["response_mask"]
+        self.critic.train()
         return Batch({"values": out.cpu()})
 
     # ----- update -----------------------------------------------------------------------------

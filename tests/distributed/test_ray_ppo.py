@@ -30,6 +30,16 @@ BASE = [
     "algorithm.kl_in_reward={coef: 0.05, controller: adaptive, target_kl: 0.01, horizon: 50}",
     "critic={lr: 1e-3, micro_batch_samples: 3}",
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_ray():
+    """A Ray instance started by these trainers (sized for actor + critic), not by earlier tests."""
+    ray.shutdown()
+    yield
+    ray.shutdown()
+
+
 KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
         "kl_in_reward/kl", "kl_in_reward/coef")  # fmt: skip
 

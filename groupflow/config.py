@@ -110,6 +110,22 @@ class ValidationConfig(_Section):
     greedy: bool = True
 
 
+class KLInRewardConfig(_Section):
+    """KL penalty subtracted from the token rewards (verl use_kl_in_reward, kl_ctrl)."""
+
+    coef: float = Field(0.001, ge=0)  # β (the initial β of the adaptive controller)
+    kind: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "k1"
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    target_kl: float | None = Field(None, gt=0)  # adaptive only
+    horizon: int | None = Field(None, ge=1)  # adaptive only, in samples
+
+    @model_validator(mode="after")
+    def _adaptive(self):
+        if self.controller == "adaptive" and (self.target_kl is None or self.horizon is None):
+            raise ValueError("controller 'adaptive' needs target_kl and horizon")
+        return self
+
+
 class AlgorithmConfig(_Section):
     estimator: str = "grpo"  # a name in groupflow.algorithms.ADVANTAGE_ESTIMATORS
     estimator_options: dict[str, Any] = Field(
@@ -121,14 +137,33 @@ class AlgorithmConfig(_Section):
     reward_threshold: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     max_sampling_rounds: int = Field(3, ge=1)
+    # estimator "gae" (PPO with a critic): discount and GAE lambda over response tokens
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    whiten_advantages: bool = True  # GAE advantages whitened over the batch's valid tokens
+    kl_in_reward: KLInRewardConfig | None = None  # None: no KL penalty in the reward
 
     @field_validator("estimator")
     @classmethod
     def _known(cls, name: str) -> str:
         from groupflow.algorithms import ADVANTAGE_ESTIMATORS
 
+        if name == "gae":  # token-level, with a critic: not an outcome estimator of the registry
+            return name
         ADVANTAGE_ESTIMATORS.get(name)  # raises, listing the valid names
         return name
+
+
+class LoraConfig(_Section):
+    """LoRA adapters on the policy (PEFT); the reference policy is the base with adapters disabled."""
+
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # module names (suffixes) to adapt; "all-linear" adapts every linear layer but the LM head
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
 
 
 class ActorConfig(_Section):
@@ -159,6 +194,7 @@ class ActorConfig(_Section):
     logprob_chunk_tokens: int = Field(4096, ge=1)  # tokens whose logits exist at once
     recompute_old_logprobs: Literal["auto", "always", "never"] = "auto"
     max_nonfinite_steps: int = Field(3, ge=1)
+    lora: LoraConfig | None = None  # None: full fine-tuning
 
     @field_validator("loss_fn")
     @classmethod
@@ -208,6 +244,57 @@ class SFTConfig(_Section):
     stop_at_accuracy: float | None = Field(None, ge=0, le=1)  # on a probe of TRAINING prompts
     check_every: int = Field(10, ge=1)  # steps between probe-accuracy checks
     target_field: str = "answer"
+
+
+class CriticConfig(_Section):
+    """The value model of PPO (estimator gae): LM backbone + scalar head, its own optimizer."""
+
+    path: str | None = None  # a local HF directory (any causal LM; the value head starts fresh)
+    tiny: TinyModelConfig | None = None  # a tiny one; path and tiny both None: copy the policy
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batch_samples: int | None = Field(None, ge=1)  # None: one optimizer step per rollout step
+    micro_batch_samples: int | None = Field(None, ge=1)
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    loss_agg: Literal[
+        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
+    ] = "token_mean"
+    value_clip: float | None = Field(0.5, gt=0)  # verl cliprange_value; None: no clipping
+    warmup_steps: int = Field(0, ge=0)  # steps in which only the critic trains (verl critic_warmup)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.path is not None and self.tiny is not None:
+            raise ValueError(
+                "set at most one of critic.path and critic.tiny (neither: copy the policy)"
+            )
+        if self.micro_batch_samples and self.micro_batch_tokens:
+            raise ValueError(
+                "set at most one of critic.micro_batch_samples and critic.micro_batch_tokens"
+            )
+        return self
+
+
+class RewardModelConfig(_Section):
+    """A sequence-classification reward model from a local HF directory, scoring prompt + response."""
+
+    path: str
+    tokenizer_path: str | None = None  # defaults to path
+    weight: float = 1.0  # its weight in the sum with the rule-based rewards
+    label: str = "reward_model"  # component name in the reward metrics
+    only: bool = False  # true: the model is the whole reward (reward.functions are ignored)
+    use_chat_template: bool | None = None  # None: when the prompt is chat messages and it has one
+    max_length: int = Field(2048, ge=8)  # tokens of prompt + response kept (from the left)
+    micro_batch_samples: int = Field(16, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
 
 
 class RunConfig(_Section):
@@ -262,6 +349,9 @@ class PlacementConfig(_Section):
     actor: PoolConfig = Field(default_factory=PoolConfig)
     rollout: Literal["colocated"] | PoolConfig = "colocated"
     reference: Literal["colocated"] | PoolConfig = "colocated"
+    # Roles with their own worker class; None: as many workers as the actor, placed like it.
+    critic: PoolConfig | None = None
+    reward_model: PoolConfig | None = None
     timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to place a pool
 
 
@@ -280,6 +370,9 @@ class Config(_Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
+    critic: CriticConfig | None = None  # PPO's value model (needs algorithm.estimator=gae)
+    reward_model: RewardModelConfig | None = None
+
     @model_validator(mode="after")
     def _placement(self):
         pl, run = self.placement, self.run
@@ -295,15 +388,22 @@ class Config(_Section):
                 f"placement.actor: {a.nodes} node(s) × {per_node} worker(s) per node does not "
                 f"make run.num_workers={run.num_workers}"
             )
-        if pl.reference != "colocated" and self.actor.kl_coef == 0:
+        if (
+            pl.reference != "colocated"
+            and self.actor.kl_coef == 0
+            and self.algorithm.kl_in_reward is None
+        ):
             raise ValueError(
-                "placement.reference is a pool but actor.kl_coef is 0, so no reference model is "
-                "used; set actor.kl_coef > 0 or placement.reference=colocated"
+                "placement.reference is a pool but no reference model is used (actor.kl_coef is 0 "
+                "and algorithm.kl_in_reward is unset); set one or placement.reference=colocated"
             )
-        for role in ("rollout", "reference"):
+        for role in ("critic", "reward_model"):
+            if getattr(pl, role) is not None and getattr(self, role) is None:
+                raise ValueError(f"placement.{role} is set but the run has no '{role}' section")
+        for role in ("rollout", "reference", "critic", "reward_model"):
             pool = getattr(pl, role)
             if (
-                pool != "colocated"
+                pool not in ("colocated", None)
                 and run.backend == "local"
                 and pool.nodes * (pool.workers_per_node or 1) > 1
             ):
@@ -311,6 +411,28 @@ class Config(_Section):
                     f"placement.{role}: the local backend runs one in-process worker per role; "
                     "use run.backend=ray for more"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _ppo(self):
+        gae = self.algorithm.estimator == "gae"
+        if gae and self.critic is None:
+            raise ValueError("algorithm.estimator 'gae' needs a critic: add a 'critic' section")
+        if not gae and self.critic is not None:
+            raise ValueError(
+                f"a 'critic' section is only used by algorithm.estimator 'gae' "
+                f"(got '{self.algorithm.estimator}'); remove it or set the estimator to gae"
+            )
+        if gae and self.algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.dynamic_sampling filters groups for outcome estimators; not with 'gae'"
+            )
+        mb = self.critic.mini_batch_samples if self.critic else None
+        samples = self.data.prompts_per_step * self.rollout.samples_per_prompt
+        if mb is not None and samples % mb:
+            raise ValueError(
+                f"critic.mini_batch_samples={mb} must divide the samples per step ({samples})"
+            )
         return self
 
     @model_validator(mode="after")

@@ -12,13 +12,22 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from groupflow import builders
-from groupflow.algorithms import ADVANTAGE_ESTIMATORS, compute_advantages
+from groupflow.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    build_kl_controller,
+    compute_advantages,
+    compute_gae,
+    kl_in_reward,
+    place_outcome_reward,
+    sequence_mean_kl,
+)
 from groupflow.algorithms.registry import option_names
 from groupflow.batch import Batch
 from groupflow.checkpoint import (
@@ -39,7 +48,13 @@ from groupflow.sft import warm_start
 from groupflow.tracking import Tracker
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker, ModelSpec, prompts_batch
+from groupflow.workers.critic import CriticSpec, CriticWorker
 from groupflow.workers.inference import InferenceWorker
+from groupflow.workers.reward_model import (
+    ModelRewardRunner,
+    RewardModelWorker,
+    check_reward_model_path,
+)
 
 log = logging.getLogger("groupflow")
 
@@ -56,6 +71,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_role_paths(cfg)  # a missing model directory fails now, not mid-run
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
@@ -67,8 +83,10 @@ class Trainer:
             if val_rows
             else None
         )
-        self.reward_fn = builders.build_reward(cfg)
-        self.reward_fn.check_fields({k for r in self.train.rows for k in r.fields})
+        rm_only = cfg.reward_model is not None and cfg.reward_model.only
+        self.reward_fn = None if rm_only else builders.build_reward(cfg)
+        if self.reward_fn is not None:
+            self.reward_fn.check_fields({k for r in self.train.rows for k in r.fields})
         # Rows are tokenized once at load; rollout looks their ids and text up by identity.
         self._encoded = {
             id(r): (t, i) for r, t, i in zip(self.train.rows, self.train.texts, self.train.ids)
@@ -81,10 +99,13 @@ class Trainer:
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, self.run_dir)), cfg.run.seed)
         pl = cfg.placement
         if cfg.run.backend == "ray" and not cfg.run.ray_address:
+            # Declare logical CPUs for every role's pool at once: Ray starts with the first group,
+            # and a later pool asking for more than was declared would wait for the timeout.
             ensure_ray(None, num_cpus=max(os.cpu_count() or 1, int(total_cpus(cfg)) + 2))
+        needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
         self.actor = role_group(
             cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
-            pg_timeout_s=cfg.run.worker_timeout_s, colocated_reference=pl.reference == "colocated",
+            pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated",
         )  # fmt: skip
         self.rollout = self.actor
         if pl.rollout != "colocated":
@@ -92,12 +113,13 @@ class Trainer:
                 cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout"
             )
         self.reference = None
-        if cfg.actor.kl_coef > 0:
+        if needs_reference:
             self.reference = self.actor
             if pl.reference != "colocated":
                 self.reference = role_group(
                     cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor, role="reference"
                 )
+        self._add_ppo_roles(spec)
         r = cfg.rollout
         self.sampling = SamplingParams(
             temperature=r.temperature,
@@ -111,6 +133,34 @@ class Trainer:
         self.estimator_options = estimator_options(cfg)
         self.step = 0
         self.tracker: Tracker | None = None
+
+    def _add_ppo_roles(self, policy_spec: ModelSpec) -> None:
+        """The optional roles: critic (estimator gae), reward model, KL-in-reward controller."""
+        cfg = self.cfg
+        self.critic = None
+        if cfg.critic is not None:
+            self.critic = role_group(
+                cfg, "critic", CriticWorker, spec=CriticSpec(cfg.critic, policy_spec, cfg.run.seed),
+                total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
+            )  # fmt: skip
+        if cfg.reward_model is not None:
+            rm = cfg.reward_model
+            raw = {
+                t: r.prompt
+                for rows in (self.train, self.val)
+                if rows
+                for t, r in zip(rows.texts, rows.rows)
+            }
+            self.reward_fn = ModelRewardRunner(
+                self.reward_fn, role_group(cfg, "reward_model", RewardModelWorker, cfg=rm, pg_timeout_s=cfg.run.worker_timeout_s),
+                weight=rm.weight, label=rm.label, raw_prompts=raw,
+            )  # fmt: skip
+        k = cfg.algorithm.kl_in_reward
+        self.kl_ctrl = (
+            build_kl_controller(k.controller, k.coef, k.target_kl, k.horizon)
+            if k is not None
+            else None
+        )
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -151,14 +201,13 @@ class Trainer:
                 batch, sampling_metrics = self.collect(self.step)
             with timer("old_logprobs"):
                 batch = self.add_logprobs(batch)
+            if self.critic is not None:
+                with timer("values"):
+                    batch["values"] = self.critic.compute_values(_model_inputs(batch))["values"]
             with timer("advantages"):
                 batch = validate(self.add_advantages(batch), "advantaged")
             with timer("update"):
-                update_metrics = self.actor.update(
-                    _model_inputs(validate(batch, "train_ready")),
-                    temperature=self.sampling.temperature,
-                    shuffle_seed=sample_seed(self.cfg.run.seed, self.step, -1),
-                )
+                update_metrics = self.update(validate(batch, "train_ready"))
             with timer("weight_sync"):
                 self.sync_rollout()
         self.step += 1
@@ -166,6 +215,24 @@ class Trainer:
         metrics = {**batch_metrics(batch), **sampling_metrics, **update_metrics, **timer.metrics()}
         metrics["perf/tokens_per_s"] = tokens / max(timer.seconds("step"), 1e-9)
         return batch, metrics
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """Critic update (if any), then the actor's — except during the critic warm-up steps."""
+        metrics: dict[str, float] = {}
+        seed = sample_seed(self.cfg.run.seed, self.step, -1)
+        if self.critic is not None:
+            critic_keys = [*(k for k in _MODEL_KEYS if k in batch), "values", "returns"]
+            metrics.update(
+                self.critic.update_critic(batch.select(*critic_keys, meta=False), shuffle_seed=seed)
+            )
+            if self.step < self.cfg.critic.warmup_steps:
+                return metrics
+        metrics.update(
+            self.actor.update(
+                _model_inputs(batch), temperature=self.sampling.temperature, shuffle_seed=seed
+            )
+        )
+        return metrics
 
     def before_training(self) -> dict[str, float]:
         """Data statistics, the optional supervised warm start, and the baseline validation."""
@@ -181,6 +248,9 @@ class Trainer:
             )  # fmt: skip
             self.sync_rollout()
             self.reset_reference()  # RL's reference is the warm-started policy, where RL begins
+        if self.critic is not None and cfg.critic.path is None and cfg.critic.tiny is None:
+            # "initialised from the policy" means from the policy that PPO starts from
+            self.critic.load_backbone(self.actor.full_weights())
         if cfg.validation.before_training:
             metrics.update(self.validate())
         return metrics
@@ -279,8 +349,18 @@ class Trainer:
 
     def add_advantages(self, batch: Batch) -> Batch:
         al = self.cfg.algorithm
+        rewards = batch["rewards"]
+        if al.kl_in_reward is not None or al.estimator == "gae":
+            token_rewards = self.token_rewards(batch)
+            if al.estimator == "gae":
+                batch["advantages"], batch["returns"] = compute_gae(
+                    token_rewards, batch["values"], batch["response_mask"],
+                    al.gamma, al.lam, al.whiten_advantages,
+                )  # fmt: skip
+                return batch
+            rewards = token_rewards.sum(-1)  # outcome estimators see r - β·ΣKL (as verl does)
         batch["advantages"] = compute_advantages(
-            batch["rewards"],
+            rewards,
             batch["group_ids"],
             al.estimator,
             adv_clip_max=al.adv_clip_max,
@@ -288,6 +368,24 @@ class Trainer:
             **self.estimator_options,
         )
         return batch
+
+    def token_rewards(self, batch: Batch) -> torch.Tensor:
+        """The outcome reward on each sample's last valid token, minus β·KL when configured."""
+        mask = batch["response_mask"]
+        token_rewards = place_outcome_reward(batch["rewards"], mask)
+        k = self.cfg.algorithm.kl_in_reward
+        if k is None:
+            return token_rewards
+        beta = self.kl_ctrl.value
+        token_rewards, kl = kl_in_reward(
+            token_rewards, batch["old_logprobs"], batch["ref_logprobs"], mask, beta, k.kind
+        )
+        current = float(sequence_mean_kl(kl, mask))
+        self.kl_ctrl.update(current, n_steps=len(batch))
+        batch.meta.setdefault("reward_metrics", {}).update(
+            {"kl_in_reward/kl": current, "kl_in_reward/coef": beta}
+        )
+        return token_rewards
 
     def decode(self, batch: Batch) -> list[str]:
         ids = [r[m.bool()].tolist() for r, m in zip(batch["responses"], batch["response_mask"])]
@@ -328,6 +426,13 @@ class Trainer:
         if self.reference is not None and self.cfg.sft.steps:
             # a warm-started reference is not the model the config builds: keep its weights
             state["reference"] = self.reference.reference_weights()
+        if self.critic is not None and self.critic.world_size == 1:
+            state.update({f"critic_{k}": v for k, v in self.critic.state_dict().items()})
+        elif self.critic is not None:
+            state["critic_train_state"] = self.critic.train_state()
+            writers["critic_shards"] = lambda path: self.critic.save_sharded(str(path))
+        if self.kl_ctrl is not None:
+            state["kl_controller"] = self.kl_ctrl.state_dict()
         root = self.run_dir / "checkpoints"
         return save_checkpoint(
             root, self.step, state, keep_last=self.cfg.run.keep_last, writers=writers
@@ -348,6 +453,7 @@ class Trainer:
         load_actor_state(self.actor, state, self.cfg.run.num_workers, path)
         if self.reference is not None and state.get("reference") is not None:
             self.reference.load_reference(state["reference"])
+        load_ppo_state(self.critic, self.kl_ctrl, state, path)
         self.loader.load_state_dict(state["loader"])
         restore_rng_state(state["rng"])
         self.step = int(state["trainer_state"]["step"])
@@ -377,7 +483,10 @@ def role_group(config: Config, role: str, worker_cls, /, **kwargs) -> WorkerGrou
 
 
 def pool_spec(cfg: Config, role: str) -> PoolSpec:
+    """A role's pool; the critic and reward model take the actor's shape unless placed otherwise."""
     pool = getattr(cfg.placement, role)
+    if pool is None:
+        return replace(pool_spec(cfg, "actor"), name=role)
     default = cfg.run.num_workers // pool.nodes if role == "actor" else 1
     return PoolSpec(pool.nodes, pool.workers_per_node or default, pool.cpus_per_worker,
                     pool.gpus_per_worker, name=role)  # fmt: skip
@@ -388,7 +497,37 @@ def total_cpus(cfg: Config) -> float:
     roles = ["actor"] + [
         r for r in ("rollout", "reference") if getattr(cfg.placement, r) != "colocated"
     ]
+    roles += [r for r in ("critic", "reward_model") if getattr(cfg, r) is not None]
     return sum(pool_spec(cfg, r).world_size * pool_spec(cfg, r).cpus_per_worker for r in roles)
+
+
+def check_role_paths(cfg: Config) -> None:
+    """Model directories of the optional roles must exist before anything else starts."""
+    from groupflow.models.causal_lm import ModelLoadError
+
+    if cfg.reward_model is not None:
+        check_reward_model_path(cfg.reward_model)
+    if cfg.critic is not None and cfg.critic.path is not None:
+        p = Path(cfg.critic.path).expanduser()
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(
+                f"critic.path: '{p}' is not a Hugging Face model directory (no config.json)"
+            )
+
+
+def load_ppo_state(critic, kl_ctrl, state: dict, path: Path) -> None:
+    """Restore the critic (weights, optimizer, schedule) and the KL controller's β."""
+    if critic is not None:
+        if "critic_shards" in state:
+            critic.load_sharded(str(state["critic_shards"]), state["critic_train_state"])
+        elif "critic_model" in state:
+            critic.load_state_dict(
+                {k: state[f"critic_{k}"] for k in ("model", "optimizer", "scheduler")}
+            )
+        else:
+            raise ValueError(f"checkpoint {path} has no critic state, but this run has a critic")
+    if kl_ctrl is not None and "kl_controller" in state:
+        kl_ctrl.load_state_dict(state["kl_controller"])
 
 
 # ----- batch assembly helpers (pure) ----------------------------------------------------------------
@@ -397,6 +536,8 @@ def total_cpus(cfg: Config) -> float:
 def estimator_options(cfg: Config) -> dict[str, Any]:
     """The typed options (scale, eps) the chosen estimator declares, plus its free-form extras."""
     al = cfg.algorithm
+    if al.estimator == "gae":  # token-level: gamma, lam, whiten_advantages are its options
+        return {}
     accepted = option_names(ADVANTAGE_ESTIMATORS.get(al.estimator)) or ()
     typed = {k: getattr(al, k) for k in ("scale", "eps") if k in accepted}
     return {**typed, **al.estimator_options}

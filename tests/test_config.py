@@ -145,13 +145,17 @@ def test_invalid_values_name_the_key(overrides, expected):
         ),
         (
             {"placement.reference": {"workers_per_node": 1}},
-            "placement.reference is a pool but actor.kl_coef is 0",
+            "placement.reference is a pool but no reference model is used",
         ),
         (
             {"placement.rollout": {"workers_per_node": 2}},
             "placement.rollout: the local backend runs one in-process worker per role",
         ),
         ({"placement.rollout": "apart"}, "'placement.rollout"),
+        (
+            {"placement.critic": {"nodes": 1}},
+            "placement.critic is set but the run has no 'critic' section",
+        ),
         ({"placement.actor.gpus_per_worker": -1}, "'placement.actor.gpus_per_worker'"),
     ],
 )

@@ -8,6 +8,7 @@ selects variants by name and users add one by registering a function:
     loss        policy_loss(logprobs, old_logprobs, advantages, mask, loss_fn="ppo_clip", agg=...)
     reduction   aggregate(values, mask, mode, num_tokens=, num_seqs=, max_len=), loss_denominators
     KL/entropy  kl_penalty(logprobs, ref_logprobs, kind), entropy_from_logits
+    PPO         place_outcome_reward, kl_in_reward, Fixed/AdaptiveKLController, value_loss
     sampling    apply_sampling_filters, sample_from_logits, logprobs_from_logits
 """
 
@@ -31,6 +32,11 @@ from groupflow.algorithms.kl import (
     kl_penalty,
     register_kl_estimator,
 )
+from groupflow.algorithms.kl_control import (
+    AdaptiveKLController,
+    FixedKLController,
+    build_kl_controller,
+)
 from groupflow.algorithms.policy_loss import (
     POLICY_LOSSES,
     masked_mean,
@@ -47,8 +53,21 @@ from groupflow.algorithms.sampling import (
     logprobs_from_logits,
     sample_from_logits,
 )
+from groupflow.algorithms.token_rewards import (
+    kl_in_reward,
+    place_outcome_reward,
+    sequence_mean_kl,
+)
+from groupflow.algorithms.value_loss import value_loss
 
 __all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "build_kl_controller",
+    "kl_in_reward",
+    "place_outcome_reward",
+    "sequence_mean_kl",
+    "value_loss",
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
     "KL_ESTIMATORS",

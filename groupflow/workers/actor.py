@@ -148,7 +148,8 @@ def _trim(batch: Batch) -> Batch:
     out = batch.copy()
     for k in ("prompt_ids", "prompt_mask"):
         out[k] = batch[k][:, pm.shape[1] - p_keep :]
-    for k in ("responses", "response_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
+    for k in ("responses", "response_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+              "values", "returns"):  # fmt: skip
         if k in batch.tensors:
             out[k] = batch[k][:, :t_keep]
     if "advantages" in batch.tensors and batch["advantages"].dim() == 2:
@@ -285,7 +286,7 @@ class ActorRolloutWorker:
         eos_ids: Sequence[int],
         rank: int = 0,
         world_size: int = 1,
-        colocated_reference: bool = True,
+        reference: bool | None = None,
     ):
         self.rank, self.world_size = rank, world_size
         # Tensors cross the worker boundary on the CPU; inside, they live where the model does.
@@ -293,11 +294,16 @@ class ActorRolloutWorker:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.pad_id, self.eos_ids = pad_id, list(eos_ids)
-        # β = 0 never builds a reference model (algorithms.md §4); nor does a reference placed in
-        # its own pool (then ``ref_logprobs`` arrive with the batch).
+        # β = 0 never builds a reference model (algorithms.md §4); ``reference`` asks for one
+        # without a KL loss (KL in the reward). With LoRA the reference is the base model with
+        # the adapters switched off: no second copy in memory. A reference placed in its own pool
+        # is asked for with ``reference=False`` (``ref_logprobs`` then arrive with the batch).
+        self.has_reference = cfg.kl_coef > 0 if reference is None else reference
         self.ref_model = None
-        if cfg.kl_coef > 0 and colocated_reference:
+        if self.has_reference and cfg.lora is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if cfg.lora is not None:
+            apply_lora(model, cfg.lora)
         # Sharded training needs a full copy for generation (see the module docstring).
         self.rollout_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if world_size > 1 else None
@@ -327,7 +333,7 @@ class ActorRolloutWorker:
         cfg: ActorConfig,
         total_steps: int,
         pg_timeout_s: float = 600.0,
-        colocated_reference: bool = True,
+        reference: bool | None = None,
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
@@ -336,7 +342,7 @@ class ActorRolloutWorker:
         from groupflow.builders import eos_ids
 
         return cls(model, tok, cfg, total_steps=total_steps, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
-                   rank=rank, world_size=world_size, colocated_reference=colocated_reference)  # fmt: skip
+                   rank=rank, world_size=world_size, reference=reference)  # fmt: skip
 
     # ----- rollout ----------------------------------------------------------------------------
     @register("dp")
@@ -357,14 +363,22 @@ class ActorRolloutWorker:
         self, batch: Batch, *, temperature: float, reference: bool = False
     ) -> Batch:
         """``logprobs`` [B, T] of the batch's responses under the policy or the reference; 0 where masked."""
-        if reference and self.ref_model is None:
+        if reference and not self.has_reference:
             raise RuntimeError(
-                "compute_logprobs(reference=True) needs actor.kl_coef > 0 (no reference model)"
+                "compute_logprobs(reference=True) needs actor.kl_coef > 0 or "
+                "algorithm.kl_in_reward (no reference model)"
             )
         # Unsharded models only: the number of micro-batches may differ per rank (token budgets),
         # and a forward without gradients must not wait on collectives.
-        model = self.ref_model if reference else (self.rollout_model or self.model)
-        return batch_logprobs(model, batch, temperature, self.cfg, self.device)
+        model = self.rollout_model or self.model
+        if reference and self.ref_model is not None:
+            model = self.ref_model
+        lora_off = reference and self.ref_model is None  # LoRA: the base model is the reference
+        try:
+            set_adapters(model, enabled=not lora_off)
+            return batch_logprobs(model, batch, temperature, self.cfg, self.device)
+        finally:
+            set_adapters(model, enabled=True)
 
     # ----- update -----------------------------------------------------------------------------
     @register("dp")
@@ -622,12 +636,6 @@ class ActorRolloutWorker:
         )
         self._sync_rollout_weights()
 
-    @register("rank0")
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's full (unsharded) weights on the CPU, e.g. for a rollout pool (a collective)."""
-        full = full_model_state(self.policy)
-        return {k.removeprefix("lm."): v.detach().cpu() for k, v in full.items()}
-
     @register("all")
     def reset_reference(self) -> None:
         """Make the current policy the reference (after a supervised warm start: RL starts there)."""
@@ -649,15 +657,89 @@ class ActorRolloutWorker:
 
     @register("rank0")
     def save_pretrained(self, out_dir: str) -> None:
-        """Write a plain HF directory (safetensors + config + tokenizer) from the (gathered) weights."""
-        full = full_model_state(self.policy)
+        """Write a plain HF directory (safetensors + config + tokenizer) from the (gathered) weights;
+        LoRA adapters are merged into the base weights, so the directory needs no PEFT to load."""
+        target = self._plain_model()
         if self.rank == 0:
-            target = (
-                copy.deepcopy(self.rollout_model) if self.rollout_model is not None else self.model
-            )
-            target.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
             target.save_pretrained(out_dir, safe_serialization=True)
             self.tokenizer.save_pretrained(out_dir)
+
+    @register("rank0")
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights with plain HF names (LoRA merged), on rank 0 (a collective):
+        for a rollout or reference pool, or to initialise a critic."""
+        target = self._plain_model()
+        return (
+            {k: v.detach().cpu().clone() for k, v in target.state_dict().items()}
+            if self.rank == 0
+            else {}
+        )
+
+    def _plain_model(self) -> nn.Module | None:
+        """An unsharded model with the current weights (LoRA merged) on rank 0; a collective."""
+        full = full_model_state(self.policy)
+        if self.rank != 0:
+            return None
+        target = self.model
+        if self.rollout_model is not None:
+            target = copy.deepcopy(self.rollout_model)
+            target.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
+        return merged_lora_copy(target) if self.cfg.lora is not None else target
+
+
+def apply_lora(model: nn.Module, lora) -> nn.Module:
+    """Inject LoRA adapters into ``model`` in place (PEFT) and freeze everything else.
+
+    The model stays a plain HF model whose adapted Linear layers are LoRA layers, so generation,
+    log-probs and FSDP see the same object as without LoRA. The adapters' random init (A; B is 0,
+    so the policy starts equal to the base) uses a fixed seed outside the caller's RNG stream.
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=lora.target_modules, bias="none",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        try:
+            inject_adapter_in_model(config, model)
+        except ValueError as e:  # PEFT's message does not name our config key
+            raise ValueError(
+                f"actor.lora.target_modules={lora.target_modules!r}: {e} Use names of "
+                f"{type(model).__name__}'s Linear layers (e.g. q_proj, v_proj) or 'all-linear'"
+            ) from e
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"actor.lora.target_modules={lora.target_modules!r} matched no module of "
+            f"{type(model).__name__}; use names of its Linear layers (e.g. q_proj, v_proj) or 'all-linear'"
+        )
+    return model
+
+
+def set_adapters(model: nn.Module, enabled: bool) -> None:
+    """Switch every LoRA layer of ``model`` on or off (off: the base model); no-op without LoRA."""
+    for module in model.modules():
+        if hasattr(module, "enable_adapters") and hasattr(module, "base_layer"):
+            module.enable_adapters(enabled)
+
+
+def merged_lora_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with LoRA merged into the base weights and the LoRA layers removed."""
+    out = copy.deepcopy(model)
+    for name, module in list(out.named_modules()):
+        if hasattr(module, "merge") and hasattr(module, "base_layer"):
+            module.merge()
+            parent_name, _, child = name.rpartition(".")
+            setattr(
+                out.get_submodule(parent_name) if parent_name else out,
+                child,
+                module.get_base_layer(),
+            )
+    out.requires_grad_(True)
+    return out
 
 
 def optimizer_state_by_name(osd: dict, names: Sequence[str]) -> dict:

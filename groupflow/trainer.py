@@ -137,7 +137,7 @@ class Trainer:
     def _add_ppo_roles(self, policy_spec: ModelSpec) -> None:
         """The optional roles: critic (estimator gae), reward model, KL-in-reward controller."""
         cfg = self.cfg
-        self.critic = None
+        self.critic = self.reward_model = None
         if cfg.critic is not None:
             self.critic = role_group(
                 cfg, "critic", CriticWorker, spec=CriticSpec(cfg.critic, policy_spec, cfg.run.seed),
@@ -151,10 +151,16 @@ class Trainer:
                 if rows
                 for t, r in zip(rows.texts, rows.rows)
             }
+            self.reward_model = role_group(
+                cfg,
+                "reward_model",
+                RewardModelWorker,
+                cfg=rm,
+                pg_timeout_s=cfg.run.worker_timeout_s,
+            )
             self.reward_fn = ModelRewardRunner(
-                self.reward_fn, role_group(cfg, "reward_model", RewardModelWorker, cfg=rm, pg_timeout_s=cfg.run.worker_timeout_s),
-                weight=rm.weight, label=rm.label, raw_prompts=raw,
-            )  # fmt: skip
+                self.reward_fn, self.reward_model, weight=rm.weight, label=rm.label, raw_prompts=raw
+            )
         k = cfg.algorithm.kl_in_reward
         self.kl_ctrl = (
             build_kl_controller(k.controller, k.coef, k.target_kl, k.horizon)
@@ -268,7 +274,8 @@ class Trainer:
 
     def shutdown(self) -> None:
         """Stop every worker group (Ray actors and their resource pools)."""
-        for group in dict.fromkeys(g for g in (self.actor, self.rollout, self.reference) if g):
+        roles = (self.actor, self.rollout, self.reference, self.critic, self.reward_model)
+        for group in dict.fromkeys(g for g in roles if g is not None):
             group.shutdown()
 
     def _due(self, every: int) -> bool:

@@ -59,8 +59,7 @@ def run(tmp_path, name, steps, *extra):
     try:
         trainer.fit()
     finally:
-        trainer.actor.shutdown()
-        trainer.critic.shutdown()
+        trainer.shutdown()
     rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "critic/vf_loss" in r}
 

@@ -32,6 +32,7 @@ __all__ = [
     "build_data",
     "build_reward",
     "encode_prompts",
+    "build_policy",
 ]
 
 
@@ -189,3 +190,12 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) ->
 def build_reward(cfg: Config):
     specs = [s.model_dump() for s in cfg.reward.functions] or None
     return build_reward_runner(specs, failure_value=cfg.reward.failure_value)
+
+
+def build_policy(cfg: Config, run_dir: Path):
+    """The policy object for a non-LLM policy type (``diffusion:``), or None for the built-in LLM policy."""
+    if cfg.diffusion is None:
+        return None
+    from groupflow.diffusion.policy import DiffusionPolicy
+
+    return DiffusionPolicy(cfg, run_dir)

@@ -28,7 +28,7 @@ from groupflow.checkpoint import (
     save_checkpoint,
 )
 from groupflow.config import Config
-from groupflow.contracts import validate
+from groupflow.contracts import CONTRACTS, validate
 from groupflow.data import PromptLoader, PromptRow
 from groupflow.distributed import RayOptions, WorkerGroup
 from groupflow.evaluation import evaluate
@@ -56,6 +56,19 @@ class Trainer:
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
+        self.estimator_options = estimator_options(cfg)
+        self.step = 0
+        self.tracker: Tracker | None = None
+        # The policy type is config: a non-LLM policy (a flow-matching generator) is an object
+        # that supplies rollout, log-probs, update inputs, validation and step metrics; the loop
+        # below is the same for both. None: the built-in LLM policy (this class's own stages).
+        self.policy = builders.build_policy(cfg, self.run_dir)
+        self.contracts = CONTRACTS
+        if self.policy is not None:
+            self.actor, self.loader = self.policy.actor, self.policy.loader
+            self.contracts = self.policy.contracts
+            self.data_stats = self.policy.data_stats
+            return
         train_rows, val_rows, self.data_stats = builders.build_data(cfg)
         self.tokenizer = builders.build_tokenizer(cfg, self.run_dir, train_rows + val_rows)
         self.train = builders.encode_prompts(train_rows, self.tokenizer, cfg, "train")
@@ -90,9 +103,6 @@ class Trainer:
             stop=tuple(r.stop),
             n=r.samples_per_prompt,
         )
-        self.estimator_options = estimator_options(cfg)
-        self.step = 0
-        self.tracker: Tracker | None = None
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -133,14 +143,13 @@ class Trainer:
             with timer("old_logprobs"):
                 batch = self.add_logprobs(batch)
             with timer("advantages"):
-                batch = validate(self.add_advantages(batch), "advantaged")
+                batch = validate(self.add_advantages(batch), self.contracts["advantaged"])
             with timer("update"):
-                update_metrics = self.actor.update(
-                    _model_inputs(validate(batch, "train_ready")),
-                    temperature=self.sampling.temperature,
-                    shuffle_seed=sample_seed(self.cfg.run.seed, self.step, -1),
-                )
+                update_metrics = self.update(batch)
         self.step += 1
+        if self.policy is not None:
+            metrics = self.policy.step_metrics(batch, timer.seconds("step"))
+            return batch, {**metrics, **sampling_metrics, **update_metrics, **timer.metrics()}
         tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
         metrics = {**batch_metrics(batch), **sampling_metrics, **update_metrics, **timer.metrics()}
         metrics["perf/tokens_per_s"] = tokens / max(timer.seconds("step"), 1e-9)
@@ -192,7 +201,19 @@ class Trainer:
             "sampling/kept_groups": int(batch["group_ids"].unique().numel()),
         }
 
+    def update(self, batch: Batch) -> dict[str, float]:
+        shuffle_seed = sample_seed(self.cfg.run.seed, self.step, -1)
+        if self.policy is not None:
+            return self.policy.update(batch, shuffle_seed)
+        return self.actor.update(
+            _model_inputs(validate(batch, "train_ready")),
+            temperature=self.sampling.temperature,
+            shuffle_seed=shuffle_seed,
+        )
+
     def rollout_and_reward(self, rows: list[PromptRow], step: int, round_: int) -> Batch:
+        if self.policy is not None:
+            return self.policy.rollout_and_reward(rows, step, round_)
         n = self.sampling.n
         base = round_ * 1_000_000  # distinct seeds and group ids for refill rounds
         seeds = [sample_seed(self.cfg.run.seed, step, base + i) for i in range(len(rows) * n)]
@@ -217,6 +238,8 @@ class Trainer:
 
     def add_logprobs(self, batch: Batch) -> Batch:
         """Old log-probs (needed when there is more than one optimizer step per batch) and reference ones."""
+        if self.policy is not None:
+            return self.policy.add_logprobs(batch)
         a = self.cfg.actor
         several_steps = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
         need_old = a.recompute_old_logprobs == "always" or (
@@ -247,6 +270,9 @@ class Trainer:
             reward_threshold=al.reward_threshold,
             **self.estimator_options,
         )
+        if al.shuffle_advantages:  # the control run (see AlgorithmConfig.shuffle_advantages)
+            g = torch.Generator().manual_seed(sample_seed(self.cfg.run.seed, self.step, -2))
+            batch["advantages"] = batch["advantages"][torch.randperm(len(batch), generator=g)]
         return batch
 
     def decode(self, batch: Batch) -> list[str]:
@@ -255,6 +281,8 @@ class Trainer:
 
     # ----- validation -----------------------------------------------------------------------------
     def validate(self, return_records: bool = False):
+        if self.policy is not None:
+            return self.policy.validate(self.step)
         if self.val is None:
             return ({}, {}) if return_records else {}
         v = self.cfg.validation
@@ -280,7 +308,7 @@ class Trainer:
             "trainer_state": {"step": self.step},
         }
         writers = {}
-        if self.cfg.run.num_workers == 1:
+        if self.cfg.run.num_workers == 1 or self.policy is not None:  # diffusion: replicated
             state.update(self.actor.state_dict())
         else:
             state["actor_state"] = self.actor.train_state()
@@ -302,7 +330,7 @@ class Trainer:
         if not path.is_dir():
             raise FileNotFoundError(f"run.resume: checkpoint directory '{path}' does not exist")
         state = load_checkpoint(path)
-        load_actor_state(self.actor, state, self.cfg.run.num_workers, path)
+        load_actor_state(self.actor, state, 1 if self.policy else self.cfg.run.num_workers, path)
         self.loader.load_state_dict(state["loader"])
         restore_rng_state(state["rng"])
         self.step = int(state["trainer_state"]["step"])

@@ -151,8 +151,13 @@ def guided_velocity(
     return v_u + scale * (v_c - v_u)
 
 
-def step_noise(generators: list[torch.Generator], shape: tuple[int, ...]) -> Tensor:
-    """One standard-normal latent per sample, each from its own generator (reproducible per sample)."""
+def step_noise(
+    generators: list[torch.Generator] | torch.Generator, shape: tuple[int, ...], n: int
+) -> Tensor:
+    """[n, *shape] standard normal: one latent per sample from its own generator (so a sample's
+    noise does not depend on its batch-mates), or all at once from a single generator."""
+    if isinstance(generators, torch.Generator):
+        return torch.randn((n, *shape), generator=generators)
     return torch.stack([torch.randn(shape, generator=g) for g in generators])
 
 
@@ -176,16 +181,20 @@ def sample_trajectory(
     sampler: str,
     *,
     noise_level: float | None = None,
-    generators: list[torch.Generator] | None = None,
+    generators: list[torch.Generator] | torch.Generator | None = None,
 ) -> Trajectory:
     """Run ``sampler`` from ``noise`` [B, ...] over ``sigmas`` [N + 1]; ``velocity(x, σ[B])`` -> v.
 
-    ``generators``: one per sample for the SDE noise (required for stochastic samplers).
+    ``generators``: one per sample for the SDE noise (required for stochastic samplers), or one
+    generator for the whole batch.
     """
     spec = get_sampler(sampler)
     level = spec.default_noise_level if noise_level is None else noise_level
     b, n = noise.shape[0], sigmas.numel() - 1
-    if spec.stochastic and (generators is None or len(generators) != b):
+    per_sample_ok = isinstance(generators, torch.Generator) or (
+        generators is not None and len(generators) == b
+    )
+    if spec.stochastic and not per_sample_ok:
         raise ValueError(f"sampler '{sampler}' needs one torch.Generator per sample ({b})")
     x = noise
     xs, nexts, lps = [], [], []
@@ -196,7 +205,7 @@ def sample_trajectory(
         v = velocity(x, s)
         mean, std = spec.step(x, v, s, s_next, noise_level=level)
         if spec.stochastic and level > 0:
-            z = step_noise(generators, tuple(x.shape[1:])).to(x.device, x.dtype)
+            z = step_noise(generators, tuple(x.shape[1:]), b).to(x.device, x.dtype)
             x_next = mean + _b(std, mean) * z
             lps.append(gaussian_logprob(x_next, mean, std))
         else:

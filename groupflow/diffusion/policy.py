@@ -68,8 +68,9 @@ def settings_from_config(d: DiffusionConfig) -> DiffusionSettings:
 def _prompt_text(row: PromptRow) -> str:
     if not isinstance(row.prompt, str):
         raise DataError(
-            f"{row.source}, row {row.index}: a diffusion prompt must be a plain string, got chat messages"
-        )
+            "a diffusion prompt must be a plain string, got chat messages",
+            source=row.source, index=row.index, field="prompt",
+        )  # fmt: skip
     return row.prompt
 
 
@@ -229,9 +230,10 @@ def _check_labels(path: Path, rows: list[PromptRow]) -> None:
     for r in rows:
         if isinstance(r.prompt, str) and r.prompt not in labels:
             raise DataError(
-                f"{r.source}, row {r.index}: prompt {r.prompt!r} is not a label of the tiny diffusion "
-                f"model at {path}; valid prompts: {labels}"
-            )
+                f"prompt {r.prompt!r} is not a label of the tiny diffusion model at {path}; "
+                f"valid prompts: {labels}",
+                source=r.source, index=r.index, field="prompt",
+            )  # fmt: skip
 
 
 def _describe(image: torch.Tensor) -> str:

@@ -98,6 +98,17 @@ def select_steps(num_steps: int, settings: DiffusionSettings, generator: torch.G
     return mask
 
 
+def stream_seed(seed: int, stream: int) -> int:
+    """A seed for one of a sample's random streams (0: initial noise, 1: SDE noise, 2: step
+    choice). Mixed, not ``seed + stream``: the trainer's per-sample seeds are consecutive
+    integers, so offsets would make one sample's SDE noise another group's initial noise."""
+    return (seed * 6364136223846793005 + (stream + 1) * 1442695040888963407) % (2**63 - 1)
+
+
+def _gen(seed: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(stream_seed(int(seed), stream))
+
+
 def _cond_of(batch: Batch) -> dict[str, Tensor]:
     return {k[len(COND_PREFIX) :]: v for k, v in batch.tensors.items() if k.startswith(COND_PREFIX)}
 
@@ -230,18 +241,14 @@ class DiffusionWorker:
             for row in prompts["seeds"]
             for s in row
         ]
-        noise = torch.stack(
-            [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in init_seeds]
-        )
-        gens = [
-            torch.Generator().manual_seed(s + 1) for s in seeds
-        ]  # SDE noise: distinct per sample
+        noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in init_seeds])
+        gens = [_gen(s, 1) for s in seeds]  # SDE noise: distinct per sample
         cond = {k: v.to(self.device) for k, v in self.flow.encode(texts).items()}
         traj = sample_trajectory(
             lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas,
             self.settings.sampler, noise_level=self.noise_level, generators=gens,
         )  # fmt: skip
-        step_gens = [torch.Generator().manual_seed(s + 2) for s in seeds]
+        step_gens = [_gen(s, 2) for s in seeds]
         mask = torch.stack(
             [select_steps(self.settings.num_steps, self.settings, g) for g in step_gens]
         )
@@ -262,14 +269,10 @@ class DiffusionWorker:
         """Evaluation: one image per row from its fixed ``noise_seed`` with ``sampler`` (ODE by default)."""
         self._train_mode(False)
         shape = tuple(self.flow.latent_shape)
-        noise = torch.stack(
-            [
-                torch.randn(shape, generator=torch.Generator().manual_seed(int(s)))
-                for s in prompts["noise_seed"].tolist()
-            ]
-        )
+        seeds = prompts["noise_seed"].tolist()
+        noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in seeds])
         cond = {k: v.to(self.device) for k, v in self.flow.encode(list(prompts["prompt"])).items()}
-        gens = [torch.Generator().manual_seed(int(s) + 1) for s in prompts["noise_seed"].tolist()]
+        gens = [_gen(s, 1) for s in seeds]
         traj = sample_trajectory(
             lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas, sampler,
             noise_level=None if sampler != self.settings.sampler else self.noise_level, generators=gens,

@@ -69,6 +69,11 @@ def _load_trainer_for_inference(args):
         "run.num_workers=1",
     ]
     cfg = load_config(args.config, overrides)
+    if cfg.diffusion is not None:
+        raise ValueError(
+            f"'{args.command}' works on LLM policies; a diffusion run is evaluated during training "
+            "(validation.every_steps: eval reward and PNG grids in the run directory)"
+        )
     trainer = Trainer(cfg)
     if args.checkpoint:
         from groupflow.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint

@@ -343,6 +343,17 @@ class Config(_Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     diffusion: DiffusionConfig | None = None  # a flow-matching policy instead of an LLM
 
+    @model_validator(mode="before")
+    @classmethod
+    def _required_sections(cls, data: Any) -> Any:
+        # Checked before field validation so that an empty file names every missing section.
+        if isinstance(data, dict) and data.get("model") is None and data.get("diffusion") is None:
+            missing = ["one of 'model' (an LLM policy) or 'diffusion' (a flow-matching generator)"]
+            if "data" not in data:
+                missing.append("'data'")
+            raise ValueError(f"missing required section(s): {' and '.join(missing)}")
+        return data
+
     @model_validator(mode="after")
     def _policy_type(self):
         if (self.model is None) == (self.diffusion is None):

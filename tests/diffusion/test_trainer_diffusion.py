@@ -184,3 +184,29 @@ def test_one_ray_worker_gives_the_local_numbers(tiny_dir, prompts_file, tmp_path
         for key in ("reward/mean", "actor/grad_norm", "val/reward/mean"):
             if key in ra:
                 assert ra[key] == rb[key], (ra["step"], key)
+
+
+def test_llm_only_commands_refuse_a_diffusion_config(tiny_dir, prompts_file, tmp_path, capsys):
+    import yaml
+
+    from groupflow.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_dir, prompts_file).to_dict()))
+    assert main(["eval", str(path)]) == 2
+    assert "'eval' works on LLM policies" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_ray_workers_train_data_parallel(tiny_dir, prompts_file, tmp_path):
+    pytest.importorskip("ray")
+    over = {"run.name": "ray2", "run.backend": "ray", "run.num_workers": 2, "run.save_every": 2}
+    trainer = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over))
+    try:
+        trainer.fit()
+    finally:
+        trainer.actor.shutdown()
+    rows = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert rows[-1]["batch/samples"] == 6 and rows[-1]["actor/ratio_max"] == 1.0
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert (trainer.run_dir / "checkpoints" / "step_2").is_dir()

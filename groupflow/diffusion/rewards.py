@@ -129,12 +129,9 @@ class CLIPStyleScorer:
             text=list(prompts), images=pixels, return_tensors="pt", padding=True
         )
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
-        img = self.model.get_image_features(pixel_values=inputs["pixel_values"])
-        txt = self.model.get_text_features(
-            input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask")
-        )
-        img, txt = img / img.norm(dim=-1, keepdim=True), txt / txt.norm(dim=-1, keepdim=True)
-        return self.model.logit_scale.exp() * (img * txt).sum(-1).cpu()
+        # logits_per_image[i, j] = logit_scale · cos(image_i, text_j); each image pairs with its prompt
+        out = self.model(**inputs)
+        return out.logits_per_image.diagonal().float().cpu()
 
 
 class _HPSv3Scorer:

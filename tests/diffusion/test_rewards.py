@@ -79,3 +79,54 @@ def test_image_scorer_needs_a_local_path(tmp_path):
         make_image_scorer_reward(path=str(tmp_path / "pickscore"))
     with pytest.raises(RewardConfigError, match="unknown kind 'hps9'; valid kinds"):
         make_image_scorer_reward(path=str(tmp_path), kind="hps9")
+
+
+def _tiny_clip(path):
+    """A random-weight CLIP (16-px images, a 10-word vocabulary) saved like a downloaded scorer."""
+    import json
+
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    path.mkdir()
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    vocab.update(
+        {w: i + 2 for i, w in enumerate(["red</w>", "blue</w>", "r", "e", "d", "b", "l", "u"])}
+    )
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    tok = CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+    images = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    layer = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=len(vocab), max_position_embeddings=16, **layer),
+        vision_config=dict(image_size=16, patch_size=8, **layer),
+        projection_dim=8,
+    )
+    torch.manual_seed(0)
+    CLIPModel(cfg).save_pretrained(path)
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(path)
+
+
+@pytest.mark.slow  # transformers' CLIP import and save/load dominate; the model is tiny
+def test_clip_style_scorer_from_a_local_directory(tmp_path):
+    _tiny_clip(tmp_path / "clip")
+    reward = make_image_scorer_reward(path=str(tmp_path / "clip"), kind="pickscore")
+    g = torch.Generator().manual_seed(0)
+    image, video = torch.rand(3, 16, 16, generator=g), torch.rand(3, 3, 16, 16, generator=g)
+    scores = reward(["red", "blue"], [image, video])
+    from groupflow.diffusion.rewards import CLIPStyleScorer
+
+    scorer = CLIPStyleScorer(tmp_path / "clip")
+    # the video is scored on its first frame, each image against its own prompt
+    assert scores[0] == pytest.approx(float(scorer(image[None], ["red"])[0]), abs=1e-5)
+    assert scores[1] == pytest.approx(float(scorer(video[:, 0][None], ["blue"])[0]), abs=1e-5)
+    m = scorer.model
+    inputs = scorer.processor(
+        text=["red"],
+        images=[(image.permute(1, 2, 0) * 255).round().byte().numpy()],
+        return_tensors="pt",
+        padding=True,
+    )
+    out = m(**inputs)
+    cos = torch.nn.functional.cosine_similarity(out.image_embeds, out.text_embeds)
+    assert scores[0] == pytest.approx(float(m.logit_scale.exp() * cos[0]), abs=1e-4)

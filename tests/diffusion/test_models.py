@@ -120,3 +120,25 @@ def test_hash_prompt_encoder_is_deterministic_and_prompt_specific():
     assert torch.equal(a["encoder_hidden_states"][0], b["encoder_hidden_states"][0])
     assert not torch.equal(a["encoder_hidden_states"][0], a["encoder_hidden_states"][1])
     assert bool((enc.null(2)["encoder_hidden_states"] == 0).all())
+
+
+@pytest.mark.slow
+def test_worker_trains_a_video_transformer(tmp_path):
+    from groupflow.algorithms import compute_advantages
+    from groupflow.config import ActorConfig
+    from groupflow.diffusion.policy import save_image_grid
+    from groupflow.diffusion.worker import DiffusionSettings, DiffusionWorker, prompt_rows
+
+    torch.set_num_threads(1)
+    model = load_diffusers_model(_wan(tmp_path), "wan", (4, 3, 8, 8))
+    settings = DiffusionSettings(num_steps=2, timestep_fraction=1.0, cfg_scale=2.0)
+    w = DiffusionWorker(model, settings, ActorConfig(lr=1e-3, clip_eps_low=1e-4), total_steps=2)
+    b = w.generate(prompt_rows(["a cat", "a dog"], [[1, 2], [3, 4]], [0, 1]), 2)
+    assert b["latents"].shape == (4, 2, 4, 3, 8, 8) and b["images"].shape == (4, 3, 3, 8, 8)
+    b["advantages"] = compute_advantages(b["images"].mean((1, 2, 3, 4)), b["group_ids"], "grpo")
+    b["old_logprobs"] = b["rollout_logprobs"]
+    inputs = b.select(*[k for k in b.tensors if k not in ("images", "rollout_logprobs")])
+    assert torch.equal(w.compute_logprobs(inputs)["logprobs"], b["rollout_logprobs"])
+    m = w.update(inputs)
+    assert m["actor/ratio_max"] == 1.0 and m["actor/grad_norm"] > 0
+    assert save_image_grid(b["images"], 2, tmp_path / "grid.png").is_file()  # first frames

@@ -7,7 +7,7 @@ objects it returns take plain arguments and never see the config again (style.md
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from groupflow.config import Config, ModelConfig
@@ -20,6 +20,7 @@ from groupflow.data import (
     train_char_tokenizer,
 )
 from groupflow.data.tokenizer import DEFAULT_ALPHABET
+from groupflow.distributed import PoolSpec, RayOptions, WorkerGroup
 from groupflow.models.causal_lm import ModelLoadError, build_tiny_llama, load_causal_lm
 from groupflow.rewards import build_reward_runner
 
@@ -32,6 +33,10 @@ __all__ = [
     "build_data",
     "build_reward",
     "encode_prompts",
+    "build_policy",
+    "role_group",
+    "pool_spec",
+    "total_cpus",
 ]
 
 
@@ -189,3 +194,53 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) ->
 def build_reward(cfg: Config):
     specs = [s.model_dump() for s in cfg.reward.functions] or None
     return build_reward_runner(specs, failure_value=cfg.reward.failure_value)
+
+
+def build_policy(cfg: Config, run_dir: Path):
+    """The policy object for a non-LLM policy type (``diffusion:``), or None for the built-in LLM policy."""
+    if cfg.diffusion is None:
+        return None
+    from groupflow.diffusion.policy import DiffusionPolicy
+
+    return DiffusionPolicy(cfg, run_dir)
+
+
+# ----- worker groups: where each role runs ---------------------------------------------------------
+
+
+def role_group(config: Config, role: str, worker_cls, /, **kwargs) -> WorkerGroup:
+    """The worker group of one role, placed in the pool ``config.placement`` gives it; ``kwargs``
+    go to the worker's constructor."""
+    spec, run = pool_spec(config, role), config.run
+    if run.backend == "ray" and not run.ray_address:
+        # Declare logical CPUs for every role's pool at once: Ray starts with the first group, and
+        # a later pool asking for more than was declared would wait for the placement timeout.
+        import os
+
+        from groupflow.distributed.group import ensure_ray
+
+        ensure_ray(None, num_cpus=max(os.cpu_count() or 1, int(total_cpus(config)) + 2))
+    return WorkerGroup(
+        worker_cls, spec.world_size, backend=run.backend, timeout_s=run.worker_timeout_s,
+        ray_options=RayOptions(address=run.ray_address), pool=spec,
+        placement_timeout_s=config.placement.timeout_s, **kwargs,
+    )  # fmt: skip
+
+
+def pool_spec(cfg: Config, role: str) -> PoolSpec:
+    """A role's pool; the critic and reward model take the actor's shape unless placed otherwise."""
+    pool = getattr(cfg.placement, role)
+    if pool is None:
+        return replace(pool_spec(cfg, "actor"), name=role)
+    default = cfg.run.num_workers // pool.nodes if role == "actor" else 1
+    return PoolSpec(pool.nodes, pool.workers_per_node or default, pool.cpus_per_worker,
+                    pool.gpus_per_worker, name=role)  # fmt: skip
+
+
+def total_cpus(cfg: Config) -> float:
+    """Logical CPUs every pool of this run reserves together (a local Ray instance declares them)."""
+    roles = ["actor"] + [
+        r for r in ("rollout", "reference") if getattr(cfg.placement, r) != "colocated"
+    ]
+    roles += [r for r in ("critic", "reward_model") if getattr(cfg, r) is not None]
+    return sum(pool_spec(cfg, r).world_size * pool_spec(cfg, r).cpus_per_worker for r in roles)

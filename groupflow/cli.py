@@ -1,4 +1,4 @@
-"""The ``groupflow`` command: train, eval, generate, export, plot.
+"""The ``groupflow`` command: train, eval, generate, export, plot, pretrain-diffusion.
 
 Design decision: one entry point per job, each a thin function that loads the typed config (YAML +
 ``key=value`` overrides) and calls library code; errors the user can fix (config, data, paths) are
@@ -51,6 +51,11 @@ def _print_summary(run_dir: Path, final: dict) -> None:
         print(
             f"held-out greedy accuracy: before {before:.1%} → after {after:.1%} ({(after - before) * 100:+.1f} points)"
         )
+    key = "val/reward/mean"  # the diffusion policy's online test (fixed prompts and noise, ODE)
+    before = next((r[key] for r in rows if r.get(key) is not None), None)
+    after = next((r[key] for r in reversed(rows) if r.get(key) is not None), None)
+    if before is not None and after is not None:
+        print(f"eval reward (fixed prompts and noise): before {before:.4f} → after {after:.4f}")
 
 
 def _load_trainer_for_inference(args):
@@ -64,6 +69,11 @@ def _load_trainer_for_inference(args):
         "run.num_workers=1",
     ]
     cfg = load_config(args.config, overrides)
+    if cfg.diffusion is not None:
+        raise ValueError(
+            f"'{args.command}' works on LLM policies; a diffusion run is evaluated during training "
+            "(validation.every_steps: eval reward and PNG grids in the run directory)"
+        )
     trainer = Trainer(cfg)
     if args.checkpoint:
         from groupflow.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
@@ -163,6 +173,21 @@ def _prepare_gsm8k(args) -> int:
     return 0
 
 
+def _pretrain_diffusion(args) -> int:
+    import torch
+
+    from groupflow.diffusion.pretrain import COLORS, pretrain_tiny_model
+
+    torch.set_num_threads(args.threads)
+    labels = args.labels.split(",") if args.labels else list(COLORS)
+    _, stats = pretrain_tiny_model(args.out, labels=labels, steps=args.steps, seed=args.seed)
+    print(
+        f"tiny flow model written to {args.out} (loss {stats['pretrain/loss']:.4f}, "
+        f"{stats['pretrain/seconds']:.1f} s)"
+    )
+    return 0
+
+
 def _plot(args) -> int:
     from groupflow.plotting import plot_run
 
@@ -222,6 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--source-dir", default=None, help="read the TOML problem files from here instead"
     )
     d.set_defaults(func=_prepare_gsm8k)
+
+    pd = sub.add_parser(
+        "pretrain-diffusion",
+        help="pre-train the tiny flow model on synthetic coloured shapes (the diffusion demo's base)",
+    )
+    pd.add_argument("--out", required=True)
+    pd.add_argument("--steps", type=int, default=600)
+    pd.add_argument("--seed", type=int, default=0)
+    pd.add_argument("--threads", type=int, default=1)
+    pd.add_argument("--labels", default=None, help="comma-separated colour names (default: all)")
+    pd.set_defaults(func=_pretrain_diffusion)
 
     pl = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
     pl.add_argument("run_dir")

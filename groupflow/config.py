@@ -136,6 +136,10 @@ class AlgorithmConfig(_Section):
     adv_clip_max: float | None = Field(None, gt=0)
     reward_threshold: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
+    # A CONTROL, not a method: permute advantages across the batch before the update, so the
+    # update has the same statistics but no link between a sample and its reward. A run that
+    # still improves with it on learns from something other than the reward signal.
+    shuffle_advantages: bool = False
     max_sampling_rounds: int = Field(3, ge=1)
     # estimator "gae" (PPO with a critic): discount and GAE lambda over response tokens
     gamma: float = Field(1.0, ge=0, le=1)
@@ -355,12 +359,92 @@ class PlacementConfig(_Section):
     timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to place a pool
 
 
+class DiffusionLoraConfig(_Section):
+    """LoRA adapters (PEFT) on the flow model; the reference policy is the model with them disabled."""
+
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    target_modules: list[str] = Field(default_factory=lambda: ["conv1", "conv2"])
+
+
+class DiffusionModelConfig(_Section):
+    """Where the flow-matching model comes from (a LOCAL directory, never a hub id)."""
+
+    kind: Literal["tiny", "sd3", "wan"] = "tiny"
+    path: str  # tiny: a `groupflow pretrain-diffusion` dir; sd3/wan: a diffusers transformer dir
+    latent_shape: list[int] | None = None  # sd3: [C, H, W]; wan: [C, F, H, W]; tiny: from the model
+    # tiny only: pre-train the base model into `path` first when it is missing (cached after)
+    pretrain_if_missing: bool = False
+    pretrain_steps: int = Field(600, ge=1)
+    lora: DiffusionLoraConfig | None = None
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.kind != "tiny" and self.latent_shape is None:
+            raise ValueError(f"diffusion.model.latent_shape is required for kind '{self.kind}'")
+        if self.kind != "tiny" and self.pretrain_if_missing:
+            raise ValueError("diffusion.model.pretrain_if_missing applies to kind 'tiny' only")
+        return self
+
+
+class DiffusionConfig(_Section):
+    """GRPO for flow-matching generators (Flow-GRPO / DanceGRPO); algorithms.md §7.
+
+    Setting this section makes the policy a diffusion model: prompts still come from ``data``,
+    samples per prompt from ``rollout.samples_per_prompt``, optimisation from ``actor`` and
+    advantages from ``algorithm`` (with diffusion defaults: ``actor.clip_eps_low = 1e-4`` and
+    ``algorithm.adv_clip_max = 5`` unless set). ``model`` must then be absent.
+    """
+
+    model: DiffusionModelConfig
+    sampler: str = "flow_sde"  # training sampler: flow_sde | dance_sde
+    noise_level: float | None = Field(None, ge=0)  # None: flow_sde 0.7, dance_sde 0.3
+    num_steps: int = Field(10, ge=1)
+    shift: float = Field(3.0, gt=0)
+    cfg_scale: float = Field(1.0, ge=0)  # 1: no classifier-free guidance
+    same_noise_per_group: bool = True
+    timestep_selection: Literal["random", "window"] = "random"
+    timestep_fraction: float = Field(0.5, gt=0, le=1)  # of the steps, chosen per sample
+    window: tuple[int, int] | None = None  # [start, end) steps for timestep_selection=window
+    eval_sampler: str = "ode"
+    eval_samples_per_prompt: int = Field(2, ge=1)  # fixed noise seeds per validation prompt
+    save_images: bool = True  # PNG grids of the online test in <run>/images/
+
+    @field_validator("sampler", "eval_sampler")
+    @classmethod
+    def _known_sampler(cls, name: str) -> str:
+        from groupflow.diffusion.samplers import get_sampler
+
+        get_sampler(name)  # raises, listing the valid names
+        return name
+
+    @model_validator(mode="after")
+    def _train_sampler(self):
+        from groupflow.diffusion.samplers import get_sampler
+
+        if not get_sampler(self.sampler).stochastic:
+            raise ValueError(
+                f"diffusion.sampler '{self.sampler}' has no step log-probs; train with flow_sde or "
+                "dance_sde (use it as diffusion.eval_sampler)"
+            )
+        if self.timestep_selection == "window":
+            if self.window is None:
+                raise ValueError(
+                    "diffusion.window [start, end) is required for timestep_selection=window"
+                )
+            if not 0 <= self.window[0] < self.window[1] <= self.num_steps:
+                raise ValueError(
+                    f"diffusion.window {list(self.window)} must satisfy 0 <= start < end <= num_steps={self.num_steps}"
+                )
+        return self
+
+
 class Config(_Section):
     # Modules imported before validation, so that user code can register estimators, losses
     # and rewards (e.g. "my_pkg.algos") and the config can name them.
     imports: list[str] = Field(default_factory=list)
     run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig
+    model: ModelConfig | None = None  # an LLM policy; absent when `diffusion` is set
     data: DataConfig
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
@@ -372,6 +456,8 @@ class Config(_Section):
 
     critic: CriticConfig | None = None  # PPO's value model (needs algorithm.estimator=gae)
     reward_model: RewardModelConfig | None = None
+
+    diffusion: DiffusionConfig | None = None  # a flow-matching policy instead of an LLM
 
     @model_validator(mode="after")
     def _placement(self):
@@ -433,6 +519,46 @@ class Config(_Section):
             raise ValueError(
                 f"critic.mini_batch_samples={mb} must divide the samples per step ({samples})"
             )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _required_sections(cls, data: Any) -> Any:
+        # Checked before field validation so that an empty file names every missing section.
+        if isinstance(data, dict) and data.get("model") is None and data.get("diffusion") is None:
+            missing = ["one of 'model' (an LLM policy) or 'diffusion' (a flow-matching generator)"]
+            if "data" not in data:
+                missing.append("'data'")
+            raise ValueError(f"missing required section(s): {' and '.join(missing)}")
+        return data
+
+    @model_validator(mode="after")
+    def _policy_type(self):
+        if (self.model is None) == (self.diffusion is None):
+            raise ValueError(
+                "set exactly one of 'model' (an LLM policy) or 'diffusion' (a flow-matching generator)"
+            )
+        if self.diffusion is not None:
+            llm_only = [k for k in ("critic", "reward_model") if getattr(self, k) is not None]
+            llm_only += [
+                f"placement.{k}" for k in ("rollout", "reference")
+                if getattr(self.placement, k) != "colocated"
+            ]  # fmt: skip
+            if llm_only:
+                raise ValueError(
+                    f"{', '.join(llm_only)}: for LLM policies only, not with a 'diffusion' policy"
+                )
+        if self.diffusion is not None and self.sft.steps:
+            raise ValueError(
+                "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"
+            )
+        if self.diffusion is not None:
+            # Diffusion log-probs are per-element means: ratios are geometric means over
+            # thousands of latent elements, so the clip range is tiny (algorithms.md §7).
+            if "clip_eps_low" not in self.actor.model_fields_set:
+                self.actor.clip_eps_low = 1e-4
+            if "adv_clip_max" not in self.algorithm.model_fields_set:
+                self.algorithm.adv_clip_max = 5.0
         return self
 
     @model_validator(mode="after")

@@ -30,6 +30,7 @@ __all__ = [
     "STAGES",
     "validate",
     "get_contract",
+    "DIFFUSION_CONTRACTS",
 ]
 
 _KINDS = ("float", "int", "mask", "object")
@@ -120,6 +121,38 @@ CONTRACTS: dict[str, Contract] = {
     "advantaged": Contract("advantaged", _ADVANTAGED),
     "train_ready": Contract("train_ready", _TRAIN_READY),
 }
+
+
+# A flow-matching policy's actions are its denoising steps (T = N steps): token ids and prompt
+# tensors give way to the stored transitions, and step log-probs are Gaussian *densities* (they
+# may be positive), so their upper bound is dropped. Built from the LLM contracts, not beside them.
+_LATENTS = (("B", "T", "C", "H", "W"), ("B", "T", "C", "F", "H", "W"))
+_DIFFUSION_ROLLOUT = (
+    FieldSpec("latents", "float", _LATENTS),
+    FieldSpec("next_latents", "float", _LATENTS),
+    FieldSpec("sigmas", "float", (("B", "T"),)),
+    FieldSpec("sigmas_next", "float", (("B", "T"),)),
+    FieldSpec("images", "float", (("B", "C", "H", "W"), ("B", "C", "F", "H", "W"))),
+    FieldSpec("rollout_logprobs", "float", (("B", "T"),)),
+)
+_LLM_ONLY = ("responses", "prompt_ids", "prompt_mask")
+
+
+def _diffusion(stage: str) -> Contract:
+    c = (
+        CONTRACTS[stage]
+        .without(*_LLM_ONLY)
+        .extend(*_DIFFUSION_ROLLOUT, stage=f"{stage} (diffusion)")
+    )
+    if stage == "train_ready":
+        c = c.extend(
+            FieldSpec("old_logprobs", "float", (("B", "T"),)),
+            FieldSpec("ref_logprobs", "float", (("B", "T"),), optional=True),
+        )
+    return c
+
+
+DIFFUSION_CONTRACTS: dict[str, Contract] = {s: _diffusion(s) for s in STAGES}
 
 
 def get_contract(stage: str | Contract) -> Contract:

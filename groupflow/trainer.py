@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +36,8 @@ from groupflow.checkpoint import (
     save_checkpoint,
 )
 from groupflow.config import Config
-from groupflow.contracts import validate
+from groupflow.contracts import CONTRACTS, validate
 from groupflow.data import PromptLoader, PromptRow
-from groupflow.distributed import PoolSpec, RayOptions, WorkerGroup
-from groupflow.distributed.group import ensure_ray
 from groupflow.evaluation import evaluate
 from groupflow.rollout.hf import SamplingParams
 from groupflow.sft import warm_start
@@ -75,6 +71,21 @@ class Trainer:
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.run.seed)
+        self.estimator_options = estimator_options(cfg)
+        self.step = 0
+        self.tracker: Tracker | None = None
+        # The policy type is config: a non-LLM policy (a flow-matching generator) is an object
+        # that supplies rollout, log-probs, update inputs, validation and step metrics; the loop
+        # below is the same for both. None: the built-in LLM policy (this class's own stages).
+        self.policy = builders.build_policy(cfg, self.run_dir)
+        self.contracts = CONTRACTS
+        self.critic = self.reward_model = self.reference = self.kl_ctrl = None
+        if self.policy is not None:
+            self.rollout = self.policy.actor
+            self.actor, self.loader = self.policy.actor, self.policy.loader
+            self.contracts = self.policy.contracts
+            self.data_stats = self.policy.data_stats
+            return
         train_rows, val_rows, self.data_stats = builders.build_data(cfg)
         self.tokenizer = builders.build_tokenizer(cfg, self.run_dir, train_rows + val_rows)
         self.train = builders.encode_prompts(train_rows, self.tokenizer, cfg, "train")
@@ -98,25 +109,21 @@ class Trainer:
         # reference live inside the actor worker unless placement gives them pools of their own.
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, self.run_dir)), cfg.run.seed)
         pl = cfg.placement
-        if cfg.run.backend == "ray" and not cfg.run.ray_address:
-            # Declare logical CPUs for every role's pool at once: Ray starts with the first group,
-            # and a later pool asking for more than was declared would wait for the timeout.
-            ensure_ray(None, num_cpus=max(os.cpu_count() or 1, int(total_cpus(cfg)) + 2))
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
-        self.actor = role_group(
+        self.actor = builders.role_group(
             cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
             pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated",
         )  # fmt: skip
         self.rollout = self.actor
         if pl.rollout != "colocated":
-            self.rollout = role_group(
+            self.rollout = builders.role_group(
                 cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout"
             )
         self.reference = None
         if needs_reference:
             self.reference = self.actor
             if pl.reference != "colocated":
-                self.reference = role_group(
+                self.reference = builders.role_group(
                     cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor, role="reference"
                 )
         self._add_ppo_roles(spec)
@@ -130,16 +137,13 @@ class Trainer:
             stop=tuple(r.stop),
             n=r.samples_per_prompt,
         )
-        self.estimator_options = estimator_options(cfg)
-        self.step = 0
-        self.tracker: Tracker | None = None
 
     def _add_ppo_roles(self, policy_spec: ModelSpec) -> None:
         """The optional roles: critic (estimator gae), reward model, KL-in-reward controller."""
         cfg = self.cfg
         self.critic = self.reward_model = None
         if cfg.critic is not None:
-            self.critic = role_group(
+            self.critic = builders.role_group(
                 cfg, "critic", CriticWorker, spec=CriticSpec(cfg.critic, policy_spec, cfg.run.seed),
                 total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
             )  # fmt: skip
@@ -151,7 +155,7 @@ class Trainer:
                 if rows
                 for t, r in zip(rows.texts, rows.rows)
             }
-            self.reward_model = role_group(
+            self.reward_model = builders.role_group(
                 cfg,
                 "reward_model",
                 RewardModelWorker,
@@ -211,12 +215,15 @@ class Trainer:
                 with timer("values"):
                     batch["values"] = self.critic.compute_values(_model_inputs(batch))["values"]
             with timer("advantages"):
-                batch = validate(self.add_advantages(batch), "advantaged")
+                batch = validate(self.add_advantages(batch), self.contracts["advantaged"])
             with timer("update"):
-                update_metrics = self.update(validate(batch, "train_ready"))
+                update_metrics = self.update(validate(batch, self.contracts["train_ready"]))
             with timer("weight_sync"):
                 self.sync_rollout()
         self.step += 1
+        if self.policy is not None:
+            metrics = self.policy.step_metrics(batch, timer.seconds("step"))
+            return batch, {**metrics, **sampling_metrics, **update_metrics, **timer.metrics()}
         tokens = float(batch["response_mask"].sum() + batch["prompt_mask"].sum())
         metrics = {**batch_metrics(batch), **sampling_metrics, **update_metrics, **timer.metrics()}
         metrics["perf/tokens_per_s"] = tokens / max(timer.seconds("step"), 1e-9)
@@ -224,8 +231,10 @@ class Trainer:
 
     def update(self, batch: Batch) -> dict[str, float]:
         """Critic update (if any), then the actor's — except during the critic warm-up steps."""
-        metrics: dict[str, float] = {}
         seed = sample_seed(self.cfg.run.seed, self.step, -1)
+        if self.policy is not None:
+            return self.policy.update(batch, seed)
+        metrics: dict[str, float] = {}
         if self.critic is not None:
             critic_keys = [*(k for k in _MODEL_KEYS if k in batch), "values", "returns"]
             metrics.update(
@@ -310,6 +319,8 @@ class Trainer:
         }
 
     def rollout_and_reward(self, rows: list[PromptRow], step: int, round_: int) -> Batch:
+        if self.policy is not None:
+            return self.policy.rollout_and_reward(rows, step, round_)
         n = self.sampling.n
         base = round_ * 1_000_000  # distinct seeds and group ids for refill rounds
         seeds = [sample_seed(self.cfg.run.seed, step, base + i) for i in range(len(rows) * n)]
@@ -334,6 +345,8 @@ class Trainer:
 
     def add_logprobs(self, batch: Batch) -> Batch:
         """Old log-probs (needed when there is more than one optimizer step per batch) and reference ones."""
+        if self.policy is not None:
+            return self.policy.add_logprobs(batch)
         a = self.cfg.actor
         several_steps = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
         need_old = a.recompute_old_logprobs == "always" or (
@@ -374,6 +387,9 @@ class Trainer:
             reward_threshold=al.reward_threshold,
             **self.estimator_options,
         )
+        if al.shuffle_advantages:  # the control run (see AlgorithmConfig.shuffle_advantages)
+            g = torch.Generator().manual_seed(sample_seed(self.cfg.run.seed, self.step, -2))
+            batch["advantages"] = batch["advantages"][torch.randperm(len(batch), generator=g)]
         return batch
 
     def token_rewards(self, batch: Batch) -> torch.Tensor:
@@ -400,6 +416,8 @@ class Trainer:
 
     # ----- validation -----------------------------------------------------------------------------
     def validate(self, return_records: bool = False):
+        if self.policy is not None:
+            return self.policy.validate(self.step)
         if self.val is None:
             return ({}, {}) if return_records else {}
         v = self.cfg.validation
@@ -425,7 +443,7 @@ class Trainer:
             "trainer_state": {"step": self.step},
         }
         writers = {}
-        if self.cfg.run.num_workers == 1:
+        if self.cfg.run.num_workers == 1 or self.policy is not None:  # diffusion: replicated
             state.update(self.actor.state_dict())
         else:
             state["actor_state"] = self.actor.train_state()
@@ -457,7 +475,7 @@ class Trainer:
         if not path.is_dir():
             raise FileNotFoundError(f"run.resume: checkpoint directory '{path}' does not exist")
         state = load_checkpoint(path)
-        load_actor_state(self.actor, state, self.cfg.run.num_workers, path)
+        load_actor_state(self.actor, state, 1 if self.policy else self.cfg.run.num_workers, path)
         if self.reference is not None and state.get("reference") is not None:
             self.reference.load_reference(state["reference"])
         load_ppo_state(self.critic, self.kl_ctrl, state, path)
@@ -476,36 +494,6 @@ def load_actor_state(actor, state: dict, num_workers: int, path: Path) -> None:
         actor.load_state_dict(state)
     else:  # one worker's full state, sharded over num_workers on load
         actor.load_full_state(state)
-
-
-def role_group(config: Config, role: str, worker_cls, /, **kwargs) -> WorkerGroup:
-    """The worker group of one role, placed in the pool ``config.placement`` gives it; ``kwargs``
-    go to the worker's constructor."""
-    spec, run = pool_spec(config, role), config.run
-    return WorkerGroup(
-        worker_cls, spec.world_size, backend=run.backend, timeout_s=run.worker_timeout_s,
-        ray_options=RayOptions(address=run.ray_address), pool=spec,
-        placement_timeout_s=config.placement.timeout_s, **kwargs,
-    )  # fmt: skip
-
-
-def pool_spec(cfg: Config, role: str) -> PoolSpec:
-    """A role's pool; the critic and reward model take the actor's shape unless placed otherwise."""
-    pool = getattr(cfg.placement, role)
-    if pool is None:
-        return replace(pool_spec(cfg, "actor"), name=role)
-    default = cfg.run.num_workers // pool.nodes if role == "actor" else 1
-    return PoolSpec(pool.nodes, pool.workers_per_node or default, pool.cpus_per_worker,
-                    pool.gpus_per_worker, name=role)  # fmt: skip
-
-
-def total_cpus(cfg: Config) -> float:
-    """Logical CPUs every pool of this run reserves together (a local Ray instance declares them)."""
-    roles = ["actor"] + [
-        r for r in ("rollout", "reference") if getattr(cfg.placement, r) != "colocated"
-    ]
-    roles += [r for r in ("critic", "reward_model") if getattr(cfg, r) is not None]
-    return sum(pool_spec(cfg, r).world_size * pool_spec(cfg, r).cpus_per_worker for r in roles)
 
 
 def check_role_paths(cfg: Config) -> None:

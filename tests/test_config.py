@@ -175,7 +175,7 @@ def test_placement_pools_per_role():
             "placement.reference": {"cpus_per_worker": 2},
         },
     )
-    from groupflow.trainer import pool_spec, total_cpus
+    from groupflow.builders import pool_spec, total_cpus
 
     cfg = config_from_dict(data)
     actor = pool_spec(cfg, "actor")

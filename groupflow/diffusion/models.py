@@ -1,0 +1,315 @@
+"""Flow-matching models behind one small interface: a tiny CPU model and diffusers transformers.
+
+Design decision: the policy needs four things from a generator, so that is the whole interface
+(:class:`FlowModel`): ``forward(x, σ[B], cond) -> v`` (the velocity ε − x0), ``encode(prompts)``
+(a dict of per-sample condition tensors, so conditions split and concatenate like any Batch
+entry), ``null_cond(n)`` (the unconditional input for classifier-free guidance) and ``decode(x0)``
+(latent -> image/video in [0, 1]). ``latent_shape`` is one sample's latent: ``(C, H, W)`` for
+images, ``(C, F, H, W)`` for video.
+
+- :class:`TinyFlowModel` — a ~26k-parameter conditional conv net in pixel space (3×16×16) whose
+  condition is one of a few text labels; it pre-trains on synthetic shapes on a CPU
+  (``groupflow pretrain-diffusion``) and is what the demo fine-tunes.
+- :class:`DiffusersFlowModel` — wraps ``SD3Transformer2DModel`` (images) or
+  ``WanTransformer3DModel`` (video latents [B, C, F, H, W]) loaded from a local directory
+  (timestep = 1000·σ, diffusers' convention). Text encoders are outside this repo's CPU scope: a
+  :class:`PromptEncoder` turns prompts into the transformer's conditioning tensors;
+  :class:`HashPromptEncoder` gives fixed random embeddings per prompt (tests, label-like prompts);
+  real pipelines pass their text encoder through the same interface, and a VAE decoder through
+  ``decoder``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "FlowModel",
+    "PromptEncoder",
+    "HashPromptEncoder",
+    "TinyFlowModel",
+    "DiffusersFlowModel",
+    "check_latents",
+    "load_tiny_model",
+    "save_tiny_model",
+    "load_diffusers_model",
+    "ModelPathError",
+    "UnknownPromptError",
+]
+
+
+class ModelPathError(FileNotFoundError):
+    """A model directory is missing or holds no loadable model."""
+
+
+class UnknownPromptError(ValueError):
+    """A prompt the model cannot condition on (the tiny model knows a fixed set of labels)."""
+
+
+class FlowModel(Protocol):
+    latent_shape: tuple[int, ...]
+
+    def __call__(self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor: ...
+    def encode(self, prompts: Sequence[str]) -> dict[str, Tensor]: ...
+    def null_cond(self, n: int) -> dict[str, Tensor]: ...
+    def decode(self, x0: Tensor) -> Tensor: ...
+
+
+def check_latents(x: Tensor, latent_shape: Sequence[int], where: str) -> None:
+    """A latent batch must be [B, *latent_shape]; say which one was expected otherwise."""
+    if tuple(x.shape[1:]) != tuple(latent_shape):
+        raise ValueError(
+            f"{where}: latent shape mismatch: expected [B, {', '.join(map(str, latent_shape))}], "
+            f"got {list(x.shape)}"
+        )
+
+
+def _timestep_embedding(sigma: Tensor, dim: int) -> Tensor:
+    """Sinusoidal features of 1000·σ (the timestep diffusers models see)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=sigma.device) / half)
+    args = (1000.0 * sigma.float())[:, None] * freqs[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], 1)
+
+
+class _FiLMBlock(nn.Module):
+    """conv -> norm -> scale/shift by the condition -> SiLU -> conv, with a residual."""
+
+    def __init__(self, width: int, emb: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1)
+        self.norm = nn.GroupNorm(4, width)
+        self.film = nn.Linear(emb, 2 * width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+
+    def forward(self, h: Tensor, c: Tensor) -> Tensor:
+        scale, shift = self.film(c)[:, :, None, None].chunk(2, 1)
+        y = torch.nn.functional.silu(self.norm(self.conv1(h)) * (1 + scale) + shift)
+        return h + self.conv2(y)
+
+
+class TinyFlowModel(nn.Module):
+    """A small conditional velocity model in pixel space (images in [-1, 1]).
+
+    ``labels`` are the prompts it knows; index ``len(labels)`` is the null (unconditional) label
+    that pre-training drops to with some probability, so CFG works.
+    """
+
+    def __init__(
+        self,
+        labels: Sequence[str],
+        *,
+        channels: int = 3,
+        image_size: int = 16,
+        width: int = 16,
+        blocks: int = 2,
+        emb_dim: int = 64,
+    ):
+        super().__init__()
+        if not labels:
+            raise ValueError("TinyFlowModel needs at least one label")
+        self.labels = list(labels)
+        self.arch = dict(
+            channels=channels, image_size=image_size, width=width, blocks=blocks, emb_dim=emb_dim
+        )
+        self.latent_shape = (channels, image_size, image_size)
+        self.emb_dim = emb_dim
+        self.label_emb = nn.Embedding(len(self.labels) + 1, emb_dim)
+        self.time_mlp = nn.Sequential(
+            nn.Linear(emb_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim)
+        )
+        # Full resolution only at the edges (narrow, cheap); the conditioned blocks work at half
+        # resolution, where most of the compute goes.
+        skip = max(8, width // 2)
+        self.conv_in = nn.Conv2d(channels, skip, 3, padding=1)
+        self.down = nn.Conv2d(skip, width, 3, stride=2, padding=1)
+        self.blocks = nn.ModuleList(_FiLMBlock(width, emb_dim) for _ in range(blocks))
+        self.up = nn.ConvTranspose2d(width, skip, 4, stride=2, padding=1)
+        self.conv_out = nn.Conv2d(2 * skip, channels, 3, padding=1)
+
+    def forward(self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        check_latents(x, self.latent_shape, "TinyFlowModel")
+        c = self.time_mlp(_timestep_embedding(sigma, self.emb_dim)) + self.label_emb(cond["labels"])
+        c = torch.nn.functional.silu(c)
+        h0 = torch.nn.functional.silu(self.conv_in(x))
+        h = self.down(h0)
+        for block in self.blocks:
+            h = block(h, c)
+        h = torch.cat([self.up(h), h0], 1)
+        return self.conv_out(torch.nn.functional.silu(h))
+
+    def encode(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        index = {label: i for i, label in enumerate(self.labels)}
+        unknown = sorted({p for p in prompts if p not in index})
+        if unknown:
+            raise UnknownPromptError(
+                f"the tiny diffusion model has no label {unknown[0]!r}; its labels are {self.labels}"
+            )
+        return {"labels": torch.tensor([index[p] for p in prompts], dtype=torch.long)}
+
+    def null_cond(self, n: int) -> dict[str, Tensor]:
+        return {"labels": torch.full((n,), len(self.labels), dtype=torch.long)}
+
+    def decode(self, x0: Tensor) -> Tensor:
+        return ((x0 + 1) / 2).clamp(0, 1)
+
+
+def save_tiny_model(model: TinyFlowModel, path: str | Path) -> Path:
+    """``config.json`` (labels, architecture) + ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps({"type": "tiny_flow", "labels": model.labels, **model.arch}, indent=2)
+    )
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
+def load_tiny_model(path: str | Path) -> TinyFlowModel:
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    config, weights = path / "config.json", path / "model.safetensors"
+    if not (config.is_file() and weights.is_file()):
+        raise ModelPathError(
+            f"tiny diffusion model directory '{path}' is missing config.json or model.safetensors "
+            "(create it with: groupflow pretrain-diffusion --out DIR)"
+        )
+    cfg = json.loads(config.read_text())
+    if cfg.pop("type", None) != "tiny_flow":
+        raise ModelPathError(f"'{config}' is not a tiny flow model config (type != tiny_flow)")
+    model = TinyFlowModel(cfg.pop("labels"), **cfg)
+    model.load_state_dict(load_file(str(weights)))
+    return model
+
+
+# ----- diffusers transformers ---------------------------------------------------------------------
+
+
+class PromptEncoder(Protocol):
+    def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]: ...
+    def null(self, n: int) -> dict[str, Tensor]: ...
+
+
+class HashPromptEncoder:
+    """Fixed random embeddings per prompt text (seeded by its SHA-256): deterministic across
+    processes, so rollout and training workers agree. ``null`` is all zeros.
+
+    Keys: ``encoder_hidden_states`` [B, seq_len, dim] and, with ``pooled_dim``,
+    ``pooled_projections`` [B, pooled_dim].
+    """
+
+    def __init__(self, dim: int, seq_len: int = 4, pooled_dim: int | None = None):
+        self.dim, self.seq_len, self.pooled_dim = dim, seq_len, pooled_dim
+
+    def _one(self, prompt: str) -> dict[str, Tensor]:
+        seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little") % (2**63)
+        g = torch.Generator().manual_seed(seed)
+        out = {"encoder_hidden_states": torch.randn(self.seq_len, self.dim, generator=g)}
+        if self.pooled_dim:
+            out["pooled_projections"] = torch.randn(self.pooled_dim, generator=g)
+        return out
+
+    def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        rows = [self._one(p) for p in prompts]
+        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def null(self, n: int) -> dict[str, Tensor]:
+        out = {"encoder_hidden_states": torch.zeros(n, self.seq_len, self.dim)}
+        if self.pooled_dim:
+            out["pooled_projections"] = torch.zeros(n, self.pooled_dim)
+        return out
+
+
+DIFFUSERS_KINDS = {"sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel"}
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in DIFFUSERS_KINDS:
+        raise ValueError(
+            f"unknown diffusers model kind '{kind}'; valid kinds: {sorted(DIFFUSERS_KINDS)}"
+        )
+
+
+class DiffusersFlowModel(nn.Module):
+    """A diffusers flow transformer as a :class:`FlowModel`; ``kind`` is ``sd3`` or ``wan``."""
+
+    def __init__(
+        self,
+        transformer: nn.Module,
+        kind: str,
+        latent_shape: Sequence[int],
+        prompt_encoder: PromptEncoder,
+        decoder: Callable[[Tensor], Tensor] | None = None,
+    ):
+        super().__init__()
+        _check_kind(kind)
+        want = 4 if kind == "wan" else 3
+        if len(latent_shape) != want:
+            layout = "(C, F, H, W)" if want == 4 else "(C, H, W)"
+            raise ValueError(
+                f"a '{kind}' latent is {layout}; got latent_shape={list(latent_shape)}"
+            )
+        self.transformer, self.kind = transformer, kind
+        self.latent_shape = tuple(int(d) for d in latent_shape)
+        self.prompt_encoder, self.decoder = prompt_encoder, decoder
+
+    def forward(self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        check_latents(x, self.latent_shape, f"{DIFFUSERS_KINDS[self.kind]} adapter")
+        out = self.transformer(
+            hidden_states=x, timestep=1000.0 * sigma.to(x.dtype), return_dict=False,
+            **{k: v.to(x.dtype) for k, v in cond.items()},
+        )  # fmt: skip
+        return out[0]
+
+    def encode(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        return self.prompt_encoder(prompts)
+
+    def null_cond(self, n: int) -> dict[str, Tensor]:
+        return self.prompt_encoder.null(n)
+
+    def decode(self, x0: Tensor) -> Tensor:
+        """The decoder (e.g. a VAE) if given; else a preview: the first 3 latent channels in [0, 1]."""
+        if self.decoder is not None:
+            return self.decoder(x0)
+        c = min(3, x0.shape[1])
+        return ((x0[:, :c] + 1) / 2).clamp(0, 1)
+
+
+def load_diffusers_model(
+    path: str | Path,
+    kind: str,
+    latent_shape: Sequence[int],
+    prompt_encoder: PromptEncoder | None = None,
+    decoder: Callable[[Tensor], Tensor] | None = None,
+) -> DiffusersFlowModel:
+    """Load ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` from a local directory (no hub)."""
+    _check_kind(kind)
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"diffusers transformer directory '{path}' has no config.json")
+    import diffusers
+
+    transformer = getattr(diffusers, DIFFUSERS_KINDS[kind]).from_pretrained(
+        str(path), local_files_only=True
+    )
+    if prompt_encoder is None:
+        c = transformer.config
+        if kind == "sd3":
+            prompt_encoder = HashPromptEncoder(
+                c.joint_attention_dim, pooled_dim=c.pooled_projection_dim
+            )
+        else:
+            prompt_encoder = HashPromptEncoder(c.text_dim)
+    return DiffusersFlowModel(transformer, kind, latent_shape, prompt_encoder, decoder)

@@ -1,0 +1,195 @@
+"""Image and video rewards behind the ordinary reward protocol.
+
+Design decision: a generated image is just another "completion": the diffusion policy hands the
+reward runner the decoded images (``completions``: one float tensor [3, H, W] — or [3, F, H, W]
+for video — in [0, 1] per sample), so weights, failure isolation, metrics and user rewards by
+import path work exactly as for LLMs. The built-ins below are registered by name:
+
+- ``target_color`` — 1 − ‖mean colour − target‖ / √3 (``mode: mean``), or the per-pixel distance
+  averaged (``mode: pixel``); optimum 1.
+- ``brightness`` — mean luma (Rec. 601) in [0, 1]; optimum 1.
+- ``compressibility`` — 1 − zlib-compressed size / raw size of the 8-bit pixels (Flow-GRPO's
+  compressibility reward, deterministic). Refused below ``min_pixels`` pixels per frame, where the
+  compressor's fixed overhead, not the image, decides the score.
+- ``image_scorer`` — a model-based scorer loaded from a LOCAL path: ``kind: clip | pickscore |
+  hps`` are CLIP-style (image–text cosine similarity × logit scale, as PickScore and HPS v2 use),
+  ``kind: hpsv3`` uses the ``hpsv3`` package's inferencer. A missing path is a clear error.
+
+Every reward takes ``frames``: ``first`` (MMDanceGRPO scores the first video frame) or an integer
+k (every k-th frame, averaged); images are single-frame videos. MMDanceGRPO's coefficient 0.1 on
+HPSv3 is the reward's ``weight`` in the config.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from groupflow.rewards.base import RewardConfigError
+from groupflow.rewards.registry import register_reward
+
+__all__ = [
+    "select_frames",
+    "make_target_color_reward",
+    "make_brightness_reward",
+    "make_compressibility_reward",
+    "make_image_scorer_reward",
+    "CLIPStyleScorer",
+]
+
+_LUMA = torch.tensor([0.299, 0.587, 0.114])
+
+
+def select_frames(media: Tensor, frames: str | int = "first") -> Tensor:
+    """[3, H, W] -> [1, 3, H, W]; [3, F, H, W] -> the first frame or every k-th: [n, 3, H, W]."""
+    if not isinstance(media, Tensor) or media.dim() not in (3, 4) or media.shape[0] != 3:
+        shape = list(media.shape) if isinstance(media, Tensor) else type(media).__name__
+        raise ValueError(
+            f"an image reward expects [3, H, W] or [3, F, H, W] in [0, 1], got {shape}"
+        )
+    if media.dim() == 3:
+        return media[None].float()
+    video = media.permute(1, 0, 2, 3).float()  # [F, 3, H, W]
+    if frames == "first":
+        return video[:1]
+    if isinstance(frames, int) and frames >= 1:
+        return video[::frames]
+    raise ValueError(
+        f"frames must be 'first' or a positive integer k (every k-th frame), got {frames!r}"
+    )
+
+
+def _per_sample(score: Callable[[Tensor], Tensor], frames: str | int):
+    """Lift a frame scorer ([n, 3, H, W] -> [n]) to the reward protocol (mean over chosen frames)."""
+
+    def reward(completions: Sequence[Tensor]) -> list[float]:
+        return [float(score(select_frames(c, frames)).mean()) for c in completions]
+
+    return reward
+
+
+def make_target_color_reward(
+    color: Sequence[float] = (1.0, 1.0, 1.0), mode: str = "mean", frames: str | int = "first"
+):
+    target = torch.tensor([float(c) for c in color])
+    if target.numel() != 3 or not bool(((target >= 0) & (target <= 1)).all()):
+        raise RewardConfigError(
+            f"target_color: color must be 3 values in [0, 1], got {list(color)}"
+        )
+    if mode not in ("mean", "pixel"):
+        raise RewardConfigError(f"target_color: mode must be 'mean' or 'pixel', got {mode!r}")
+
+    def score(x: Tensor) -> Tensor:
+        t = target[None, :, None, None]
+        if mode == "mean":
+            return 1 - (x.mean((2, 3)) - target).norm(dim=1) / math.sqrt(3)
+        return 1 - ((x - t).norm(dim=1) / math.sqrt(3)).mean((1, 2))
+
+    return _per_sample(score, frames)
+
+
+def make_brightness_reward(frames: str | int = "first"):
+    return _per_sample(lambda x: (x * _LUMA[None, :, None, None]).sum(1).mean((1, 2)), frames)
+
+
+def make_compressibility_reward(min_pixels: int = 256, frames: str | int = "first"):
+    def score(x: Tensor) -> Tensor:
+        if x.shape[2] * x.shape[3] < min_pixels:
+            raise RewardConfigError(
+                f"compressibility: {x.shape[2]}x{x.shape[3]} frames are too small to compare "
+                f"(fewer than min_pixels={min_pixels} pixels; the compressor's overhead would decide)"
+            )
+        raw = (x.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+        sizes = [len(zlib.compress(f.numpy().tobytes(), 9)) / f.numel() for f in raw]
+        return 1 - torch.tensor(sizes)
+
+    return _per_sample(score, frames)
+
+
+class CLIPStyleScorer:
+    """Image–text score of a CLIP-family model from a local directory (transformers format):
+    ``logit_scale · cos(image, text)``, the form PickScore and HPS v2 use."""
+
+    def __init__(self, path: str | Path, device: str = "cpu"):
+        from transformers import AutoModel, AutoProcessor
+
+        self.model = AutoModel.from_pretrained(str(path), local_files_only=True).eval().to(device)
+        self.processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        pixels = [img.permute(1, 2, 0).mul(255).round().to(torch.uint8).numpy() for img in images]
+        inputs = self.processor(
+            text=list(prompts), images=pixels, return_tensors="pt", padding=True
+        )
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        # logits_per_image[i, j] = logit_scale · cos(image_i, text_j); each image pairs with its prompt
+        out = self.model(**inputs)
+        return out.logits_per_image.diagonal().float().cpu()
+
+
+class _HPSv3Scorer:
+    def __init__(self, path: str | Path, device: str = "cpu"):
+        try:
+            from hpsv3 import HPSv3RewardInferencer
+        except ImportError as e:
+            raise RewardConfigError(
+                "image_scorer kind 'hpsv3' needs the 'hpsv3' package (pip install hpsv3) and its "
+                f"checkpoint at a local path ({e})"
+            ) from None
+        self.inferencer = HPSv3RewardInferencer(checkpoint_path=str(path), device=device)
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        from PIL import Image
+
+        pil = [Image.fromarray(i.permute(1, 2, 0).mul(255).round().byte().numpy()) for i in images]
+        return torch.as_tensor([float(r[0]) for r in self.inferencer.reward(pil, list(prompts))])
+
+
+_SCORERS = {
+    "clip": CLIPStyleScorer,
+    "pickscore": CLIPStyleScorer,
+    "hps": CLIPStyleScorer,
+    "hpsv3": _HPSv3Scorer,
+}
+
+
+def make_image_scorer_reward(
+    path: str, kind: str = "pickscore", frames: str | int = "first", device: str = "cpu"
+):
+    if kind not in _SCORERS:
+        raise RewardConfigError(
+            f"image_scorer: unknown kind {kind!r}; valid kinds: {sorted(_SCORERS)}"
+        )
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise RewardConfigError(
+            f"image_scorer ({kind}): model path '{p}' does not exist; download the weights yourself "
+            "and point kwargs.path at the local directory (groupflow never fetches from a hub)"
+        )
+    scorer = _SCORERS[kind](p, device)
+
+    def reward(prompts: Sequence[str], completions: Sequence[Tensor]) -> list[float]:
+        out = []
+        for prompt, media in zip(prompts, completions):
+            chosen = select_frames(media, frames)
+            out.append(float(scorer(chosen, [prompt] * len(chosen)).mean()))
+        return out
+
+    return reward
+
+
+for _name, _factory in (
+    ("target_color", make_target_color_reward),
+    ("brightness", make_brightness_reward),
+    ("compressibility", make_compressibility_reward),
+    ("image_scorer", make_image_scorer_reward),
+):
+    register_reward(_name, _factory, overwrite=True)

@@ -1,0 +1,28 @@
+"""The shifted sigma schedule of rectified-flow samplers (SD3 / FLUX / Wan conventions).
+
+Design decision: one pure function. Sampling runs sigma from 1 (pure noise) to 0 (data) over N
+steps; the shift s bends the uniform grid towards high noise, σ ↦ s·σ / (1 + (s − 1)·σ), which is
+what diffusers' FlowMatchEulerDiscreteScheduler does with ``shift`` (s = 3 is typical; s = 1 is the
+uniform grid). The schedule is float64 internally so the last step lands exactly on 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["sigma_schedule", "shift_sigmas"]
+
+
+def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """σ ↦ s·σ / (1 + (s − 1)·σ); keeps 0 and 1 fixed and is monotone for s > 0."""
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def sigma_schedule(num_steps: int, shift: float = 3.0) -> torch.Tensor:
+    """[num_steps + 1] float32 sigmas from exactly 1 down to exactly 0 (step i goes σ_i → σ_{i+1})."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    grid = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return shift_sigmas(grid, shift).to(torch.float32)

@@ -1,0 +1,467 @@
+"""The diffusion worker: rollout with per-step log-probs, log-prob recomputation, and the GRPO update.
+
+Design decision: the same shape as the LLM actor worker — one colocated object holding policy,
+optional reference, optimizer and LR schedule, exposed to the driver through the dispatch
+decorators (``dp`` for Batch-in/Batch-out methods, ``rank0`` for state), so it runs under
+``backend=local`` and ``backend=ray`` through an unchanged WorkerGroup. The *actions* of a
+flow-matching policy are its denoising steps: a rollout stores, per sample, every step's latent,
+next latent, sigma pair and log-prob, and a ``response_mask`` [B, N] marking the steps that will
+be trained (``timestep_fraction`` of them at random per sample, or a window). Everything after
+that — advantages, ``policy_loss`` (PPO clip, here with a 1e-4 range), ``aggregate`` with
+mini-batch-global denominators, gradient clipping, warm-up + cosine LR — is the LLM code.
+
+Transitions are recomputed grouped by step index, as they were sampled (all samples at step t in
+one forward), so a stored step's log-prob is reproduced bit for bit. The Flow-GRPO KL compares
+the policy's step mean with the reference's (a frozen copy, or — with LoRA — the same network
+with its adapters disabled). With several ranks, gradients are summed across ranks (the losses
+already use global denominators), a plain data-parallel all-reduce: these models are small enough
+to replicate; sharding large transformers is FSDP2's job in the LLM worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from groupflow.algorithms import aggregate, loss_denominators, policy_loss
+from groupflow.batch import Batch
+from groupflow.config import ActorConfig
+from groupflow.diffusion.models import check_latents
+from groupflow.diffusion.samplers import (
+    flow_kl,
+    gaussian_logprob,
+    get_sampler,
+    guided_velocity,
+    sample_trajectory,
+)
+from groupflow.diffusion.schedule import sigma_schedule
+from groupflow.distributed import PAD_KEY, register
+from groupflow.distributed.parallel import (
+    all_reduce,
+    clip_grad_norm,
+    init_process_group,
+    is_distributed,
+)
+from groupflow.workers.actor import NonFiniteLossError, loss_options, lr_lambda, worker_device
+
+__all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX"]
+
+COND_PREFIX = "cond."  # condition tensors travel in the Batch as cond.<name> [B, ...]
+
+
+@dataclass(frozen=True)
+class DiffusionSettings:
+    """Plain sampling/training knobs of the diffusion policy (built from the config by the builder)."""
+
+    sampler: str = "flow_sde"
+    noise_level: float | None = None  # None: the sampler's default (flow 0.7, dance 0.3)
+    num_steps: int = 10
+    shift: float = 3.0
+    cfg_scale: float = 1.0
+    same_noise_per_group: bool = True
+    timestep_selection: str = "random"  # "random" (fraction per sample) or "window"
+    timestep_fraction: float = 0.5
+    window: tuple[int, int] | None = None
+    lora: dict | None = field(default=None)  # {rank, alpha, target_modules}
+
+    def __post_init__(self):
+        spec = get_sampler(self.sampler)  # unknown names raise, listing the valid ones
+        if not spec.stochastic:
+            raise ValueError(
+                f"sampler '{self.sampler}' is deterministic and has no step log-probs; train with "
+                "'flow_sde' or 'dance_sde' (the ODE sampler is for evaluation)"
+            )
+        if self.timestep_selection not in ("random", "window"):
+            raise ValueError(
+                f"timestep_selection must be 'random' or 'window', got {self.timestep_selection!r}"
+            )
+        if self.window is not None and not 0 <= self.window[0] < self.window[1] <= self.num_steps:
+            raise ValueError(
+                f"window {list(self.window)} must satisfy 0 <= start < end <= num_steps={self.num_steps}"
+            )
+
+
+def select_steps(num_steps: int, settings: DiffusionSettings, generator: torch.Generator) -> Tensor:
+    """The [num_steps] 0/1 mask of steps one sample trains on."""
+    mask = torch.zeros(num_steps, dtype=torch.long)
+    if settings.timestep_selection == "window":
+        start, end = settings.window or (0, num_steps)
+        mask[start:end] = 1
+        return mask
+    k = max(1, round(settings.timestep_fraction * num_steps))
+    mask[torch.randperm(num_steps, generator=generator)[:k]] = 1
+    return mask
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """A seed for one of a sample's random streams (0: initial noise, 1: SDE noise, 2: step
+    choice). Mixed, not ``seed + stream``: the trainer's per-sample seeds are consecutive
+    integers, so offsets would make one sample's SDE noise another group's initial noise."""
+    return (seed * 6364136223846793005 + (stream + 1) * 1442695040888963407) % (2**63 - 1)
+
+
+def _gen(seed: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(stream_seed(int(seed), stream))
+
+
+def _cond_of(batch: Batch) -> dict[str, Tensor]:
+    return {k[len(COND_PREFIX) :]: v for k, v in batch.tensors.items() if k.startswith(COND_PREFIX)}
+
+
+def _index_cond(cond: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+    return {k: v[rows] for k, v in cond.items()}
+
+
+def _combine(steps: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for s in steps for k in s):
+        values = [s[key] for s in steps if key in s]
+        if key.endswith("ratio_max"):
+            out[key] = max(values)
+        elif key.endswith("ratio_min"):
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+class DiffusionWorker:
+    """Flow-matching policy + optional reference + AdamW + LR schedule + SDE rollout."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: DiffusionSettings,
+        cfg: ActorConfig,
+        *,
+        total_steps: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.rank, self.world_size = rank, world_size
+        self.settings, self.cfg = settings, cfg
+        self.device = next(model.parameters()).device
+        self.flow = model  # the FlowModel interface (encode / null_cond / decode / latent_shape)
+        self.peft = None
+        if settings.lora:
+            from peft import LoraConfig, get_peft_model
+
+            lora = settings.lora
+            # LoRA layers are injected into `model` in place; the PeftModel is kept for
+            # disable_adapter() (the reference policy) and for saving adapters.
+            self.peft = get_peft_model(
+                model,
+                LoraConfig(
+                    r=lora["rank"],
+                    lora_alpha=lora["alpha"],
+                    target_modules=list(lora["target_modules"]),
+                    lora_dropout=0.0,
+                ),
+            )
+        # β = 0 never builds a reference; with LoRA the reference is the same net without adapters.
+        self.ref_model = None
+        if cfg.kl_coef > 0 and self.peft is None:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.sigmas = sigma_schedule(settings.num_steps, settings.shift)
+        self.spec = get_sampler(settings.sampler)
+        self.noise_level = (
+            self.spec.default_noise_level if settings.noise_level is None else settings.noise_level
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio),
+        )
+        self.loss_options = loss_options(cfg)
+        self.nonfinite_in_a_row = self.nonfinite_total = 0
+
+    @classmethod
+    def create(
+        cls,
+        rank: int,
+        world_size: int,
+        *,
+        spec,
+        settings: DiffusionSettings,
+        cfg: ActorConfig,
+        total_steps: int,
+        pg_timeout_s: float = 600.0,
+    ):
+        """Factory used by WorkerGroup: join the process group, then build the model in this process."""
+        init_process_group(rank, world_size, pg_timeout_s)
+        model = spec.build().to(worker_device(rank))
+        return cls(model, settings, cfg, total_steps=total_steps, rank=rank, world_size=world_size)
+
+    # ----- model calls ------------------------------------------------------------------------
+    def _velocity(
+        self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor], reference: bool = False
+    ) -> Tensor:
+        null = self.flow.null_cond(x.shape[0]) if self.settings.cfg_scale != 1.0 else None
+        if null is not None:
+            null = {k: v.to(self.device) for k, v in null.items()}
+        if not reference:
+            return guided_velocity(self.flow, x, sigma, cond, null, self.settings.cfg_scale)
+        if self.peft is not None:
+            with self.peft.disable_adapter():
+                return guided_velocity(self.flow, x, sigma, cond, null, self.settings.cfg_scale)
+        return guided_velocity(self.ref_model, x, sigma, cond, null, self.settings.cfg_scale)
+
+    def _train_mode(self, on: bool) -> None:
+        self.flow.train(on)
+
+    # ----- rollout ----------------------------------------------------------------------------
+    @register("dp")
+    @torch.no_grad()
+    def generate(self, prompts: Batch, n: int) -> Batch:
+        """``n`` samples per prompt row (``prompt``, ``seeds`` [n per row], ``group_ids``).
+
+        Returns per sample: latents / next_latents [B, N, ...], sigmas / sigmas_next [B, N],
+        rollout_logprobs [B, N], response_mask [B, N] (steps to train), images [B, 3, (F,) H, W]
+        in [0, 1], cond.* (the condition tensors, reused by training), group_ids.
+        """
+        self._train_mode(False)
+        texts = [p for p in prompts["prompt"] for _ in range(n)]
+        seeds = [s for row in prompts["seeds"] for s in row]
+        if len(seeds) != len(texts):
+            raise ValueError(
+                f"generate: {len(seeds)} seeds for {len(texts)} samples (n={n} per prompt)"
+            )
+        shape = tuple(self.flow.latent_shape)
+        # Same initial noise per group (an option): the group's first seed draws it.
+        init_seeds = [
+            row[0] if self.settings.same_noise_per_group else s
+            for row in prompts["seeds"]
+            for s in row
+        ]
+        noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in init_seeds])
+        gens = [_gen(s, 1) for s in seeds]  # SDE noise: distinct per sample
+        cond = {k: v.to(self.device) for k, v in self.flow.encode(texts).items()}
+        traj = sample_trajectory(
+            lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas,
+            self.settings.sampler, noise_level=self.noise_level, generators=gens,
+        )  # fmt: skip
+        step_gens = [_gen(s, 2) for s in seeds]
+        mask = torch.stack(
+            [select_steps(self.settings.num_steps, self.settings, g) for g in step_gens]
+        )
+        tensors = {
+            "latents": traj.latents, "next_latents": traj.next_latents,
+            "sigmas": traj.sigmas, "sigmas_next": traj.sigmas_next,
+            "rollout_logprobs": traj.logprobs, "response_mask": mask,
+            "images": self.flow.decode(traj.final),
+            **{COND_PREFIX + k: v for k, v in cond.items()},
+        }  # fmt: skip
+        tensors = {k: v.cpu() for k, v in tensors.items()}
+        tensors["group_ids"] = prompts["group_ids"].repeat_interleave(n)
+        return Batch(tensors)
+
+    @register("dp")
+    @torch.no_grad()
+    def sample_images(self, prompts: Batch, sampler: str = "ode") -> Batch:
+        """Evaluation: one image per row from its fixed ``noise_seed`` with ``sampler`` (ODE by default)."""
+        self._train_mode(False)
+        shape = tuple(self.flow.latent_shape)
+        seeds = prompts["noise_seed"].tolist()
+        noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in seeds])
+        cond = {k: v.to(self.device) for k, v in self.flow.encode(list(prompts["prompt"])).items()}
+        gens = [_gen(s, 1) for s in seeds]
+        traj = sample_trajectory(
+            lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas, sampler,
+            noise_level=None if sampler != self.settings.sampler else self.noise_level, generators=gens,
+        )  # fmt: skip
+        return Batch({"images": self.flow.decode(traj.final).cpu()})
+
+    # ----- log-probs --------------------------------------------------------------------------
+    def _step_terms(self, mb: Batch, mask: Tensor, with_kl: bool):
+        """Log-probs [b, N] of the masked transitions (0 elsewhere; differentiable) and the
+        Flow-GRPO KL [b, N] (or None), computed step by step as they were sampled."""
+        b, n = mask.shape
+        logp = torch.zeros(b, n, device=self.device)
+        kl = torch.zeros(b, n, device=self.device) if with_kl else None
+        cond = _cond_of(mb)
+        for t in range(n):
+            rows = mask[:, t].nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            x = mb["latents"][rows, t]
+            s, s_next = mb["sigmas"][rows, t], mb["sigmas_next"][rows, t]
+            c = _index_cond(cond, rows)
+            mean, std = self.spec.step(
+                x, self._velocity(x, s, c), s, s_next, noise_level=self.noise_level
+            )
+            lp = gaussian_logprob(mb["next_latents"][rows, t], mean, std)
+            logp = logp.index_put((rows, torch.full_like(rows, t)), lp)
+            if with_kl:
+                with torch.no_grad():
+                    ref_mean, _ = self.spec.step(
+                        x,
+                        self._velocity(x, s, c, reference=True),
+                        s,
+                        s_next,
+                        noise_level=self.noise_level,
+                    )
+                kl = kl.index_put(
+                    (rows, torch.full_like(rows, t)), flow_kl(mean, ref_mean, std, s_next - s)
+                )
+        return logp, kl
+
+    def _check(self, batch: Batch) -> None:
+        lat = batch["latents"]
+        if lat.dim() < 3:
+            raise ValueError(f"latents must be [B, N, ...], got {list(lat.shape)}")
+        check_latents(lat[:, 0], self.flow.latent_shape, "diffusion worker (stored latents)")
+
+    @register("dp")
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch) -> Batch:
+        """``logprobs`` [B, N] of the stored transitions on the masked steps under the current policy."""
+        self._check(batch)
+        batch = batch.to(self.device)
+        self._train_mode(False)
+        logp, _ = self._step_terms(batch, batch["response_mask"], with_kl=False)
+        return Batch({"logprobs": logp.cpu()})
+
+    # ----- update -----------------------------------------------------------------------------
+    @register("dp")
+    def update(
+        self, batch: Batch, *, shuffle_seed: int | None = None, temperature: float | None = None
+    ) -> dict[str, float]:
+        """μ epochs over shuffled mini-batches of samples; one optimizer step per mini-batch.
+
+        ``temperature`` is accepted (and ignored) so the driver calls both policy types alike.
+        """
+        cfg = self.cfg
+        self._check(batch)
+        batch = batch.to(self.device)
+        if PAD_KEY in batch:  # dispatch padding counts nowhere
+            batch["response_mask"] = batch["response_mask"] * (~batch[PAD_KEY]).long()[:, None]
+        self._train_mode(True)
+        n = len(batch)
+        mb_size = max(1, (cfg.mini_batch_samples or n * self.world_size) // self.world_size)
+        gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+        lr = self.optimizer.param_groups[0]["lr"]
+        per_step = []
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(n, generator=gen) if n > mb_size else torch.arange(n)
+            for start in range(0, n, mb_size):
+                per_step.append(self._optimizer_step(batch.index(order[start : start + mb_size])))
+        self.scheduler.step()
+        metrics = _combine(per_step)
+        metrics["actor/lr"] = lr
+        metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
+        return metrics
+
+    def _optimizer_step(self, mini: Batch) -> dict[str, float]:
+        cfg = self.cfg
+        local = loss_denominators(mini["response_mask"])
+        real = int((~mini[PAD_KEY]).sum()) if PAD_KEY in mini else len(mini)
+        denominators = {
+            "num_tokens": int(all_reduce(local["num_tokens"])),
+            "num_seqs": int(all_reduce(real)),
+            "max_len": int(all_reduce(local["max_len"], op="max")),
+        }
+        size = cfg.micro_batch_samples or len(mini)
+        stats: dict[str, float] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        with_kl = cfg.kl_coef > 0
+        for start in range(0, len(mini), size):
+            mb = mini.index(slice(start, start + size))
+            mask = mb["response_mask"]
+            logp, kl = self._step_terms(mb, mask, with_kl)
+            old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+            loss, m = policy_loss(
+                logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
+                **self.loss_options, **denominators,
+            )  # fmt: skip
+            share = float(mask.sum()) / max(1, denominators["num_tokens"])
+            stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + float(loss.detach())
+            if with_kl:
+                kl_term = aggregate(kl, mask, cfg.loss_agg, **denominators)
+                stats["actor/kl_loss"] = stats.get("actor/kl_loss", 0.0) + float(kl_term.detach())
+                loss = loss + cfg.kl_coef * kl_term
+            for k, v in m.items():
+                key = f"actor/{k}"
+                if k == "ratio_max":
+                    stats[key] = max(stats.get(key, -math.inf), float(v))
+                elif k == "ratio_min":
+                    stats[key] = min(stats.get(key, math.inf), float(v))
+                else:
+                    stats[key] = stats.get(key, 0.0) + float(v) * share
+            loss.backward()
+            total += float(loss.detach())
+        self._all_reduce_grads()
+        params = [p for p in self.flow.parameters() if p.requires_grad]
+        grad_norm = clip_grad_norm(params, cfg.grad_clip)
+        stats = {
+            k: all_reduce(v, {"actor/ratio_max": "max", "actor/ratio_min": "min"}.get(k, "sum"))
+            for k, v in sorted(stats.items())
+        }
+        total = all_reduce(total)
+        stats.update({"actor/grad_norm": grad_norm, "actor/loss": total})
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+            if self.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_in_a_row} consecutive diffusion updates had a non-finite loss or "
+                    "gradient norm; lower actor.lr or raise actor.max_nonfinite_steps"
+                )
+            stats["actor/nonfinite_skipped"] = 1.0
+            return stats
+        self.nonfinite_in_a_row = 0
+        self.optimizer.step()
+        stats["actor/nonfinite_skipped"] = 0.0
+        return stats
+
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over ranks (losses use global denominators, so the sum is the gradient)."""
+        if not is_distributed():
+            return
+        import torch.distributed as dist
+
+        for p in self.flow.parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+
+    # ----- state ------------------------------------------------------------------------------
+    @register("rank0")
+    def state_dict(self) -> dict:
+        return {
+            "model": {k: v.detach().clone().cpu() for k, v in self.flow.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+        }
+
+    @register("all")
+    def load_state_dict(self, state: dict) -> None:
+        self.flow.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
+
+    @register("rank0")
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.flow.parameters() if p.requires_grad)
+
+
+def prompt_rows(
+    prompts: Sequence[str], seeds: Sequence[Sequence[int]], group_ids: Sequence[int]
+) -> Batch:
+    """The input of ``generate``: one row per prompt with its text and one seed per sample."""
+    return Batch(
+        {"group_ids": torch.as_tensor(list(group_ids), dtype=torch.long)},
+        {"prompt": list(prompts), "seeds": [list(s) for s in seeds]},
+    )

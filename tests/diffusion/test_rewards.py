@@ -1,0 +1,132 @@
+import math
+
+import pytest
+import torch
+
+from groupflow.diffusion.rewards import (
+    make_brightness_reward,
+    make_compressibility_reward,
+    make_image_scorer_reward,
+    make_target_color_reward,
+    select_frames,
+)
+from groupflow.rewards import RewardConfigError, RewardOutputError, build_reward_runner
+
+
+def _solid(rgb, size=16):
+    return torch.tensor(rgb, dtype=torch.float32)[:, None, None].expand(3, size, size).clone()
+
+
+def test_target_color_hand_values():
+    r = make_target_color_reward(color=(1.0, 0.0, 0.0))
+    # exact colour -> 1; black -> 1 − 1/√3; white -> 1 − √2/√3
+    got = r([_solid((1, 0, 0)), _solid((0, 0, 0)), _solid((1, 1, 1))])
+    assert got == pytest.approx([1.0, 1 - 1 / math.sqrt(3), 1 - math.sqrt(2) / math.sqrt(3)])
+    # mean mode scores a half-red/half-blue image by its mean colour; pixel mode by each pixel
+    img = _solid((1, 0, 0))
+    img[:, :, 8:] = torch.tensor([0.0, 0.0, 1.0])[:, None, None]
+    assert r([img])[0] == pytest.approx(1 - math.sqrt(0.25 + 0.25) / math.sqrt(3))
+    pix = make_target_color_reward(color=(1.0, 0.0, 0.0), mode="pixel")
+    assert pix([img])[0] == pytest.approx(0.5 * 1 + 0.5 * (1 - math.sqrt(2) / math.sqrt(3)))
+    with pytest.raises(RewardConfigError, match="color must be 3 values"):
+        make_target_color_reward(color=(1.0, 0.0))
+
+
+def test_brightness_is_luma():
+    r = make_brightness_reward()
+    assert r([_solid((1, 1, 1)), _solid((1, 0, 0))]) == pytest.approx([1.0, 0.299])
+
+
+def test_compressibility_prefers_flat_images_and_refuses_tiny_ones():
+    r = make_compressibility_reward()
+    noise = torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(0))
+    flat, noisy = r([_solid((0.5, 0.5, 0.5)), noise])
+    assert flat > 0.9 and noisy < 0.1
+    with pytest.raises(RewardConfigError, match="too small to compare"):
+        r([_solid((0.5, 0.5, 0.5), size=8)])
+
+
+def test_video_frames_first_or_every_kth():
+    video = torch.zeros(3, 4, 16, 16)
+    video[:, 0] = 1.0  # only the first frame is white
+    assert select_frames(video, "first").shape == (1, 3, 16, 16)
+    assert select_frames(video, 2).shape == (2, 3, 16, 16)
+    assert make_brightness_reward(frames="first")([video]) == pytest.approx([1.0])
+    assert make_brightness_reward(frames=2)([video]) == pytest.approx([0.5])  # frames 0 and 2
+    with pytest.raises(ValueError, match="expects \\[3, H, W\\] or \\[3, F, H, W\\]"):
+        select_frames(torch.zeros(4, 16, 16))
+    with pytest.raises(ValueError, match="frames must be 'first' or a positive integer"):
+        select_frames(video, 0)
+
+
+def test_registered_by_name_with_weights_and_wrong_shape_is_an_error(tmp_path):
+    runner = build_reward_runner([{"name": "brightness", "weight": 0.1}])
+    result = runner(["a", "b"], [_solid((1, 1, 1)), _solid((0, 0, 0))])
+    assert result.total.tolist() == pytest.approx([0.1, 0.0])
+
+    def two_values(completions):
+        return [1.0, 2.0]
+
+    from groupflow.rewards import RewardFunction, RewardRunner
+
+    bad = RewardRunner([RewardFunction("bad", two_values)])
+    with pytest.raises(RewardOutputError, match="returned 2 values for 3 completions"):
+        bad(["a"] * 3, [_solid((1, 1, 1))] * 3)
+
+
+def test_image_scorer_needs_a_local_path(tmp_path):
+    with pytest.raises(RewardConfigError, match="model path .* does not exist"):
+        make_image_scorer_reward(path=str(tmp_path / "pickscore"))
+    with pytest.raises(RewardConfigError, match="unknown kind 'hps9'; valid kinds"):
+        make_image_scorer_reward(path=str(tmp_path), kind="hps9")
+
+
+def _tiny_clip(path):
+    """A random-weight CLIP (16-px images, a 10-word vocabulary) saved like a downloaded scorer."""
+    import json
+
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    path.mkdir()
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    vocab.update(
+        {w: i + 2 for i, w in enumerate(["red</w>", "blue</w>", "r", "e", "d", "b", "l", "u"])}
+    )
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    tok = CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+    images = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    layer = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=len(vocab), max_position_embeddings=16, **layer),
+        vision_config=dict(image_size=16, patch_size=8, **layer),
+        projection_dim=8,
+    )
+    torch.manual_seed(0)
+    CLIPModel(cfg).save_pretrained(path)
+    CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(path)
+
+
+@pytest.mark.slow  # transformers' CLIP import and save/load dominate; the model is tiny
+def test_clip_style_scorer_from_a_local_directory(tmp_path):
+    _tiny_clip(tmp_path / "clip")
+    reward = make_image_scorer_reward(path=str(tmp_path / "clip"), kind="pickscore")
+    g = torch.Generator().manual_seed(0)
+    image, video = torch.rand(3, 16, 16, generator=g), torch.rand(3, 3, 16, 16, generator=g)
+    scores = reward(["red", "blue"], [image, video])
+    from groupflow.diffusion.rewards import CLIPStyleScorer
+
+    scorer = CLIPStyleScorer(tmp_path / "clip")
+    # the video is scored on its first frame, each image against its own prompt
+    assert scores[0] == pytest.approx(float(scorer(image[None], ["red"])[0]), abs=1e-5)
+    assert scores[1] == pytest.approx(float(scorer(video[:, 0][None], ["blue"])[0]), abs=1e-5)
+    m = scorer.model
+    inputs = scorer.processor(
+        text=["red"],
+        images=[(image.permute(1, 2, 0) * 255).round().byte().numpy()],
+        return_tensors="pt",
+        padding=True,
+    )
+    out = m(**inputs)
+    cos = torch.nn.functional.cosine_similarity(out.image_embeds, out.text_embeds)
+    assert scores[0] == pytest.approx(float(m.logit_scale.exp() * cos[0]), abs=1e-4)

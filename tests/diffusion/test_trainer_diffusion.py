@@ -1,0 +1,212 @@
+"""The diffusion policy through the same Trainer: config, a short run, online test, resume, control."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from groupflow.config import ConfigError, config_from_dict
+from groupflow.data import DataError
+from groupflow.diffusion.models import TinyFlowModel, save_tiny_model
+from groupflow.diffusion.pretrain import COLORS
+from groupflow.tracking import read_metrics
+from groupflow.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A random-weight tiny flow model (8x8, width 8) knowing the synthetic colour labels."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-flow")
+    save_tiny_model(TinyFlowModel(list(COLORS), image_size=8, width=8), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": c}) + "\n" for c in ("red", "blue", "green")))
+    return path
+
+
+def _cfg(out, model_dir, prompts, **over):
+    from groupflow.config import apply_overrides
+
+    data = {
+        "run": {"name": "diff", "output_dir": str(out), "seed": 0, "total_steps": 2, "loggers": [],
+                "num_threads": 1, "samples_every": 1, "console_every": 1},
+        "diffusion": {"model": {"kind": "tiny", "path": str(model_dir)}, "num_steps": 3,
+                      "timestep_fraction": 0.67, "eval_samples_per_prompt": 2},
+        "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 3},
+        "validation": {"every_steps": 1},
+        "actor": {"lr": 1e-3},
+        "reward": {"functions": [{"name": "brightness"}]},
+    }  # fmt: skip
+    return config_from_dict(apply_overrides(data, over))
+
+
+def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
+    tiny_dir, prompts_file, tmp_path
+):
+    cfg = _cfg(tmp_path, tiny_dir, prompts_file)
+    assert (
+        cfg.model is None and cfg.actor.clip_eps_low == 1e-4 and cfg.algorithm.adv_clip_max == 5.0
+    )
+    cfg = _cfg(tmp_path, tiny_dir, prompts_file, **{"actor.clip_eps_low": 1e-3})
+    assert cfg.actor.clip_eps_low == 1e-3
+    with pytest.raises(ConfigError, match="set exactly one of 'model'"):
+        _cfg(tmp_path, tiny_dir, prompts_file, **{"model.tiny.hidden_size": 32})
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            {"diffusion.sampler": "flow"},
+            r"'diffusion.sampler': unknown sampler 'flow'; valid names: dance_sde, flow_sde, ode",
+        ),
+        ({"diffusion.sampler": "ode"}, "has no step log-probs"),
+        ({"diffusion.timestep_selection": "window"}, "diffusion.window"),
+        ({"diffusion.model.kind": "sd3"}, "latent_shape is required"),
+        ({"sft.steps": 5}, "sft.steps"),
+        ({"diffusion.num_stepz": 5}, "did you mean 'diffusion.num_steps'"),
+    ],
+)
+def test_bad_diffusion_config_names_the_key(tiny_dir, prompts_file, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(tmp_path, tiny_dir, prompts_file, **override)
+
+
+def test_missing_model_and_unknown_prompt_are_clear(tiny_dir, prompts_file, tmp_path):
+    with pytest.raises(FileNotFoundError, match="groupflow pretrain-diffusion --out"):
+        Trainer(_cfg(tmp_path, tmp_path / "none", prompts_file))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "purple"}) + "\n")
+    with pytest.raises(
+        DataError, match=r"prompt 'purple' is not a label .* valid prompts: \['red'"
+    ):
+        Trainer(_cfg(tmp_path, tiny_dir, bad))
+
+
+def test_short_run_logs_finite_metrics_and_image_grids(tiny_dir, prompts_file, tmp_path):
+    trainer = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{"actor.kl_coef": 0.05}))
+    last = trainer.fit()
+    rows = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("val/reward/mean" in r for r in rows)
+    first = rows[1]
+    assert first["actor/ratio_min"] == 1.0 and first["actor/ratio_max"] == 1.0
+    assert first["actor/kl_loss"] == 0.0 and first["batch/samples"] == 6
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert last["batch/trained_steps_per_sample"] == 2.0
+    images = sorted(p.name for p in (trainer.run_dir / "images").iterdir())
+    assert images == ["step_000000.png", "step_000001.png", "step_000002.png"]
+    from PIL import Image
+
+    assert Image.open(trainer.run_dir / "images" / "step_000000.png").size == (4 * 19, 4 * 28)
+    sample = json.loads((trainer.run_dir / "samples.jsonl").read_text().splitlines()[0])
+    assert "<image 3x8x8 mean rgb" in json.dumps(sample)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_dir, prompts_file, tmp_path):
+    full = Trainer(
+        _cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "full", "run.total_steps": 3})
+    )
+    full.fit()
+    part = Trainer(
+        _cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "part", "run.save_every": 1})
+    )
+    part.fit()
+    resumed = Trainer(
+        _cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "part", "run.total_steps": 3})
+    )
+    resumed.fit()
+    a = read_metrics(full.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
+    for key in ("reward/mean", "actor/grad_norm", "val/reward/mean", "actor/lr"):
+        assert a[key] == b[key], key
+    wa = full.actor.state_dict()["model"]
+    wb = resumed.actor.state_dict()["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_shuffle_advantages_permutes_them(tiny_dir, prompts_file, tmp_path):
+    trainer = Trainer(
+        _cfg(tmp_path, tiny_dir, prompts_file, **{"algorithm.shuffle_advantages": True})
+    )
+    batch, _ = trainer.collect(0)
+    plain = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "plain"}))
+    shuffled = trainer.add_advantages(batch.copy())["advantages"]
+    reference = plain.add_advantages(batch.copy())["advantages"]
+    assert not torch.equal(shuffled, reference)
+    assert torch.equal(shuffled.sort().values, reference.sort().values)
+
+
+def test_cli_pretrains_the_tiny_model(tmp_path, capsys):
+    from groupflow.cli import main
+    from groupflow.diffusion.models import load_tiny_model
+
+    assert (
+        main(
+            [
+                "pretrain-diffusion",
+                "--out",
+                str(tmp_path / "m"),
+                "--steps",
+                "2",
+                "--labels",
+                "red,blue",
+            ]
+        )
+        == 0
+    )
+    assert load_tiny_model(tmp_path / "m").labels == ["red", "blue"]
+    assert "tiny flow model written to" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_one_ray_worker_gives_the_local_numbers(tiny_dir, prompts_file, tmp_path):
+    pytest.importorskip("ray")
+    local = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "local"}))
+    local.fit()
+    ray_run = Trainer(
+        _cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "ray", "run.backend": "ray"})
+    )
+    try:
+        ray_run.fit()
+    finally:
+        ray_run.actor.shutdown()
+    a = read_metrics(local.run_dir / "metrics.jsonl")
+    b = read_metrics(ray_run.run_dir / "metrics.jsonl")
+    for ra, rb in zip(a, b):
+        for key in ("reward/mean", "actor/grad_norm", "val/reward/mean"):
+            if key in ra:
+                assert ra[key] == rb[key], (ra["step"], key)
+
+
+def test_llm_only_commands_refuse_a_diffusion_config(tiny_dir, prompts_file, tmp_path, capsys):
+    import yaml
+
+    from groupflow.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_dir, prompts_file).to_dict()))
+    assert main(["eval", str(path)]) == 2
+    assert "'eval' works on LLM policies" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_ray_workers_train_data_parallel(tiny_dir, prompts_file, tmp_path):
+    pytest.importorskip("ray")
+    over = {"run.name": "ray2", "run.backend": "ray", "run.num_workers": 2, "run.save_every": 2}
+    trainer = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over))
+    try:
+        trainer.fit()
+    finally:
+        trainer.actor.shutdown()
+    rows = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert rows[-1]["batch/samples"] == 6 and rows[-1]["actor/ratio_max"] == 1.0
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert (trainer.run_dir / "checkpoints" / "step_2").is_dir()

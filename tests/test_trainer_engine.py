@@ -71,10 +71,12 @@ def test_short_grpo_run_on_vllm_raises_reward(tmp_path):
     assert code == 0
     rows = [json.loads(x) for x in (tmp_path / "vllm" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
-    k = max(3, len(steps) // 5)
-    first = sum(r["reward/mean"] for r in steps[:k]) / k
-    last = sum(r["reward/mean"] for r in steps[-k:]) / k
-    assert last > first + 0.1, (first, last)
+    assert len(steps) == 40
+    first = sum(r["reward/mean"] for r in steps[:10]) / 10
+    last = sum(r["reward/mean"] for r in steps[-10:]) / 10
+    assert last > first + 0.05, (first, last)  # measured: 0.35 -> 0.46
+    assert rows[-1]["val/greedy/acc"] > rows[0]["val/greedy/acc"]  # measured: 39% -> 53%
     for r in steps:
         assert r["perf/weight_sync_s"] > 0
-        assert r["rollout/logprob_diff_max"] < 1e-2  # fp32 on both sides
+        assert r["rollout/logprob_diff_max"] < 1e-3  # fp32 on both sides
+        assert r["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)

@@ -223,6 +223,9 @@ def vllm_sampling_params(params: SamplingParams, seed: int, eos_ids: Sequence[in
         min_p=params.min_p or 0.0,
         max_tokens=params.max_new_tokens,
         stop=list(params.stop) or None,
+        # Stop on exactly the worker's EOS ids, as the HF engine does (vLLM would add the
+        # tokenizer's EOS on its own; an empty list then means "always max_tokens").
+        ignore_eos=True,
         stop_token_ids=list(eos_ids),
         seed=int(seed) % (2**63 - 1),
         logprobs=0,  # the sampled token's log-prob only

@@ -92,3 +92,12 @@ def test_tis_cap_must_be_positive_and_needs_recomputed_old_logprobs(tiny_config)
 def test_recompute_old_logprobs_rule(mode, engine, epochs, mini, expected):
     actor = ActorConfig(recompute_old_logprobs=mode, ppo_epochs=epochs, mini_batch_samples=mini)
     assert recompute_old_logprobs(actor, engine, num_samples=16) is expected
+
+
+def test_sleep_mode_without_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
+    monkeypatch.setattr(vllm_engine.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"rollout\.vllm\.sleep_mode.*no GPU"):
+        vllm_engine.VLLMEngine(
+            None, None, vllm_engine.VLLMOptions(sleep_mode=True), eos_ids=[2], pad_id=0
+        )

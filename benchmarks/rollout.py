@@ -109,6 +109,7 @@ def main() -> None:
             out = fn(seeds)
             dt = time.perf_counter() - t0
             tokens[name] = int(out.response_mask.sum())
+            print(f"round {r}{' (warm-up)' if r == 0 else ''} {name}: {dt:.2f} s", flush=True)
             if r:  # round 0 warms up
                 seconds[name].append(dt)
 

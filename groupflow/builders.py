@@ -32,6 +32,7 @@ __all__ = [
     "build_model",
     "build_data",
     "build_reward",
+    "build_rollout_engine",
     "encode_prompts",
     "build_policy",
     "role_group",
@@ -194,6 +195,30 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) ->
 def build_reward(cfg: Config):
     specs = [s.model_dump() for s in cfg.reward.functions] or None
     return build_reward_runner(specs, failure_value=cfg.reward.failure_value)
+
+
+def build_rollout_engine(cfg: Config):
+    """Plain options of the vLLM engine for the actor workers, or None for the HF engine.
+
+    Called at start-up: ``rollout.engine=vllm`` without vLLM installed fails here, naming the
+    install command, before any data or model is loaded.
+    """
+    from groupflow.rollout.vllm_engine import VLLMOptions, require_vllm
+
+    if cfg.rollout.engine == "hf":
+        return None
+    require_vllm()
+    v = cfg.rollout.vllm
+    return VLLMOptions(
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        sleep_mode=v.sleep_mode,
+        cpu_kv_cache_gib=v.cpu_kv_cache_gib,
+        max_model_len=v.max_model_len,
+        dtype=v.dtype,
+        enforce_eager=v.enforce_eager,
+        enable_prefix_caching=v.enable_prefix_caching,
+        seed=cfg.run.seed,
+    )
 
 
 def build_policy(cfg: Config, run_dir: Path):

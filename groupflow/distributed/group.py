@@ -164,25 +164,34 @@ class WorkerGroup:
                 env["GROUPFLOW_WORKER_THREADS"] = str(worker_threads)
             self._pool = RayPool(spec, timeout_s=placement_timeout_s or self.startup_timeout_s)
             remote = ray.remote(_Host)
-            if world_size > 1:
-                # the rendezvous address must be rank 0's node, which may be another machine
-                where = self._pool.options(0)["scheduling_strategy"]
-                probe = remote.options(num_cpus=0, scheduling_strategy=where).remote(
-                    _Nothing, 0, 1, {}, {}
+            self._hosts = []
+            try:
+                if world_size > 1:
+                    # the rendezvous address must be rank 0's node, which may be another machine
+                    where = self._pool.options(0)["scheduling_strategy"]
+                    probe = remote.options(num_cpus=0, scheduling_strategy=where).remote(
+                        _Nothing, 0, 1, {}, {}
+                    )
+                    env["MASTER_ADDR"] = self._ray_get(
+                        ray, [probe.node_ip.remote()], "node_ip", startup=True
+                    )[0]
+                    ray.kill(probe)
+                self._hosts = [
+                    remote.options(**self._pool.options(r)).remote(
+                        factory, r, world_size, {**env, "LOCAL_RANK": str(spec.slot(r)[1])}, kwargs
+                    )
+                    for r in range(world_size)
+                ]
+                # Constructors run concurrently (process-group rendezvous needs every rank); surface
+                # their failures here rather than at the first call.
+                self._ray_get(
+                    ray, [h.ready.remote() for h in self._hosts], "__init__", startup=True
                 )
-                env["MASTER_ADDR"] = self._ray_get(
-                    ray, [probe.node_ip.remote()], "node_ip", startup=True
-                )[0]
-                ray.kill(probe)
-            self._hosts = [
-                remote.options(**self._pool.options(r)).remote(
-                    factory, r, world_size, {**env, "LOCAL_RANK": str(spec.slot(r)[1])}, kwargs
-                )
-                for r in range(world_size)
-            ]
-            # Constructors run concurrently (process-group rendezvous needs every rank); surface
-            # their failures here rather than at the first call.
-            self._ray_get(ray, [h.ready.remote() for h in self._hosts], "__init__", startup=True)
+            except BaseException:
+                # a failed start must not leave actors or reserved bundles behind: the next
+                # group's placement would wait for resources that are never freed
+                self.shutdown()
+                raise
         for attr in dir(cls):
             mode = dispatch_mode(getattr(cls, attr, None))
             if mode is not None and not attr.startswith("_"):

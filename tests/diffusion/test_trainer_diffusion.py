@@ -177,7 +177,7 @@ def test_one_ray_worker_gives_the_local_numbers(tiny_dir, prompts_file, tmp_path
     try:
         ray_run.fit()
     finally:
-        ray_run.actor.shutdown()
+        ray_run.shutdown()
     a = read_metrics(local.run_dir / "metrics.jsonl")
     b = read_metrics(ray_run.run_dir / "metrics.jsonl")
     for ra, rb in zip(a, b):
@@ -205,7 +205,7 @@ def test_two_ray_workers_train_data_parallel(tiny_dir, prompts_file, tmp_path):
     try:
         trainer.fit()
     finally:
-        trainer.actor.shutdown()
+        trainer.shutdown()
     rows = read_metrics(trainer.run_dir / "metrics.jsonl")
     assert rows[-1]["batch/samples"] == 6 and rows[-1]["actor/ratio_max"] == 1.0
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))

@@ -1,5 +1,6 @@
 """Worker groups on both backends with a toy worker (Ray tests start a local Ray instance once)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,16 +16,23 @@ from toy_worker import ToyWorker  # noqa: E402
 BACKENDS = ["local", pytest.param("ray", marks=pytest.mark.slow)]
 
 
+def ray_sees_toy_worker() -> None:
+    """Ray actors import the toy worker module by name. Ray's worker processes take their
+    environment when Ray starts, so a Ray started earlier (by another test module) is restarted
+    once the module's folder is on PYTHONPATH."""
+    ray = pytest.importorskip("ray")
+    here = str(Path(__file__).parent)
+    if here in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        return
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def group(request):
     if request.param == "ray":
-        pytest.importorskip("ray")
-        import os
-
-        # Ray actors import the toy worker module by name.
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-        )
+        ray_sees_toy_worker()
     g = WorkerGroup(ToyWorker, 3, backend=request.param, timeout_s=30, scale=10.0)
     yield g
     g.shutdown()
@@ -88,12 +96,7 @@ def test_bad_construction():
 
 @pytest.mark.slow
 def test_ray_timeout_and_dead_worker():
-    pytest.importorskip("ray")
-    import os
-
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-    )
+    ray_sees_toy_worker()
     slow = WorkerGroup(ToyWorker, 2, backend="ray", timeout_s=2)
     try:
         with pytest.raises(
@@ -126,12 +129,7 @@ def test_pool_spec_slots_and_bad_counts():
 
 @pytest.mark.slow
 def test_ray_pools_place_workers_per_node_and_report_what_cannot_fit():
-    pytest.importorskip("ray")
-    import os
-
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-    )
+    ray_sees_toy_worker()
     spec = PoolSpec(nodes=2, workers_per_node=2, cpus_per_worker=0.5, name="toy")
     g = WorkerGroup(ToyWorker, 4, backend="ray", timeout_s=60, pool=spec)
     try:
@@ -153,3 +151,15 @@ def test_ray_pools_place_workers_per_node_and_report_what_cannot_fit():
         match=r"pool 'gpu': Ray could not place 1 node\(s\) × 1 worker\(s\) with \{'CPU': 1, 'GPU': 4\} each within 3 s",
     ):
         WorkerGroup(ToyWorker, 1, backend="ray", pool=greedy, placement_timeout_s=3)
+    # a group whose workers fail to start releases its reserved bundles (no leak for the next one)
+    import ray
+
+    def live_groups() -> set[str]:
+        tables = ray.util.placement_group_table().values()
+        return {t["placement_group_id"] for t in tables if t["state"] == "CREATED"}
+
+    before = live_groups()
+    with pytest.raises(WorkerError, match=r"ToyWorker rank \d: __init__\(\) failed"):
+        WorkerGroup(ToyWorker, 2, backend="ray", timeout_s=60,
+                    pool=PoolSpec(workers_per_node=2, cpus_per_worker=0.5), bogus=1)  # fmt: skip
+    assert live_groups() == before

@@ -60,3 +60,7 @@ __all__ = [
     "resolve_import_path",
     "reward_names",
 ]
+
+# The image/video rewards are built-ins too: registering them here (not when the diffusion policy
+# happens to be imported) keeps the set of reward names the same in every process.
+import groupflow.diffusion.rewards  # noqa: E402,F401  (torch only; registers by name)

@@ -55,11 +55,15 @@ def isolated_registry(monkeypatch):
 
 def test_builtin_names_and_defaults():
     assert reward_names() == [
+        "brightness",  # the image/video rewards (groupflow.diffusion.rewards) are built-ins too
+        "compressibility",
         "format_tags",
         "gsm8k",
+        "image_scorer",
         "length_penalty",
         "math_boxed",
         "overlong_penalty",
+        "target_color",
     ]
     sources = registered_data_sources()
     assert sources["openai/gsm8k"] == "gsm8k"
@@ -116,7 +120,11 @@ def test_same_builtin_twice_needs_labels():
     ("specs", "error", "message"),
     [
         ([{"name": "gsm8"}], UnknownRewardError, "did you mean 'gsm8k'"),
-        ([{"name": "gsm9k"}], UnknownRewardError, "valid names: \\['format_tags', 'gsm8k'"),
+        (
+            [{"name": "gsm9k"}],
+            UnknownRewardError,
+            "valid names: \\['brightness', 'compressibility', 'format_tags', 'gsm8k'",
+        ),
         ([{"name": "gsm8k", "weigth": 2}], RewardConfigError, "unknown key 'weigth'.*'weight'"),
         ([{"name": "gsm8k", "kwargs": {"mod": "x"}}], RewardConfigError, "no option 'mod'.*'mode'"),
         ([{"name": "gsm8k", "kwargs": {"mode": "x"}}], RewardConfigError, "unknown mode 'x'"),

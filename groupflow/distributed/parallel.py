@@ -93,3 +93,25 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
     if hasattr(total, "full_tensor"):
         total = total.full_tensor()
     return float(total)
+
+
+def save_sharded_state(module: nn.Module, optimizer, path: str) -> None:
+    """Every rank writes its shards of ``module`` and ``optimizer`` (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def load_sharded_state(module: nn.Module, optimizer, path: str) -> None:
+    """Load shards written by any number of ranks into ``module``/``optimizer`` (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )

@@ -41,6 +41,8 @@ from groupflow.distributed.parallel import (
     clip_grad_norm,
     full_model_state,
     init_process_group,
+    load_sharded_state,
+    save_sharded_state,
     shard,
 )
 from groupflow.models.logprobs import response_logprobs
@@ -625,27 +627,12 @@ class ActorRolloutWorker:
     @register("rank0")
     def save_sharded(self, path: str) -> None:
         """Every rank writes its shards of model and optimizer (torch.distributed.checkpoint)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        save_sharded_state(self.policy, self.optimizer, path)
 
     @register("rank0")
     def load_sharded(self, path: str, train_state: dict | None = None) -> None:
         """Load a sharded checkpoint written by any number of ranks (DCP reshards on load)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(
-            self.policy,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        load_sharded_state(self.policy, self.optimizer, path)
         if train_state:
             self.scheduler.load_state_dict(train_state["scheduler"])
             self.nonfinite_in_a_row, self.nonfinite_total = train_state["nonfinite"]

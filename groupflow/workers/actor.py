@@ -161,6 +161,19 @@ def _trim(batch: Batch) -> Batch:
     return out
 
 
+def global_denominators(mini: Batch) -> dict[str, int]:
+    """Loss denominators of a whole mini-batch summed over ranks (algorithms.md §3), so the
+    gradient depends neither on micro-batching nor on the number of ranks; dispatch padding rows
+    (zero masks) count as no tokens and no sequences. A collective: every rank calls it."""
+    local = loss_denominators(mini["response_mask"])
+    real_rows = int((~mini[PAD_KEY]).sum()) if PAD_KEY in mini else len(mini)
+    return {
+        "num_tokens": int(all_reduce(local["num_tokens"])),
+        "num_seqs": int(all_reduce(real_rows)),
+        "max_len": int(all_reduce(local["max_len"], op="max")),
+    }
+
+
 class _PolicyForward(nn.Module):
     """The FSDP root: its forward computes response log-probs, so root-level parameters (embeddings,
     final norm, LM head) are gathered by FSDP2's hooks around the whole chunked computation."""
@@ -434,15 +447,7 @@ class ActorRolloutWorker:
 
     def _optimizer_step(self, mini: Batch, temperature: float) -> dict[str, float]:
         cfg = self.cfg
-        local = loss_denominators(mini["response_mask"])
-        # Denominators of the whole mini-batch across ranks (algorithms.md §3); dispatch padding
-        # rows (zero masks) count as no tokens and no sequences.
-        real_rows = int((~mini[PAD_KEY]).sum()) if PAD_KEY in mini else len(mini)
-        denominators = {
-            "num_tokens": int(all_reduce(local["num_tokens"])),
-            "num_seqs": int(all_reduce(real_rows)),
-            "max_len": int(all_reduce(local["max_len"], op="max")),
-        }
+        denominators = global_denominators(mini)
         groups = micro_batches(_lengths(mini), cfg.micro_batch_samples, cfg.micro_batch_tokens)
         # Every rank runs the same number of forward/backward passes (FSDP collectives): a rank
         # with fewer micro-batches repeats its last one with a zero mask (no loss, no gradient).

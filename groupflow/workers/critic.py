@@ -16,10 +16,10 @@ import math
 import torch
 from torch import nn
 
-from groupflow.algorithms import loss_denominators, value_loss
+from groupflow.algorithms import value_loss
 from groupflow.batch import Batch
 from groupflow.config import CriticConfig
-from groupflow.distributed import PAD_KEY, register
+from groupflow.distributed import register
 from groupflow.distributed.parallel import (
     all_reduce,
     clip_grad_norm,
@@ -42,6 +42,7 @@ from groupflow.workers.actor import (
     _drop_padding,
     _lengths,
     _trim,
+    global_denominators,
     lr_lambda,
     micro_batches,
     worker_device,
@@ -193,13 +194,7 @@ class CriticWorker:
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         cfg = self.cfg
-        local = loss_denominators(mini["response_mask"])
-        real_rows = int((~mini[PAD_KEY]).sum()) if PAD_KEY in mini else len(mini)
-        dens = {
-            "num_tokens": int(all_reduce(local["num_tokens"])),
-            "num_seqs": int(all_reduce(real_rows)),
-            "max_len": int(all_reduce(local["max_len"], op="max")),
-        }
+        dens = global_denominators(mini)
         groups = micro_batches(_lengths(mini), cfg.micro_batch_samples, cfg.micro_batch_tokens)
         # Same number of forward/backward passes on every rank (FSDP collectives); extra passes
         # repeat the last micro-batch with a zero mask.

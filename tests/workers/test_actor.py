@@ -16,7 +16,12 @@ import torch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.models.causal_lm import build_tiny_llama
-from groupflow.workers.actor import ActorRolloutWorker, lr_lambda, micro_batches
+from groupflow.workers.actor import (
+    ActorRolloutWorker,
+    lr_lambda,
+    micro_batches,
+    optimizer_state_by_name,
+)
 
 # ----- lr_lambda ---------------------------------------------------------------------------------
 
@@ -220,3 +225,24 @@ def test_ratio_extremes_do_not_depend_on_micro_batching():
         assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
     assert split["actor/ratio_max"] == pytest.approx(whole["actor/ratio_max"], rel=1e-5)
     assert split["actor/ratio_min"] == pytest.approx(whole["actor/ratio_min"], rel=1e-5)
+
+
+# ----- resuming a one-worker optimizer state on N workers -----------------------------------------
+
+
+def test_optimizer_state_is_rekeyed_by_parameter_name():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([a, b], lr=0.1)
+    (a.sum() + 2 * b.sum()).backward()
+    opt.step()
+    by_name = optimizer_state_by_name(opt.state_dict(), ["lm.a", "lm.b"])
+    assert set(by_name["state"]) == {"lm.a", "lm.b"}
+    assert by_name["state"]["lm.b"]["exp_avg"].shape == (3,)
+    assert by_name["param_groups"][0]["params"] == ["lm.a", "lm.b"]
+    assert by_name["param_groups"][0]["lr"] == 0.1
+
+
+def test_optimizer_state_for_another_model_is_refused():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match="holds 1 parameters but the model has 2"):
+        optimizer_state_by_name(opt.state_dict(), ["lm.a", "lm.b"])

@@ -226,6 +226,12 @@ class ActorConfig(_Section):
     # to correct for the rollout engine's numerics (groupflow.algorithms.correction). None: off.
     tis_cap: float | None = Field(None, gt=0)
     max_nonfinite_steps: int = Field(3, ge=1)
+    # Leave samples whose advantages are all 0 (groups where every sample got the same reward)
+    # out of the update's forward/backward. Exact: their loss and gradient are 0 and they still
+    # count in the loss denominators. Applies only when nothing else gives them a gradient
+    # (kl_coef = 0, entropy_coef = 0, a loss declared zero-advantage-inert, a global-denominator
+    # loss_agg); the actor/* ratio, clip and entropy metrics then cover the updated samples.
+    skip_zero_advantage: bool = True
     lora: LoraConfig | None = None  # None: full fine-tuning
 
     @field_validator("loss_fn")

@@ -44,6 +44,7 @@ from groupflow.algorithms.policy_loss import (
     masked_mean,
     policy_loss,
     register_policy_loss,
+    zero_advantage_inert,
 )
 from groupflow.algorithms.registry import (
     Registry,
@@ -96,4 +97,5 @@ __all__ = [
     "register_policy_loss",
     "sample_from_logits",
     "truncated_is_weights",
+    "zero_advantage_inert",
 ]

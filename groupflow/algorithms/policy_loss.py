@@ -30,8 +30,33 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 RATIO_LEVELS = ("token", "sequence")
 
 
-def register_policy_loss(name: str, **kwargs):
-    return POLICY_LOSSES.register(name, **kwargs)
+# Losses whose per-action loss is A·f(ratio, ...): an action with advantage 0 has zero loss and
+# zero gradient, so a trainer may leave such samples out of the forward/backward pass and get
+# the same gradient (workers/actor.py does, with global denominators). Opt-in per loss, because
+# a registered loss with an advantage-independent term (an entropy or KL term of its own) would
+# silently lose it.
+_ZERO_ADVANTAGE_INERT: set[str] = set()
+
+
+def register_policy_loss(name: str, *, zero_advantage_inert: bool = False, **kwargs):
+    """Decorator registering a policy loss; ``zero_advantage_inert=True`` declares that an action
+    with advantage 0 contributes neither loss nor gradient (true of every A·f(ratio) loss)."""
+    register = POLICY_LOSSES.register(name, **kwargs)
+
+    def decorator(fn: PolicyLoss) -> PolicyLoss:
+        register(fn)
+        if zero_advantage_inert:
+            _ZERO_ADVANTAGE_INERT.add(name)
+        else:
+            _ZERO_ADVANTAGE_INERT.discard(name)  # an override must declare it again
+        return fn
+
+    return decorator
+
+
+def zero_advantage_inert(loss_fn: str) -> bool:
+    """Whether samples whose advantages are all 0 can be skipped exactly under ``loss_fn``."""
+    return POLICY_LOSSES.canonical(loss_fn) in _ZERO_ADVANTAGE_INERT
 
 
 def masked_mean(x: Tensor, valid: Tensor) -> Tensor:
@@ -62,7 +87,7 @@ def _validate_ppo_options(ratio_level, eps_low, eps_high, clip_ratio_c, delta, l
         raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp!r}")
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", zero_advantage_inert=True)
 def ppo_clip(
     logprobs: Tensor,
     old_logprobs: Tensor,

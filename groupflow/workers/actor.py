@@ -31,6 +31,7 @@ from groupflow.algorithms import (
     kl_penalty,
     loss_denominators,
     policy_loss,
+    zero_advantage_inert,
 )
 from groupflow.algorithms.registry import option_names
 from groupflow.batch import Batch
@@ -96,6 +97,8 @@ def micro_batches(
     the budget. A single sample longer than the budget gets a micro-batch of its own.
     """
     n = len(lengths)
+    if n == 0:
+        return []
     if max_tokens is None:
         size = max_samples or n
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
@@ -172,6 +175,35 @@ def global_denominators(mini: Batch) -> dict[str, int]:
         "num_seqs": int(all_reduce(real_rows)),
         "max_len": int(all_reduce(local["max_len"], op="max")),
     }
+
+
+def skips_zero_advantage(cfg: ActorConfig) -> bool:
+    """Whether the update may leave zero-advantage samples out: only when nothing else gives them
+    a gradient and the loss denominators do not depend on which samples are run."""
+    return (
+        cfg.skip_zero_advantage
+        and cfg.kl_coef == 0
+        and cfg.entropy_coef == 0
+        and cfg.loss_agg != "local_token_mean"
+        and zero_advantage_inert(cfg.loss_fn)
+    )
+
+
+def update_rows(mini: Batch, cfg: ActorConfig) -> list[int]:
+    """The mini-batch rows the update runs: all of them, or (``skips_zero_advantage``) those with a
+    non-zero advantage on a valid token — in GRPO, the groups whose rewards were not all equal.
+    Rows are ordered by group so micro-batches hold whole groups (an order the global-denominator
+    losses are invariant to)."""
+    order = list(range(len(mini)))
+    if "group_ids" in mini and cfg.loss_agg != "local_token_mean":
+        order = torch.argsort(mini["group_ids"].cpu(), stable=True).tolist()
+    if not skips_zero_advantage(cfg):
+        return order
+    valid = mini["response_mask"] != 0
+    adv = mini["advantages"]
+    adv = adv[:, None].expand_as(valid) if adv.dim() == 1 else adv[:, : valid.shape[1]]
+    carries = ((adv != 0) & valid).any(dim=1).cpu().tolist()  # NaN != 0: kept, guard sees it
+    return [r for r in order if carries[r]]
 
 
 class _PolicyForward(nn.Module):
@@ -448,17 +480,32 @@ class ActorRolloutWorker:
     def _optimizer_step(self, mini: Batch, temperature: float) -> dict[str, float]:
         cfg = self.cfg
         denominators = global_denominators(mini)
-        groups = micro_batches(_lengths(mini), cfg.micro_batch_samples, cfg.micro_batch_tokens)
-        # Every rank runs the same number of forward/backward passes (FSDP collectives): a rank
-        # with fewer micro-batches repeats its last one with a zero mask (no loss, no gradient).
-        n_micro = int(all_reduce(len(groups), op="max"))
+        rows = update_rows(mini, cfg)
+        # Ratio/clip/entropy metrics average over the samples that are run (all, unless skipped).
+        metric_denominators = (
+            denominators if len(rows) == len(mini) else global_denominators(mini.index(rows))
+        )
+        lengths = _lengths(mini)
+        groups = [
+            [rows[j] for j in group]
+            for group in micro_batches(
+                [lengths[r] for r in rows], cfg.micro_batch_samples, cfg.micro_batch_tokens
+            )
+        ]
+        # Every rank runs the same number of forward/backward passes (FSDP collectives), at least
+        # one (so every parameter the forward touches gets a gradient, zero if need be, and AdamW
+        # steps it exactly as when nothing is skipped): a rank with fewer micro-batches repeats
+        # its last one, or row 0, with a zero mask (no loss, no gradient).
+        n_micro = max(1, int(all_reduce(len(groups), op="max")))
         stats: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = 0.0
         for i in range(n_micro):
-            mb = _trim(mini.index(groups[min(i, len(groups) - 1)]))
+            mb = _trim(mini.index(groups[min(i, len(groups) - 1)] if groups else [0]))
             mask = mb["response_mask"] if i < len(groups) else torch.zeros_like(mb["response_mask"])
-            loss, contrib = self._micro_loss(mb, mask, temperature, denominators)
+            loss, contrib = self._micro_loss(
+                mb, mask, temperature, denominators, metric_denominators
+            )
             for k, (v, w) in contrib.items():
                 _accumulate(stats, k, v, w)
             # FSDP2 averages gradients over ranks; the losses already use global denominators.
@@ -473,6 +520,9 @@ class ActorRolloutWorker:
         total_loss = all_reduce(total_loss)
         stats["actor/grad_norm"] = grad_norm
         stats["actor/loss"] = total_loss
+        if skips_zero_advantage(cfg):
+            skipped = denominators["num_seqs"] - metric_denominators["num_seqs"]
+            stats["actor/zero_adv_skipped"] = skipped / max(1, denominators["num_seqs"])
         if not (math.isfinite(total_loss) and math.isfinite(grad_norm)):
             self._skip_nonfinite()
             stats["actor/nonfinite_skipped"] = 1.0
@@ -482,7 +532,8 @@ class ActorRolloutWorker:
         stats["actor/nonfinite_skipped"] = 0.0
         return stats
 
-    def _micro_loss(self, mb: Batch, mask: torch.Tensor, temperature: float, denominators: dict):
+    def _micro_loss(self, mb: Batch, mask: torch.Tensor, temperature: float, denominators: dict,
+                    metric_denominators: dict):  # fmt: skip
         """Loss of one micro-batch and its metric contributions {key: (value, weight)}."""
         cfg = self.cfg
         logp, entropy = self.policy(
@@ -497,16 +548,15 @@ class ActorRolloutWorker:
             logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
             **self.loss_options, **denominators, **tis,
         )  # fmt: skip
-        share = float(mask.sum()) / max(
-            1, denominators["num_tokens"]
-        )  # token weight of this micro-batch
-        ent = aggregate(entropy, mask, cfg.loss_agg, **denominators)
+        # token weight of this micro-batch among the tokens the metrics cover
+        share = float(mask.sum()) / max(1, metric_denominators["num_tokens"])
+        ent = aggregate(entropy, mask, cfg.loss_agg, **metric_denominators)
         contrib = {
             "actor/pg_loss": (float(loss.detach()), 1.0),
             "actor/entropy": (float(ent.detach()), 1.0),
         }
         if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * ent
+            loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg, **denominators)
         if cfg.kl_coef > 0:
             if "ref_logprobs" not in mb:
                 raise ValueError("actor.kl_coef > 0 but the batch has no 'ref_logprobs'")

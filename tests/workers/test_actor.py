@@ -63,6 +63,11 @@ def test_micro_batches_none_is_one_group():
     assert micro_batches([7, 3, 9], None, None) == [[0, 1, 2]]
 
 
+def test_micro_batches_of_no_samples_are_none():
+    assert micro_batches([], None, None) == [] == micro_batches([], 2, None)
+    assert micro_batches([], None, 8) == []
+
+
 def test_micro_batches_by_tokens_packs_padded_cost():
     # padded cost of a group = rows x longest row, kept <= 8:
     # [3,3] costs 6 (a third 3 would cost 9); 10 is over budget and goes alone; [2,2] costs 4
@@ -225,6 +230,136 @@ def test_ratio_extremes_do_not_depend_on_micro_batching():
         assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
     assert split["actor/ratio_max"] == pytest.approx(whole["actor/ratio_max"], rel=1e-5)
     assert split["actor/ratio_min"] == pytest.approx(whole["actor/ratio_min"], rel=1e-5)
+
+
+# ----- leaving zero-advantage samples out of the update -------------------------------------------
+
+
+def _zero_groups(batch: Batch, groups: tuple[int, ...]) -> Batch:
+    """The batch with every advantage of the given groups set to 0 (all-equal rewards)."""
+    out = batch.copy()
+    adv = batch["advantages"].clone()
+    for g in groups:
+        adv[batch["group_ids"] == g] = 0.0
+    out["advantages"] = adv
+    return out
+
+
+def _count_forward_rows(worker: ActorRolloutWorker) -> list[int]:
+    rows: list[int] = []
+    real = worker.policy.forward
+
+    def forward(prompt_ids, *args, **kwargs):
+        rows.append(prompt_ids.shape[0])
+        return real(prompt_ids, *args, **kwargs)
+
+    worker.policy.forward = forward
+    return rows
+
+
+def _params(worker: ActorRolloutWorker) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in worker.model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"micro_batch_samples": 3},
+        {"loss_agg": "seq_mean_token_mean", "ppo_epochs": 2, "mini_batch_samples": 8},
+        {"loss_agg": "seq_mean_token_sum_norm", "micro_batch_tokens": 12},
+    ],
+)
+def test_skipping_zero_advantage_samples_gives_the_same_update(cfg):
+    model = _model()
+    batch = _zero_groups(_batch(n=12, perturb_old=0.3), groups=(1,))
+    full = _worker(model, skip_zero_advantage=False, **cfg)
+    skip = _worker(model, **cfg)
+    rows_full, rows_skip = _count_forward_rows(full), _count_forward_rows(skip)
+    for _ in range(2):  # the second update also checks AdamW's state stayed identical
+        m_full = full.update(batch, temperature=0.7, shuffle_seed=3)
+        m_skip = skip.update(batch, temperature=0.7, shuffle_seed=3)
+        # float summation order differs; Adam's normalised step (lr 1e-2) magnifies it a little
+        for a, b in zip(_params(full), _params(skip)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+        for key in ("actor/grad_norm", "actor/loss", "actor/pg_loss"):
+            assert m_skip[key] == pytest.approx(m_full[key], rel=1e-5, abs=1e-8), key
+    # group 1 (4 of 12 samples) was never run
+    assert sum(rows_skip) == sum(rows_full) * 8 // 12
+    if "mini_batch_samples" not in cfg:  # else: the mean of its mini-batches' shares
+        assert m_skip["actor/zero_adv_skipped"] == pytest.approx(4 / 12)
+    assert "actor/zero_adv_skipped" not in m_full
+
+
+def test_metrics_of_a_skipping_update_cover_the_samples_it_ran():
+    model = _model()
+    batch = _zero_groups(_batch(n=12, perturb_old=0.5), groups=(0, 2))
+    metrics = _worker(model).update(batch, temperature=1.0)
+    kept = batch.index([4, 5, 6, 7])  # group 1
+    reference = _worker(model, skip_zero_advantage=False).update(kept, temperature=1.0)
+    for key in ("actor/ratio_mean", "actor/clipfrac_low", "actor/clipfrac_high",
+                "actor/entropy", "actor/ratio_max", "actor/ratio_min"):  # fmt: skip
+        assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), key
+
+
+def test_an_all_zero_advantage_update_still_steps_adamw_like_the_full_one():
+    """After a normal update AdamW has momentum: a zero-gradient step still moves the weights,
+    and the skipping worker (which runs one masked row) must move them identically."""
+    model = _model()
+    first, zero = _batch(n=8), _zero_groups(_batch(n=8, seed=1), groups=(0, 1))
+    full = _worker(model, skip_zero_advantage=False)
+    skip = _worker(model)
+    rows = _count_forward_rows(skip)
+    for worker in (full, skip):
+        worker.update(first, temperature=1.0)
+    before = _params(skip)
+    m_full = full.update(zero, temperature=1.0)
+    m_skip = skip.update(zero, temperature=1.0)
+    assert rows[-1] == 1 and m_skip["actor/zero_adv_skipped"] == 1.0
+    assert m_skip["actor/grad_norm"] == 0.0 == m_full["actor/grad_norm"]
+    assert any(not torch.equal(a, b) for a, b in zip(before, _params(skip)))  # momentum
+    for a, b in zip(_params(full), _params(skip)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"kl_coef": 0.1},
+        {"entropy_coef": 0.01},
+        {"loss_agg": "local_token_mean"},
+        {"skip_zero_advantage": False},
+    ],
+)
+def test_samples_are_not_skipped_when_they_still_carry_gradient(cfg):
+    model = _model()
+    batch = _zero_groups(_batch(n=8), groups=(0,))
+    if cfg.get("kl_coef"):
+        batch["ref_logprobs"] = batch["old_logprobs"] - 0.1 * batch["response_mask"]
+    worker = _worker(model, **cfg)
+    rows = _count_forward_rows(worker)
+    metrics = worker.update(batch, temperature=1.0)
+    assert sum(rows) == 8 and "actor/zero_adv_skipped" not in metrics
+
+
+def test_a_registered_loss_is_skipped_only_when_declared_zero_advantage_inert():
+    from groupflow.algorithms import POLICY_LOSSES, register_policy_loss, zero_advantage_inert
+
+    assert zero_advantage_inert("ppo_clip")
+
+    @register_policy_loss("test_biased")
+    def biased(logprobs, old, adv, valid):  # a term that does not vanish with A = 0
+        return -(adv + 0.1) * logprobs, {}
+
+    try:
+        assert not zero_advantage_inert("test_biased")
+        model = _model()
+        worker = _worker(model, loss_fn="test_biased")
+        rows = _count_forward_rows(worker)
+        worker.update(_zero_groups(_batch(n=8), groups=(0,)), temperature=1.0)
+        assert sum(rows) == 8
+    finally:
+        POLICY_LOSSES.unregister("test_biased")
 
 
 # ----- resuming a one-worker optimizer state on N workers -----------------------------------------

@@ -123,6 +123,9 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, lt=1)
     stop: list[str] = Field(default_factory=list)
+    # engine hf: decode Llama/Mistral/Qwen2/Qwen3 with a preallocated KV cache (same tokens and
+    # log-probs, less copying; groupflow.rollout.static_cache). false: always HF's forward.
+    static_kv_cache: bool = True
 
 
 class ValidationConfig(_Section):

@@ -138,6 +138,7 @@ class Trainer:
             max_new_tokens=r.max_new_tokens,
             stop=tuple(r.stop),
             n=r.samples_per_prompt,
+            static_kv_cache=r.static_kv_cache,
         )
 
     def _add_ppo_roles(self, policy_spec: ModelSpec) -> None:

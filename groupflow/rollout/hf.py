@@ -24,6 +24,7 @@ from torch import nn
 
 from groupflow.algorithms import apply_sampling_filters
 from groupflow.models.causal_lm import cache_kwarg, token_positions
+from groupflow.rollout.static_cache import StaticDecoder
 
 __all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
 
@@ -37,6 +38,10 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     n: int = 1  # samples per prompt, sharing one prefill
+    # Decode plumbing, not sampling: a preallocated KV cache for Llama-family models
+    # (groupflow.rollout.static_cache); same tokens and log-probs, less copying. Other models,
+    # and False, use the HF forward with its dynamic cache.
+    static_kv_cache: bool = True
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -157,8 +162,14 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer) -> Gene
         if cache is None:
             cache = out.past_key_values
         logits = out.logits[:, -1]
+        decoder = None
+        if params.static_kv_cache:
+            decoder = StaticDecoder.build(
+                model, cache, prompt_mask, params.n, params.max_new_tokens
+            )
         if params.n > 1:
-            cache.batch_repeat_interleave(params.n)
+            if decoder is None:
+                cache.batch_repeat_interleave(params.n)
             logits = logits.repeat_interleave(params.n, dim=0)
             prompt_ids = prompt_ids.repeat_interleave(params.n, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0)
@@ -183,6 +194,9 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer) -> Gene
             alive &= ~finished
             if not bool(alive.any()) or t == params.max_new_tokens - 1:
                 break
+            if decoder is not None:
+                logits = decoder.step(tok, next_pos + t, t)
+                continue
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
             out = model(
                 input_ids=tok[:, None],

@@ -1,0 +1,139 @@
+"""Decode steps with a preallocated KV cache for Llama-family HF models.
+
+Design decision: HF's ``DynamicCache`` concatenates every layer's keys and values with the new
+token at every decode step (the whole cache is copied T times: O(T²) memory traffic), and the HF
+forward rebuilds attention masks and position embeddings through several layers of generic code
+per step. For the small and mid-sized models groupflow runs on CPUs that plumbing costs as much as
+the math. This module keeps HF's own modules for all of the math — embeddings, norms, the
+q/k/v/o projections (biases included), Qwen3's q/k norms, the rotary embedding and the MLP — so
+weights and numerics stay the model's, and replaces only the plumbing: K/V live in buffers sized
+prompt + max_new_tokens, written in place, and attention reads the filled prefix.
+
+Only architectures whose decoder layer is exactly "pre-norm attention + pre-norm MLP with full
+causal attention" are driven this way (``SUPPORTED_MODEL_TYPES``); anything else — another model
+type, sliding-window layers that would matter, a PEFT wrapper, an unexpected module layout —
+makes ``StaticDecoder.build`` return None and the caller uses the plain HF forward, so this is a
+speed path, never a requirement. Tests check tokens and log-probs against the HF forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "StaticDecoder", "unsupported_reason"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:  # transformers >= 4.56
+        return layers[layer].keys, layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def unsupported_reason(model: nn.Module, total_len: int) -> str | None:
+    """Why ``model`` cannot use the static-cache decode for ``total_len`` positions (None: it can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    inner = getattr(model, "model", None)
+    for name in ("layers", "embed_tokens", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            return f"the model has no .model.{name}"
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return "the model has no lm_head"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "the model has sliding-window layers"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < total_len:
+        return f"sliding window {window} < {total_len} positions"
+    if _rope_function(model) is None:
+        return "the model's module has no apply_rotary_pos_emb"
+    return None
+
+
+def _rope_function(model: nn.Module):
+    # The model's own rotary application (same formula, same floating-point order).
+    return getattr(inspect.getmodule(type(model)), "apply_rotary_pos_emb", None)
+
+
+class StaticDecoder:
+    """Decodes one token per row per ``step``; K/V of the prompt are copied in once by ``build``."""
+
+    def __init__(self, model: nn.Module, keys, values, key_mask: torch.Tensor, prompt_len: int):
+        self.model, self.inner = model, model.model
+        self.rope = _rope_function(model)
+        self.keys, self.values = keys, values  # per layer [B, H_kv, prompt_len + new, D]
+        # [B, 1, 1, L] over all columns; None when no prompt is padded (faster attention)
+        self.key_mask = key_mask
+        self.prompt_len = prompt_len
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        cache,
+        prompt_mask: torch.Tensor,
+        repeats: int,
+        max_new_tokens: int,
+    ) -> StaticDecoder | None:
+        """A decoder whose cache holds the prefilled ``cache`` (one row per prompt) repeated
+        ``repeats`` times per prompt, or None where the model is not supported."""
+        prompt_len = prompt_mask.shape[1]
+        if unsupported_reason(model, prompt_len + max_new_tokens) is not None:
+            return None
+        keys, values = [], []
+        for i in range(len(model.model.layers)):
+            k, v = _kv(cache, i)
+            if k.shape[2] != prompt_len:
+                return None  # an unexpected cache layout: let HF's forward handle it
+            shape = (k.shape[0] * repeats, k.shape[1], prompt_len + max_new_tokens, k.shape[3])
+            k_buf = k.new_empty(shape)
+            v_buf = v.new_empty(shape)
+            k_buf[:, :, :prompt_len] = k.repeat_interleave(repeats, dim=0)
+            v_buf[:, :, :prompt_len] = v.repeat_interleave(repeats, dim=0)
+            keys.append(k_buf)
+            values.append(v_buf)
+        key_mask = None
+        if not bool(prompt_mask.all()):
+            rows = prompt_mask.repeat_interleave(repeats, dim=0).bool()
+            new = torch.ones(rows.shape[0], max_new_tokens, dtype=torch.bool, device=rows.device)
+            key_mask = torch.cat([rows, new], dim=1)[:, None, None, :]
+        return cls(model, keys, values, key_mask, prompt_len)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
+        """Logits [B, V] after feeding ``tokens`` [B] at ``positions`` [B] (the t-th new token)."""
+        inner = self.inner
+        col = self.prompt_len + t
+        x = inner.embed_tokens(tokens[:, None])  # [B, 1, H]
+        cos, sin = inner.rotary_emb(x, positions[:, None])
+        mask = None if self.key_mask is None else self.key_mask[..., : col + 1]
+        rows = x.shape[0]
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(rows, 1, -1, attn.head_dim)
+            k = attn.k_proj(h).view(rows, 1, -1, attn.head_dim)
+            v = attn.v_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            self.keys[i][:, :, col] = k[:, :, 0]
+            self.values[i][:, :, col] = v[:, :, 0]
+            out = F.scaled_dot_product_attention(
+                q,
+                self.keys[i][:, :, : col + 1],
+                self.values[i][:, :, : col + 1],
+                attn_mask=mask,
+                scale=attn.scaling,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(inner.norm(x))[:, 0]

@@ -144,9 +144,12 @@ def actor_worker(trainer):
     return trainer.actor.local_worker()
 
 
-def groupflow_step(trainer) -> None:
+def groupflow_step(trainer, seen: dict[str, list] | None = None) -> None:
     """One step of ``Trainer.fit``: everything but the tracker, validation and checkpoints."""
-    trainer.train_step()
+    batch, metrics = trainer.train_step()
+    if seen is not None:
+        seen["skipped"].append(metrics.get("actor/zero_adv_skipped", 0.0))
+        seen["prompt_len"].append(int(batch["prompt_mask"].sum(1).max()))
 
 
 # ----- TRL side ----------------------------------------------------------------------------------
@@ -283,6 +286,8 @@ def time_alternating(size: str, s: Settings) -> dict[str, Any]:
     wall: dict[str, list[float]] = {"trl": [], "groupflow": []}
     cpu: dict[str, list[float]] = {"trl": [], "groupflow": []}
     gen: dict[str, list[float]] = {"trl": [], "groupflow": []}
+    # groupflow's share of zero-advantage samples left out of the update, and prompt widths
+    seen: dict[str, list] = {"skipped": [], "prompt_len": []}
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         gf = build_groupflow(size, s, Path(tmp))
         trl_model = copy.deepcopy(actor_worker(gf).model)
@@ -299,7 +304,7 @@ def time_alternating(size: str, s: Settings) -> dict[str, Any]:
             record("trl", since["t"])
             _check_threads(s.threads)
             start = _now()
-            groupflow_step(gf)
+            groupflow_step(gf, seen)
             record("groupflow", start)
             _check_threads(s.threads)
             since["t"] = _now()
@@ -317,6 +322,7 @@ def time_alternating(size: str, s: Settings) -> dict[str, Any]:
         _check_threads(s.threads)
         since["t"] = _now()
         trl.train()
+        floor = gemm_floor(actor_worker(gf).model, s, prompt_len=max(seen["prompt_len"]))
     if any(len(wall[fw]) != s.steps + 1 for fw in FRAMEWORKS):
         raise RuntimeError(f"expected {s.steps + 1} steps of each framework, got {wall}")
     # The first step of each framework is a warm-up and is discarded.
@@ -325,7 +331,56 @@ def time_alternating(size: str, s: Settings) -> dict[str, Any]:
         "step_s": {fw: wall[fw][1:] for fw in FRAMEWORKS},
         "step_cpu_s": {fw: cpu[fw][1:] for fw in FRAMEWORKS},
         "generate_s": {fw: gen[fw][1:] for fw in FRAMEWORKS},
+        "zero_adv_skipped": statistics.mean(seen["skipped"][1:]),
+        "floor": floor,
     }
+
+
+# ----- the matrix-multiply floor ------------------------------------------------------------------
+
+
+def _matmul_s(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
+    """Median seconds of ``a @ b`` (after one warm-up: allocation, kernel selection)."""
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def gemm_floor(model, s: Settings, prompt_len: int) -> dict[str, float]:
+    """Seconds this machine needs for just the matrix multiplies of one step of the benchmark's
+    work, done by any framework that computes the full batch: generation (one shared prefill per
+    prompt, then one token for all B·G rows per step) and the update (forward, input-gradient and
+    weight-gradient GEMMs of every linear layer over B·G·(prompt + new) positions; LM head over
+    the response positions). Attention, norms, activations, sampling and the optimizer are left
+    out, so this is a strict lower bound on a step: no framework doing this work in fp32 on these
+    cores can be faster than TRL's step divided by it."""
+    torch.set_num_threads(s.threads)
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings().weight
+    rows = s.prompts_per_step * s.samples_per_prompt
+    train_m, resp_m = rows * (prompt_len + s.new_tokens), rows * s.new_tokens
+
+    def matmuls(m: int, backward: bool) -> float:
+        total = 0.0
+        for w in weights:
+            n, k = w.shape
+            mm = resp_m if w is head else m
+            x, dy, wt = torch.randn(mm, k), torch.randn(mm, n), w.detach().t()
+            total += _matmul_s(x, wt)  # nn.Linear's x @ W^T
+            if backward:
+                total += _matmul_s(dy, w.detach())  # grad of the input
+                total += _matmul_s(dy.t(), x)  # grad of the weight
+        return total
+
+    decode = matmuls(rows, backward=False) * (s.new_tokens - 1)
+    prefill = matmuls(s.prompts_per_step * prompt_len, backward=False)
+    update = matmuls(train_m, backward=True)
+    return {"generate_s": prefill + decode, "update_s": update, "step_s": prefill + decode + update}
 
 
 # ----- the memory probe (runs in its own process) ------------------------------------------------
@@ -404,6 +459,9 @@ def summarize(size: str, timing: dict[str, Any], memory: dict[str, dict[str, Any
             "median_generate_s": gen[fw],
             "speedup_vs_trl": wall["trl"] / wall[fw],
             "cpu_speedup_vs_trl": cpu["trl"] / cpu[fw],
+            "floor": timing["floor"],
+            "trl_over_floor": wall["trl"] / timing["floor"]["step_s"],
+            "zero_adv_skipped": timing["zero_adv_skipped"] if fw == "groupflow" else 0.0,
             **memory[fw],
         }
         for fw in FRAMEWORKS
@@ -502,6 +560,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print()
     print(format_table(rows))
     medium = [r for r in rows if r["size"] == "medium" and r["framework"] == "groupflow"]
+    for r in (r for r in rows if r["framework"] == "groupflow"):
+        f = r["floor"]
+        print(
+            f"\n[{r['size']}] matrix-multiply floor of this work: generation {f['generate_s']:.3f} s"
+            f" + update {f['update_s']:.3f} s = {f['step_s']:.3f} s/step, so no framework computing "
+            f"the full batch in fp32 here beats TRL by more than {r['trl_over_floor']:.2f}x; "
+            f"groupflow left {100 * r['zero_adv_skipped']:.0f}% of the samples (zero advantage: "
+            "no gradient) out of its update"
+        )
     if medium:
         verdict = "meets" if medium[0]["speedup_vs_trl"] >= TARGET_SPEEDUP else "misses"
         print(

@@ -222,6 +222,10 @@ class ActorConfig(_Section):
     kl_kind: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"
     entropy_coef: float = 0.0
     logprob_chunk_tokens: int = Field(4096, ge=1)  # tokens whose logits exist at once
+    # Encode each distinct prompt once per micro-batch and share its K/V with the rows that repeat
+    # it (GRPO's G samples): the same log-probs and gradients with (G-1)/G of the prompt compute
+    # saved. A switch only to rule it out when debugging; it falls back to one pass by itself.
+    share_prompt_prefix: bool = True
     # auto: recompute when there are several optimizer steps per batch, or when the rollout
     # engine is vLLM (its log-probs differ numerically from the training forward).
     recompute_old_logprobs: Literal["auto", "always", "never"] = "auto"

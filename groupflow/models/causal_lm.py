@@ -2,7 +2,8 @@
 
 Design decision: groupflow uses plain HF ``PreTrainedModel`` objects and touches them only through
 three narrow helpers — ``decoder_forward`` (hidden states), the output embedding (LM head) and a
-KV-cache forward used by the rollout engine. That keeps every HF causal LM (Llama, Qwen, SmolLM,
+KV-cache forward used by the rollout engine and by the shared-prompt training forward
+(``response_hidden_states``). That keeps every HF causal LM (Llama, Qwen, SmolLM,
 Mistral...) usable without per-architecture code, and lets log-probs be computed from hidden states
 in chunks so memory never holds B·T·V logits at once.
 """
@@ -23,6 +24,7 @@ __all__ = [
     "load_causal_lm",
     "cache_kwarg",
     "token_positions",
+    "response_hidden_states",
 ]
 
 
@@ -145,3 +147,115 @@ def decoder_hidden_states(
         use_cache=False,
     )
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _accepts_cache(module: nn.Module) -> bool:
+    params = inspect.signature(module.forward).parameters
+    return "cache" in params or "past_key_values" in params
+
+
+def _output_cache(out):
+    """The cache an HF forward returned (``cache`` in transformers 5.x, ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def _full_attention_only(model: nn.Module, length: int) -> bool:
+    """True when every layer attends to the whole prefix: sliding-window and linear/recurrent layers
+    keep a truncated or summarised cache, for which we do not claim exactness."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    types = getattr(config, "layer_types", None)
+    if types and any(t != "full_attention" for t in types):
+        return False
+    window = getattr(config, "sliding_window", None)
+    return window is None or not getattr(config, "use_sliding_window", True) or length < window
+
+
+def _unique_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """Distinct (ids, mask) prompt rows [U, P] and each row's index into them [B]."""
+    p = prompt_ids.shape[1]
+    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    return unique[:, :p], unique[:, p:].to(prompt_mask.dtype), inverse
+
+
+def _can_share_prompt(model: nn.Module, decoder: nn.Module, length: int) -> bool:
+    # HF drops the cache when a checkpointed layer will be replayed in backward (it would be
+    # appended to twice), so there would be no K/V to share.
+    # (transformers 5.24 renamed is_gradient_checkpointing; the old name warns there.)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    replayed = checkpointing and model.training and torch.is_grad_enabled()
+    return not replayed and _accepts_cache(decoder) and _full_attention_only(model, length)
+
+
+def _shared_prompt_hidden(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor | None:
+    """Hidden states [B, T, H] predicting each response token, with every distinct prompt encoded
+    once and its K/V shared by the rows that repeat it; None when that is not possible or useful."""
+    decoder = model.get_decoder()
+    p, t = prompt_ids.shape[1], responses.shape[1]
+    if t == 0 or not _can_share_prompt(model, decoder, p + t):
+        return None
+    u_ids, u_mask, inverse = _unique_prompts(prompt_ids, prompt_mask)
+    if u_ids.shape[0] == prompt_ids.shape[0]:
+        return None  # no prompt repeats: one pass is cheaper
+    out = decoder(
+        input_ids=u_ids, attention_mask=u_mask, position_ids=token_positions(u_mask), use_cache=True
+    )
+    cache = _output_cache(out)
+    if cache is None:
+        return None
+    prompt_hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    # Left padding: column p-1 is every prompt's last token, whose state predicts response token 0.
+    first = prompt_hidden[:, -1].index_select(0, inverse).unsqueeze(1)
+    if t == 1:
+        return first
+    # index_select is differentiable: backward sums the rows' K/V gradients into their prompt.
+    cache.reorder_cache(inverse)
+    # The last response token predicts nothing, so the response pass stops one short of it.
+    attention = torch.cat([prompt_mask, response_mask[:, : t - 1].to(prompt_mask.dtype)], dim=1)
+    out = decoder(
+        input_ids=responses[:, : t - 1],
+        attention_mask=attention,
+        position_ids=token_positions(attention)[:, p:],
+        use_cache=True,
+        **{cache_kwarg(decoder): cache},
+    )
+    rest = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return torch.cat([first, rest], dim=1)
+
+
+def response_hidden_states(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    share_prompt: bool = True,
+) -> torch.Tensor:
+    """Decoder states [B, T, H]: row b's state at t is the one that predicts ``responses[b, t]``.
+
+    With ``share_prompt`` and repeated prompts (GRPO's G samples per prompt, in any row order),
+    each distinct prompt is encoded once and its K/V expanded to its rows — the same numbers as
+    one pass over [prompt | response], with (G-1)/G of the prompt compute saved in forward and
+    backward. Otherwise (no repeats, gradient checkpointing in training, no cache argument,
+    sliding-window or recurrent layers) it is that one pass.
+    """
+    if share_prompt:
+        hidden = _shared_prompt_hidden(model, prompt_ids, prompt_mask, responses, response_mask)
+        if hidden is not None:
+            return hidden
+    input_ids = torch.cat([prompt_ids, responses], dim=1)
+    attention = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    p, t = prompt_ids.shape[1], responses.shape[1]
+    return decoder_hidden_states(model, input_ids, attention)[:, p - 1 : p + t - 1]

@@ -1,9 +1,13 @@
 """Per-token log-probs (and entropy) of responses under a causal LM, chunked over tokens.
 
-Design decision: run the decoder once for the whole [prompt | response] sequence, then apply the
-LM head to a few rows of hidden states at a time, so at most ``chunk_tokens × V`` logits exist at
+Design decision: get the decoder's hidden states for the responses, then apply the LM head to a
+few rows of hidden states at a time, so at most ``chunk_tokens × V`` logits exist at
 once instead of ``B × T × V``. Under autograd each chunk is checkpointed: its logits are recomputed
 in backward rather than kept, which is what makes a 150k-vocabulary model fit on small hardware.
+The hidden states come from one decoder pass over [prompt | response], or — when rows repeat a
+prompt, as GRPO's G samples do — from one pass over the distinct prompts whose K/V are shared by
+their rows, then one pass over the responses (``share_prompt``; exact, see
+``causal_lm.response_hidden_states``): the prompt is encoded once per group, not G times.
 Logits are divided by the sampling temperature and never truncated by top-k/top-p (algorithms.md
 §5), matching what the rollout engine records.
 """
@@ -15,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from groupflow.algorithms import entropy_from_logits
-from groupflow.models.causal_lm import decoder_hidden_states
+from groupflow.models.causal_lm import response_hidden_states
 
 __all__ = ["response_logprobs"]
 
@@ -45,17 +49,18 @@ def response_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 4096,
     with_entropy: bool = False,
+    share_prompt: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of ``responses`` given left-padded prompts; entropy [B, T] if asked.
 
     Positions where ``response_mask`` is 0 hold garbage and must be masked by the caller.
+    ``share_prompt``: encode each distinct prompt once (same result; falls back to one pass).
     """
     temperature = temperature if temperature > 0 else 1.0
-    input_ids = torch.cat([prompt_ids, responses], dim=1)
-    attention = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
-    hidden = decoder_hidden_states(model, input_ids, attention)
-    p, t = prompt_ids.shape[1], responses.shape[1]
-    hidden = hidden[:, p - 1 : p + t - 1]  # the state before each response token predicts it
+    hidden = response_hidden_states(
+        model, prompt_ids, prompt_mask, responses, response_mask, share_prompt=share_prompt
+    )
+    t = responses.shape[1]
     head = model.get_output_embeddings()
     rows = max(1, chunk_tokens // max(t, 1))
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad

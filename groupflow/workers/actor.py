@@ -210,9 +210,10 @@ class _PolicyForward(nn.Module):
     """The FSDP root: its forward computes response log-probs, so root-level parameters (embeddings,
     final norm, LM head) are gathered by FSDP2's hooks around the whole chunked computation."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, share_prompt_prefix: bool = True):
         super().__init__()
         self.lm = lm
+        self.share_prompt_prefix = share_prompt_prefix
 
     def forward(
         self,
@@ -227,6 +228,7 @@ class _PolicyForward(nn.Module):
         return response_logprobs(
             self.lm, prompt_ids, prompt_mask, responses, response_mask,
             temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+            share_prompt=self.share_prompt_prefix,
         )  # fmt: skip
 
 
@@ -318,6 +320,7 @@ def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: Acto
             lp, _ = response_logprobs(
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
                 temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens,
+                share_prompt=cfg.share_prompt_prefix,
             )  # fmt: skip
             out[idx, : lp.shape[1]] = lp * mb["response_mask"]
     finally:
@@ -371,7 +374,9 @@ class ActorRolloutWorker:
         )
         self.weight_sync_s = 0.0
         self.model = model
-        self.policy = shard(_PolicyForward(model), list(_decoder_layers(model)))
+        self.policy = shard(
+            _PolicyForward(model, cfg.share_prompt_prefix), list(_decoder_layers(model))
+        )
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay

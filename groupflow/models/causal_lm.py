@@ -192,12 +192,24 @@ def _can_share_prompt(model: nn.Module, decoder: nn.Module, length: int) -> bool
     return not replayed and _accepts_cache(decoder) and _full_attention_only(model, length)
 
 
+def prompt_sharing_applies(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor
+) -> bool:
+    """Whether ``response_hidden_states`` would encode these rows' prompts once each: some prompt
+    repeats and the model's cache can be shared at this length."""
+    length = prompt_ids.shape[1] + responses.shape[1]
+    if responses.shape[1] == 0 or not _can_share_prompt(model, model.get_decoder(), length):
+        return False
+    return _unique_prompts(prompt_ids, prompt_mask)[0].shape[0] < prompt_ids.shape[0]
+
+
 def _shared_prompt_hidden(
     model: nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     responses: torch.Tensor,
     response_mask: torch.Tensor,
+    force: bool = False,
 ) -> torch.Tensor | None:
     """Hidden states [B, T, H] predicting each response token, with every distinct prompt encoded
     once and its K/V shared by the rows that repeat it; None when that is not possible or useful."""
@@ -206,7 +218,7 @@ def _shared_prompt_hidden(
     if t == 0 or not _can_share_prompt(model, decoder, p + t):
         return None
     u_ids, u_mask, inverse = _unique_prompts(prompt_ids, prompt_mask)
-    if u_ids.shape[0] == prompt_ids.shape[0]:
+    if u_ids.shape[0] == prompt_ids.shape[0] and not force:
         return None  # no prompt repeats: one pass is cheaper
     out = decoder(
         input_ids=u_ids, attention_mask=u_mask, position_ids=token_positions(u_mask), use_cache=True
@@ -241,9 +253,13 @@ def response_hidden_states(
     responses: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    share_prompt: bool = True,
+    share_prompt: bool | str = True,
 ) -> torch.Tensor:
     """Decoder states [B, T, H]: row b's state at t is the one that predicts ``responses[b, t]``.
+
+    ``share_prompt``: True shares when ``prompt_sharing_applies``; ``"always"`` shares whenever
+    the model allows it, even without repeats — for FSDP ranks, which must all make the same
+    number of decoder calls and so decide together (``prompt_sharing_applies`` on every rank).
 
     With ``share_prompt`` and repeated prompts (GRPO's G samples per prompt, in any row order),
     each distinct prompt is encoded once and its K/V expanded to its rows — the same numbers as
@@ -251,8 +267,13 @@ def response_hidden_states(
     backward. Otherwise (no repeats, gradient checkpointing in training, no cache argument,
     sliding-window or recurrent layers) it is that one pass.
     """
+    if share_prompt not in (True, False, "always"):
+        raise ValueError(f"share_prompt must be True, False or 'always', got {share_prompt!r}")
     if share_prompt:
-        hidden = _shared_prompt_hidden(model, prompt_ids, prompt_mask, responses, response_mask)
+        hidden = _shared_prompt_hidden(
+            model, prompt_ids, prompt_mask, responses, response_mask,
+            force=share_prompt == "always",
+        )  # fmt: skip
         if hidden is not None:
             return hidden
     input_ids = torch.cat([prompt_ids, responses], dim=1)

@@ -49,7 +49,7 @@ def response_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 4096,
     with_entropy: bool = False,
-    share_prompt: bool = True,
+    share_prompt: bool | str = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of ``responses`` given left-padded prompts; entropy [B, T] if asked.
 

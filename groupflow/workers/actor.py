@@ -46,6 +46,7 @@ from groupflow.distributed.parallel import (
     save_sharded_state,
     shard,
 )
+from groupflow.models.causal_lm import prompt_sharing_applies
 from groupflow.models.logprobs import response_logprobs
 from groupflow.rollout.hf import SamplingParams, generate, left_pad
 from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions
@@ -210,10 +211,11 @@ class _PolicyForward(nn.Module):
     """The FSDP root: its forward computes response log-probs, so root-level parameters (embeddings,
     final norm, LM head) are gathered by FSDP2's hooks around the whole chunked computation."""
 
-    def __init__(self, lm: nn.Module, share_prompt_prefix: bool = True):
+    def __init__(self, lm: nn.Module, share_prompt_prefix: bool = True, sharded: bool = False):
         super().__init__()
         self.lm = lm
         self.share_prompt_prefix = share_prompt_prefix
+        self.sharded = sharded
 
     def forward(
         self,
@@ -225,10 +227,16 @@ class _PolicyForward(nn.Module):
         chunk_tokens,
         with_entropy,
     ):
+        share: bool | str = self.share_prompt_prefix
+        if share and self.sharded:
+            # FSDP2 gathers each layer once per call: every rank must make the same decoder calls,
+            # so the ranks share the prompt pass only if it applies on all of them.
+            applies = prompt_sharing_applies(self.lm, prompt_ids, prompt_mask, responses)
+            share = "always" if all_reduce(int(applies), op="min") else False
         return response_logprobs(
             self.lm, prompt_ids, prompt_mask, responses, response_mask,
             temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-            share_prompt=self.share_prompt_prefix,
+            share_prompt=share,
         )  # fmt: skip
 
 
@@ -375,7 +383,8 @@ class ActorRolloutWorker:
         self.weight_sync_s = 0.0
         self.model = model
         self.policy = shard(
-            _PolicyForward(model, cfg.share_prompt_prefix), list(_decoder_layers(model))
+            _PolicyForward(model, cfg.share_prompt_prefix, sharded=self.world_size > 1),
+            list(_decoder_layers(model)),
         )
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -487,8 +496,9 @@ class ActorRolloutWorker:
         denominators = global_denominators(mini)
         rows = update_rows(mini, cfg)
         # Ratio/clip/entropy metrics average over the samples that are run (all, unless skipped).
+        # (decided by config, not by this rank's rows: global_denominators is a collective)
         metric_denominators = (
-            denominators if len(rows) == len(mini) else global_denominators(mini.index(rows))
+            global_denominators(mini.index(rows)) if skips_zero_advantage(cfg) else denominators
         )
         lengths = _lengths(mini)
         groups = [

@@ -113,3 +113,43 @@ def test_share_prompt_prefix_defaults_on_and_is_a_strict_bool():
     assert ActorConfig().share_prompt_prefix is True
     with pytest.raises(ValidationError, match="share_prompt_prefix"):
         ActorConfig(share_prompt_prefix="maybe")
+
+
+@pytest.mark.parametrize(
+    ("rows", "global_min", "calls"),
+    [
+        ([0, 0, 1, 1], 1, 2),  # repeats here and on every rank: shared (prompt + response pass)
+        ([0, 0, 1, 1], 0, 1),  # another rank cannot share: one pass here too
+        ([0, 1, 2, 3], 1, 2),  # no repeats here, but the ranks decided to share: shared anyway
+    ],
+)
+def test_sharded_ranks_decide_prompt_sharing_together(monkeypatch, rows, global_min, calls):
+    """FSDP2 gathers every layer once per decoder call, so all ranks must make the same calls:
+    a sharded policy asks every rank (all_reduce min) and follows the common answer."""
+    import groupflow.workers.actor as actor_module
+
+    asked = []
+
+    def fake_all_reduce(value, op="sum"):
+        asked.append((value, op))
+        return float(global_min)
+
+    monkeypatch.setattr(actor_module, "all_reduce", fake_all_reduce)
+    model = _model()
+    policy = actor_module._PolicyForward(model, share_prompt_prefix=True, sharded=True)
+    batch = _group_batch()
+    idx = [int((batch["group_ids"] == g).nonzero()[k]) for k, g in zip([0, 1, 0, 1], rows)]
+    mb = batch.index(idx)
+    counter = [0]
+    model.get_decoder().register_forward_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+    logp, _ = policy(
+        mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"], 1.0, 4096, False
+    )
+    assert asked == [(int(len(set(rows)) < len(rows)), "min")]
+    assert counter[0] == calls
+    single, _ = actor_module.response_logprobs(
+        model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+        share_prompt=False,
+    )  # fmt: skip
+    valid = mb["response_mask"] != 0
+    torch.testing.assert_close(logp[valid], single[valid], rtol=0, atol=1e-5)

@@ -5,8 +5,9 @@ Design decisions:
   the ones in ``groupflow.algorithms`` (so the recorded log-probs and the training forward agree),
   and the G samples of a prompt must share one prefill — the prompt is encoded once and its KV
   cache repeated G times, which is where most of the prompt compute of GRPO goes.
-- Every output sample draws its randomness from its own ``torch.Generator`` seeded by the caller.
-  A sample's tokens therefore depend only on its prompt and seed, not on which other prompts share
+- Every output sample draws its randomness from its own ``torch.Generator`` seeded by the caller,
+  one uniform per token (inverse-CDF sampling, so the cost does not grow with the vocabulary on
+  the CPU side). A sample's tokens therefore depend only on its prompt and seed, not on which other prompts share
   the batch or how much left padding they cause: batched and unbatched generation agree, and a
   resumed run replays the same samples.
 - The recorded log-prob is ``log_softmax(logits / T)`` of the sampled token *without* top-k/top-p/
@@ -96,17 +97,30 @@ def _sample(
     if params.temperature == 0:
         tokens = filtered.argmax(-1)
     else:
-        # Exponential race (equivalent to Gumbel-max): argmax p_v / E_v with E ~ Exp(1) drawn from
-        # each sample's own generator, so a row's draw never depends on its neighbours.
-        # CPU generators on every device: a sample's stream does not depend on where it runs.
-        noise = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators]).to(
-            logits.device
-        )
-        exp_noise = -torch.log1p(-noise)  # Exp(1) from U[0,1); never log(0)
-        tokens = (filtered.log_softmax(-1) - exp_noise.log()).argmax(-1)
+        tokens = _inverse_cdf(filtered, _uniforms(generators))
     scale = params.temperature if params.temperature > 0 else 1.0
     logp = (logits / scale).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logp
+
+
+def _uniforms(generators: list[torch.Generator]) -> torch.Tensor:
+    """One U[0, 1) draw per row (float64: 53-bit resolution), from each sample's own generator."""
+    return torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+
+
+def _inverse_cdf(filtered_logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token per row: the first index whose cumulative probability exceeds ``u`` × the total.
+
+    One uniform per row, not one per vocabulary entry as an exponential race needs: drawing B·V
+    numbers from B CPU generators took 60 ms per decode step for 128 samples × a 49k vocabulary
+    on our CPU, 250 ms for 152k, more than the model's forward. The cumulative sum is in float64
+    so that even a flat 150k-token distribution keeps every token's interval to ~1e-16, and a
+    filtered-out token (probability 0) has an empty interval and is never picked.
+    """
+    cdf = filtered_logits.softmax(-1).double().cumsum(-1)
+    target = u.to(device=cdf.device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return tokens.clamp(max=cdf.shape[-1] - 1)  # u·total rounding up to the total
 
 
 def generate(

@@ -156,3 +156,48 @@ def test_bad_arguments(model):
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         run(model, PROMPTS[:1], SamplingParams(stop=("x",)), [1])
+
+
+# ----- the sampler ---------------------------------------------------------------------------------
+
+
+def _frequencies(logits: torch.Tensor, params, rows: int) -> torch.Tensor:
+    from groupflow.rollout.hf import _sample
+
+    generators = [torch.Generator().manual_seed(1000 + i) for i in range(rows)]
+    tokens, _ = _sample(logits.expand(rows, -1), params, generators)
+    return torch.bincount(tokens, minlength=logits.shape[-1]).double() / rows
+
+
+def test_sampled_tokens_follow_the_temperature_scaled_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]])
+    params = SamplingParams(temperature=0.8)
+    freq = _frequencies(logits, params, rows=20000)
+    expected = (logits[0] / 0.8).softmax(-1).double()
+    # 20000 draws: standard error <= 0.0036 per token; 5 sigma
+    assert torch.allclose(freq, expected, atol=0.018), (freq, expected)
+    assert freq[5] > 0  # a rare (0.2%) token is reachable
+
+
+def test_filtered_tokens_are_never_sampled_and_kept_ones_renormalise():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]])
+    freq = _frequencies(logits, SamplingParams(temperature=1.0, top_k=2), rows=20000)
+    assert freq[[2, 3, 4, 5]].sum() == 0
+    kept = logits[0, :2].softmax(-1).double()
+    assert torch.allclose(freq[:2], kept, atol=0.018)
+
+
+def test_a_sample_draws_one_uniform_per_token_from_its_own_generator():
+    """The k-th token of a sample depends on its seed's k-th uniform only: the same seed in
+    another row, batch or batch size gives the same token for the same logits."""
+    from groupflow.rollout.hf import _sample
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0)
+    alone, _ = _sample(logits, params, [torch.Generator().manual_seed(7)])
+    gens = [torch.Generator().manual_seed(s) for s in (3, 7, 9)]
+    batch, _ = _sample(logits.expand(3, -1), params, gens)
+    assert batch[1] == alone[0]
+    u = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    cdf = logits.softmax(-1).double().cumsum(-1)[0]
+    assert int(alone[0]) == int((cdf <= u * cdf[-1]).sum())  # first index with cdf > u·total

@@ -201,3 +201,29 @@ def test_a_sample_draws_one_uniform_per_token_from_its_own_generator():
     u = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     cdf = logits.softmax(-1).double().cumsum(-1)[0]
     assert int(alone[0]) == int((cdf <= u * cdf[-1]).sum())  # first index with cdf > u·total
+
+
+def test_large_vocabularies_are_searched_by_blocks_with_the_same_distribution():
+    """Above 16 × 256 entries the CDF is searched block by block: the kept tokens (spread over
+    many blocks, padding at the end) still get their probabilities, the others none."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 10_001, generator=g)
+    logits[0, -1] = 6.0  # the very last entry (in the partly padded last block) is likely
+    freq = _frequencies(logits, SamplingParams(temperature=1.0, top_k=6), rows=20000)
+    kept = logits[0].topk(6).indices
+    others = torch.ones(freq.shape[0], dtype=torch.bool)
+    others[kept] = False
+    assert int((freq[others] > 0).sum()) == 0
+    assert torch.allclose(freq[kept], logits[0, kept].softmax(-1).double(), atol=0.018)
+    assert freq[-1] > 0.5
+
+
+def test_sampling_log_probs_are_the_temperature_scaled_log_softmax():
+    from groupflow.rollout.hf import _sample
+
+    logits = torch.randn(5, 9000, generator=torch.Generator().manual_seed(2)) * 3
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_p=0.9)):
+        tokens, logp = _sample(logits, params, gens)
+        ref = (logits / params.temperature).log_softmax(-1).gather(-1, tokens[:, None])
+        torch.testing.assert_close(logp, ref.squeeze(-1), rtol=0, atol=1e-5)

@@ -28,11 +28,18 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def process_group_backend(cuda: bool) -> str:
+    """gloo on CPU; on GPUs nccl for CUDA tensors plus gloo for the CPU ones — the scalar
+    reductions (loss denominators, metrics, decisions every rank must share) are CPU tensors,
+    which a pure nccl group refuses."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def init_process_group(rank: int, world_size: int, timeout_s: float = 600.0) -> None:
-    """Join the group described by MASTER_ADDR/MASTER_PORT (set by the WorkerGroup); gloo on CPU, nccl on GPU."""
+    """Join the group described by MASTER_ADDR/MASTER_PORT (set by the WorkerGroup)."""
     if world_size <= 1 or dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = process_group_backend(torch.cuda.is_available())
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         raise RuntimeError(

@@ -204,3 +204,39 @@ def test_logprobs_bad_input():
         logprobs_from_logits(logits, torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"\[0, 5\)"):
         logprobs_from_logits(logits, torch.full((2, 3), 5))
+
+
+@pytest.mark.parametrize("candidates", [(1,), (2, 5), (3,), (1, 3), (1024,)])
+def test_top_p_with_few_candidates_equals_the_full_sort(monkeypatch, candidates):
+    """Top-p looks at the most likely tokens first and sorts the whole row only when they hold
+    less than top_p of the mass; both routes keep exactly the same tokens (ties included)."""
+    import groupflow.algorithms.sampling as sampling
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat(
+        [
+            torch.randn(6, 12, generator=g) * 4,  # peaked rows: the candidates suffice
+            torch.randn(6, 12, generator=g) * 0.1,  # flat rows: the full sort is needed
+            torch.tensor([[2.0, 1.0, 1.0, 1.0] + [0.0] * 8]),  # ties at the nucleus edge
+        ]
+    )
+    full = [apply_sampling_filters(logits, top_p=p) for p in (0.3, 0.6, 0.9, 0.99)]
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+    for p, expected in zip((0.3, 0.6, 0.9, 0.99), full):
+        assert torch.equal(apply_sampling_filters(logits, top_p=p), expected), p
+
+
+def test_top_p_skips_the_full_sort_when_the_candidates_hold_the_mass(monkeypatch):
+    import groupflow.algorithms.sampling as sampling
+
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", (2, 3))
+    peaked = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0, -3.0]])  # top 3 hold > 99% of the mass
+    assert kept(apply_sampling_filters(peaked, top_p=0.9)) == [
+        [True, True, False, False, False, False]
+    ]
+    assert sorts == []
+    apply_sampling_filters(torch.zeros(1, 6), top_p=0.9)  # flat: 3 of 6 hold only half
+    assert sorts == [1]

@@ -154,13 +154,13 @@ def _accepts_cache(module: nn.Module) -> bool:
     return "cache" in params or "past_key_values" in params
 
 
-def _output_cache(out):
+def output_cache(out):
     """The cache an HF forward returned (``cache`` in transformers 5.x, ``past_key_values`` before)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def _full_attention_only(model: nn.Module, length: int) -> bool:
+def full_attention_only(model: nn.Module, length: int) -> bool:
     """True when every layer attends to the whole prefix: sliding-window and linear/recurrent layers
     keep a truncated or summarised cache, for which we do not claim exactness."""
     config = getattr(model, "config", None)
@@ -189,7 +189,7 @@ def _can_share_prompt(model: nn.Module, decoder: nn.Module, length: int) -> bool
     if checkpointing is None:
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
     replayed = checkpointing and model.training and torch.is_grad_enabled()
-    return not replayed and _accepts_cache(decoder) and _full_attention_only(model, length)
+    return not replayed and _accepts_cache(decoder) and full_attention_only(model, length)
 
 
 def prompt_sharing_applies(
@@ -223,7 +223,7 @@ def _shared_prompt_hidden(
     out = decoder(
         input_ids=u_ids, attention_mask=u_mask, position_ids=token_positions(u_mask), use_cache=True
     )
-    cache = _output_cache(out)
+    cache = output_cache(out)
     if cache is None:
         return None
     prompt_hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

@@ -6,10 +6,10 @@ Design decisions:
   and the G samples of a prompt must share one prefill — the prompt is encoded once and its KV
   cache repeated G times, which is where most of the prompt compute of GRPO goes.
 - Every output sample draws its randomness from its own ``torch.Generator`` seeded by the caller,
-  one uniform per token (inverse-CDF sampling, so the cost does not grow with the vocabulary on
-  the CPU side). A sample's tokens therefore depend only on its prompt and seed, not on which other prompts share
-  the batch or how much left padding they cause: batched and unbatched generation agree, and a
-  resumed run replays the same samples.
+  one uniform per token (inverse-CDF sampling, so the CPU-side cost does not grow with the
+  vocabulary). A sample's tokens therefore depend only on its prompt and seed, not on which other
+  prompts share the batch or how much left padding they cause: batched and unbatched generation
+  agree, and a resumed run replays the same samples.
 - The recorded log-prob is ``log_softmax(logits / T)`` of the sampled token *without* top-k/top-p/
   min-p truncation, which is what the training forward computes (algorithms.md §5).
 """
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from groupflow.algorithms import apply_sampling_filters
-from groupflow.models.causal_lm import cache_kwarg, token_positions
+from groupflow.models.causal_lm import cache_kwarg, output_cache, token_positions
 from groupflow.rollout.static_cache import StaticDecoder
 
 __all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
@@ -95,9 +95,8 @@ def _sample(
         logz = scaled.logsumexp(-1)
     else:
         plain = not params.top_k and params.top_p >= 1.0 and not params.min_p
-        filtered = (
-            scaled if plain else apply_sampling_filters(logits, params.temperature, **filters)
-        )
+        # the filters act on temperature-scaled logits: scale once, filter at temperature 1
+        filtered = scaled if plain else apply_sampling_filters(scaled, 1.0, **filters)
         peak = filtered.max(-1, keepdim=True).values
         # unnormalised probabilities; a filtered-out token (-inf) gets exactly 0
         tokens, total = _inverse_cdf((filtered - peak).exp(), _uniforms(generators))
@@ -199,9 +198,7 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer) -> Gene
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = getattr(out, cache_name, None)
-        if cache is None:
-            cache = out.past_key_values
+        cache = output_cache(out)
         logits = out.logits[:, -1]
         decoder = None
         if params.static_kv_cache:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from groupflow.models.causal_lm import full_attention_only
+
 __all__ = ["SUPPORTED_MODEL_TYPES", "StaticDecoder", "unsupported_reason"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -48,11 +50,8 @@ def unsupported_reason(model: nn.Module, total_len: int) -> str | None:
             return f"the model has no .model.{name}"
     if not isinstance(getattr(model, "lm_head", None), nn.Module):
         return "the model has no lm_head"
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "the model has sliding-window layers"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < total_len:
-        return f"sliding window {window} < {total_len} positions"
+    if not full_attention_only(model, total_len):
+        return f"sliding-window or non-full-attention layers at {total_len} positions"
     if _rope_function(model) is None:
         return "the model's module has no apply_rotary_pos_emb"
     return None

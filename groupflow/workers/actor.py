@@ -570,8 +570,8 @@ class ActorRolloutWorker:
             "actor/pg_loss": (float(loss.detach()), 1.0),
             "actor/entropy": (float(ent.detach()), 1.0),
         }
-        if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg, **denominators)
+        if cfg.entropy_coef:  # never with skipped samples: the metric's denominators are the loss's
+            loss = loss - cfg.entropy_coef * ent
         if cfg.kl_coef > 0:
             if "ref_logprobs" not in mb:
                 raise ValueError("actor.kl_coef > 0 but the batch has no 'ref_logprobs'")

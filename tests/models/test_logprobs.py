@@ -278,3 +278,13 @@ def test_share_prompt_false_runs_one_pass():
     with torch.no_grad():
         hidden = response_hidden_states(model, *batch, share_prompt=False)
     assert calls.n == 1 and hidden.shape == (len(RESPONSE_LENS), T, 32)
+
+
+def test_an_unknown_share_prompt_value_is_refused():
+    from groupflow.models.causal_lm import response_hidden_states
+
+    model = build_tiny_llama(16, hidden_size=16, num_layers=1, num_heads=2, seed=0)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="share_prompt must be True, False or 'always'"):
+        response_hidden_states(model, ids, torch.ones_like(ids), ids, torch.ones_like(ids),
+                               share_prompt="sometimes")  # fmt: skip

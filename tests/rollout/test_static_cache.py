@@ -124,4 +124,15 @@ def test_a_sliding_window_shorter_than_the_sequence_is_not_driven_statically():
     )  # fmt: skip
     model = transformers.MistralForCausalLM(config)
     assert "sliding" in unsupported_reason(model, 16)
-    assert unsupported_reason(model, 8) is None
+    assert unsupported_reason(model, 7) is None
+
+
+def test_rollout_static_kv_cache_is_a_config_switch():
+    from pydantic import ValidationError
+
+    from groupflow.config import RolloutConfig
+
+    assert RolloutConfig().static_kv_cache is True
+    assert RolloutConfig(static_kv_cache=False).static_kv_cache is False
+    with pytest.raises(ValidationError, match="static_kv_cache"):
+        RolloutConfig(static_kv_cache="maybe")

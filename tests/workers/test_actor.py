@@ -381,3 +381,11 @@ def test_optimizer_state_for_another_model_is_refused():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     with pytest.raises(ValueError, match="holds 1 parameters but the model has 2"):
         optimizer_state_by_name(opt.state_dict(), ["lm.a", "lm.b"])
+
+
+def test_skip_zero_advantage_defaults_on_and_rejects_a_non_bool():
+    from pydantic import ValidationError
+
+    assert ActorConfig().skip_zero_advantage is True
+    with pytest.raises(ValidationError, match="skip_zero_advantage"):
+        ActorConfig(skip_zero_advantage="maybe")

@@ -141,7 +141,7 @@ def build_groupflow(size: str, s: Settings, out_dir: Path):
 
 def actor_worker(trainer):
     """The in-process ActorRolloutWorker behind the trainer's (local-backend) worker group."""
-    return trainer.actor.local_worker()
+    return trainer.policy.actor.local_worker()
 
 
 def groupflow_step(trainer, seen: dict[str, list] | None = None) -> None:

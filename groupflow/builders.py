@@ -14,6 +14,7 @@ from groupflow.config import Config, ModelConfig
 from groupflow.data import (
     DataError,
     PromptRow,
+    check_row_fields,
     load_prompt_rows,
     make_task_rows,
     render_prompt,
@@ -22,6 +23,7 @@ from groupflow.data import (
 from groupflow.data.tokenizer import DEFAULT_ALPHABET
 from groupflow.distributed import PoolSpec, RayOptions, WorkerGroup
 from groupflow.models.causal_lm import ModelLoadError, build_tiny_llama, load_causal_lm
+from groupflow.models.logit_transform import check_logit_transform
 from groupflow.rewards import build_reward_runner
 
 log = logging.getLogger("groupflow")
@@ -32,9 +34,10 @@ __all__ = [
     "build_model",
     "build_data",
     "build_reward",
+    "rows_with_reward_fields",
+    "prompt_stats",
     "build_rollout_engine",
     "encode_prompts",
-    "build_policy",
     "role_group",
     "pool_spec",
     "total_cpus",
@@ -59,11 +62,13 @@ def tokenizer_dir(cfg: Config, run_dir: Path) -> Path:
     return Path(m.tokenizer_path or m.path).expanduser()
 
 
-def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = ()):
+def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = (),
+                    extra_texts: list[str] = ()):  # fmt: skip
     """Load the tokenizer from a local directory, or train a character tokenizer on ``corpus``.
 
-    The tiny model's vocabulary is exactly the characters of the data (prompts and answers): a
-    small output space is what lets a 0.2M-parameter model learn quickly on a CPU.
+    The tiny model's vocabulary is exactly the characters of the data (prompts and answers, plus
+    ``extra_texts``: what a workflow's observations can contain): a small output space is what
+    lets a 0.2M-parameter model learn quickly on a CPU.
     """
     from transformers import AutoTokenizer
 
@@ -72,22 +77,58 @@ def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = ()):
         saved = run_dir / "tokenizer"
         if saved.is_dir():  # resume: reuse the exact tokenizer the run started with
             return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
-        texts = [str(r.prompt) for r in corpus] + [
-            str(v) for r in corpus for v in r.fields.values()
-        ]
+        texts = (
+            [str(r.prompt) for r in corpus]
+            + [str(v) for r in corpus for v in r.fields.values()]
+            + list(extra_texts)
+        )
         tok = train_char_tokenizer(texts, base_alphabet="" if corpus else DEFAULT_ALPHABET)
         tok.save_pretrained(str(saved))
         return tok
+    key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
     path = Path(m.tokenizer_path or m.path).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"tokenizer path '{path}' does not exist or is not a directory")
-    tok = AutoTokenizer.from_pretrained(
-        str(path), trust_remote_code=m.trust_remote_code, local_files_only=True
-    )
+        raise ModelLoadError(f"{key}: tokenizer path '{path}' does not exist or is not a directory")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{key}: '{path}' holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); point "
+            "it at a Hugging Face model directory, or set model.tokenizer_path"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            str(path), trust_remote_code=m.trust_remote_code, local_files_only=True
+        )
+    except (OSError, ValueError) as err:  # transformers' messages do not name the directory
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(f"{key}: cannot load the tokenizer in '{path}': {reason}") from err
     if tok.pad_token_id is None:
         # Padding is masked everywhere, so any id works; EOS is the usual choice (as TRL does).
         tok.pad_token = tok.eos_token
     return tok
+
+
+# Files a Hugging Face tokenizer directory has at least one of.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def check_model_dir(path: str, key: str) -> None:
+    """Fail at start-up, naming ``key`` and the directory, unless ``path`` is an HF model dir."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelLoadError(f"{key}: '{p}' does not exist or is not a directory")
+    if not (p / "config.json").is_file():
+        what = "it is empty" if not any(p.iterdir()) else "no config.json"
+        raise ModelLoadError(
+            f"{key}: '{p}' is not a Hugging Face model directory ({what}); for a GGUF file, "
+            "convert it first with `groupflow convert-gguf`"
+        )
 
 
 def eos_ids(tokenizer, model) -> list[int]:
@@ -125,16 +166,22 @@ def build_model(m: ModelConfig, tokenizer, seed: int):
         )
     else:
         model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    check_logit_transform(model)  # training log-probs must be those the model samples from
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
 
 
-def build_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], dict[str, float]]:
-    """Training and validation rows plus load statistics (skipped malformed rows).
+def build_data(
+    cfg: Config, reward_fn=None, provided: tuple[str, ...] = ()
+) -> tuple[list[PromptRow], list[PromptRow], dict[str, float]]:
+    """Training and validation rows plus load statistics (rows kept, malformed rows skipped).
 
-    The built-in task's held-out split never overlaps its training split.
+    The built-in task's held-out split never overlaps its training split. With ``reward_fn``,
+    every row must carry the fields its reward needs (:func:`rows_with_reward_fields`) except
+    ``provided`` ones (a workflow supplies them per sample, e.g. a trajectory's messages); rows
+    skipped for lacking one count as malformed.
     """
     d = cfg.data
     if d.task is not None:
@@ -148,22 +195,61 @@ def build_data(cfg: Config) -> tuple[list[PromptRow], list[PromptRow], dict[str,
     val_rows = list(val_set) if val_set is not None else []
     if d.max_val_prompts is not None:
         val_rows = val_rows[: d.max_val_prompts]
+    train_rows, val_rows, (train_skipped, val_skipped) = rows_with_reward_fields(
+        reward_fn, list(train_set), val_rows, d.bad_rows, provided
+    )
     stats = {
-        "data/train_rows": float(len(train_set)),
-        "data/train_skipped_bad_rows": float(train_set.num_skipped),
+        "data/train_rows": float(len(train_rows)),
+        "data/train_skipped_bad_rows": float(train_set.num_skipped + train_skipped),
         "data/val_rows": float(len(val_rows)),
-        "data/val_skipped_bad_rows": float(val_set.num_skipped if val_set is not None else 0),
+        "data/val_skipped_bad_rows": float(
+            (val_set.num_skipped if val_set is not None else 0) + val_skipped
+        ),
     }
-    return list(train_set), val_rows, stats
+    return train_rows, val_rows, stats
 
 
-def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) -> EncodedPrompts:
-    """Render (chat template where asked) and tokenize each prompt once; filter or reject over-long ones."""
+def rows_with_reward_fields(
+    reward_fn,
+    train_rows: list[PromptRow],
+    val_rows: list[PromptRow],
+    on_bad_row: str,
+    provided: tuple[str, ...] = (),
+) -> tuple[list[PromptRow], list[PromptRow], tuple[int, int]]:
+    """Train and validation rows that carry every field their reward needs, and how many rows of
+    each were skipped for lacking one (``data.bad_rows=skip``; ``error`` raises a DataError
+    naming the file, row and field). A reward never sees a missing field as ``None``."""
+    if reward_fn is None:  # no rule-based reward (the reward model alone scores text)
+        return train_rows, val_rows, (0, 0)
+    # A field no row has is a configuration error (a wrong column name), reported as such.
+    reward_fn.check_fields({k for r in train_rows for k in r.fields} | set(provided))
+
+    def missing(row):
+        return [m for m in reward_fn.missing_fields(row) if m[0] not in provided]
+
+    train_rows, train_skipped = check_row_fields(
+        train_rows, missing, on_bad_row=on_bad_row, split="train"
+    )
+    val_skipped = 0
+    if val_rows:
+        val_rows, val_skipped = check_row_fields(
+            val_rows, missing, on_bad_row=on_bad_row, split="validation"
+        )
+    return train_rows, val_rows, (train_skipped, val_skipped)
+
+
+def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str, *, render=render_prompt,
+                   templated: bool | None = None) -> EncodedPrompts:  # fmt: skip
+    """Render (chat template where asked) and tokenize each prompt once; filter or reject over-long
+    ones. ``render(row, tokenizer, use_chat_template)`` may be a workflow's own (tools described);
+    ``templated`` says whether its text carries the template's special tokens (None: per row)."""
     d = cfg.data
-    texts = [render_prompt(r, tokenizer, d.use_chat_template) for r in rows]
+    texts = [render(r, tokenizer, d.use_chat_template) for r in rows]
     # A chat template writes its own special tokens into the text; a plain prompt gets the
     # tokenizer's usual BOS (if it has one).
-    templated = [r.is_chat or bool(d.use_chat_template) for r in rows]
+    templated = [
+        (r.is_chat or bool(d.use_chat_template)) if templated is None else templated for r in rows
+    ]
     ids = [
         tokenizer(t, add_special_tokens=not chat)["input_ids"] for t, chat in zip(texts, templated)
     ]
@@ -173,8 +259,12 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) ->
             keep.append((r, t, i))
         elif d.overlong_prompts == "error":
             raise DataError(
-                f"{split} prompt from {r.source}, row {r.index} has {len(i)} tokens, more than "
-                f"data.max_prompt_tokens={d.max_prompt_tokens} (set data.overlong_prompts=filter to skip such rows)"
+                f"the {split} prompt has {len(i)} tokens, more than data.max_prompt_tokens="
+                f"{d.max_prompt_tokens} (raise it, or set data.overlong_prompts=filter to skip "
+                "such rows)",
+                source=r.source,
+                index=r.index,
+                field="prompt",
             )
     filtered = len(rows) - len(keep)
     if filtered:
@@ -186,7 +276,9 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) ->
         )
     if not keep:
         raise DataError(
-            f"every {split} prompt is longer than data.max_prompt_tokens={d.max_prompt_tokens}"
+            f"every {split} prompt is longer than data.max_prompt_tokens={d.max_prompt_tokens} "
+            "(raise it)",
+            source=", ".join(dict.fromkeys(r.source for r in rows)),
         )
     rows_, texts_, ids_ = (list(x) for x in zip(*keep))
     return EncodedPrompts(rows_, texts_, ids_, filtered)
@@ -194,7 +286,20 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str) ->
 
 def build_reward(cfg: Config):
     specs = [s.model_dump() for s in cfg.reward.functions] or None
-    return build_reward_runner(specs, failure_value=cfg.reward.failure_value)
+    return build_reward_runner(
+        specs, failure_value=cfg.reward.failure_value, timeout_s=cfg.reward.timeout_s
+    )
+
+
+def prompt_stats(train: EncodedPrompts, val: EncodedPrompts | None) -> dict[str, float]:
+    """Rows that reach training and validation (after the over-long filter), and how many the
+    filter dropped."""
+    return {
+        "data/train_rows": float(len(train.rows)),
+        "data/train_filtered_overlong": float(train.num_filtered),
+        "data/val_rows": float(len(val.rows) if val is not None else 0),
+        "data/val_filtered_overlong": float(val.num_filtered if val is not None else 0),
+    }
 
 
 def build_rollout_engine(cfg: Config):
@@ -219,15 +324,6 @@ def build_rollout_engine(cfg: Config):
         enable_prefix_caching=v.enable_prefix_caching,
         seed=cfg.run.seed,
     )
-
-
-def build_policy(cfg: Config, run_dir: Path):
-    """The policy object for a non-LLM policy type (``diffusion:``), or None for the built-in LLM policy."""
-    if cfg.diffusion is None:
-        return None
-    from groupflow.diffusion.policy import DiffusionPolicy
-
-    return DiffusionPolicy(cfg, run_dir)
 
 
 # ----- worker groups: where each role runs ---------------------------------------------------------

@@ -13,15 +13,17 @@ missing, corrupt or points at a broken directory, the newest complete ``step_*``
 Each component of the state dict gets its own file, chosen by content: a flat ``name -> tensor``
 dict (a model state dict) goes to safetensors (no pickle, mmap-able, readable by other tools), a
 dict that survives a JSON round trip unchanged (trainer state, data-loader position) goes to JSON
-(human-readable), anything else (optimizer state) to ``torch.save``; loading uses
-``weights_only=True`` and falls back to full unpickling only with a warning.
+(human-readable), anything else (optimizer state, RNG state) to a safetensors file whose metadata
+holds a JSON skeleton of the nesting (``groupflow.utils.safe_state``). Nothing is pickled, so
+loading a checkpoint never runs code from it. Checkpoints of format version 1 stored those
+components with ``torch.save``; they are still read, with torch's ``weights_only`` unpickler only:
+a file that would need full unpickling is refused (:class:`UnsafeCheckpointError`, naming it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -36,8 +38,17 @@ import torch
 from safetensors.torch import load_file as _load_safetensors
 from safetensors.torch import save_file as _save_safetensors
 
+from groupflow.utils.safe_state import (
+    UnsafeStateError,
+    load_torch_weights_only,
+    load_tree,
+    safetensors_ready,
+    save_tree,
+)
+
 __all__ = [
     "CheckpointError",
+    "UnsafeCheckpointError",
     "capture_rng_state",
     "checkpoint_step",
     "find_latest_checkpoint",
@@ -51,8 +62,14 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
-FORMAT_VERSION = 1
-_EXTENSIONS = {"safetensors": ".safetensors", "json": ".json", "torch": ".pt"}
+# 2: non-tensor, non-JSON components are "tree" files (version 1 wrote them with torch.save).
+FORMAT_VERSION = 2
+_EXTENSIONS = {
+    "safetensors": ".safetensors",
+    "json": ".json",
+    "tree": ".safetensors",
+    "torch": ".pt",
+}
 _RESERVED = frozenset({"manifest", "latest"})
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -65,6 +82,10 @@ _RNG_KEYS = ("python", "numpy", "torch")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or unreadable."""
+
+
+class UnsafeCheckpointError(CheckpointError, ValueError):
+    """A checkpoint file would run code when loaded (a pickle of arbitrary objects); refused."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,37 +158,18 @@ def _component_format(value: Any) -> str:
         return "safetensors"
     if _json_roundtrips(value):
         return "json"
-    return "torch"
-
-
-def _safetensors_ready(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous tensors with no two sharing storage (safetensors refuses shared memory).
-
-    Tied weights (embedding = lm_head) are stored twice; loading them back into a tied model copies
-    the same values into the shared parameter, so nothing is lost.
-    """
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in tensors.items():
-        t = tensor.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and ptr in seen:
-            t = t.clone()
-        seen.add(ptr)
-        out[name] = t
-    return out
+    return "tree"
 
 
 def _write_component(directory: Path, name: str, value: Any) -> dict[str, Any]:
     fmt = _component_format(value)
     path = directory / f"{name}{_EXTENSIONS[fmt]}"
     if fmt == "safetensors":
-        _save_safetensors(_safetensors_ready(value), str(path))
+        _save_safetensors(safetensors_ready(value), str(path))
     elif fmt == "json":
         path.write_text(json.dumps(value, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     else:
-        with open(path, "wb") as f:
-            torch.save(value, f)
+        save_tree(value, path, where=f"checkpoint component {name!r}")
     _fsync(path)
     return {"file": path.name, "format": fmt, "bytes": path.stat().st_size}
 
@@ -185,21 +187,6 @@ def _inventory(directory: Path, name: str) -> dict[str, Any]:
     return {"file": name, "format": "dir", "bytes": 0, "files": files}
 
 
-def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        # torch's message is long; its "WeightsUnpickler error" line names the refused class.
-        lines = [ln.strip() for ln in str(err).splitlines() if "WeightsUnpickler" in ln]
-        reason = lines[0] if lines else str(err).splitlines()[0]
-        warnings.warn(
-            f"{path}: weights_only loading refused it ({reason[:200]}); loading with full "
-            "unpickling, which runs code from the file — only do this for checkpoints you trust",
-            stacklevel=3,
-        )
-        return torch.load(path, map_location="cpu", weights_only=False)
-
-
 def _read_component(path: Path, fmt: str) -> Any:
     if fmt == "dir":
         return path  # read by the code that wrote it (e.g. torch.distributed.checkpoint)
@@ -207,8 +194,15 @@ def _read_component(path: Path, fmt: str) -> Any:
         return _load_safetensors(str(path), device="cpu")
     if fmt == "json":
         return json.loads(path.read_text(encoding="utf-8"))
-    if fmt == "torch":
-        return _torch_load(path)
+    try:
+        if fmt == "tree":
+            return load_tree(path)
+        if fmt == "torch":  # format version 1; never fully unpickled
+            return load_torch_weights_only(path)
+    except UnsafeStateError as err:
+        raise UnsafeCheckpointError(str(err)) from None
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint file {err}") from None
     raise CheckpointError(f"{path}: unknown component format {fmt!r}; known: {sorted(_EXTENSIONS)}")
 
 
@@ -488,7 +482,14 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     problem = _problem(path, _dir_step(path))
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} {problem}")
-    components = _read_manifest(path)["components"]
+    manifest = _read_manifest(path)
+    version = manifest.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {version!r}; this groupflow reads versions "
+            f"up to {FORMAT_VERSION} (it was written by a newer groupflow: upgrade to load it)"
+        )
+    components = manifest["components"]
     return {
         name: _read_component(path / info["file"], info["format"])
         for name, info in components.items()
@@ -502,7 +503,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 def capture_rng_state() -> dict[str, Any]:
     """Python, NumPy (global) and torch CPU RNG states, plus CUDA's if CUDA is in use.
 
-    Only tensors and plain Python values, so the result loads with ``weights_only=True``.
+    Only tensors and plain Python values, so it is stored without pickle (a "tree" component).
     """
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {

@@ -1,8 +1,9 @@
 """The ``groupflow`` command: train, eval, generate, export, plot, pretrain-diffusion.
 
 Design decision: one entry point per job, each a thin function that loads the typed config (YAML +
-``key=value`` overrides) and calls library code; errors the user can fix (config, data, paths) are
-printed as one clear message and exit code 2, never as a traceback.
+``key=value`` overrides) and calls library code; errors the user can fix (config, data, paths,
+reward code, a diverged run, a full disk) are printed as one paragraph naming the culprit and the
+fix with exit code 2 (``groupflow.cli_errors``), never as a traceback unless --log-level DEBUG.
 """
 
 from __future__ import annotations
@@ -15,12 +16,7 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-_USER_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError,
-    FileNotFoundError,
-    FileExistsError,
-    KeyError,
-)
+_GENERATE_CHUNK = 16  # prompts per generate call of `groupflow generate`
 
 
 def _train(args) -> int:
@@ -63,46 +59,70 @@ def _load_trainer_for_inference(args):
     from groupflow.trainer import Trainer
 
     # Inference runs in this process on one worker; a sharded checkpoint is resharded on load.
-    overrides = list(args.overrides) + [
-        "run.resume=never",
-        "run.backend=local",
-        "run.num_workers=1",
-    ]
+    overrides = list(args.overrides) + ["run.backend=local", "run.num_workers=1"]
     cfg = load_config(args.config, overrides)
     if cfg.diffusion is not None:
         raise ValueError(
             f"'{args.command}' works on LLM policies; a diffusion run is evaluated during training "
             "(validation.every_steps: eval reward and PNG grids in the run directory)"
         )
-    trainer = Trainer(cfg)
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    checkpoint = None
     if args.checkpoint:
-        from groupflow.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
+        run_dir, checkpoint = _locate_checkpoint(Path(args.checkpoint), run_dir)
+    # The run's directory is read (its tokenizer), never prepared for training or cleared.
+    trainer = Trainer(cfg, inference_run_dir=run_dir)
+    if checkpoint is not None:
+        from groupflow.checkpoint import CheckpointError, load_checkpoint
 
-        path = Path(args.checkpoint)
-        if (path / "checkpoints").is_dir():
-            path = find_latest_checkpoint(path / "checkpoints")
-            if path is None:
-                raise FileNotFoundError(
-                    f"no complete checkpoint under {args.checkpoint}/checkpoints"
-                )
         try:
-            state = load_checkpoint(path)
+            state = load_checkpoint(checkpoint)
         except CheckpointError as e:
             raise ValueError(f"--checkpoint: {e}") from None
         if "shards" in state:
-            trainer.actor.load_sharded(str(state["shards"]))
+            trainer.policy.actor.load_sharded(str(state["shards"]))
         else:
-            trainer.actor.load_weights(state["model"])
+            trainer.policy.actor.load_weights(state["model"])
     return trainer
+
+
+def _locate_checkpoint(path: Path, config_run_dir: Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) for ``--checkpoint``: a run directory (its newest
+    complete checkpoint) or one checkpoint directory (in its run's ``checkpoints/``)."""
+    from groupflow.checkpoint import find_latest_checkpoint
+    from groupflow.rundir import RUN_ENTRIES
+
+    if not path.exists():
+        raise FileNotFoundError(f"--checkpoint: '{path}' does not exist")
+    if (path / "manifest.json").exists() or path.name.startswith("step_"):
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else config_run_dir
+        return run_dir, path
+    if any((path / name).exists() for name in RUN_ENTRIES):  # a run directory
+        latest = find_latest_checkpoint(path / "checkpoints")
+        if latest is not None:
+            return path, latest
+        if (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir()):
+            raise FileNotFoundError(
+                f"run {path} has no complete checkpoint: every save under {path}/checkpoints "
+                "was cut short (resume training with run.resume=auto to write one)"
+            )
+        raise FileNotFoundError(
+            f"run {path} saved no checkpoint; set run.save_every (or keep run.save_final=true, "
+            "the default) and train again"
+        )
+    raise FileNotFoundError(
+        f"--checkpoint: '{path}' is neither a run directory nor a checkpoint directory "
+        "(give runs/<name> or runs/<name>/checkpoints/step_<N>)"
+    )
 
 
 def _eval(args) -> int:
     trainer = _load_trainer_for_inference(args)
-    if trainer.val is None:
+    if getattr(trainer.workflow, "val", None) is None:
         raise ValueError(
             "eval needs validation data: set data.val_files (or use a built-in data.task)"
         )
-    metrics, records = trainer.validate(return_records=True)
+    metrics, records = trainer.validate(return_records=True, progress_label="eval")
     for k, val in sorted(metrics.items()):
         print(f"{k:<40} {val:.4f}")
     if args.output:
@@ -118,31 +138,28 @@ def _generate(args) -> int:
     from dataclasses import replace
 
     trainer = _load_trainer_for_inference(args)
-    tok = trainer.tokenizer
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("generate: give --prompt TEXT (repeatable) or prompts on standard input")
-    params = replace(trainer.sampling, n=args.num_samples)
+    params = replace(trainer.policy.sampling, n=args.num_samples)
     if args.greedy:
         params = replace(params, temperature=0.0)
-    ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
-    from groupflow.workers.actor import prompts_batch
+    from groupflow.utils.progress import Progress
 
-    seeds = [list(range(i * params.n, (i + 1) * params.n)) for i in range(len(ids))]
-    out = trainer.actor.generate(
-        prompts_batch(ids, seeds, range(len(ids))), params, max(len(i) for i in ids)
-    )
-    for i, (r, m) in enumerate(zip(out["responses"], out["response_mask"])):
-        text = tok.decode(r[m.bool()].tolist(), skip_special_tokens=True)
-        print(
-            json.dumps(
-                {
-                    "prompt": prompts[i // params.n],
-                    "completion": text,
-                    "finish_reason": out["finish_reason"][i],
-                }
-            )
-        )
+    # Chunks of prompts, each printed as it finishes: many prompts on stdin stream out with a
+    # progress report instead of one long silence. Seeds depend on the prompt's index only. The
+    # workflow samples, so a tool-using policy answers with its tools (the whole trajectory).
+    with Progress("generate", len(prompts)) as progress:
+        for start in range(0, len(prompts), _GENERATE_CHUNK):
+            chunk = prompts[start : start + _GENERATE_CHUNK]
+            seeds = [
+                list(range(i * params.n, (i + 1) * params.n))
+                for i in range(start, start + len(chunk))
+            ]
+            lines = trainer.workflow.sample(chunk, params, seeds)
+            for line in lines:
+                progress.write(json.dumps(line), sys.stdout)
+            progress.update(len(chunk), tokens=sum(line["tokens"] for line in lines))
     return 0
 
 
@@ -150,16 +167,27 @@ def _export(args) -> int:
     trainer = _load_trainer_for_inference(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainer.actor.save_pretrained(str(out))
+    trainer.policy.actor.save_pretrained(str(out))
     print(f"exported HF model to {out}")
     return 0
 
 
 def _convert_gguf(args) -> int:
-    from groupflow.models.gguf import convert_gguf_to_hf, find_smollm2_gguf
+    from groupflow.models.gguf import CONVERSION_STAGES, convert_gguf_to_hf, find_smollm2_gguf
+    from groupflow.utils.progress import Progress
 
     gguf = Path(args.gguf) if args.gguf else find_smollm2_gguf()
-    out = convert_gguf_to_hf(gguf, args.out, args.dtype, overwrite=args.overwrite)
+    with Progress("convert-gguf", CONVERSION_STAGES, unit="stages") as progress:
+        started = []
+
+        def on_stage(text: str) -> None:
+            progress.stage(text, advance=1 if started else 0)  # the stage before it is done
+            started.append(text)
+
+        out = convert_gguf_to_hf(
+            gguf, args.out, args.dtype, overwrite=args.overwrite, on_stage=on_stage
+        )
+        progress.update(1)
     print(f"wrote Hugging Face model directory {out} (from {gguf})")
     return 0
 
@@ -274,13 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     load_dotenv_file()  # API keys for W&B / MLflow from a git-ignored .env; never overrides the environment
     try:
         return args.func(args)
-    except _USER_ERRORS as e:
-        if args.log_level.upper() == "DEBUG":
-            raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"groupflow {args.command}: error: {msg}", file=sys.stderr)
+    except Exception as e:
+        from groupflow.cli_errors import explain
+
+        explained = explain(e)
+        if explained is None or args.log_level.upper() == "DEBUG":
+            raise  # not anticipated (a bug): the traceback is what helps
+        print(f"groupflow {args.command}: error: {explained.message}", file=sys.stderr)
         print("(run with --log-level DEBUG for the full traceback)", file=sys.stderr)
-        return 2
+        return explained.exit_code
 
 
 if __name__ == "__main__":

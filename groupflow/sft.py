@@ -1,69 +1,63 @@
-"""Supervised warm start: a few cross-entropy steps on (prompt, answer) pairs before RL.
+"""Supervised warm start: a few cross-entropy steps on demonstrations before RL.
 
 Design decision: RL needs a policy that is right *sometimes* — with zero successes every group
-has equal rewards and GRPO has no signal. The demo therefore starts with a short supervised phase
-on training answers only, and stops early once accuracy on a slice of *training* prompts passes
-``max_accuracy`` (the held-out set is never used here, so the before/after numbers stay honest).
+has equal rewards and GRPO has no signal. The demos therefore start with a short supervised phase
+on training rows only, and stop early once accuracy on a slice of *training* prompts passes
+``stop_at_accuracy`` (the held-out set is never used here, so the before/after numbers stay
+honest). The workflow supplies the demonstrations as token ids — a single-turn target, or a
+multi-turn trajectory whose observation tokens are masked out — and the probe, which runs the
+workflow's own episodes, so a tool-using policy is probed with its tools.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 from groupflow.batch import Batch
 from groupflow.config import SFTConfig
+from groupflow.evaluation import accuracy
 
 log = logging.getLogger("groupflow")
 
 __all__ = ["warm_start"]
 
+# (prompt ids, target ids, target loss mask or None: every target token is trained)
+Example = tuple[list[int], list[int], list[int] | None]
+
 
 def warm_start(
     actor,
-    tokenizer,
-    encoded,
-    reward_fn,
-    sampling,
+    make_examples: Callable[[object], list[Example]],
+    probe: Callable[[object], list[dict]],
+    train,
     cfg: SFTConfig,
     seed: int,
-    target_field: str = "answer",
-    rollout=None,
-    sync=None,
-):
-    """Run up to ``cfg.steps`` SFT steps; returns metrics (steps run, last loss, probe accuracy).
-
-    ``rollout`` generates the probe (default: the actor); ``sync`` first pushes the actor's weights
-    to it when it is placed apart from the actor."""
-    from groupflow.evaluation import _accuracy_metrics, generate_and_score
-
-    pairs = []
-    for row, ids in zip(encoded.rows, encoded.ids):
-        if target_field not in row.fields:
-            raise ValueError(
-                f"sft: row {row.index} of {row.source} has no '{target_field}' field to use as the SFT target"
-            )
-        target = tokenizer(str(row.fields[target_field]), add_special_tokens=False)["input_ids"]
-        pairs.append((ids, target + [tokenizer.eos_token_id]))
+    sync: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Run up to ``cfg.steps`` SFT steps on ``make_examples(train)``; returns metrics (steps run,
+    last loss, probe accuracy). ``probe(prompts) -> records`` scores greedy episodes; ``sync``
+    first pushes the actor's weights to a rollout pool placed apart from it."""
+    examples = make_examples(train)
     rng = random.Random(seed)
-    probe = _probe(encoded, 128, seed)
-    greedy = replace(sampling, temperature=0.0, n=1)
+    probe_set = _probe(train, 128, seed)
     loss, acc, step = float("nan"), 0.0, 0
     for step in range(1, cfg.steps + 1):
-        chosen = [pairs[rng.randrange(len(pairs))] for _ in range(cfg.batch_samples)]
+        chosen = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_samples)]
         batch = Batch(
             non_tensors={
-                "prompt_token_ids": [p for p, _ in chosen],
-                "target_ids": [t for _, t in chosen],
+                "prompt_token_ids": [p for p, _, _ in chosen],
+                "target_ids": [t for _, t, _ in chosen],
+                "target_mask": [m if m is not None else [1] * len(t) for _, t, m in chosen],
             }
         )
         loss = actor.sft_step(batch, cfg.lr)
         if cfg.stop_at_accuracy is not None and step % cfg.check_every == 0:
             if sync is not None:
                 sync()
-            recs = generate_and_score(rollout or actor, tokenizer, probe, reward_fn, greedy, seed)
-            acc = _accuracy_metrics(recs, "p", 1, 1.0)["p/acc"]
+            acc = accuracy(probe(probe_set))
             if acc >= cfg.stop_at_accuracy:
                 break
     log.info("sft warm start: %d steps, loss %.3f, train-probe accuracy %.3f", step, loss, acc)

@@ -33,6 +33,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 import yaml
 
 from groupflow.utils.env import redact_secrets
+from groupflow.utils.metric_names import MLFLOW, WANDB, NameMap
 
 __all__ = [
     "BACKENDS",
@@ -369,7 +370,8 @@ class ConsoleBackend:
 
 
 class TensorBoardBackend:
-    """Scalars into ``run_dir/tensorboard`` via ``torch.utils.tensorboard.SummaryWriter``."""
+    """Scalars into ``run_dir/tensorboard`` via ``torch.utils.tensorboard.SummaryWriter`` (tags are
+    stored as they are: TensorBoard restricts no characters)."""
 
     def __init__(self, log_dir: Path, resume_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -407,9 +409,10 @@ class WandbBackend:
             **resume,
         )
         _atomic_write_text(id_file, self._run.id)
+        self._names = NameMap(WANDB)  # names its UI can sort and filter
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._run.log(dict(metrics), step=step)
+        self._run.log(self._names.translate(metrics), step=step)
 
     def close(self) -> None:
         self._run.finish()
@@ -443,6 +446,7 @@ class MlflowBackend:
 
         self._metric_cls = Metric
         self._client = MlflowClient(tracking_uri=uri)
+        self._names = NameMap(MLFLOW)  # MLflow rejects a batch with one name it does not accept
         id_file = ctx.run_dir / self.ID_FILE
         if ctx.resume_step is not None and id_file.exists():
             self._run_id = id_file.read_text(encoding="utf-8").strip()
@@ -453,14 +457,17 @@ class MlflowBackend:
             experiment.experiment_id if experiment else self._client.create_experiment(ctx.project)
         )
         self._run_id = self._client.create_run(exp_id, run_name=ctx.run_name).info.run_id
-        params = [Param(k, str(v)[:_MLFLOW_MAX_PARAM_LEN]) for k, v in _flatten(ctx.config).items()]
+        keys = NameMap(MLFLOW)
+        params = [
+            Param(keys(k), str(v)[:_MLFLOW_MAX_PARAM_LEN]) for k, v in _flatten(ctx.config).items()
+        ]
         for i in range(0, len(params), 100):  # MLflow caps a batch at 100 params
             self._client.log_batch(self._run_id, params=params[i : i + 100])
         _atomic_write_text(id_file, self._run_id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         stamp = int(time.time() * 1000)
-        batch = [self._metric_cls(k, v, stamp, step) for k, v in metrics.items()]
+        batch = [self._metric_cls(self._names(k), v, stamp, step) for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):  # MLflow caps a batch at 1000 metrics
             self._client.log_batch(self._run_id, metrics=batch[i : i + 1000])
 

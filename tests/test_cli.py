@@ -58,9 +58,8 @@ def test_train_writes_run_plots_and_summary(trained):
 
 
 def _checkpoint_model(config_file: Path, run_dir: Path):
-    cfg = load_config(config_file, ["run.resume=never"])
-    trainer = Trainer(cfg)
-    trainer.actor.model.load_state_dict(
+    trainer = Trainer(load_config(config_file), inference_run_dir=run_dir)
+    trainer.policy.actor.model.load_state_dict(
         load_checkpoint(find_latest_checkpoint(run_dir / "checkpoints"))["model"]
     )
     return trainer
@@ -77,16 +76,19 @@ def test_export_gives_an_hf_model_with_identical_logprobs(trained, tmp_path, cap
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     trainer = _checkpoint_model(config_file, run_dir)
-    ours = trainer.actor.model.eval()
+    ours = trainer.policy.actor.model.eval()
     assert any(
         not torch.equal(a, b)
         for a, b in zip(
-            ours.state_dict().values(), Trainer(trainer.cfg).actor.model.state_dict().values()
+            ours.state_dict().values(),
+            Trainer(trainer.cfg, inference_run_dir=run_dir)
+            .policy.actor.model.state_dict()
+            .values(),
         )
     ), "the checkpoint should differ from the initial weights"
 
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    assert ids == [trainer.tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert ids == [trainer.policy.tokenizer(p)["input_ids"] for p in PROMPTS]
     prompt_ids, prompt_mask = left_pad(ids, tokenizer.pad_token_id)
     answers = [p.split()[1][::-1] for p in PROMPTS]
     resp = [
@@ -231,3 +233,27 @@ def test_export_with_missing_checkpoint(tmp_path, capsys, tiny_config_data):
         capsys, ["export", path, "--checkpoint", str(missing), "--out", str(tmp_path / "o")]
     )
     assert str(missing) in msg
+
+
+def _jsonl_rows(tmp_path) -> Path:
+    rows = tmp_path / "train.jsonl"
+    good = {"prompt": "reverse 1234 =", "answer": "4321", "data_source": "groupflow/reverse"}
+    rows.write_text(json.dumps(good) + "\n" + json.dumps({**good, "prompt": "reverse 12 ="}) + "\n")
+    return rows
+
+
+def test_overlong_prompt_with_overlong_error_names_file_and_row(tmp_path, capsys, tiny_config_data):
+    rows = _jsonl_rows(tmp_path)
+    path = _write(tmp_path, tiny_config_data())
+    overrides = ["data.task=null", f"data.train_files=[{rows}]", "data.max_prompt_tokens=3"]
+    msg = _user_error(capsys, ["train", path, *overrides, "data.overlong_prompts=error"])
+    assert f"{rows}, row 0, field 'prompt'" in msg
+    assert "data.max_prompt_tokens=3" in msg and "data.overlong_prompts=filter" in msg
+
+
+def test_every_prompt_overlong_names_the_files(tmp_path, capsys, tiny_config_data):
+    rows = _jsonl_rows(tmp_path)
+    path = _write(tmp_path, tiny_config_data())
+    overrides = ["data.task=null", f"data.train_files=[{rows}]", "data.max_prompt_tokens=3"]
+    msg = _user_error(capsys, ["train", path, *overrides])
+    assert str(rows) in msg and "every train prompt" in msg and "max_prompt_tokens=3" in msg

@@ -128,6 +128,21 @@ def test_invalid_values_name_the_key(overrides, expected):
     assert expected in _error(apply_overrides(_base(), overrides))
 
 
+def test_kl_bias_correction_needs_a_kl_loss_and_an_llm_policy():
+    on = {"actor.kl_bias_correction": True, "actor.kl_coef": 0.05}
+    assert config_from_dict(apply_overrides(_base(), on)).actor.kl_bias_correction is True
+    assert config_from_dict(_base()).actor.kl_bias_correction is False  # verl's convention
+    msg = _error(apply_overrides(_base(), {"actor.kl_bias_correction": True}))
+    assert "actor.kl_bias_correction weights the KL loss term" in msg and "actor.kl_coef" in msg
+    assert "'actor.kl_bias_correction'" in _error(
+        apply_overrides(_base(), {**on, "actor.kl_bias_correction": "sometimes"})
+    )
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    diffusion = yaml.safe_load((examples / "diffusion_demo.yaml").read_text())
+    msg = _error(apply_overrides(diffusion, on))
+    assert "actor.kl_bias_correction: for LLM policies only" in msg
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [
@@ -333,3 +348,93 @@ def test_secrets_never_reach_saved_config(tmp_path, monkeypatch):
     saved = yaml.safe_load(text)
     assert saved["reward"]["functions"][0]["kwargs"]["base_url"] == "http://x"
     assert saved["reward"]["functions"][0]["kwargs"]["api_key"] == "<redacted>"
+
+
+# ----- duplicate keys --------------------------------------------------------------------------
+
+
+def test_a_repeated_section_is_an_error_naming_both_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model:\n  tiny: {}\n"
+        "actor:\n  lr: 0.5\n"  # lines 3-4: silently dropped by plain YAML loading
+        "data:\n  task: {name: reverse}\n"
+        "actor:\n  grad_clip: 2.0\n"  # line 7
+    )
+    with pytest.raises(
+        ConfigError, match=r"line 7.*duplicate key 'actor' \(first at line 3, again at line 7\)"
+    ):
+        load_config(path)
+
+
+def test_a_repeated_nested_key_is_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model:\n  tiny: {}\ndata:\n  task: {name: reverse}\nactor:\n  lr: 0.5\n  lr: 0.1\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"duplicate key 'lr' \(first at line 6, again at line 7\)"
+    ):
+        load_config(path)
+
+
+def test_a_repeated_key_in_an_override_value_is_an_error():
+    with pytest.raises(
+        ConfigError, match=r"duplicate key 'name' \(first at line 1, again at line 1\)"
+    ):
+        parse_overrides(["data.task={name: add, name: reverse}"])
+
+
+def test_merge_keys_may_still_be_overridden():
+    # YAML's "<<" merge brings in defaults that the mapping's own keys override: not a duplicate
+    assert parse_overrides(
+        ["model.tiny={<<: {hidden_size: 16, num_layers: 2}, hidden_size: 32}"]
+    ) == {"model.tiny": {"hidden_size": 32, "num_layers": 2}}
+
+
+# ----- strict types ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "data.prompts_per_step=true",
+            "'data.prompts_per_step': Input should be a valid integer (got True)",
+        ),
+        (
+            "data.prompts_per_step='8'",
+            "'data.prompts_per_step': Input should be a valid integer (got '8')",
+        ),
+        ("run.total_steps=2.5", "'run.total_steps': Input should be a valid integer (got 2.5)"),
+        ("run.total_steps=3.0", "'run.total_steps': Input should be a valid integer (got 3.0)"),
+        ("validation.greedy=1", "'validation.greedy': Input should be a valid boolean (got 1)"),
+        ("data.shuffle=yes please", "'data.shuffle': Input should be a valid boolean"),
+        ("actor.lr=true", "'actor.lr': Input should be a valid number (got True)"),
+        ("rollout.temperature='0.7'", "'rollout.temperature': Input should be a valid number"),
+        ("actor.grad_clip=false", "'actor.grad_clip'"),
+        ("algorithm.kl_in_reward.coef=true", "'algorithm.kl_in_reward.coef'"),
+    ],
+)
+def test_values_are_not_coerced_across_types(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.tiny.hidden_size=16", "data.task.name=add", override])
+    assert expected in str(info.value)
+
+
+def test_cli_values_keep_their_yaml_types():
+    cfg = load_config(
+        None,
+        [
+            "model.tiny.hidden_size=16",
+            "data.task.name=add",
+            "data.prompts_per_step=3",  # an int from the command line
+            "actor.lr=1",  # an int where a float is expected: fine, 1.0
+            "actor.betas=[0.9, 0.95]",  # YAML has no tuples
+            "validation.greedy=false",
+        ],
+    )
+    assert cfg.data.prompts_per_step == 3 and isinstance(cfg.data.prompts_per_step, int)
+    assert cfg.actor.lr == 1.0 and isinstance(cfg.actor.lr, float)
+    assert cfg.actor.betas == (0.9, 0.95) and cfg.validation.greedy is False
+    assert config_from_dict(cfg.to_dict()).actor.betas == (0.9, 0.95)  # the dump reloads

@@ -78,7 +78,7 @@ def test_grpo_with_kl_in_reward_needs_no_critic(tiny_config):
         tiny_config(algorithm__kl_in_reward={"coef": 0.1, "kind": "k3"}, run__total_steps=1)
     )
     last = trainer.fit()
-    assert trainer.critic is None and last["kl_in_reward/coef"] == 0.1
+    assert trainer.policy.critic is None and last["kl_in_reward/coef"] == 0.1
     assert last["kl_in_reward/kl"] == pytest.approx(
         0.0, abs=1e-6
     )  # first step: policy == reference
@@ -98,13 +98,13 @@ def test_lora_run_exports_a_plain_model_through_the_cli(tiny_config_data, tmp_pa
     path.write_text(json.dumps(data))
     trainer = Trainer(config_from_dict(data))
     trainer.fit()
-    assert trainer.actor.ref_model is None
+    assert trainer.policy.actor.ref_model is None
     out = tmp_path / "export"
     assert main(["export", str(path), "--checkpoint", str(trainer.run_dir), "--out", str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     assert not any("lora" in k for k in model.state_dict())
-    batch = trainer.rollout_and_reward(trainer.loader.take(2), step=9, round_=0)
-    trained = trainer.actor.compute_logprobs(
+    batch = trainer.workflow.collect(trainer.loader.take(2), step=9, round_=0, version=0)
+    trained = trainer.policy.actor.compute_logprobs(
         batch.select("prompt_ids", "prompt_mask", "responses", "response_mask"), temperature=1.0
     )["logprobs"]
     with torch.no_grad():

@@ -99,8 +99,8 @@ def test_two_grpo_steps_on_smollm2(smollm2_dir, gsm8k_rows, tmp_path):
         ],
     )
     trainer = Trainer(cfg)
-    assert trainer.val is None
-    params = dict(trainer.actor.model.named_parameters())
+    assert trainer.workflow.val is None
+    params = dict(trainer.policy.actor.model.named_parameters())
     before = {n: params[n].detach().clone() for n in ("model.layers.0.mlp.up_proj.weight",)}
     final = trainer.fit()
 
@@ -115,3 +115,29 @@ def test_two_grpo_steps_on_smollm2(smollm2_dir, gsm8k_rows, tmp_path):
     for name, old in before.items():
         assert not torch.equal(params[name].detach(), old), f"{name} did not change"
     assert (tmp_path / cfg.run.name / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_two_tool_steps_on_smollm2(smollm2_dir, gsm8k_rows, tmp_path):
+    """examples/smollm2_tools.yaml for 2 steps: the real chat template with the tool described,
+    multi-turn episodes, and log-probs recomputed by the training forward equal to the sampling
+    ones on every model token (token-in/token-out on a real tokenizer)."""
+    from groupflow.config import load_config
+    from groupflow.trainer import Trainer
+
+    cfg = load_config(
+        REPO / "examples" / "smollm2_tools.yaml",
+        [f"model.path={smollm2_dir}", f"data.train_files=[{gsm8k_rows}]", "data.shuffle=false",
+         "rollout.samples_per_prompt=2", "rollout.max_new_tokens=24",
+         "rollout.max_response_tokens=72", "actor.recompute_old_logprobs=always",
+         "run.total_steps=2", "run.samples_every=0", "run.loggers=[]", "run.num_threads=1",
+         f"run.output_dir={tmp_path}"],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    prompt = trainer.workflow.train.texts[0]
+    assert '"name": "calculator"' in prompt and "<tool_call>" in prompt
+    final = trainer.fit()
+    assert trainer.step == 2 and all(math.isfinite(v) for v in final.values())
+    assert final["rollout/logprob_diff_max"] < 1e-3
+    for key in ("rollout/tool_call_rate", "rollout/turns/mean", "reward/tool_use/mean"):
+        assert key in final

@@ -317,8 +317,8 @@ def test_tensorboard_backend_writes_scalars(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.5), (2, 0.75)]
 
 
-def test_wandb_offline_needs_no_network(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+def _wandb_offline(monkeypatch, tmp_path: Path) -> None:
+    """W&B in offline mode, its caches and settings in ``tmp_path``."""
     for var, sub in (
         ("WANDB_CACHE_DIR", "c"),
         ("WANDB_CONFIG_DIR", "cfg"),
@@ -327,12 +327,30 @@ def test_wandb_offline_needs_no_network(tmp_path, monkeypatch):
         monkeypatch.setenv(var, str(tmp_path / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_wandb_offline_needs_no_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    _wandb_offline(monkeypatch, tmp_path)
     run_dir = tmp_path / "run"
     with Tracker(run_dir, ("wandb",), project="gf-test", config={"lr": 0.1}) as t:
         t.log({"reward/mean": 0.5}, step=1)
-    run_id = (run_dir / "wandb_run_id.txt").read_text()
-    run_files = list((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
-    assert len(run_files) == 1 and b"reward/mean" in run_files[0].read_bytes()
+    assert b"reward/mean" in _wandb_record(run_dir, [b"reward/mean"])
+
+
+def _wandb_record(run_dir: Path, expected: list[bytes], timeout_s: float = 60.0) -> bytes:
+    """The offline run's record file once it holds ``expected``: W&B's service process writes it
+    after ``finish()`` has returned (measured: header only at first, the data ~1 s later)."""
+    import time
+
+    run_id = (run_dir / "wandb_run_id.txt").read_text().strip()
+    (record,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data = record.read_bytes()
+        if all(e in data for e in expected) or time.monotonic() > deadline:
+            return data
+        time.sleep(0.1)
 
 
 def test_mlflow_local_file_store(tmp_path, monkeypatch):
@@ -351,3 +369,78 @@ def test_mlflow_local_file_store(tmp_path, monkeypatch):
     assert values == [["0.5", "1"], ["0.75", "2"]]
     assert (run_dir / "params/actor.lr").read_text() == "0.1"
     assert (run_dir / "params/reward.judge_api_key").read_text() == "<redacted>"
+
+
+# ----- every backend with every name the demos log ------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _short_demo(name: str, tmp_path: Path, overrides: dict) -> Path:
+    """A few steps of examples/<name>.yaml with every logger on; returns the run directory."""
+    from groupflow.config import apply_overrides, config_from_dict
+    from groupflow.trainer import Trainer
+
+    data = yaml.safe_load((REPO_ROOT / "examples" / f"{name}.yaml").read_text())
+    data = apply_overrides(
+        data,
+        {
+            "run.output_dir": str(tmp_path / "runs"),
+            "run.total_steps": 2,
+            "run.loggers": ["tensorboard", "wandb", "mlflow"],
+            "validation.every_steps": 1,
+            **overrides,
+        },
+    )
+    trainer = Trainer(config_from_dict(data, name))
+    trainer.fit()
+    trainer.shutdown()
+    return trainer.run_dir
+
+
+@pytest.mark.slow
+def test_every_backend_takes_every_metric_name_of_both_demos(tmp_path, monkeypatch):
+    """The names come from short real runs of the two demos (val/sampled/mean@4 among them):
+    MLflow must accept all of them (translated), TensorBoard store them unchanged and W&B get
+    its translation; metrics.jsonl keeps the originals."""
+    for module in ("tensorboard", "wandb", "mlflow"):
+        pytest.importorskip(module)
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from groupflow.utils.metric_names import MLFLOW, WANDB, NameMap, backend_name
+
+    _wandb_offline(monkeypatch, tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs = [
+        _short_demo(
+            "reverse_demo",
+            tmp_path,
+            {"data.task.num_train": 400, "data.task.num_val": 8, "data.prompts_per_step": 4,
+             "rollout.samples_per_prompt": 4, "sft.steps": 2},
+        ),
+        _short_demo(
+            "diffusion_demo",
+            tmp_path,
+            {"diffusion.model.path": str(tmp_path / "tiny-flow"), "diffusion.model.pretrain_steps": 5,
+             "data.prompts_per_step": 2, "rollout.samples_per_prompt": 4},
+        ),
+    ]  # fmt: skip
+    all_names = set()
+    for run_dir in runs:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        in_order = [k for row in rows for k in row if k not in ("step", "wall_time")]
+        names = set(in_order)
+        all_names |= names
+        mlflow_names = NameMap(MLFLOW)  # replayed in logging order, as the backend saw them
+        expected_mlflow = {mlflow_names(n) for n in in_order}
+        events = EventAccumulator(str(run_dir / "tensorboard"))
+        events.Reload()
+        assert set(events.Tags()["scalars"]) == names
+        run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
+        client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+        assert set(client.get_run(run_id).data.metrics) == expected_mlflow
+        wandb_names = [backend_name(n, WANDB).encode() for n in names]
+        logged = _wandb_record(run_dir, wandb_names)
+        assert all(n in logged for n in wandb_names)
+    assert {"val/sampled/mean@4", "val/reward/mean", "reward/mean"} <= all_names

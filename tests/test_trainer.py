@@ -23,10 +23,12 @@ import yaml
 
 from groupflow import checkpoint as ckpt_module
 from groupflow.config import config_from_dict, load_config
+from groupflow.rundir import RunDirError
 from groupflow.tracking import read_metrics
 from groupflow.trainer import Trainer
 from groupflow.workers import actor as actor_module
-from groupflow.workers.actor import ActorRolloutWorker, NonFiniteLossError
+from groupflow.workers.actor import ActorRolloutWorker
+from groupflow.workers.common import NonFiniteLossError
 
 REQUIRED_METRICS = (
     "reward/mean",
@@ -119,7 +121,7 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_config, tmp_path):
     ckpt = Trainer(
         tiny_config(run__total_steps=1, run__name="ckpt", model__gradient_checkpointing=True)
     )
-    assert ckpt.actor.model.is_gradient_checkpointing
+    assert ckpt.policy.actor.model.is_gradient_checkpointing
     ckpt.fit()
     a, b = _steps(plain.run_dir)[1], _steps(ckpt.run_dir)[1]
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
@@ -129,9 +131,9 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_config, tmp_path):
 def test_parameters_change_and_final_checkpoint_written(tiny_config):
     cfg = tiny_config(run__total_steps=2, run__save_every=2)
     trainer = Trainer(cfg)
-    before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.policy.actor.model.state_dict().items()}
     trainer.fit()
-    after = trainer.actor.model.state_dict()
+    after = trainer.policy.actor.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     ckpts = trainer.run_dir / "checkpoints"
     assert (ckpts / "step_2" / "manifest.json").is_file()
@@ -143,7 +145,7 @@ def test_parameters_change_and_final_checkpoint_written(tiny_config):
 
 def test_first_ratio_is_one_with_one_epoch_and_one_mini_batch(tiny_config, monkeypatch):
     trainer = Trainer(tiny_config(run__total_steps=1, rollout__temperature=0.7))
-    prepared = _spy(monkeypatch, trainer, "add_logprobs")
+    prepared = _spy(monkeypatch, trainer.policy, "prepare")
     trainer.fit()
     batch = prepared[0]
     # μ = 1, one mini-batch: the rollout's log-probs are used as the old ones, unchanged
@@ -160,7 +162,7 @@ def test_old_logprobs_recomputed_with_two_epochs_match_rollout(tiny_config, monk
     trainer = Trainer(
         tiny_config(run__total_steps=1, actor__ppo_epochs=2, rollout__temperature=0.7)
     )
-    prepared = _spy(monkeypatch, trainer, "add_logprobs")
+    prepared = _spy(monkeypatch, trainer.policy, "prepare")
     trainer.fit()
     batch = prepared[0]
     assert batch["old_logprobs"] is not batch["rollout_logprobs"]
@@ -173,7 +175,7 @@ def test_old_logprobs_recomputed_with_two_epochs_match_rollout(tiny_config, monk
 
 def test_recompute_old_logprobs_always(tiny_config, monkeypatch):
     trainer = Trainer(tiny_config(run__total_steps=1, actor__recompute_old_logprobs="always"))
-    prepared = _spy(monkeypatch, trainer, "add_logprobs")
+    prepared = _spy(monkeypatch, trainer.policy, "prepare")
     trainer.fit()
     assert prepared[0]["old_logprobs"] is not prepared[0]["rollout_logprobs"]
 
@@ -183,8 +185,8 @@ def test_recompute_old_logprobs_always(tiny_config, monkeypatch):
 
 def test_no_reference_model_without_kl(tiny_config, monkeypatch):
     trainer = Trainer(tiny_config(run__total_steps=1, actor__kl_coef=0.0))
-    assert trainer.actor.ref_model is None
-    prepared = _spy(monkeypatch, trainer, "add_logprobs")
+    assert trainer.policy.actor.ref_model is None
+    prepared = _spy(monkeypatch, trainer.policy, "prepare")
     trainer.fit()
     assert "ref_logprobs" not in prepared[0]
     assert "actor/kl_loss" not in _steps(trainer.run_dir)[1]
@@ -192,8 +194,8 @@ def test_no_reference_model_without_kl(tiny_config, monkeypatch):
 
 def test_reference_model_with_kl_is_frozen_and_kl_starts_at_zero(tiny_config):
     trainer = Trainer(tiny_config(run__total_steps=2, actor__kl_coef=0.1))
-    ref = trainer.actor.ref_model
-    assert ref is not None and ref is not trainer.actor.model
+    ref = trainer.policy.actor.ref_model
+    assert ref is not None and ref is not trainer.policy.actor.model
     assert not any(p.requires_grad for p in ref.parameters())
     ref_before = {k: v.clone() for k, v in ref.state_dict().items()}
     trainer.fit()
@@ -215,10 +217,8 @@ def test_dynamic_sampling_drops_constant_reward_groups(tiny_config, helpers_on_p
         reward__functions=[{"function": "reward_helpers:constant_when_even"}],
     )
     trainer = Trainer(cfg)
-    rounds = _spy(monkeypatch, trainer, "rollout_and_reward")
-    trained = _spy_args(
-        monkeypatch, trainer, "add_logprobs"
-    )  # the batch that goes on to the update
+    rounds = _spy(monkeypatch, trainer.workflow, "collect")
+    trained = _spy_args(monkeypatch, trainer.policy, "prepare")  # the batch that goes on to update
     trainer.fit()
 
     def constant_groups(batch) -> int:
@@ -245,8 +245,8 @@ def test_dynamic_sampling_drops_constant_reward_groups(tiny_config, helpers_on_p
 
 def _train_ready_batch(trainer: Trainer):
     batch, _ = trainer.collect(0)
-    batch = trainer.add_logprobs(batch)
-    return trainer.add_advantages(batch)
+    batch = trainer.policy.prepare(batch)
+    return trainer.credit(batch, 0)
 
 
 def _grads_of_one_update(trainer: Trainer, model0, batch, **actor_overrides):
@@ -254,11 +254,11 @@ def _grads_of_one_update(trainer: Trainer, model0, batch, **actor_overrides):
     cfg = trainer.cfg.actor.model_copy(update=actor_overrides)
     worker = ActorRolloutWorker(
         copy.deepcopy(model0),
-        trainer.tokenizer,
+        trainer.policy.tokenizer,
         cfg,
         total_steps=1,
-        pad_id=trainer.tokenizer.pad_token_id,
-        eos_ids=trainer.actor.eos_ids,
+        pad_id=trainer.policy.tokenizer.pad_token_id,
+        eos_ids=trainer.policy.actor.eos_ids,
     )
     grads = []
     worker.optimizer.step = lambda *a, **k: grads.append(
@@ -279,7 +279,7 @@ def _max_diff(a: dict, b: dict) -> float:
 )
 def test_gradient_is_micro_batch_invariant_end_to_end(tiny_config, loss_agg):
     trainer = Trainer(tiny_config(actor__loss_agg=loss_agg, actor__kl_coef=0.05))
-    model0 = copy.deepcopy(trainer.actor.model)
+    model0 = copy.deepcopy(trainer.policy.actor.model)
     batch = _train_ready_batch(trainer)
     lengths = batch["response_mask"].sum(1)
     assert lengths.min() < lengths.max(), "needs responses of different lengths to mean anything"
@@ -301,26 +301,40 @@ def test_gradient_is_micro_batch_invariant_end_to_end(tiny_config, loss_agg):
 def test_local_token_mean_is_not_micro_batch_invariant(tiny_config):
     """Documents the deliberate exception: the per-micro-batch token mean (TRL "bnpo")."""
     trainer = Trainer(tiny_config(actor__loss_agg="local_token_mean"))
-    model0 = copy.deepcopy(trainer.actor.model)
+    model0 = copy.deepcopy(trainer.policy.actor.model)
     batch = _train_ready_batch(trainer)
     ref, _ = _grads_of_one_update(trainer, model0, batch, grad_clip=None)
     grads, _ = _grads_of_one_update(trainer, model0, batch, grad_clip=None, micro_batch_samples=2)
     assert _max_diff(grads, ref) > 1e-4
 
 
+def test_response_length_metrics_count_model_tokens_not_gap_tokens():
+    from groupflow.batch import Batch
+    from groupflow.workflows.llm import llm_step_metrics
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1], [1, 0, 1, 0, 0, 0, 0]])  # tool tokens in the gaps
+    batch = Batch(
+        {"response_mask": mask, "rewards": torch.tensor([1.0, 0.0]),
+         "advantages": torch.tensor([0.5, -0.5])},
+        {"finish_reason": ["stop", "length"]},
+    )  # fmt: skip
+    m = llm_step_metrics(batch, 1.0)
+    assert m["response_length/mean"] == 3.5 and m["response_length/max"] == 5.0
+
+
 def test_parameters_after_one_adamw_step_are_micro_batch_invariant(tiny_config):
     trainer = Trainer(tiny_config())
-    model0 = copy.deepcopy(trainer.actor.model)
+    model0 = copy.deepcopy(trainer.policy.actor.model)
     batch = _train_ready_batch(trainer)
     params = []
     for split in ({}, {"micro_batch_samples": 2}, {"micro_batch_tokens": 60}):
         worker = ActorRolloutWorker(
             copy.deepcopy(model0),
-            trainer.tokenizer,
+            trainer.policy.tokenizer,
             trainer.cfg.actor.model_copy(update=split),
             total_steps=1,
-            pad_id=trainer.tokenizer.pad_token_id,
-            eos_ids=trainer.actor.eos_ids,
+            pad_id=trainer.policy.tokenizer.pad_token_id,
+            eos_ids=trainer.policy.actor.eos_ids,
         )
         worker.update(batch, temperature=1.0)
         params.append({k: v.clone() for k, v in worker.model.state_dict().items()})
@@ -400,11 +414,13 @@ def test_resume_after_sigkill_replays_identical_metrics(
     latest = ckpt_module.find_latest_checkpoint(run_b / "checkpoints")
     assert latest is not None and latest.name in ("step_2", "step_4")
 
-    # Resume B in this process (the pause disabled) and finish steps 5..6.
+    # Resume B in this process (the pause disabled: a reward change the resume must be told
+    # to accept) and finish steps 5..6.
     resumed = {**reward, "kwargs": {"pause_if_exists": ""}}
     data_b2 = tiny_config_data(
-        run__name="b", run__resume="auto", reward__functions=[resumed], **common
-    )
+        run__name="b", run__resume="auto", reward__functions=[resumed],
+        run__allow_config_changes=["reward.functions.0.kwargs"], **common,
+    )  # fmt: skip
     Trainer(config_from_dict(data_b2)).fit()
 
     a, b = _all_steps(run_a), _all_steps(run_b)
@@ -461,11 +477,14 @@ def test_resume_with_explicit_checkpoint_dir_and_never(tiny_config):
     ckpts = Path(cfg.run.output_dir) / cfg.run.name / "checkpoints"
     explicit = Trainer(tiny_config(run__total_steps=4, run__resume=str(ckpts / "step_2")))
     assert explicit.maybe_resume() and explicit.step == 2
-    never = Trainer(tiny_config(run__total_steps=4, run__resume="never"))
+    # a fresh run into this directory must say that it replaces the run there
+    with pytest.raises(RunDirError, match="run.resume=never"):
+        Trainer(tiny_config(run__total_steps=4, run__resume="never"))
+    never = Trainer(tiny_config(run__total_steps=4, run__resume="never", run__overwrite=True))
     assert never.maybe_resume() is False and never.step == 0
-    missing = Trainer(tiny_config(run__resume=str(ckpts / "step_99")))
+    assert not ckpts.exists()  # the earlier run's checkpoints went with it
     with pytest.raises(FileNotFoundError, match="step_99"):
-        missing.maybe_resume()
+        Trainer(tiny_config(run__resume=str(ckpts / "step_99")))
 
 
 # ----- non-finite losses -----------------------------------------------------------------------
@@ -492,23 +511,23 @@ def _nan_policy_loss(monkeypatch, nan_on_calls: set[int]):
 def test_nonfinite_loss_skips_the_step_and_is_counted(tiny_config, monkeypatch):
     _nan_policy_loss(monkeypatch, nan_on_calls={0, 2})
     trainer = Trainer(tiny_config(run__total_steps=3, actor__max_nonfinite_steps=2))
-    updates = _spy(monkeypatch, trainer.actor, "update")
+    updates = _spy(monkeypatch, trainer.policy.actor, "update")
     trainer.fit()
     rows = _steps(trainer.run_dir)
     assert [rows[s]["actor/nonfinite_skipped"] for s in (1, 2, 3)] == [1.0, 0.0, 1.0]
     assert rows[3]["actor/nonfinite_skipped_total"] == 2.0
-    assert trainer.actor.nonfinite_in_a_row == 1  # reset by the finite step 2
+    assert trainer.policy.actor.nonfinite_in_a_row == 1  # reset by the finite step 2
     assert len(updates) == 3
     # the last (skipped) step leaves no gradient behind
-    assert all(p.grad is None for p in trainer.actor.model.parameters())
+    assert all(p.grad is None for p in trainer.policy.actor.model.parameters())
 
 
 def test_skipped_step_does_not_change_parameters(tiny_config, monkeypatch):
     _nan_policy_loss(monkeypatch, nan_on_calls={0})
     trainer = Trainer(tiny_config(run__total_steps=1))
-    before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
+    before = {k: v.clone() for k, v in trainer.policy.actor.model.state_dict().items()}
     trainer.fit()
-    after = trainer.actor.model.state_dict()
+    after = trainer.policy.actor.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert _steps(trainer.run_dir)[1]["actor/nonfinite_skipped"] == 1.0
 
@@ -554,8 +573,9 @@ def test_rollout_and_reference_in_their_own_pools_give_the_colocated_numbers(tin
             placement__reference={"workers_per_node": 1},
         )
     )
-    assert apart.rollout is not apart.actor and apart.reference is not apart.actor
-    assert apart.actor.ref_model is None  # the reference lives only in its own worker
+    p = apart.policy
+    assert p.rollout is not p.actor and p.reference is not p.actor
+    assert p.actor.ref_model is None  # the reference lives only in its own worker
     apart.fit()
     a, c = _steps(apart.run_dir), _steps(colocated.run_dir)
     for step in (1, 2):
@@ -564,10 +584,12 @@ def test_rollout_and_reference_in_their_own_pools_give_the_colocated_numbers(tin
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
             assert a[step][k] == pytest.approx(c[step][k], rel=1e-5, abs=1e-7), (step, k)
     # the rollout worker holds the actor's updated weights, the reference the initial ones
-    trained = apart.actor.model.state_dict()
-    assert all(torch.equal(v, trained[k]) for k, v in apart.rollout.model.state_dict().items())
+    trained = apart.policy.actor.model.state_dict()
+    assert all(
+        torch.equal(v, trained[k]) for k, v in apart.policy.rollout.model.state_dict().items()
+    )
     assert not all(
-        torch.equal(v, trained[k]) for k, v in apart.reference.model.state_dict().items()
+        torch.equal(v, trained[k]) for k, v in apart.policy.reference.model.state_dict().items()
     )
     assert "time/weight_sync" in a[1]
 

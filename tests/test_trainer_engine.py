@@ -42,13 +42,13 @@ def test_tis_weights_reach_the_loss(tiny_config, monkeypatch):
     trainer = Trainer(
         tiny_config(run__total_steps=1, actor__tis_cap=1.5, actor__recompute_old_logprobs="always")
     )
-    original = trainer.add_logprobs
+    original = trainer.policy.prepare
 
-    def skewed(batch):
+    def skewed(batch, timer=None):
         batch["rollout_logprobs"] = batch["rollout_logprobs"] - 1.0
-        return original(batch)
+        return original(batch, timer)
 
-    monkeypatch.setattr(trainer, "add_logprobs", skewed)
+    monkeypatch.setattr(trainer.policy, "prepare", skewed)
     trainer.fit()
     row = _steps(trainer.run_dir)[0]
     assert row["actor/tis_weight_mean"] == pytest.approx(1.5)
@@ -74,9 +74,37 @@ def test_short_grpo_run_on_vllm_raises_reward(tmp_path):
     assert len(steps) == 40
     first = sum(r["reward/mean"] for r in steps[:10]) / 10
     last = sum(r["reward/mean"] for r in steps[-10:]) / 10
-    assert last > first + 0.05, (first, last)  # measured: 0.35 -> 0.46
-    assert rows[-1]["val/greedy/acc"] > rows[0]["val/greedy/acc"]  # measured: 39% -> 53%
+    assert last > first + 0.05, (first, last)  # measured: 0.31 -> 0.42
+    assert rows[-1]["val/greedy/acc"] > rows[0]["val/greedy/acc"]  # measured: 16% -> 38%
     for r in steps:
         assert r["perf/weight_sync_s"] > 0
         assert r["rollout/logprob_diff_max"] < 1e-3  # fp32 on both sides
         assert r["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not vllm_available(),
+    reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh)",
+)
+def test_multi_turn_episodes_on_vllm(tmp_path):
+    """The calculator demo's multi-turn episodes with vLLM generating each turn (its prefix cache
+    holds the conversation's earlier turns): tool results land between the model's turns, and the
+    training forward's log-probs of the model tokens match vLLM's sampling ones."""
+    from groupflow.config import load_config
+
+    cfg = load_config(
+        "examples/calc_tools_demo.yaml",
+        ["rollout.engine=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.cpu_kv_cache_gib=1",
+         "model.tiny.hidden_size=128", "model.tiny.num_heads=2", "model.tiny.num_layers=2",
+         "data.task.digits=2", "data.task.num_train=2000", "data.task.num_val=16",
+         "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "sft.steps=200",
+         "sft.stop_at_accuracy=null", "sft.lr=3e-3", "run.total_steps=2", "run.loggers=[]",
+         "validation.before_training=false", f"run.output_dir={tmp_path}"],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.fit()
+    for row in _steps(trainer.run_dir):
+        assert row["rollout/logprob_diff_max"] < 1e-3  # fp32 on both sides
+        assert row["rollout/tool_call_rate"] > 0  # the warm start demonstrates the tool
+        assert row["rollout/observation_tokens/mean"] > 0

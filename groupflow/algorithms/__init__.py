@@ -7,10 +7,12 @@ selects variants by name and users add one by registering a function:
     advantages  compute_advantages(rewards, group_ids, estimator="grpo", **opts), compute_gae
     loss        policy_loss(logprobs, old_logprobs, advantages, mask, loss_fn="ppo_clip", agg=...)
     reduction   aggregate(values, mask, mode, num_tokens=, num_seqs=, max_len=), loss_denominators
-    KL/entropy  kl_penalty(logprobs, ref_logprobs, kind), entropy_from_logits
+    KL/entropy  kl_penalty(logprobs, ref_logprobs, kind), importance_weighted_kl,
+                entropy_from_logits
     PPO         place_outcome_reward, kl_in_reward, Fixed/AdaptiveKLController, value_loss
     sampling    apply_sampling_filters, sample_from_logits, logprobs_from_logits
     mismatch    truncated_is_weights (TIS), logprob_mismatch (rollout engine vs training forward)
+    masks       response_span, response_widths, prompt_widths, last_valid_index (gaps in masks)
 """
 
 from groupflow.algorithms.advantages import (
@@ -31,6 +33,7 @@ from groupflow.algorithms.correction import logprob_mismatch, truncated_is_weigh
 from groupflow.algorithms.kl import (
     KL_ESTIMATORS,
     entropy_from_logits,
+    importance_weighted_kl,
     kl_penalty,
     register_kl_estimator,
 )
@@ -38,6 +41,12 @@ from groupflow.algorithms.kl_control import (
     AdaptiveKLController,
     FixedKLController,
     build_kl_controller,
+)
+from groupflow.algorithms.masks import (
+    last_valid_index,
+    prompt_widths,
+    response_span,
+    response_widths,
 )
 from groupflow.algorithms.policy_loss import (
     POLICY_LOSSES,
@@ -68,6 +77,10 @@ __all__ = [
     "FixedKLController",
     "build_kl_controller",
     "kl_in_reward",
+    "last_valid_index",
+    "prompt_widths",
+    "response_span",
+    "response_widths",
     "place_outcome_reward",
     "sequence_mean_kl",
     "value_loss",
@@ -85,6 +98,7 @@ __all__ = [
     "compute_gae",
     "entropy_from_logits",
     "group_stats",
+    "importance_weighted_kl",
     "kl_penalty",
     "logprobs_from_logits",
     "logprob_mismatch",

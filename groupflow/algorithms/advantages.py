@@ -254,8 +254,11 @@ def compute_gae(
 
     Masked positions (padding, or tool/observation tokens between turns) are skipped: the
     recursion carries the next valid token's value and GAE across them, so their rewards and
-    values never leak into any advantage. returns = advantages + values, taken before whitening.
-    Both outputs are 0 at masked positions. Computed without gradient.
+    values never leak into any advantage. This is verl's multi-turn convention
+    (``compute_gae_advantage_return`` with ``response_mask``): a gap is not a time step, so the
+    model tokens either side of it are one γ step apart and a gapped row gives exactly the result
+    of the same row with the gap columns removed. returns = advantages + values, taken before
+    whitening. Both outputs are 0 at masked positions. Computed without gradient.
 
     Returns:
         (advantages [B, T], returns [B, T]).

@@ -3,9 +3,13 @@
 Design decision: the KL estimators are per-token functions of the sampled action's log-probs only
 (Schulman's k1/k2/k3 with delta = ref - logp), registered by name with verl's names as aliases; the
 result is [B, T] and is aggregated by the caller exactly like the policy loss (same mode, same
-global denominators), or subtracted from token rewards. Entropy works on full logits, so it is
-computed in row chunks (with activation checkpointing under autograd) to keep the float32
-working set at chunk_size x V instead of B x T x V.
+global denominators), or subtracted from token rewards. Two conventions exist for the KL loss term
+when the samples come from an older policy: verl (and groupflow by default) uses the estimate as
+it is; TRL's ``use_bias_correction_kl`` (DeepSeek-V3.2) multiplies it by the importance ratio
+pi/pi_old first (``importance_weighted_kl``; ``actor.kl_bias_correction``).
+
+Entropy works on full logits, so it is computed in row chunks (with activation checkpointing under
+autograd) to keep the float32 working set at chunk_size x V instead of B x T x V.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from groupflow.algorithms.policy_loss import importance_ratio
 from groupflow.algorithms.registry import Registry
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
@@ -70,6 +75,40 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tens
             f"{tuple(logprobs.shape)} and {tuple(ref_logprobs.shape)}"
         )
     return fn(logprobs, ref_logprobs.detach())
+
+
+def importance_weighted_kl(
+    kl: Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    ratio_level: str = "token",
+    log_ratio_clamp: float = 20.0,
+) -> Tensor:
+    """``kl`` [B, T] times the importance ratio pi/pi_old (TRL ``use_bias_correction_kl``).
+
+    The samples come from pi_old, so E_old[rho * k] is an unbiased estimate of E_pi[k] = KL(pi ||
+    ref) for k3. The ratio carries gradient, as in TRL: d(rho k) = rho (dk + k dlog pi), i.e. even
+    on-policy (rho = 1) the gradient gains the score-function term k dlog pi; for k3 the per-token
+    gradient w.r.t. log pi becomes rho * (log pi - ref) instead of 1 - exp(ref - log pi).
+
+    ratio_level: "token" (rho_t = exp(logp_t - old_t)) or "sequence" (GSPO: exp of the row's mean
+    log-ratio over valid tokens, shared by its tokens), the policy loss's level. The log-ratio is
+    clamped to +-log_ratio_clamp before exp; masked positions are never read.
+    """
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: token, sequence")
+    for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("mask", mask)):
+        if not isinstance(t, Tensor) or t.shape != kl.shape:
+            raise ValueError(
+                f"{name} must be a tensor shaped like kl {tuple(kl.shape)}, "
+                f"got {getattr(t, 'shape', t)!r}"
+            )
+    ratio = importance_ratio(
+        logprobs, old_logprobs.detach(), mask != 0, ratio_level, log_ratio_clamp
+    )
+    return kl * ratio
 
 
 def upcast(x: Tensor) -> Tensor:

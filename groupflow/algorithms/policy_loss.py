@@ -72,6 +72,19 @@ def _masked_extreme(x: Tensor, valid: Tensor, largest: bool, empty: float) -> Te
     return torch.where(valid.any(), value, torch.full_like(value, empty))
 
 
+def importance_ratio(
+    logprobs: Tensor, old_logprobs: Tensor, valid: Tensor, ratio_level: str, log_ratio_clamp: float
+) -> Tensor:
+    """pi/pi_old [B, T]: per token, or (GSPO, "sequence") exp of the row's mean log-ratio over
+    valid tokens, shared by its tokens (1 for a row without any). The log-ratio is clamped to
+    +-log_ratio_clamp before exp; invalid positions are never read."""
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    if ratio_level == "sequence":
+        count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+        log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / count).expand_as(logprobs)
+    return log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp).exp()
+
+
 def _validate_ppo_options(ratio_level, eps_low, eps_high, clip_ratio_c, delta, log_ratio_clamp):
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
@@ -119,11 +132,7 @@ def ppo_clip(
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
     _validate_ppo_options(ratio_level, clip_eps_low, eps_high, clip_ratio_c, delta, log_ratio_clamp)
 
-    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
-    if ratio_level == "sequence":
-        count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
-        log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / count).expand_as(logprobs)
-    ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp).exp()
+    ratio = importance_ratio(logprobs, old_logprobs, valid, ratio_level, log_ratio_clamp)
 
     unclipped_ratio = ratio if delta is None else ratio.clamp(max=delta)
     loss_unclipped = -advantages * unclipped_ratio
@@ -184,6 +193,7 @@ def policy_loss(
     num_tokens: Number | None = None,
     num_seqs: Number | None = None,
     max_len: Number | None = None,
+    num_micro_batches: Number | None = None,
     rollout_logprobs: Tensor | None = None,
     tis_cap: float | None = None,
     **opts,
@@ -196,9 +206,9 @@ def policy_loss(
         advantages: [B] (broadcast over actions) or [B, T] (detached here).
         mask: [B, T] bool or 0/1; 1 on actions that count.
         loss_fn: a name in POLICY_LOSSES ("ppo_clip" or a registered one).
-        agg, num_tokens, num_seqs, max_len: aggregation mode and the mini-batch-global
-            denominators, see `groupflow.algorithms.aggregation` (pass the same for every
-            micro-batch and SUM the micro-batch losses).
+        agg, num_tokens, num_seqs, max_len, num_micro_batches: aggregation mode and the
+            mini-batch-global denominators, see `groupflow.algorithms.aggregation` (pass the same
+            for every micro-batch and SUM the micro-batch losses).
         rollout_logprobs, tis_cap: truncated importance sampling (``groupflow.algorithms.
             correction``): with ``tis_cap`` set, each action's loss is multiplied by
             ``min(exp(old_logprobs - rollout_logprobs), tis_cap)`` (no gradient through it), for
@@ -246,7 +256,13 @@ def policy_loss(
                 "tis_capped_frac": masked_mean((weights >= tis_cap).float(), valid),
             }
     loss = aggregate(
-        per_token, valid, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
+        per_token,
+        valid,
+        agg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        max_len=max_len,
+        num_micro_batches=num_micro_batches,
     )
     with torch.no_grad():
         metrics = {**metrics, "approx_kl": masked_mean(old - safe_logprobs.detach(), valid)}

@@ -14,22 +14,10 @@ import torch
 from torch import Tensor
 
 from groupflow.algorithms.kl import kl_penalty
+from groupflow.algorithms.masks import check_2d as _check_2d
+from groupflow.algorithms.masks import last_valid_index
 
 __all__ = ["place_outcome_reward", "kl_in_reward", "last_valid_index", "sequence_mean_kl"]
-
-
-def _check_2d(name: str, t) -> None:
-    if not isinstance(t, Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor [B, T], got {getattr(t, 'shape', t)!r}")
-
-
-def last_valid_index(mask: Tensor) -> Tensor:
-    """[B] index of the last non-zero entry of each row of mask [B, T]; -1 for an empty row."""
-    _check_2d("mask", mask)
-    if mask.shape[1] == 0:
-        return torch.full((mask.shape[0],), -1, dtype=torch.long, device=mask.device)
-    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    return torch.where(mask != 0, positions, -1).amax(dim=1)
 
 
 def place_outcome_reward(rewards: Tensor, mask: Tensor) -> Tensor:

@@ -31,6 +31,7 @@ def value_loss(
     num_tokens: Number | None = None,
     num_seqs: Number | None = None,
     max_len: Number | None = None,
+    num_micro_batches: Number | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Aggregated clipped value loss and metrics.
 
@@ -39,7 +40,8 @@ def value_loss(
         old_values, returns: [B, T] (detached here).
         mask: [B, T] bool or 0/1.
         clip_range: c > 0, or None for no clipping.
-        agg, num_tokens, num_seqs, max_len: see ``groupflow.algorithms.aggregation``.
+        agg, num_tokens, num_seqs, max_len, num_micro_batches: see
+            ``groupflow.algorithms.aggregation``.
 
     Returns:
         (scalar loss, {"vf_clipfrac": fraction of valid tokens where the clipped term is larger,
@@ -67,7 +69,13 @@ def value_loss(
         per_token = 0.5 * torch.maximum(unclipped, clipped)
         clipped_more = clipped > unclipped
     loss = aggregate(
-        per_token, valid, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len
+        per_token,
+        valid,
+        agg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        max_len=max_len,
+        num_micro_batches=num_micro_batches,
     )
     with torch.no_grad():
         metrics = {

@@ -7,6 +7,8 @@ functions receive by name. verl-style rows are accepted unchanged: their `reward
 lifted to `fields["ground_truth"]`, so a reward never has to know which row shape it came from.
 A malformed row is a `DataError` that names the file, the 0-based row index (plus the 1-based line
 number for JSON lines) and the field; `on_bad_row="skip"` turns that into a count and one warning.
+Whole-number floats in top-level columns become ints (with one warning per column): pandas stores
+an int column with a missing value as float64, and "654321.0" is never the answer a reward wants.
 
 Templating (`render_prompt`) and the over-long prompt filter (`filter_overlong`) live here too,
 because they are the last dataset-level transformation before prompts reach the rollout engine.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,7 +190,43 @@ def normalize_row(raw: Any, *, source: str = IN_MEMORY_SOURCE, index: int = 0) -
     return _located_normalize(raw, source, index, None)
 
 
-def _normalize(raw: Any, source: str, index: int) -> PromptRow:
+def _whole_floats_to_ints(fields: dict[str, Any], seen: dict[str, list[Any]]) -> None:
+    """Top-level columns (and ``reward_model.ground_truth``) holding whole-number floats get ints.
+
+    A float column of whole numbers is, far more often than not, an int column that pandas
+    widened to float64 because a value was missing; handed on as is, a reward comparing text sees
+    "654321.0" for the answer 654321 and scores every sample wrong. ``seen`` collects, per
+    column, the count and the first value, for one warning per column.
+    """
+    for key, value in fields.items():
+        if isinstance(value, float) and value.is_integer():
+            fields[key] = int(value)
+            seen.setdefault(key, [0, value])[0] += 1
+    reward_model = fields.get("reward_model")
+    if isinstance(reward_model, dict):
+        truth = reward_model.get("ground_truth")
+        if isinstance(truth, float) and truth.is_integer():
+            fields["reward_model"] = {**reward_model, "ground_truth": int(truth)}
+
+
+def _warn_whole_floats(source: str, seen: dict[str, list[Any]]) -> None:
+    for key, (count, example) in seen.items():
+        logger.warning(
+            "%s: column '%s' holds whole numbers stored as floats in %d row(s) (e.g. %r); they are "
+            "passed to rewards as ints (%d), not as the text %r. Store the column as int or "
+            "string to keep it exact (e.g. leading zeros)",
+            source,
+            key,
+            count,
+            example,
+            int(example),
+            str(example),
+        )
+
+
+def _normalize(
+    raw: Any, source: str, index: int, seen: dict[str, list[Any]] | None = None
+) -> PromptRow:
     if not isinstance(raw, dict):
         raise _RowProblem(None, f"row must be a JSON object / dict, got {_type_name(raw)}")
     if raw.get("prompt") is None:
@@ -199,6 +237,7 @@ def _normalize(raw: Any, source: str, index: int) -> PromptRow:
     _check_optional_type(raw, "extra_info", (dict,), "a struct / dict")
     fields = {k: v for k, v in raw.items() if k != "prompt"}
     _lift_ground_truth(raw, fields)
+    _whole_floats_to_ints(fields, {} if seen is None else seen)
     return PromptRow(prompt=prompt, fields=fields, source=source, index=index)
 
 
@@ -312,17 +351,19 @@ def load_prompt_rows(source: Any, *, on_bad_row: str = "error") -> PromptDataset
     rows: list[PromptRow] = []
     skipped: list[DataError] = []
     for name, items in sources:
+        whole_floats: dict[str, list[Any]] = {}
         for raw, index, line, parse_error in items:
             try:
                 if parse_error is not None:
                     raise DataError(parse_error, source=name, index=index, line=line)
-                row = _located_normalize(raw, name, index, line)
+                row = _located_normalize(raw, name, index, line, whole_floats)
             except DataError as err:
                 if on_bad_row == "error":
                     raise
                 skipped.append(err)
                 continue
             rows.append(row)
+        _warn_whole_floats(name, whole_floats)
     names = [name for name, _ in sources]
     first = str(skipped[0]) if skipped else None
     if skipped:
@@ -337,9 +378,56 @@ def load_prompt_rows(source: Any, *, on_bad_row: str = "error") -> PromptDataset
     )
 
 
-def _located_normalize(raw: Any, source: str, index: int, line: int | None) -> PromptRow:
+def check_row_fields(
+    rows: Sequence[PromptRow],
+    missing: Callable[[dict[str, Any]], list[tuple[str, str]]],
+    *,
+    on_bad_row: str = "error",
+    split: str = "train",
+) -> tuple[list[PromptRow], int]:
+    """Rows that carry every field their consumer needs; ``(kept rows, number skipped)``.
+
+    ``missing(row.fields)`` returns ``(field, reason)`` pairs (e.g. a reward's required fields
+    that the row lacks or holds as null). The first such row is a `DataError` naming its source,
+    row and field, or, with ``on_bad_row="skip"``, every such row is dropped, counted and
+    reported in one warning; no rows left is an error either way.
+    """
+    if on_bad_row not in ON_BAD_ROW_CHOICES:
+        raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW_CHOICES}, got {on_bad_row!r}")
+    kept: list[PromptRow] = []
+    skipped: list[DataError] = []
+    for row in rows:
+        problems = missing(row.fields)
+        if not problems:
+            kept.append(row)
+            continue
+        field_name, reason = problems[0]
+        err = DataError(reason, source=row.source, index=row.index, field=field_name)
+        if on_bad_row == "error":
+            raise err
+        skipped.append(err)
+    if skipped:
+        logger.warning(
+            "%s data: skipped %d row(s) lacking a field their reward needs (kept %d); first: %s",
+            split,
+            len(skipped),
+            len(kept),
+            skipped[0],
+        )
+    if not kept:
+        raise DataError(
+            f"no {split} rows left: all {len(skipped)} lack a field their reward needs; "
+            f"first: {skipped[0]}",
+            source=", ".join(dict.fromkeys(r.source for r in rows)) or IN_MEMORY_SOURCE,
+        )
+    return kept, len(skipped)
+
+
+def _located_normalize(
+    raw: Any, source: str, index: int, line: int | None, seen: dict[str, list[Any]] | None = None
+) -> PromptRow:
     try:
-        return _normalize(raw, source, index)
+        return _normalize(raw, source, index, seen)
     except _RowProblem as problem:
         raise DataError(
             problem.reason, source=source, index=index, line=line, field=problem.field

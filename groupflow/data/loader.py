@@ -58,7 +58,8 @@ class PromptLoader(Generic[T]):
             raise ValueError(
                 f"dataset has {len(rows)} prompts, fewer than prompts_per_step="
                 f"{self.prompts_per_step}, so drop_last=True would drop every prompt; lower "
-                "prompts_per_step, add prompts, or set drop_last=False"
+                "prompts_per_step, add prompts, or set drop_last=False (in a run config: "
+                "data.prompts_per_step, data.drop_last=false)"
             )
         self._epoch = 0
         self._position = 0

@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 
-TASKS = ("reverse", "add")
-DATA_SOURCES = {"reverse": "groupflow/reverse", "add": "groupflow/add"}
+TASKS = ("reverse", "add", "calc")
+DATA_SOURCES = {"reverse": "groupflow/reverse", "add": "groupflow/add", "calc": "groupflow/calc"}
 # Largest `digits` per task such that the problem space (10**digits, resp. 10**(2*digits))
 # still fits in an int64 for numpy sampling.
-MAX_DIGITS = {"reverse": 18, "add": 9}
+MAX_DIGITS = {"reverse": 18, "add": 9, "calc": 9}
+# calc: the tool call a demonstration makes (the demo's calculator tool is labelled "calc")
+CALC_CALL = "<calc>{a}*{b}</calc>"
 
 EXACT_REWARD = 1.0
 PARTIAL_WEIGHT = 0.3
@@ -48,10 +50,24 @@ def _add_problem(x: int, digits: int) -> tuple[str, str]:
     return f"add {a:0{digits}d}+{b:0{digits}d} =", str(a + b)
 
 
-_PROBLEMS = {"reverse": _reverse_problem, "add": _add_problem}
+def _calc_factors(x: int, digits: int) -> tuple[int, int]:
+    """Two factors of exactly ``digits`` digits each (no leading zero) from one draw."""
+    span = 9 * 10 ** (digits - 1)
+    a, b = divmod(x, span)
+    return 10 ** (digits - 1) + a, 10 ** (digits - 1) + b
+
+
+def _calc_problem(x: int, digits: int) -> tuple[str, str]:
+    a, b = _calc_factors(x, digits)
+    return f"mul {a}*{b} =", str(a * b)
+
+
+_PROBLEMS = {"reverse": _reverse_problem, "add": _add_problem, "calc": _calc_problem}
 
 
 def _space_size(task: str, digits: int) -> int:
+    if task == "calc":
+        return (9 * 10 ** (digits - 1)) ** 2
     return 10**digits if task == "reverse" else 10 ** (2 * digits)
 
 
@@ -108,16 +124,29 @@ def make_task_rows(
 
     def row(x: int, split: str) -> dict[str, Any]:
         prompt, answer = make(x, digits)
-        return {
+        out = {
             "prompt": prompt,
             "answer": answer,
             "data_source": DATA_SOURCES[task],
             "split": split,
         }
+        if task == "calc":
+            out["demo"] = _calc_demo(x, digits, seed)
+        return out
 
     heldout = [row(x, "heldout") for x in draws[:n_heldout]]
     train = [row(x, "train") for x in draws[n_heldout:]]
     return train, heldout
+
+
+def _calc_demo(x: int, digits: int, seed: int) -> list[str]:
+    """A demonstration for the warm start: half of the problems (chosen per problem, seeded) are
+    answered with the calculator — call, then copy its result — the other half directly, which a
+    tiny model cannot do; so the warm-started policy calls the tool only about half of the time
+    and RL has something to learn."""
+    a, b = _calc_factors(x, digits)
+    use_tool = np.random.default_rng((seed, x, 7)).random() < 0.5
+    return [CALC_CALL.format(a=a, b=b), str(a * b)] if use_tool else [str(a * b)]
 
 
 def _row_value(row: Any, key: str) -> Any:
@@ -171,6 +200,8 @@ def _completion_text(completion: Any) -> str:
 
 
 def _score(completion: Any, answer: Any) -> float:
+    if answer is None:  # str(None) would be scored as the answer "None"
+        raise ValueError("the row has no answer; a synthetic-task row needs a non-empty answer")
     text = clean_completion(_completion_text(completion))
     target = str(answer).strip()
     if not target:
@@ -203,7 +234,11 @@ def answer_match_reward(
 reverse_reward = answer_match_reward
 add_reward = answer_match_reward
 # For the reward registry: data_source -> reward function.
-REWARD_FUNCTIONS = {DATA_SOURCES["reverse"]: reverse_reward, DATA_SOURCES["add"]: add_reward}
+REWARD_FUNCTIONS = {
+    DATA_SOURCES["reverse"]: reverse_reward,
+    DATA_SOURCES["add"]: add_reward,
+    DATA_SOURCES["calc"]: answer_match_reward,  # multi-turn: scores the model's last turn
+}
 
 
 def exact_match(completion: Any, answer: Any) -> bool:

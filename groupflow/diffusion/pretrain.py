@@ -11,7 +11,6 @@ thread the default recipe takes well under a minute.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,8 +18,7 @@ from pathlib import Path
 import torch
 
 from groupflow.diffusion.models import TinyFlowModel, save_tiny_model
-
-log = logging.getLogger("groupflow")
+from groupflow.utils.progress import Progress
 
 __all__ = ["COLORS", "synthetic_images", "pretrain_tiny_model", "flow_matching_loss"]
 
@@ -96,20 +94,20 @@ def pretrain_tiny_model(
     )
     start = time.perf_counter()
     recent: list[float] = []
-    for step in range(steps):
-        idx = torch.randint(len(labels), (batch_size,), generator=g)
-        x0 = synthetic_images([labels[i] for i in idx.tolist()], image_size, g)
-        drop = torch.rand(batch_size, generator=g) < label_dropout
-        cond = torch.where(drop, len(labels), idx)
-        loss = flow_matching_loss(model, x0, cond, g)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        recent = (recent + [float(loss.detach())])[-50:]
-        if step % 250 == 0 or step == steps - 1:
-            log.info("pretrain step %d/%d loss %.4f", step + 1, steps, sum(recent) / len(recent))
+    with Progress("pre-training the tiny flow model", steps, unit="steps") as progress:
+        for _ in range(steps):
+            idx = torch.randint(len(labels), (batch_size,), generator=g)
+            x0 = synthetic_images([labels[i] for i in idx.tolist()], image_size, g)
+            drop = torch.rand(batch_size, generator=g) < label_dropout
+            cond = torch.where(drop, len(labels), idx)
+            loss = flow_matching_loss(model, x0, cond, g)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            recent = (recent + [float(loss.detach())])[-50:]
+            progress.update(1, loss=f"{sum(recent) / len(recent):.4f}")  # mean of the last 50
     stats = {
         "pretrain/loss": sum(recent) / len(recent),
         "pretrain/seconds": time.perf_counter() - start,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from groupflow.algorithms import aggregate, loss_denominators, policy_loss
+from groupflow.algorithms import aggregate, policy_loss
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.diffusion.models import check_latents
@@ -47,7 +47,9 @@ from groupflow.distributed.parallel import (
     init_process_group,
     is_distributed,
 )
-from groupflow.workers.actor import NonFiniteLossError, loss_options, lr_lambda, worker_device
+from groupflow.utils.optim import apply_configured_hyperparameters
+from groupflow.workers.common import NonFiniteLossError, loss_options, lr_lambda, worker_device
+from groupflow.workers.update import global_denominators
 
 __all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX"]
 
@@ -361,19 +363,17 @@ class DiffusionWorker:
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         cfg = self.cfg
-        local = loss_denominators(mini["response_mask"])
-        real = int((~mini[PAD_KEY]).sum()) if PAD_KEY in mini else len(mini)
-        denominators = {
-            "num_tokens": int(all_reduce(local["num_tokens"])),
-            "num_seqs": int(all_reduce(real)),
-            "max_len": int(all_reduce(local["max_len"], op="max")),
-        }
         size = cfg.micro_batch_samples or len(mini)
+        # summed over ranks, as the actor's (local_token_mean: divided by the micro-batch count)
+        starts = range(0, len(mini), size)
+        denominators = global_denominators(
+            mini, [range(i, min(i + size, len(mini))) for i in starts]
+        )
         stats: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         with_kl = cfg.kl_coef > 0
-        for start in range(0, len(mini), size):
+        for start in starts:
             mb = mini.index(slice(start, start + size))
             mask = mb["response_mask"]
             logp, kl = self._step_terms(mb, mask, with_kl)
@@ -450,6 +450,7 @@ class DiffusionWorker:
         self.flow.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_configured_hyperparameters(self.optimizer, self.scheduler)
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
 
     @register("rank0")

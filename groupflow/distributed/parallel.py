@@ -112,9 +112,17 @@ def save_sharded_state(module: nn.Module, optimizer, path: str) -> None:
 
 
 def load_sharded_state(module: nn.Module, optimizer, path: str) -> None:
-    """Load shards written by any number of ranks into ``module``/``optimizer`` (DCP reshards)."""
+    """Load shards written by any number of ranks into ``module``/``optimizer`` (DCP reshards).
+
+    DCP unpickles its ``.metadata`` index with plain pickle; it is checked first with an allowlist
+    of DCP's own types, so a crafted index is refused instead of running code.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from groupflow.utils.safe_state import check_dcp_metadata
+
+    check_dcp_metadata(path)
 
     model_sd, optim_sd = get_state_dict(module, optimizer)
     state = {"model": model_sd, "optim": optim_sd}

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from groupflow.algorithms.masks import response_span
+
 __all__ = [
     "ModelLoadError",
     "build_tiny_llama",
@@ -234,7 +236,8 @@ def _shared_prompt_hidden(
     # index_select is differentiable: backward sums the rows' K/V gradients into their prompt.
     cache.reorder_cache(inverse)
     # The last response token predicts nothing, so the response pass stops one short of it.
-    attention = torch.cat([prompt_mask, response_mask[:, : t - 1].to(prompt_mask.dtype)], dim=1)
+    span = response_span(response_mask)[:, : t - 1].to(prompt_mask.dtype)
+    attention = torch.cat([prompt_mask, span], dim=1)
     out = decoder(
         input_ids=responses[:, : t - 1],
         attention_mask=attention,
@@ -257,6 +260,10 @@ def response_hidden_states(
 ) -> torch.Tensor:
     """Decoder states [B, T, H]: row b's state at t is the one that predicts ``responses[b, t]``.
 
+    ``response_mask`` marks actions; the attention covers every response column up to the row's
+    last action, so tokens in a gap (tool/observation tokens, mask 0) are attended and positioned
+    like any other token (``groupflow.algorithms.masks``).
+
     ``share_prompt``: True shares when ``prompt_sharing_applies``; ``"always"`` shares whenever
     the model allows it, even without repeats — for FSDP ranks, which must all make the same
     number of decoder calls and so decide together (``prompt_sharing_applies`` on every rank).
@@ -277,6 +284,6 @@ def response_hidden_states(
         if hidden is not None:
             return hidden
     input_ids = torch.cat([prompt_ids, responses], dim=1)
-    attention = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    attention = torch.cat([prompt_mask, response_span(response_mask).to(prompt_mask.dtype)], dim=1)
     p, t = prompt_ids.shape[1], responses.shape[1]
     return decoder_hidden_states(model, input_ids, attention)[:, p - 1 : p + t - 1]

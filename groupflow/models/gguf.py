@@ -33,6 +33,7 @@ from groupflow.models.causal_lm import ModelLoadError, resolve_dtype
 from groupflow.utils.packages import find_package_file
 
 __all__ = [
+    "CONVERSION_STAGES",
     "GGUFConversionError",
     "SMOLLM2_GGUF_NAME",
     "SMOLLM2_PACKAGE",
@@ -55,6 +56,14 @@ _INSTALL_HINT = (
 
 class GGUFConversionError(ModelLoadError):
     """A GGUF file is missing, unreadable, or converts to a model that does not round-trip."""
+
+
+# The stages of convert_gguf_to_hf, for progress reports: read weights, read tokenizer, copy, write.
+CONVERSION_STAGES = 4
+
+
+def _no_stage(text: str) -> None:
+    pass
 
 
 def find_smollm2_gguf() -> Path:
@@ -81,10 +90,11 @@ def _check_gguf_path(gguf_path: str | Path) -> Path:
     return path
 
 
-def load_gguf(gguf_path: str | Path, dtype: str = "float32"):
+def load_gguf(gguf_path: str | Path, dtype: str = "float32", on_stage=_no_stage):
     """(model, tokenizer) read from a GGUF file by transformers, weights dequantised to ``dtype``.
 
-    Needs the ``gguf`` package (``pip install groupflow[gguf]``).
+    Needs the ``gguf`` package (``pip install groupflow[gguf]``). ``on_stage(text)`` is called as
+    each of its two long stages starts.
     """
     path = _check_gguf_path(gguf_path)
     if importlib.util.find_spec("gguf") is None:
@@ -95,9 +105,11 @@ def load_gguf(gguf_path: str | Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": path.name, "local_files_only": True}
+    on_stage("reading the weights")
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), dtype=resolve_dtype(dtype), **kwargs
     )
+    on_stage("reading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
     return model, tokenizer
 
@@ -138,7 +150,13 @@ def _plain_copy(model, dtype: torch.dtype):
 
 
 def save_plain_hf(
-    model, tokenizer, out_dir: str | Path, dtype: str = "float32", *, overwrite: bool = False
+    model,
+    tokenizer,
+    out_dir: str | Path,
+    dtype: str = "float32",
+    *,
+    overwrite: bool = False,
+    on_stage=_no_stage,
 ) -> Path:
     """Write an already loaded (e.g. GGUF-loaded) ``model`` and ``tokenizer`` as a plain HF
     directory: safetensors weights in ``dtype``, config.json, generation_config.json, tokenizer
@@ -150,7 +168,9 @@ def save_plain_hf(
             f"output directory '{out}' already exists; pass overwrite=True (--overwrite) "
             "to replace it"
         )
+    on_stage(f"copying the weights to {dtype}")
     plain = _plain_copy(model, torch_dtype)
+    on_stage(f"writing {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
@@ -174,6 +194,7 @@ def convert_gguf_to_hf(
     dtype: str = "float32",
     *,
     overwrite: bool = False,
+    on_stage=_no_stage,
 ) -> Path:
     """Write a Hugging Face model directory (safetensors, config.json, generation_config.json,
     tokenizer files with the chat template) converted from ``gguf_path``; returns ``out_dir``.
@@ -181,7 +202,8 @@ def convert_gguf_to_hf(
     ``dtype``: float32 (default), bfloat16 or float16 — the dtype of the saved weights. An
     existing ``out_dir`` is an error unless ``overwrite`` is true. Takes about a minute for the
     SmolLM2 file on one CPU core: the ``gguf`` reader parses the 49k-token vocabulary in Python,
-    once each for the config, the weights and the tokenizer.
+    once each for the config, the weights and the tokenizer. ``on_stage(text)`` is called as each
+    of the four stages (:data:`CONVERSION_STAGES`) starts.
     """
     out = Path(out_dir).expanduser()
     resolve_dtype(dtype)
@@ -190,9 +212,9 @@ def convert_gguf_to_hf(
             f"output directory '{out}' already exists; pass overwrite=True (--overwrite) "
             "to replace it"
         )
-    model, tokenizer = load_gguf(gguf_path, dtype)
+    model, tokenizer = load_gguf(gguf_path, dtype, on_stage)
     if not getattr(tokenizer, "chat_template", None):
         log.warning("the tokenizer in %s has no chat template", gguf_path)
-    save_plain_hf(model, tokenizer, out, dtype, overwrite=overwrite)
+    save_plain_hf(model, tokenizer, out, dtype, overwrite=overwrite, on_stage=on_stage)
     log.info("converted %s to %s (%s)", gguf_path, out, dtype)
     return out

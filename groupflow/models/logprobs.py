@@ -8,8 +8,10 @@ The hidden states come from one decoder pass over [prompt | response], or — wh
 prompt, as GRPO's G samples do — from one pass over the distinct prompts whose K/V are shared by
 their rows, then one pass over the responses (``share_prompt``; exact, see
 ``causal_lm.response_hidden_states``): the prompt is encoded once per group, not G times.
-Logits are divided by the sampling temperature and never truncated by top-k/top-p (algorithms.md
-§5), matching what the rollout engine records.
+The LM head's output goes through the model's own final transform (Gemma2's soft-capping,
+Granite's logits_scaling, ...: ``models/logit_transform``), then is divided by the sampling
+temperature and never truncated by top-k/top-p (algorithms.md §5), matching what the rollout
+engine records.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from groupflow.algorithms import entropy_from_logits
 from groupflow.models.causal_lm import response_hidden_states
+from groupflow.models.logit_transform import logit_transform
 
 __all__ = ["response_logprobs"]
 
@@ -30,8 +33,10 @@ def _chunk_stats(
     targets: torch.Tensor,
     temperature: float,
     want_entropy: bool,
+    transform,
 ):
-    logits = head(hidden).float() / temperature
+    logits = head(hidden)
+    logits = (logits if transform is None else transform(logits)).float() / temperature
     logz = logits.logsumexp(-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     if not want_entropy:
@@ -62,6 +67,7 @@ def response_logprobs(
     )
     t = responses.shape[1]
     head = model.get_output_embeddings()
+    transform = logit_transform(model)
     rows = max(1, chunk_tokens // max(t, 1))
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
     logps, ents = [], []
@@ -69,10 +75,11 @@ def response_logprobs(
         h, y = hidden[start : start + rows], responses[start : start + rows]
         if use_ckpt:
             lp, ent = checkpoint(
-                _chunk_stats, head, h, y, temperature, with_entropy, use_reentrant=False
-            )
+                _chunk_stats, head, h, y, temperature, with_entropy, transform,
+                use_reentrant=False,
+            )  # fmt: skip
         else:
-            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy)
+            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy, transform)
         logps.append(lp)
         ents.append(ent)
     logp = torch.cat(logps)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from groupflow.algorithms.masks import response_span
 from groupflow.models.causal_lm import ModelLoadError, resolve_dtype, token_positions
 
 __all__ = [
@@ -86,7 +87,8 @@ def response_values(
 ) -> torch.Tensor:
     """Values [B, T] (float32) of the states before each response token; garbage where masked."""
     input_ids = torch.cat([prompt_ids, responses], dim=1)
-    attention = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=1)
+    # gaps in the mask (tool/observation tokens) are attended: see groupflow.algorithms.masks
+    attention = torch.cat([prompt_mask, response_span(response_mask).to(prompt_mask.dtype)], dim=1)
     out = model(
         input_ids=input_ids,
         attention_mask=attention,

@@ -7,15 +7,13 @@ say ``rewards: [{name: gsm8k, weight: 1.0}]``; with no rewards configured, each 
 ``data_source`` picks its reward. The trainer calls :func:`build_reward_runner`.
 """
 
-from groupflow.rewards.base import (
+from groupflow.rewards.base import RewardFn, RewardFunction, RewardResult, RewardRunner
+from groupflow.rewards.code import make_code_tests_reward
+from groupflow.rewards.errors import (
     MissingRewardFieldError,
     RewardConfigError,
     RewardError,
-    RewardFn,
-    RewardFunction,
     RewardOutputError,
-    RewardResult,
-    RewardRunner,
 )
 from groupflow.rewards.format import make_format_tags_reward
 from groupflow.rewards.length import make_length_penalty, make_overlong_penalty
@@ -48,6 +46,7 @@ __all__ = [
     "build_reward_runner",
     "data_source_rewards",
     "get_reward",
+    "make_code_tests_reward",
     "make_format_tags_reward",
     "make_gsm8k_reward",
     "make_length_penalty",

@@ -14,13 +14,15 @@ with an error naming the function.
 
 ``None`` means "no opinion": the weighted sum skips it (TRL's ``nansum``) and a sample where every
 component is ``None`` gets the failure value and is counted in ``reward/all_none``.
+
+Every call has a time limit (``timeout_s``, see :mod:`groupflow.rewards.calls`): a sample with no
+value by then gets the failure value and counts in ``reward/<name>/timeouts`` as well as in
+``failures``. Fields a function requires are checked per dataset row before training
+(:meth:`RewardRunner.missing_fields`), so a row lacking one is reported, never scored as ``None``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import functools
 import inspect
 import logging
 import math
@@ -30,30 +32,23 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from groupflow.rewards.calls import MAX_ABANDONED, CallGuard
+from groupflow.rewards.errors import (
+    MissingRewardFieldError,
+    RewardConfigError,
+    RewardError,
+    describe_callable,
+)
+from groupflow.rewards.scoring import score_component, take_rows
+
 logger = logging.getLogger("groupflow.rewards")
 
 # Field names every reward can receive; dataset fields come on top of these.
 CORE_FIELDS = ("prompts", "completions")
-
-
-class RewardError(RuntimeError):
-    """A reward function failed on every sample of a batch, or returned malformed output."""
-
-
-class RewardOutputError(RewardError, TypeError):
-    """A reward function returned the wrong number of values or a non-numeric value."""
-
-
-class RewardConfigError(ValueError):
-    """A reward is misconfigured: bad option, unknown name, missing field, unresolvable path.
-
-    Raised inside a reward function it is not isolated per sample: it stops the step, because it
-    says the configuration is wrong rather than that one sample is odd.
-    """
-
-
-class MissingRewardFieldError(RewardConfigError):
-    """A reward function requires a field that the batch does not provide."""
+# Fields the trainer supplies at scoring time, not the dataset.
+RUNTIME_FIELDS = (*CORE_FIELDS, "completion_lengths")
+# Default of ``reward.timeout_s``: generous for a remote judge scoring a whole batch, finite.
+DEFAULT_TIMEOUT_S = 300.0
 
 
 @runtime_checkable
@@ -68,14 +63,6 @@ class RewardFn(Protocol):
     def __call__(
         self, prompts: list[str], completions: list[str], **fields: list[Any]
     ) -> Sequence[float | None] | Awaitable[Sequence[float | None]]: ...
-
-
-def describe_callable(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` of a callable, for error messages."""
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    module = getattr(target, "__module__", None) or "?"
-    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
-    return f"{module}:{qualname}"
 
 
 @dataclass(frozen=True)
@@ -173,6 +160,20 @@ class RewardFunction:
                 + f"; available fields: {sorted(available)}"
             )
 
+    def missing_fields(self, row: Mapping[str, Any]) -> list[str]:
+        """Fields this function requires that one dataset row lacks or holds as ``None``.
+
+        A function may also declare ``fn.reference_fields = ("ground_truth", "answer")``: it
+        reads the first of them a row has, so a row needs at least one (reported by the first
+        name).
+        """
+        exempt = set(RUNTIME_FIELDS) | set(self.options)
+        missing = [f for f in sorted(self._params.required - exempt) if row.get(f) is None]
+        one_of = tuple(getattr(self.fn, "reference_fields", ()) or ())
+        if one_of and all(row.get(f) is None for f in one_of):
+            missing.append(" or ".join(one_of))
+        return missing
+
     def select(self, fields: Mapping[str, Any]) -> dict[str, Any]:
         """The subset of ``fields`` this function accepts, plus its fixed options."""
         if self._params.var_keyword:
@@ -184,7 +185,7 @@ class RewardFunction:
         return chosen
 
     def start(self, fields: Mapping[str, Any]) -> Any:
-        """Call ``fn`` on ``fields``; the result may be an awaitable (see :func:`resolve`)."""
+        """Call ``fn`` on ``fields``; the result may be an awaitable (awaited by the caller)."""
         return self.fn(**self.select(fields))
 
 
@@ -192,201 +193,6 @@ def _finite_float(name: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RewardConfigError(f"reward {name!r}: {key} must be a finite number, got {value!r}")
     return float(value)
-
-
-# --------------------------------------------------------------------------------------------
-# Awaiting async rewards from synchronous code
-
-
-async def _await_one(awaitable: Awaitable[Any]) -> Any:
-    return await awaitable
-
-
-async def _await_all(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
-    return await asyncio.gather(*awaitables, return_exceptions=True)
-
-
-def _run_coroutine(coro: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    # A loop already runs in this thread (Jupyter, an async trainer): asyncio.run would refuse,
-    # so run the coroutine on a fresh loop in a worker thread and block on it.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-def resolve(result: Any) -> Any:
-    """Await ``result`` if it is awaitable, from sync code, even inside a running loop."""
-    return _run_coroutine(_await_one(result)) if inspect.isawaitable(result) else result
-
-
-def resolve_many(results: Sequence[Any]) -> list[Any]:
-    """Await every awaitable in ``results`` concurrently; exceptions are returned, not raised."""
-    pending = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
-    if not pending:
-        return list(results)
-    done = _run_coroutine(_await_all([results[i] for i in pending]))
-    out = list(results)
-    for i, value in zip(pending, done):
-        if isinstance(value, BaseException) and not isinstance(value, Exception):
-            raise value  # cancellation / interrupts are not per-sample failures
-        out[i] = value
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Output validation
-
-
-def validate_output(name: str, fn: Callable[..., Any], output: Any, expected: int) -> list[Any]:
-    """Turn a reward's return value into ``list[float | None]`` (NaN/inf kept for the caller).
-
-    Raises :class:`RewardOutputError` for anything other than a flat sequence of ``expected``
-    numbers or ``None``.
-    """
-    where = f"reward {name!r} ({describe_callable(fn)})"
-    if isinstance(output, torch.Tensor) or type(output).__module__ == "numpy":
-        if getattr(output, "ndim", None) != 1:
-            raise RewardOutputError(
-                f"{where} returned a {type(output).__name__} of shape "
-                f"{tuple(getattr(output, 'shape', ()))}; expected one value per completion "
-                f"({expected})"
-            )
-        output = output.tolist()
-    if not isinstance(output, (list, tuple)):
-        raise RewardOutputError(
-            f"{where} returned {type(output).__name__} {_short(output)}; expected a list of "
-            f"{expected} floats (or None), one per completion"
-        )
-    if len(output) != expected:
-        raise RewardOutputError(
-            f"{where} returned {len(output)} values for {expected} completions: {_short(output)}"
-        )
-    values: list[Any] = []
-    for i, value in enumerate(output):
-        if value is None:
-            values.append(None)
-        elif isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-            raise RewardOutputError(
-                f"{where} returned a non-numeric value at position {i}: {value!r} "
-                f"({type(value).__name__}); expected float or None"
-            )
-        else:
-            values.append(float(value))
-    return values
-
-
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# --------------------------------------------------------------------------------------------
-# Scoring one component with failure isolation
-
-
-@dataclass
-class _Scored:
-    values: list[float | None]
-    failures: int
-
-
-def _is_bad(value: float | None) -> bool:
-    return value is not None and not math.isfinite(value)
-
-
-def _take(fields: Mapping[str, Sequence[Any]], rows: Sequence[int]) -> dict[str, list[Any]]:
-    return {k: [v[i] for i in rows] for k, v in fields.items()}
-
-
-def _call_batched(spec: RewardFunction, fields: Mapping[str, Any]) -> tuple[Any, Exception | None]:
-    """(raw batched result, None), or (None, the exception the user function raised)."""
-    try:
-        return resolve(spec.start(fields)), None
-    except RewardConfigError:
-        raise
-    except Exception as exc:  # isolated by the caller, which retries per sample
-        return None, exc
-
-
-def _call_per_sample(spec: RewardFunction, fields: Mapping[str, Sequence[Any]], size: int) -> list:
-    started: list[Any] = []
-    for i in range(size):
-        try:
-            started.append(spec.start(_take(fields, [i])))
-        except RewardConfigError:
-            raise
-        except Exception as exc:  # recorded as this sample's failure
-            started.append(exc)
-    results = resolve_many(started)
-    for r in results:
-        if isinstance(r, RewardConfigError):
-            raise r
-    return results
-
-
-def score_component(
-    spec: RewardFunction,
-    fields: Mapping[str, Sequence[Any]],
-    size: int,
-    failure_value: float,
-    sample_ids: Sequence[int] | None = None,
-) -> _Scored:
-    """Score ``size`` samples with one reward, isolating per-sample failures.
-
-    ``sample_ids`` are the samples' indices in the caller's batch (for the log line).
-    """
-    sample_ids = list(range(size)) if sample_ids is None else list(sample_ids)
-    batched, batch_error = _call_batched(spec, fields)
-    errors: list[BaseException | None] = [None] * size
-    if batch_error is not None:
-        values: list[float | None] = []
-        for i, result in enumerate(_call_per_sample(spec, fields, size)):
-            if isinstance(result, Exception):
-                values.append(None)
-                errors[i] = result
-            else:
-                values.extend(validate_output(spec.name, spec.fn, result, 1))
-        if all(e is None for e in errors):
-            logger.warning(
-                "reward %r: the batched call raised %s: %s, but every per-sample call succeeded; "
-                "the function probably mishandles batches",
-                spec.name,
-                type(batch_error).__name__,
-                batch_error,
-            )
-    else:
-        values = validate_output(spec.name, spec.fn, batched, size)
-    for i, value in enumerate(values):
-        if _is_bad(value):
-            errors[i] = ValueError(f"returned non-finite value {value}")
-    failed = [i for i, e in enumerate(errors) if e is not None]
-    if not failed:
-        return _Scored(values, 0)
-    first = errors[failed[0]]
-    if len(failed) == size:
-        raise RewardError(
-            f"reward {spec.name!r} ({describe_callable(spec.fn)}) failed on every sample "
-            f"({size}); first error (sample {sample_ids[failed[0]]}): "
-            f"{type(first).__name__}: {first}"
-        ) from first
-    logger.warning(
-        "reward %r failed on %d of %d samples (they get failure value %s); "
-        "first failure at sample %d: %s: %s",
-        spec.name,
-        len(failed),
-        size,
-        failure_value,
-        sample_ids[failed[0]],
-        type(first).__name__,
-        first,
-    )
-    logger.debug("traceback of reward %r's first failure", spec.name, exc_info=first)
-    for i in failed:
-        values[i] = failure_value
-    return _Scored(values, len(failed))
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,7 +206,7 @@ class RewardResult:
     total: [B] float32, the weighted sum of components (NaN-skipping).
     components: name -> [B] float32 unweighted values; NaN where the function returned ``None``
         (or, in data_source mode, where the sample belongs to another source).
-    metrics: ``reward/<name>/{mean,std,failures}``, ``reward/total/{mean,std}``,
+    metrics: ``reward/<name>/{mean,std,failures,timeouts}``, ``reward/total/{mean,std}``,
         ``reward/all_none``. Means/stds skip NaN and are omitted when nothing is left; std is
         the population std (0 for a single value).
     """
@@ -423,28 +229,42 @@ class RewardRunner:
     field (see :mod:`groupflow.rewards.registry`); samples of different sources can share a batch.
     """
 
-    def __init__(self, specs: Sequence[RewardFunction], failure_value: float = 0.0) -> None:
+    def __init__(
+        self,
+        specs: Sequence[RewardFunction],
+        failure_value: float = 0.0,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
         specs = list(specs)
         if not specs:
             raise RewardConfigError(
                 "RewardRunner needs at least one RewardFunction; use RewardRunner.by_data_source() "
                 "to pick rewards from each sample's data_source"
             )
-        self._init(specs, None, failure_value)
+        self._init(specs, None, failure_value, timeout_s)
 
     @classmethod
-    def by_data_source(cls, lookup: DataSourceLookup, failure_value: float = 0.0) -> RewardRunner:
+    def by_data_source(
+        cls,
+        lookup: DataSourceLookup,
+        failure_value: float = 0.0,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> RewardRunner:
         """A runner that scores each sample with the reward registered for its ``data_source``.
 
         ``lookup(sources)`` returns ``{source: RewardFunction}`` for the batch's distinct
         sources and raises a :class:`RewardConfigError` subclass naming any unknown ones.
         """
         runner = cls.__new__(cls)
-        runner._init([], lookup, failure_value)
+        runner._init([], lookup, failure_value, timeout_s)
         return runner
 
     def _init(
-        self, specs: list[RewardFunction], lookup: DataSourceLookup | None, failure_value: float
+        self,
+        specs: list[RewardFunction],
+        lookup: DataSourceLookup | None,
+        failure_value: float,
+        timeout_s: float | None,
     ) -> None:
         for spec in specs:
             if not isinstance(spec, RewardFunction):
@@ -466,6 +286,10 @@ class RewardRunner:
             )
         self.failure_value = float(failure_value)
         self._lookup = lookup
+        try:
+            self.guard = CallGuard(timeout_s)
+        except ValueError as exc:
+            raise RewardConfigError(f"RewardRunner: {exc}") from None
 
     @property
     def dispatch_by_data_source(self) -> bool:
@@ -481,6 +305,21 @@ class RewardRunner:
             )
         for spec in self.specs:
             spec.check_fields(available)
+
+    def missing_fields(self, row: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """``(field, reason)`` for every field a reward that scores this dataset row needs but
+        the row lacks (or holds as ``None``); raises for a ``data_source`` with no reward."""
+        if self._lookup is None:
+            specs = self.specs
+        elif row.get("data_source") is None:
+            return [("data_source", "rewards are chosen by data_source, but this row has none")]
+        else:
+            specs = [self._lookup([row["data_source"]])[row["data_source"]]]
+        return [
+            (f.split(" or ")[0], f"reward {spec.name!r} needs field {f!r}, which this row lacks")
+            for spec in specs
+            for f in spec.missing_fields(row)
+        ]
 
     def __call__(
         self, prompts: Sequence[str], completions: Sequence[str], **fields: Sequence[Any]
@@ -498,13 +337,15 @@ class RewardRunner:
         for spec, rows in groups:
             spec.check_fields(batch)
             failure = self.failure_value if spec.failure_value is None else spec.failure_value
-            fields_subset = batch if len(rows) == size else _take(batch, rows)
-            scored = score_component(spec, fields_subset, len(rows), failure, rows)
+            fields_subset = batch if len(rows) == size else take_rows(batch, rows)
+            scored = score_component(spec, fields_subset, len(rows), failure, rows, self.guard)
             column = torch.full((size,), float("nan"), dtype=torch.float32)
             column[rows] = _to_tensor(scored.values)
             components[spec.name] = column
             metrics.update(_summary(f"reward/{spec.name}", column))
             metrics[f"reward/{spec.name}/failures"] = float(scored.failures)
+            metrics[f"reward/{spec.name}/timeouts"] = float(scored.timeouts)
+        self._check_abandoned()
         weights = {spec.name: spec.weight for spec, _ in groups}
         total, all_none = _weighted_sum(components, weights, size, self.failure_value)
         if all_none.any():
@@ -519,6 +360,24 @@ class RewardRunner:
         metrics.update(_summary("reward/total", total))
         metrics["reward/all_none"] = float(all_none.sum())
         return RewardResult(total=total, components=components, metrics=metrics)
+
+    def _check_abandoned(self) -> None:
+        stuck = self.guard.abandoned()
+        if stuck:
+            logger.warning(
+                "%d timed-out reward call(s) still running in background threads (%s); they "
+                "cannot be stopped and their results are dropped",
+                len(stuck),
+                ", ".join(sorted(set(stuck))),
+            )
+        if len(stuck) >= MAX_ABANDONED:
+            raise RewardError(
+                f"{len(stuck)} timed-out calls of reward(s) {sorted(set(stuck))} are still running "
+                f"after reward.timeout_s={self.guard.timeout_s:g} s; a sync reward cannot be "
+                "stopped once started, so the run stops before they pile up. Fix the function "
+                "(or make it async: async calls are cancelled at the deadline), or raise "
+                "reward.timeout_s if it is only slow"
+            )
 
     def _plan(self, batch: Mapping[str, Any], size: int) -> list[tuple[RewardFunction, list[int]]]:
         """(reward, sample rows) pairs: every reward on every row, or rows grouped by source."""

@@ -55,13 +55,27 @@ def _to_decimal(match: re.Match[str]) -> Decimal:
     return -Decimal(text) if match.group("sign") else Decimal(text)
 
 
-def parse_gsm8k_reference(ground_truth: str) -> Decimal:
+def reference_text(value: Any, reward: str) -> str:
+    """A reference answer as text: strings as they are; numbers (a parquet int or float column)
+    as they are written, an integral float without its ".0" (72.0 -> "72")."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{reward} ground truth must be a string or a number, got {type(value).__name__}"
+        )
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def parse_gsm8k_reference(ground_truth: str | float) -> Decimal:
     """The reference number: the text after the last ``####`` (or all of it), normalised.
 
-    Normalisation removes ``,``, ``$``, surrounding spaces and a trailing ``.``.
+    Normalisation removes ``,``, ``$``, surrounding spaces and a trailing ``.``. A number is
+    taken as its value.
     """
-    if not isinstance(ground_truth, str):
-        raise TypeError(f"GSM8K ground truth must be a string, got {type(ground_truth).__name__}")
+    ground_truth = reference_text(ground_truth, "GSM8K")
     text = ground_truth.rsplit("####", 1)[-1]
     text = text.replace(",", "").replace("$", "").strip().rstrip(".").strip()
     try:
@@ -109,14 +123,15 @@ def gsm8k_score(
 
 
 def _pick_reference_field(reward: str, fields: dict[str, Any], names: Sequence[str]) -> list[Any]:
-    for name in names:
-        if name in fields:
-            return fields[name]
-    raise RewardConfigError(
-        f"reward {reward!r} reads the reference answer from field "
-        + " or ".join(repr(n) for n in names)
-        + f", but the batch has neither; available fields: {sorted(fields)}"
-    )
+    """Each sample's reference: the first of ``names`` it has a (non-None) value for."""
+    present = [fields[n] for n in names if n in fields]
+    if not present:
+        raise RewardConfigError(
+            f"reward {reward!r} reads the reference answer from field "
+            + " or ".join(repr(n) for n in names)
+            + f", but the batch has neither; available fields: {sorted(fields)}"
+        )
+    return [next((v for v in column if v is not None), None) for column in zip(*present)]
 
 
 def _check_score(reward: str, key: str, value: Any) -> float:
@@ -141,6 +156,7 @@ def make_gsm8k_reward(
             for c, r in zip(completions, references)
         ]
 
+    gsm8k.reference_fields = ("ground_truth", "answer")  # a row needs one (checked at load)
     return gsm8k
 
 
@@ -284,8 +300,7 @@ def math_boxed_score(
     """``correct_score`` if the last boxed answer matches, ``format_score`` if there is a boxed
     answer that does not, 0.0 if there is none. A ground truth containing ``\\boxed{}`` (a full
     MATH solution) is reduced to its last boxed content first."""
-    if not isinstance(ground_truth, str):
-        raise TypeError(f"MATH ground truth must be a string, got {type(ground_truth).__name__}")
+    ground_truth = reference_text(ground_truth, "MATH")
     reference = last_boxed(ground_truth) if _BOXED.search(ground_truth) else ground_truth
     if reference is None or not reference.strip():
         raise ValueError(f"MATH ground truth {ground_truth!r} has no usable answer")
@@ -330,4 +345,5 @@ def make_math_boxed_reward(
             for c, r in zip(completions, references)
         ]
 
+    math_boxed.reference_fields = ("ground_truth", "answer", "solution")
     return math_boxed

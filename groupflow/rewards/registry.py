@@ -9,7 +9,8 @@ configured, each sample is scored by the reward registered for its ``data_source
 ``default_compute_score`` behaviour); :func:`register_data_source` adds sources.
 
 Defaults: ``openai/gsm8k`` uses ``gsm8k`` in strict mode (verl's default, so scores compare with
-verl's); the MATH sources in :data:`MATH_DATA_SOURCES` use ``math_boxed``.
+verl's); the MATH sources in :data:`MATH_DATA_SOURCES` use ``math_boxed``; the code sources in
+:data:`CODE_DATA_SOURCES` (verl's ``prime_code`` sources) use ``code_tests``.
 """
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from groupflow.rewards.base import (
+    DEFAULT_TIMEOUT_S,
     RewardConfigError,
     RewardFunction,
     RewardRunner,
     describe_callable,
 )
+from groupflow.rewards.code import make_code_tests_reward
 from groupflow.rewards.format import make_format_tags_reward
 from groupflow.rewards.length import make_length_penalty, make_overlong_penalty
 from groupflow.rewards.math import make_gsm8k_reward, make_math_boxed_reward
+from groupflow.rewards.trajectory import make_env_reward, make_tool_use_reward
 
 RewardFactory = Callable[..., Callable[..., Any]]
 
@@ -39,6 +43,9 @@ _BUILTINS: dict[str, RewardFactory] = {
     "format_tags": make_format_tags_reward,
     "overlong_penalty": make_overlong_penalty,
     "length_penalty": make_length_penalty,
+    "code_tests": make_code_tests_reward,
+    "env_reward": make_env_reward,  # multi-turn: the environment's per-turn rewards, reduced
+    "tool_use": make_tool_use_reward,  # multi-turn: did the sample call a tool
 }
 
 SPEC_KEYS = ("name", "function", "label", "weight", "kwargs", "failure_value")
@@ -51,6 +58,9 @@ MATH_DATA_SOURCES = (
     "EleutherAI/hendrycks_math",
     "hendrycks/competition_math",
 )
+
+# verl scores these with prime_code (pass fraction of test cases in reward_model.ground_truth).
+CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 
 
 class UnknownRewardError(RewardConfigError):
@@ -218,11 +228,18 @@ def make_reward_function(spec: Any, where: str = "reward") -> RewardFunction:
     return RewardFunction(entry.get("label") or entry["name"], fn, weight, failure_value)
 
 
-def build_reward_runner(specs: Sequence[Any] | None, failure_value: float = 0.0) -> RewardRunner:
+def build_reward_runner(
+    specs: Sequence[Any] | None,
+    failure_value: float = 0.0,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> RewardRunner:
     """The trainer's entry point: a runner for the configured rewards, or, when ``specs`` is
-    None or empty, one that picks each sample's reward from its ``data_source``."""
+    None or empty, one that picks each sample's reward from its ``data_source``. ``timeout_s``
+    limits every call (None: no limit)."""
     if not specs:
-        return RewardRunner.by_data_source(data_source_rewards, failure_value=failure_value)
+        return RewardRunner.by_data_source(
+            data_source_rewards, failure_value=failure_value, timeout_s=timeout_s
+        )
     if isinstance(specs, (str, Mapping)):
         raise RewardConfigError(
             f"rewards must be a list of mappings like [{{name: gsm8k, weight: 1.0}}], "
@@ -243,7 +260,7 @@ def build_reward_runner(specs: Sequence[Any] | None, failure_value: float = 0.0)
             f"rewards: component names must be unique, {repeated} appear more than once; "
             "give each a distinct label:"
         )
-    return RewardRunner(functions, failure_value=failure_value)
+    return RewardRunner(functions, failure_value=failure_value, timeout_s=timeout_s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,7 +348,10 @@ for _source in GSM8K_DATA_SOURCES:
     register_data_source(_source, "gsm8k")
 for _source in MATH_DATA_SOURCES:
     register_data_source(_source, "math_boxed")
+for _source in CODE_DATA_SOURCES:
+    register_data_source(_source, "code_tests")
 
 # The built-in synthetic tasks (groupflow.data.synthetic) score by exact match with partial credit.
 register_data_source("groupflow/reverse", "groupflow.data.synthetic:reverse_reward", name="reverse")
 register_data_source("groupflow/add", "groupflow.data.synthetic:add_reward", name="add")
+register_data_source("groupflow/calc", "groupflow.data.synthetic:answer_match_reward", name="calc")

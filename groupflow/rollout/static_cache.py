@@ -6,7 +6,8 @@ forward rebuilds attention masks and position embeddings through several layers 
 per step. For the small and mid-sized models groupflow runs on CPUs that plumbing costs as much as
 the math. This module keeps HF's own modules for all of the math — embeddings, norms, the
 q/k/v/o projections (biases included), Qwen3's q/k norms, the rotary embedding and the MLP — so
-weights and numerics stay the model's, and replaces only the plumbing: K/V live in buffers sized
+weights and numerics stay the model's (the LM head's output goes through the model's final logit
+transform, ``models/logit_transform``), and replaces only the plumbing: K/V live in buffers sized
 prompt + max_new_tokens, written in place, and attention reads the filled prefix.
 
 Only architectures whose decoder layer is exactly "pre-norm attention + pre-norm MLP with full
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from groupflow.models.causal_lm import full_attention_only
+from groupflow.models.logit_transform import lm_logits
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "StaticDecoder", "unsupported_reason"]
 
@@ -135,4 +137,4 @@ class StaticDecoder:
             )
             x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.lm_head(inner.norm(x))[:, 0]
+        return lm_logits(self.model, inner.norm(x), self.model.lm_head)[:, 0]

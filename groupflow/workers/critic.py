@@ -36,16 +36,15 @@ from groupflow.models.value import (
     value_model_from_config,
     value_model_from_policy,
 )
-from groupflow.workers.actor import (
-    ModelSpec,
-    _combine_steps,
-    _drop_padding,
-    _lengths,
-    _trim,
+from groupflow.utils.optim import apply_configured_hyperparameters
+from groupflow.workers.common import ModelSpec, lr_lambda, worker_device
+from groupflow.workers.update import (
+    combine_steps,
+    drop_padding,
     global_denominators,
-    lr_lambda,
     micro_batches,
-    worker_device,
+    row_widths,
+    trim,
 )
 
 __all__ = ["CriticWorker", "CriticSpec"]
@@ -147,14 +146,14 @@ class CriticWorker:
         self.critic.eval()
         out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
         groups = micro_batches(
-            _lengths(batch), self.cfg.micro_batch_samples, self.cfg.micro_batch_tokens
+            row_widths(batch), self.cfg.micro_batch_samples, self.cfg.micro_batch_tokens
         )
         # Through the FSDP root (it gathers the shards), so every rank runs the same number of
         # forwards: a rank with fewer micro-batches repeats its last one and discards it.
         n_micro = int(all_reduce(len(groups), op="max"))
         for i in range(n_micro):
             idx = groups[min(i, len(groups) - 1)]
-            mb = _trim(batch.index(idx))
+            mb = trim(batch.index(idx))
             v = self.critic(
                 mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
             )
@@ -176,7 +175,7 @@ class CriticWorker:
                 raise KeyError(
                     f"update_critic needs '{key}' in the batch; keys: {sorted(batch.keys())}"
                 )
-        batch = _drop_padding(batch.to(self.device))
+        batch = drop_padding(batch.to(self.device))
         self.critic.train()
         n = len(batch)
         mb_size = max(1, (cfg.mini_batch_samples or n * self.world_size) // self.world_size)
@@ -188,21 +187,21 @@ class CriticWorker:
             for start in range(0, n, mb_size):
                 steps.append(self._optimizer_step(batch.index(order[start : start + mb_size])))
         self.scheduler.step()
-        metrics = _combine_steps(steps)
+        metrics = combine_steps(steps)
         metrics["critic/lr"] = lr
         return metrics
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         cfg = self.cfg
-        dens = global_denominators(mini)
-        groups = micro_batches(_lengths(mini), cfg.micro_batch_samples, cfg.micro_batch_tokens)
+        groups = micro_batches(row_widths(mini), cfg.micro_batch_samples, cfg.micro_batch_tokens)
+        dens = global_denominators(mini, groups)
         # Same number of forward/backward passes on every rank (FSDP collectives); extra passes
         # repeat the last micro-batch with a zero mask.
         n_micro = int(all_reduce(len(groups), op="max"))
         self.optimizer.zero_grad(set_to_none=True)
         total, clipfrac, vpred = 0.0, 0.0, 0.0
         for i in range(n_micro):
-            mb = _trim(mini.index(groups[min(i, len(groups) - 1)]))
+            mb = trim(mini.index(groups[min(i, len(groups) - 1)]))
             mask = mb["response_mask"] if i < len(groups) else torch.zeros_like(mb["response_mask"])
             v = self.critic(
                 mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
@@ -270,6 +269,7 @@ class CriticWorker:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_configured_hyperparameters(self.optimizer, self.scheduler)
 
     @register("rank0")
     def train_state(self) -> dict:
@@ -284,6 +284,7 @@ class CriticWorker:
         load_sharded_state(self.critic, self.optimizer, path)
         if train_state:
             self.scheduler.load_state_dict(train_state["scheduler"])
+            apply_configured_hyperparameters(self.optimizer, self.scheduler)
 
     @register("rank0")
     def save_pretrained(self, out_dir: str) -> None:

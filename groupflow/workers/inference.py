@@ -17,8 +17,10 @@ import torch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import register
+from groupflow.rollout.batching import generate_batch
 from groupflow.rollout.hf import SamplingParams
-from groupflow.workers.actor import ModelSpec, batch_logprobs, generate_batch, worker_device
+from groupflow.workers.common import ModelSpec, worker_device
+from groupflow.workers.update import batch_logprobs
 
 __all__ = ["InferenceWorker"]
 

@@ -104,7 +104,7 @@ class RewardModelWorker:
     ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from groupflow.workers.actor import worker_device
+        from groupflow.workers.common import worker_device
 
         check_reward_model_path(cfg)
         init_process_group(rank, world_size, pg_timeout_s)
@@ -179,6 +179,9 @@ class ModelRewardRunner:
     def check_fields(self, available) -> None:
         if self.rules is not None:
             self.rules.check_fields(available)
+
+    def missing_fields(self, row) -> list[tuple[str, str]]:
+        return [] if self.rules is None else self.rules.missing_fields(row)
 
     def __call__(
         self, prompts: Sequence[str], completions: Sequence[str], **fields

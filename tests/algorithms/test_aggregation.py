@@ -35,6 +35,8 @@ def test_seq_mean_token_sum_norm_local_defaults():
 
 def test_local_token_mean():
     assert value("local_token_mean") == pytest.approx(7 / 3)
+    # TRL bnpo: each micro-batch's token mean / the number of accumulation steps (x ranks)
+    assert value("local_token_mean", num_micro_batches=4) == pytest.approx(7 / 12)
 
 
 def test_global_denominators_are_used():
@@ -43,6 +45,9 @@ def test_global_denominators_are_used():
     assert value("seq_mean_token_mean", **dens) == pytest.approx(5.5 / 4)
     assert value("seq_mean_token_sum_norm", **dens) == pytest.approx(7 / 20)
     assert value("local_token_mean", **dens) == pytest.approx(7 / 3)  # ignores them
+    # ... and the others ignore the micro-batch count
+    for mode, expected in (("token_mean", 0.7), ("seq_mean_token_mean", 5.5 / 4)):
+        assert value(mode, **dens, num_micro_batches=3) == pytest.approx(expected)
 
 
 def test_tensor_denominators():
@@ -76,9 +81,26 @@ def test_no_nan_gradient_through_masked_infinities():
 
 
 def test_loss_denominators_single_and_list():
-    assert loss_denominators(MASK) == {"num_tokens": 3, "num_seqs": 3, "max_len": 3}
+    assert loss_denominators(MASK) == {
+        "num_tokens": 3, "num_seqs": 3, "max_len": 3, "num_micro_batches": 1,
+    }  # fmt: skip
     masks = [torch.ones(2, 4), torch.tensor([[1, 1, 0, 0, 0, 0]])]
-    assert loss_denominators(masks) == {"num_tokens": 10, "num_seqs": 3, "max_len": 6}
+    assert loss_denominators(masks) == {
+        "num_tokens": 10, "num_seqs": 3, "max_len": 6, "num_micro_batches": 2,
+    }  # fmt: skip
+
+
+def test_a_registered_mode_without_the_micro_batch_count_still_works():
+    from groupflow.algorithms import register_aggregation
+
+    @register_aggregation("test_sum_over_seqs")
+    def sum_over_seqs(masked, mask, *, num_tokens, num_seqs, max_len):
+        return masked.sum() / num_seqs
+
+    try:
+        assert value("test_sum_over_seqs", num_micro_batches=2) == pytest.approx(7 / 3)
+    finally:
+        AGGREGATIONS.unregister("test_sum_over_seqs")
 
 
 def test_unknown_mode_lists_valid():
@@ -101,5 +123,7 @@ def test_bad_shapes_and_denominators():
         aggregate(torch.zeros(3), torch.ones(3), "token_mean")
     with pytest.raises(ValueError, match="num_tokens"):
         aggregate(torch.zeros(2, 3), torch.ones(2, 3), "token_mean", num_tokens=-1)
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        aggregate(torch.zeros(2, 3), torch.ones(2, 3), "local_token_mean", num_micro_batches=-1)
     with pytest.raises(ValueError, match="at least one"):
         loss_denominators([])

@@ -7,6 +7,7 @@ from groupflow.algorithms import (
     KL_ESTIMATORS,
     UnknownNameError,
     entropy_from_logits,
+    importance_weighted_kl,
     kl_penalty,
 )
 
@@ -65,6 +66,56 @@ def test_unknown_kind_lists_valid():
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="same shape"):
         kl_penalty(LOGP, REF[:, :2], "k1")
+
+
+OLD = torch.tensor([[-1.2, -2.0, -0.4]])  # log-ratio logp - old = [0.2, 0, -0.1]
+
+
+def test_k3_times_the_token_ratio_trl_bias_correction():
+    logp = LOGP.clone().requires_grad_(True)
+    out = importance_weighted_kl(kl_penalty(logp, REF, "k3"), logp, OLD, torch.ones(1, 3))
+    # e^0.2 (e^-0.5 + 0.5 - 1) = 0.13011684;  e^-0.1 (e^1 - 2) = 0.64992828
+    expected = [math.exp(0.2) * (math.exp(-0.5) - 0.5), 0.0, math.exp(-0.1) * (math.e - 2)]
+    torch.testing.assert_close(out.detach(), torch.tensor([expected]))
+    torch.testing.assert_close(out.detach(), torch.tensor([[0.13011684, 0.0, 0.64992828]]))
+    # the ratio carries gradient: d(rho k3)/dlogp = rho (k3 + 1 - e^delta) = rho (logp - ref)
+    out.sum().backward()
+    rho = torch.tensor([[math.exp(0.2), 1.0, math.exp(-0.1)]])
+    torch.testing.assert_close(logp.grad, rho * (LOGP - REF))
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.61070138, 0.0, -0.90483742]]))
+
+
+def test_on_policy_the_correction_adds_the_score_function_term():
+    logp = LOGP.clone().requires_grad_(True)
+    k3 = kl_penalty(logp, REF, "k3")
+    out = importance_weighted_kl(k3, logp, logp.detach(), torch.ones(1, 3))
+    torch.testing.assert_close(out, k3)  # rho = 1: same value ...
+    out.sum().backward()
+    # ... but gradient (1 - e^delta) + k3 = logp - ref instead of the plain 1 - e^delta
+    torch.testing.assert_close(logp.grad, LOGP - REF)
+
+
+def test_k3_times_the_sequence_ratio():
+    logp = LOGP.clone().requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0]])  # mean log-ratio over the valid tokens: (0.2 + 0) / 2
+    out = importance_weighted_kl(
+        kl_penalty(logp, REF, "k3"), logp, OLD, mask, ratio_level="sequence"
+    )
+    rho = math.exp(0.1)
+    k3 = [math.exp(-0.5) - 0.5, 0.0]
+    torch.testing.assert_close(out.detach()[0, :2], torch.tensor([rho * k3[0], 0.0]))
+    (out * mask).sum().backward()
+    # d/dlogp_t sum_s rho k3_s = rho (1 - e^delta_t) + rho * sum_s k3_s / 2, for valid t
+    expected = [rho * (1 - math.exp(-0.5)) + rho * k3[0] / 2, rho * k3[0] / 2, 0.0]
+    torch.testing.assert_close(logp.grad, torch.tensor([expected]))
+
+
+def test_bias_correction_bad_input():
+    k3 = kl_penalty(LOGP, REF, "k3")
+    with pytest.raises(ValueError, match="unknown ratio_level 'seq'"):
+        importance_weighted_kl(k3, LOGP, OLD, torch.ones(1, 3), ratio_level="seq")
+    with pytest.raises(ValueError, match="old_logprobs must be a tensor shaped like kl"):
+        importance_weighted_kl(k3, LOGP, OLD[:, :2], torch.ones(1, 3))
 
 
 def test_entropy_hand_computed():

@@ -83,7 +83,7 @@ def allreduce(dens_per_rank):
 def test_gradient_invariant_to_micro_batches_and_ranks(mode):
     w0, batch = make_batch()
     dens = loss_denominators(batch["mask"])
-    assert dens == {"num_tokens": sum(LENGTHS), "num_seqs": B, "max_len": T}
+    assert dens == {"num_tokens": sum(LENGTHS), "num_seqs": B, "max_len": T, "num_micro_batches": 1}
     full = grad_of(w0, [batch], mode, dens)
     assert full.abs().sum() > 0
     logp = logprobs_from_logits(batch["feats"] @ w0.T, batch["tokens"])
@@ -109,15 +109,42 @@ def test_gradient_invariant_to_micro_batches_and_ranks(mode):
 
 def test_local_token_mean_is_not_invariant():
     w0, batch = make_batch()
-    dens = loss_denominators(batch["mask"])
-    full = grad_of(w0, [batch], "local_token_mean", dens)
+    full = grad_of(w0, [batch], "local_token_mean", loss_denominators(batch["mask"]))
     pieces = micro_batches(batch, chunks(2))
-    summed = grad_of(w0, pieces, "local_token_mean", dens)
-    averaged = grad_of(w0, pieces, "local_token_mean", dens, scale=0.5)
-    # Neither summing nor averaging per-micro-batch token means recovers the full-batch gradient:
-    # the samples of the shorter micro-batch get more weight per token.
-    assert (summed - full).abs().max() > 1e-3
+    averaged = grad_of(
+        w0, pieces, "local_token_mean", loss_denominators([p["mask"] for p in pieces])
+    )
+    # Averaging per-micro-batch token means does not recover the full-batch gradient: the
+    # samples of the shorter micro-batch get more weight per token.
     assert (averaged - full).abs().max() > 1e-3
+
+
+def test_local_token_mean_is_the_mean_of_micro_batch_token_means_trl_bnpo():
+    """TRL's bnpo, by hand: each micro-batch's token mean / gradient-accumulation steps, averaged
+    over ranks (DDP). With the micro-batch count as denominator the gradient keeps its scale."""
+    w0, batch = make_batch()
+    for n in (1, 2, 4):
+        pieces = micro_batches(batch, chunks(n))
+        by_hand = sum(grad_of(w0, [p], "local_token_mean", {}) for p in pieces) / n
+        dens = loss_denominators([p["mask"] for p in pieces])
+        assert dens["num_micro_batches"] == n
+        torch.testing.assert_close(grad_of(w0, pieces, "local_token_mean", dens), by_hand)
+    # two ranks with two micro-batches each: the counts are summed, DDP averages (x world size)
+    ranks = [micro_batches(batch, list(half.chunk(2))) for half in torch.arange(B).chunk(2)]
+    per_rank = [loss_denominators([p["mask"] for p in rank]) for rank in ranks]
+    dens = {
+        **allreduce(per_rank),
+        "num_micro_batches": sum(d["num_micro_batches"] for d in per_rank),
+    }
+    ddp = sum(grad_of(w0, rank, "local_token_mean", dens, scale=2.0) for rank in ranks) / 2
+    trl = sum(sum(grad_of(w0, [p], "local_token_mean", {}) for p in rank) / 2 for rank in ranks) / 2
+    torch.testing.assert_close(ddp, trl)
+    # the gradient does not grow with the number of micro-batches (it did when they were summed)
+    one = grad_of(w0, [batch], "local_token_mean", {}).norm()
+    four = grad_of(
+        w0, micro_batches(batch, chunks(4)), "local_token_mean", {"num_micro_batches": 4}
+    )
+    assert 0.5 < float(four.norm() / one) < 2.0
 
 
 def test_local_denominators_are_not_invariant_either():

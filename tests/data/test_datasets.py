@@ -10,6 +10,7 @@ import pytest
 from groupflow.data.datasets import (
     DataError,
     PromptRow,
+    check_row_fields,
     filter_overlong,
     load_prompt_rows,
     normalize_row,
@@ -295,3 +296,56 @@ def test_filter_overlong_error_mode_and_bad_options(tok):
         filter_overlong(rows, tok, 0)
     with pytest.raises(TypeError, match="int"):
         filter_overlong(rows, tok, 4.5)
+
+
+# ----- whole-number floats ----------------------------------------------------------------------
+
+
+def test_whole_number_floats_reach_rewards_as_ints_with_a_warning(tmp_path, caplog):
+    # pandas writes an int column with a missing value as float64: 654321 became 654321.0
+    rows = [
+        {"prompt": "reverse 123456", "answer": 654321.0, "weight": 0.5, "reward_model": None},
+        {"prompt": "reverse 000012", "answer": 210000.0, "weight": 2.0, "reward_model": None},
+        {"prompt": "x", "answer": None, "weight": None, "reward_model": {"ground_truth": 7.0}},
+    ]
+    path = write_parquet(tmp_path / "floats.parquet", rows)
+    with caplog.at_level(logging.WARNING):
+        ds = load_prompt_rows(path)
+    answers = [r.fields["answer"] for r in ds]
+    assert answers == [654321, 210000, None] and isinstance(answers[0], int)
+    assert str(answers[0]) == "654321"  # what a text-comparing reward sees, not "654321.0"
+    assert [r.fields["weight"] for r in ds][:2] == [0.5, 2]  # a real float stays a float
+    assert ds[2].fields["ground_truth"] == 7 and ds[2].fields["reward_model"]["ground_truth"] == 7
+    warnings = [
+        r.getMessage() for r in caplog.records if "whole numbers stored as floats" in r.message
+    ]
+    assert any(
+        "floats.parquet: column 'answer'" in w and "2 row(s) (e.g. 654321.0)" in w for w in warnings
+    )
+    assert any("column 'weight'" in w and "1 row(s)" in w for w in warnings)
+    assert len(warnings) == 3  # one per column: answer, weight, ground_truth
+
+
+# ----- fields a consumer needs, per row ------------------------------------------------------------
+
+
+def _needs_answer(fields):
+    return (
+        [] if fields.get("answer") is not None else [("answer", "reward 'r' needs field 'answer'")]
+    )
+
+
+def test_a_row_missing_a_needed_field_is_an_error_naming_file_row_and_field(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    rows = list(load_prompt_rows(path))
+    with pytest.raises(DataError, match=r"d\.jsonl, row 1, field 'answer': reward 'r' needs field"):
+        check_row_fields(rows, _needs_answer)
+
+
+def test_rows_missing_a_needed_field_are_skipped_and_counted(tmp_path, caplog):
+    rows = list(load_prompt_rows([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]))
+    kept, skipped = check_row_fields(rows, _needs_answer, on_bad_row="skip", split="validation")
+    assert [r.index for r in kept] == [0] and skipped == 1
+    assert "validation data: skipped 1 row(s) lacking a field" in caplog.text
+    with pytest.raises(DataError, match="no train rows left: all 1 lack"):
+        check_row_fields(rows[1:], _needs_answer, on_bad_row="skip")

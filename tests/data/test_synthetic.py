@@ -120,3 +120,9 @@ def test_sft_pairs_use_train_rows_only():
     assert list(sft_pairs(load_prompt_rows(train))) == [(r["prompt"], r["answer"]) for r in train]
     with pytest.raises(ValueError, match="row 0 has split='heldout'"):
         list(sft_pairs(heldout))
+
+
+def test_a_missing_answer_is_an_error_not_the_text_none():
+    # str(None) == "None": a completion "None" used to score as an exact match
+    with pytest.raises(ValueError, match="the row has no answer"):
+        reverse_reward(["p"], ["None"], answer=[None])

@@ -126,8 +126,8 @@ def test_hash_prompt_encoder_is_deterministic_and_prompt_specific():
 def test_worker_trains_a_video_transformer(tmp_path):
     from groupflow.algorithms import compute_advantages
     from groupflow.config import ActorConfig
-    from groupflow.diffusion.policy import save_image_grid
     from groupflow.diffusion.worker import DiffusionSettings, DiffusionWorker, prompt_rows
+    from groupflow.workflows.diffusion import save_image_grid
 
     torch.set_num_threads(1)
     model = load_diffusers_model(_wan(tmp_path), "wan", (4, 3, 8, 8))

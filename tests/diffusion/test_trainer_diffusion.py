@@ -127,8 +127,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_dir, prompts_file, tmp_pat
     b = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
     for key in ("reward/mean", "actor/grad_norm", "val/reward/mean", "actor/lr"):
         assert a[key] == b[key], key
-    wa = full.actor.state_dict()["model"]
-    wb = resumed.actor.state_dict()["model"]
+    wa = full.policy.actor.state_dict()["model"]
+    wb = resumed.policy.actor.state_dict()["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -138,8 +138,8 @@ def test_shuffle_advantages_permutes_them(tiny_dir, prompts_file, tmp_path):
     )
     batch, _ = trainer.collect(0)
     plain = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "plain"}))
-    shuffled = trainer.add_advantages(batch.copy())["advantages"]
-    reference = plain.add_advantages(batch.copy())["advantages"]
+    shuffled = trainer.credit(batch.copy(), 0)["advantages"]
+    reference = plain.credit(batch.copy(), 0)["advantages"]
     assert not torch.equal(shuffled, reference)
     assert torch.equal(shuffled.sort().values, reference.sort().values)
 

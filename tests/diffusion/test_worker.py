@@ -75,6 +75,30 @@ def test_first_on_policy_ratio_is_exactly_one_and_kl_is_zero(extra):
     assert m["actor/grad_norm"] > 0
 
 
+def _grads_of_update(w, batch):
+    seen = []
+    w.optimizer.step = lambda *a, **k: seen.append([p.grad.clone() for p in w.flow.parameters()])
+    w.update(batch)
+    return seen[0]
+
+
+def test_local_token_mean_is_the_mean_of_micro_batch_token_means():
+    """TRL's bnpo: each micro-batch's token mean over the number of micro-batches (the sum made
+    the gradient grow with their count)."""
+    rollout = _rollout(_worker())
+    b = _inputs(rollout)
+    b["old_logprobs"] = rollout["rollout_logprobs"] - 0.01  # off-policy: ratios away from 1
+    split = _grads_of_update(_worker(loss_agg="local_token_mean", micro_batch_samples=2), b)
+    pieces = [
+        _grads_of_update(_worker(loss_agg="local_token_mean"), b.index(list(range(i, i + 2))))
+        for i in (0, 2, 4)
+    ]
+    for k, g in enumerate(split):
+        expected = sum(piece[k] for piece in pieces) / 3
+        torch.testing.assert_close(g, expected, rtol=1e-4, atol=1e-7)
+    assert sum(float(g.abs().sum()) for g in split) > 0
+
+
 def test_update_moves_the_policy_and_then_the_kl_is_positive():
     w = _worker(kl_coef=0.1, lr=1e-2)
     before = [p.detach().clone() for p in w.flow.parameters()]

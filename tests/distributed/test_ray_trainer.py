@@ -123,7 +123,7 @@ def test_a_dead_worker_stops_the_run_with_a_clear_error_and_resume_continues(tmp
     )
     trainer.fit()
     trainer.cfg.run.total_steps = 4
-    ray.kill(trainer.actor._hosts[1])  # the rank-1 process dies
+    ray.kill(trainer.policy.actor._hosts[1])  # the rank-1 process dies
     with pytest.raises(
         WorkerError, match=r"ActorRolloutWorker rank 1: \w+\(\) failed: the worker process died"
     ):

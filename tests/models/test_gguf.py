@@ -187,7 +187,7 @@ def test_convert_in_bfloat16(smollm2, tmp_path, monkeypatch):
 
     gguf_model, tokenizer, _ = smollm2
     # reuse the session's loaded model instead of parsing the GGUF file for another minute
-    monkeypatch.setattr(gguf_mod, "load_gguf", lambda path, dtype: (gguf_model, tokenizer))
+    monkeypatch.setattr(gguf_mod, "load_gguf", lambda path, dtype, *_: (gguf_model, tokenizer))
     out = convert_gguf_to_hf(find_smollm2_gguf(), tmp_path / "bf16", dtype="bfloat16")
     plain = AutoModelForCausalLM.from_pretrained(str(out))
     assert plain.model.embed_tokens.weight.dtype == torch.bfloat16

@@ -1,4 +1,3 @@
-import asyncio
 import functools
 
 import numpy as np
@@ -11,7 +10,7 @@ from groupflow.rewards import (
     RewardFunction,
     RewardOutputError,
 )
-from groupflow.rewards.base import resolve, resolve_many, validate_output
+from groupflow.rewards.scoring import validate_output
 
 FIELDS = {
     "prompts": ["p"],
@@ -113,27 +112,3 @@ def test_validate_output_rejects(output, message):
     with pytest.raises(RewardOutputError, match=message) as info:
         validate_output("acc", my_reward, output, 2)
     assert "'acc'" in str(info.value) and "my_reward" in str(info.value)
-
-
-def test_resolve_without_and_with_running_loop():
-    async def value():
-        return 7
-
-    assert resolve(3) == 3
-    assert resolve(value()) == 7
-
-    async def inside_loop():
-        return resolve(value()), resolve_many([1, value()])
-
-    assert asyncio.run(inside_loop()) == (7, [1, 7])
-
-
-def test_resolve_many_returns_exceptions():
-    async def bad():
-        raise KeyError("x")
-
-    async def good():
-        return 1.0
-
-    out = resolve_many([good(), bad(), 2.0])
-    assert out[0] == 1.0 and isinstance(out[1], KeyError) and out[2] == 2.0

@@ -16,6 +16,7 @@ from groupflow.rewards.math import (
     math_equal,
     normalize_math_answer,
     parse_gsm8k_reference,
+    reference_text,
 )
 
 # ---------------------------------------------------------------------------- GSM8K reference
@@ -40,8 +41,26 @@ def test_gsm8k_reference(ground_truth, expected):
 def test_gsm8k_reference_not_a_number():
     with pytest.raises(ValueError, match="'#### seven' is not a number"):
         parse_gsm8k_reference("#### seven")
-    with pytest.raises(TypeError, match="must be a string"):
-        parse_gsm8k_reference(72)
+    with pytest.raises(TypeError, match="must be a string or a number, got list"):
+        parse_gsm8k_reference([72])
+    with pytest.raises(TypeError, match="got bool"):
+        parse_gsm8k_reference(True)
+
+
+@pytest.mark.parametrize("number, text", [(72, "72"), (654321.0, "654321"), (0.25, "0.25")])
+def test_numeric_references_are_read_as_written(number, text):
+    # a parquet int/float answer column: 654321.0 must not become the text "654321.0"
+    assert reference_text(number, "GSM8K") == text
+    assert parse_gsm8k_reference(number) == Decimal(text)
+    assert math_boxed_score(f"\\boxed{{{text}}}", number, use_math_verify=False) == 1.0
+
+
+def test_references_are_picked_per_row_and_missing_ones_declared():
+    reward = make_gsm8k_reward(mode="flexible")
+    assert reward.reference_fields == ("ground_truth", "answer")
+    assert reward(["7", "8"], ground_truth=["7", None], answer=[None, "8"]) == [1.0, 1.0]
+    with pytest.raises(TypeError, match="got NoneType"):  # a sample with neither: its failure
+        reward(["9"], ground_truth=[None], answer=[None])
 
 
 # ---------------------------------------------------------------------------- GSM8K extraction

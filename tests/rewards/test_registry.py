@@ -56,7 +56,9 @@ def isolated_registry(monkeypatch):
 def test_builtin_names_and_defaults():
     assert reward_names() == [
         "brightness",  # the image/video rewards (groupflow.diffusion.rewards) are built-ins too
+        "code_tests",
         "compressibility",
+        "env_reward",  # multi-turn trajectories (groupflow.rewards.trajectory)
         "format_tags",
         "gsm8k",
         "image_scorer",
@@ -64,6 +66,7 @@ def test_builtin_names_and_defaults():
         "math_boxed",
         "overlong_penalty",
         "target_color",
+        "tool_use",
     ]
     sources = registered_data_sources()
     assert sources["openai/gsm8k"] == "gsm8k"
@@ -73,6 +76,8 @@ def test_builtin_names_and_defaults():
         "HuggingFaceH4/MATH-500",
     ):
         assert sources[source] == "math_boxed"
+    for source in ("codecontests", "apps", "codeforces", "taco"):  # verl's prime_code sources
+        assert sources[source] == "code_tests"
 
 
 def test_build_from_specs():
@@ -123,7 +128,7 @@ def test_same_builtin_twice_needs_labels():
         (
             [{"name": "gsm9k"}],
             UnknownRewardError,
-            "valid names: \\['brightness', 'compressibility', 'format_tags', 'gsm8k'",
+            "valid names: \\['brightness', 'code_tests', 'compressibility', 'env_reward', 'format_tags'",
         ),
         ([{"name": "gsm8k", "weigth": 2}], RewardConfigError, "unknown key 'weigth'.*'weight'"),
         ([{"name": "gsm8k", "kwargs": {"mod": "x"}}], RewardConfigError, "no option 'mod'.*'mode'"),

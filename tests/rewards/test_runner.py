@@ -289,3 +289,41 @@ def test_dispatch_without_data_source_field():
     runner = RewardRunner.by_data_source(reg.data_source_rewards)
     with pytest.raises(MissingRewardFieldError, match="no 'data_source' field"):
         runner(["q"], ["a"], ground_truth=["1"])
+
+
+# ----- fields each dataset row must carry -------------------------------------------------------
+
+
+def test_missing_fields_of_a_row_for_explicit_rewards():
+    def exact(completions, answer, scale=1.0):
+        return [scale * (c == a) for c, a in zip(completions, answer)]
+
+    def lengths(completions, completion_lengths, ground_truth):  # lengths come from the trainer
+        return [float(n) for n in completion_lengths]
+
+    runner = RewardRunner([RewardFunction("exact", exact), RewardFunction("len", lengths)])
+    assert runner.missing_fields({"answer": "1", "ground_truth": "2"}) == []
+    assert runner.missing_fields({"answer": None}) == [
+        ("answer", "reward 'exact' needs field 'answer', which this row lacks"),
+        ("ground_truth", "reward 'len' needs field 'ground_truth', which this row lacks"),
+    ]
+    fixed = RewardRunner([RewardFunction("exact", exact, options={"answer": "7"})])
+    assert fixed.missing_fields({}) == []  # a fixed option is not a dataset field
+
+
+def test_missing_fields_of_a_row_chosen_by_data_source():
+    runner = reg.build_reward_runner(None)
+    assert runner.missing_fields({"data_source": "groupflow/reverse", "answer": "12"}) == []
+    assert runner.missing_fields({"data_source": "groupflow/reverse"}) == [
+        ("answer", "reward 'reverse' needs field 'answer', which this row lacks")
+    ]
+    assert runner.missing_fields({"data_source": "openai/gsm8k", "answer": "#### 3"}) == []
+    assert runner.missing_fields({"data_source": "openai/gsm8k", "ground_truth": None}) == [
+        (
+            "ground_truth",
+            "reward 'gsm8k' needs field 'ground_truth or answer', which this row lacks",
+        )
+    ]
+    assert runner.missing_fields({"prompt_id": 3})[0][0] == "data_source"
+    with pytest.raises(UnknownDataSourceError, match="'nope'"):
+        runner.missing_fields({"data_source": "nope"})

@@ -4,8 +4,9 @@ import pytest
 
 from groupflow import builders
 from groupflow.config import ActorConfig, ConfigError
+from groupflow.policies.llm import recompute_old_logprobs
 from groupflow.rollout import vllm_engine
-from groupflow.trainer import Trainer, recompute_old_logprobs
+from groupflow.trainer import Trainer
 
 
 def test_default_engine_is_hf_and_builds_no_vllm_options(tiny_config):

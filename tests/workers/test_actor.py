@@ -16,12 +16,9 @@ import torch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.models.causal_lm import build_tiny_llama
-from groupflow.workers.actor import (
-    ActorRolloutWorker,
-    lr_lambda,
-    micro_batches,
-    optimizer_state_by_name,
-)
+from groupflow.workers.actor import ActorRolloutWorker
+from groupflow.workers.common import lr_lambda, optimizer_state_by_name
+from groupflow.workers.update import micro_batches
 
 # ----- lr_lambda ---------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from groupflow.batch import Batch
 from groupflow.config import CriticConfig, TinyModelConfig
 from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.models.value import response_values, value_model_from_config, value_model_from_policy
-from groupflow.workers.actor import ModelSpec
+from groupflow.workers.common import ModelSpec
 from groupflow.workers.critic import CriticSpec, CriticWorker
 
 VOCAB, PAD = 12, 0

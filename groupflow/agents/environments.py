@@ -1,0 +1,205 @@
+"""Environments: what answers a model's turn in a multi-turn rollout — a game, a simulator, a judge,
+or a set of tools.
+
+Design decision: one gym/OpenEnv-like protocol, one instance per sample, so an environment keeps
+its own episode state without locks and a group's samples never see each other:
+
+    reset(row) -> first observation (or None)           row: the dataset row's fields and prompt
+    step(text) -> (observation, reward, done)            text: the model's turn, decoded
+
+Either may be ``async def``. An observation is text, a chat message, or a list of chat messages
+(a tool environment answers with ``role: tool`` messages); the workflow tokenizes it once and
+appends it to the sequence, masked out of the loss. Tools are an environment too
+(:class:`ToolEnvironment`): a turn with tool calls gets their results, a turn without ends the
+episode. Everything user code can do wrong — raise, hang, return garbage — is contained here:
+:func:`reset_env` and :func:`step_env` never raise; they report a failure that the workflow counts
+and turns into an ended sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from groupflow.agents.calls import CallTimeout, call_with_timeout
+from groupflow.agents.parsers import ToolCallParser
+from groupflow.agents.tools import Tool, tool_result_text
+
+log = logging.getLogger("groupflow")
+
+__all__ = [
+    "Environment",
+    "ToolEnvironment",
+    "StepResult",
+    "reset_env",
+    "step_env",
+    "normalize_observation",
+]
+
+Observation = str | Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def reset(self, row: Mapping[str, Any]) -> Any: ...
+
+    def step(self, text: str) -> Any: ...
+
+
+@dataclass
+class StepResult:
+    """One environment step as the workflow sees it. ``failure`` is None, or why the
+    environment could not answer (the sample then ends with ``reward.failure_value``)."""
+
+    observation: list[dict[str, Any]] | None
+    reward: float = 0.0
+    done: bool = False
+    failure: str | None = None
+    failure_kind: str | None = None  # "error" | "timeout" | "invalid"
+
+
+def normalize_observation(obs: Any, role: str = "user") -> list[dict[str, Any]] | None:
+    """An observation as a list of chat messages (text becomes one ``role`` message); None or
+    empty: nothing to append. Raises ValueError for anything else."""
+    if obs is None or obs == "" or obs == []:
+        return None
+    if isinstance(obs, str):
+        return [{"role": role, "content": obs}]
+    if isinstance(obs, Mapping):
+        obs = [obs]
+    if isinstance(obs, Sequence) and all(isinstance(m, Mapping) for m in obs):
+        out = []
+        for m in obs:
+            if not isinstance(m.get("content"), str) or not isinstance(m.get("role", role), str):
+                raise ValueError(
+                    "an observation message needs string 'role' and 'content', "
+                    f"got {dict(m)!r:.200}"
+                )
+            out.append({**m, "role": m.get("role", role)})
+        return out
+    raise ValueError(
+        "an observation must be text, a chat message or a list of chat messages, "
+        f"got {type(obs).__name__}"
+    )
+
+
+def _describe(env: Any) -> str:
+    return type(env).__qualname__
+
+
+async def reset_env(env: Any, row: Mapping[str, Any], timeout_s: float | None) -> StepResult:
+    """``env.reset(row)``; a failure is reported, never raised."""
+    try:
+        obs = await call_with_timeout(env.reset, row, timeout_s=timeout_s)
+        return StepResult(normalize_observation(obs))
+    except CallTimeout:
+        return StepResult(None, done=True, failure=f"{_describe(env)}.reset timed out after "
+                          f"{timeout_s:g} s", failure_kind="timeout")  # fmt: skip
+    except Exception as exc:  # user code: any failure ends this sample only
+        kind = "invalid" if isinstance(exc, ValueError) else "error"
+        return StepResult(None, done=True, failure=f"{_describe(env)}.reset: "
+                          f"{type(exc).__name__}: {exc}", failure_kind=kind)  # fmt: skip
+
+
+async def step_env(env: Any, text: str, timeout_s: float | None) -> StepResult:
+    """``env.step(text)`` checked for shape; a failure is reported, never raised."""
+    name = f"{_describe(env)}.step"
+    try:
+        out = await call_with_timeout(env.step, text, timeout_s=timeout_s)
+    except CallTimeout:
+        return StepResult(None, done=True, failure=f"{name} timed out after {timeout_s:g} s",
+                          failure_kind="timeout")  # fmt: skip
+    except Exception as exc:  # user code: any failure ends this sample only
+        return StepResult(None, done=True, failure=f"{name}: {type(exc).__name__}: {exc}",
+                          failure_kind="error")  # fmt: skip
+    try:
+        if not isinstance(out, tuple) or len(out) != 3:
+            raise ValueError(f"must return (observation, reward, done), got {out!r:.200}")
+        obs, reward, done = out
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise ValueError(f"reward must be a number, got {reward!r:.100}")
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be finite, got {reward}")
+        return StepResult(normalize_observation(obs), float(reward), bool(done))
+    except ValueError as exc:
+        return StepResult(None, done=True, failure=f"{name} {exc}", failure_kind="invalid")
+
+
+class ToolEnvironment:
+    """Tools as an environment: each tool call of a turn is run (up to ``max_calls_per_turn``)
+    and answered with one ``role: tool`` message; a turn without a call ends the episode.
+
+    A tool that raises, times out or gets bad arguments answers with an error message — the model
+    sees what went wrong, as it would from a real API — and is counted in ``stats``.
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        parser: ToolCallParser,
+        *,
+        max_calls_per_turn: int = 4,
+        max_result_chars: int | None = 2000,
+    ):
+        self.tools = {t.name: t for t in tools}
+        self.parser = parser
+        self.max_calls_per_turn = max_calls_per_turn
+        self.max_result_chars = max_result_chars
+        self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "bad_calls": 0}
+
+    def reset(self, row: Mapping[str, Any]) -> None:
+        return None
+
+    async def step(self, text: str) -> tuple[list[dict[str, Any]] | None, float, bool]:
+        parsed = self.parser.parse(text, self.tools)
+        if not parsed:
+            return None, 0.0, True
+        messages = [self._message("error", f"Error: {e}") for e in parsed.errors]
+        self.stats["bad_calls"] += len(parsed.errors)
+        calls = parsed.calls[: self.max_calls_per_turn]
+        if len(parsed.calls) > len(calls):
+            messages.append(self._message("error", f"Error: at most {self.max_calls_per_turn} "
+                                          "tool calls per turn; the rest were not run"))  # fmt: skip
+        results = await asyncio.gather(*(self._run(c) for c in calls))
+        messages.extend(self._message(c.name, r) for c, r in zip(calls, results))
+        return messages, 0.0, False
+
+    def _message(self, name: str, content: str) -> dict[str, Any]:
+        return {"role": "tool", "name": name, "content": content}
+
+    async def _run(self, call) -> str:
+        self.stats["tool_calls"] += 1
+        tool = self.tools.get(call.name)
+        if tool is None:
+            self.stats["bad_calls"] += 1
+            return f"Error: unknown tool {call.name!r}; available: {sorted(self.tools)}"
+        problem = tool.argument_error(call.arguments)
+        if problem is not None:
+            self.stats["bad_calls"] += 1
+            return f"Error: {call.name}: {problem}"
+        try:
+            value = await call_with_timeout(tool.fn, timeout_s=tool.timeout_s, **call.arguments)
+        except CallTimeout:
+            self.stats["tool_timeouts"] += 1
+            return f"Error: {call.name} timed out after {tool.timeout_s:g} s"
+        except Exception as exc:  # a tool's failure is the model's observation, not ours
+            self.stats["tool_errors"] += 1
+            return f"Error: {type(exc).__name__}: {exc}"
+        return tool_result_text(value, self.max_result_chars)
+
+
+def environment_factory(
+    spec: Any, tools: Sequence[Tool], parser: ToolCallParser | None, **tool_options: Any
+) -> Callable[[], Any]:
+    """A zero-argument callable making one environment per sample: the configured class with its
+    kwargs, else a :class:`ToolEnvironment` over ``tools``."""
+    if spec is None:
+        if parser is None:
+            raise ValueError("a tool environment needs a tool-call parser")
+        return lambda: ToolEnvironment(tools, parser, **tool_options)
+    cls, kwargs = spec
+    return lambda: cls(**kwargs)

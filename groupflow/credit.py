@@ -1,0 +1,99 @@
+"""Credit assignment: a rewarded batch's advantages (and returns), whatever produced it.
+
+Design decision: this stage reads only the batch's generic keys — ``rewards``, ``group_ids``,
+``response_mask``, and when configured ``values`` (a critic) and ``old_logprobs``/``ref_logprobs``
+(KL in the reward) — so one implementation serves single-turn, multi-turn and diffusion
+workflows alike. It is the only stateful piece between rollout and update (the adaptive KL
+controller's β), which it checkpoints itself. The math is ``groupflow.algorithms``'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from groupflow.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    build_kl_controller,
+    compute_advantages,
+    compute_gae,
+    kl_in_reward,
+    place_outcome_reward,
+    sequence_mean_kl,
+)
+from groupflow.algorithms.registry import option_names
+from groupflow.batch import Batch
+from groupflow.config import AlgorithmConfig
+from groupflow.utils.seeds import sample_seed
+
+__all__ = ["CreditAssignment", "estimator_options"]
+
+
+def estimator_options(al: AlgorithmConfig) -> dict[str, Any]:
+    """The typed options (scale, eps) the chosen estimator declares, plus its free-form extras."""
+    if al.estimator == "gae":  # token-level: gamma, lam, whiten_advantages are its options
+        return {}
+    accepted = option_names(ADVANTAGE_ESTIMATORS.get(al.estimator)) or ()
+    typed = {k: getattr(al, k) for k in ("scale", "eps") if k in accepted}
+    return {**typed, **al.estimator_options}
+
+
+class CreditAssignment:
+    """``batch → batch`` with ``advantages`` (and ``returns`` for GAE)."""
+
+    def __init__(self, al: AlgorithmConfig, run_seed: int):
+        self.al, self.run_seed = al, run_seed
+        self.options = estimator_options(al)
+        k = al.kl_in_reward
+        self.kl_ctrl = (
+            build_kl_controller(k.controller, k.coef, k.target_kl, k.horizon)
+            if k is not None
+            else None
+        )
+
+    def __call__(self, batch: Batch, step: int) -> Batch:
+        al = self.al
+        rewards = batch["rewards"]
+        if al.kl_in_reward is not None or al.estimator == "gae":
+            token_rewards = self.token_rewards(batch)
+            if al.estimator == "gae":
+                batch["advantages"], batch["returns"] = compute_gae(
+                    token_rewards, batch["values"], batch["response_mask"],
+                    al.gamma, al.lam, al.whiten_advantages,
+                )  # fmt: skip
+                return batch
+            rewards = token_rewards.sum(-1)  # outcome estimators see r - β·ΣKL (as verl does)
+        batch["advantages"] = compute_advantages(
+            rewards, batch["group_ids"], al.estimator, adv_clip_max=al.adv_clip_max,
+            reward_threshold=al.reward_threshold, **self.options,
+        )  # fmt: skip
+        if al.shuffle_advantages:  # the control run (see AlgorithmConfig.shuffle_advantages)
+            g = torch.Generator().manual_seed(sample_seed(self.run_seed, step, -2))
+            batch["advantages"] = batch["advantages"][torch.randperm(len(batch), generator=g)]
+        return batch
+
+    def token_rewards(self, batch: Batch) -> torch.Tensor:
+        """The outcome reward on each sample's last valid token, minus β·KL when configured."""
+        mask = batch["response_mask"]
+        token_rewards = place_outcome_reward(batch["rewards"], mask)
+        k = self.al.kl_in_reward
+        if k is None:
+            return token_rewards
+        beta = self.kl_ctrl.value
+        token_rewards, kl = kl_in_reward(
+            token_rewards, batch["old_logprobs"], batch["ref_logprobs"], mask, beta, k.kind
+        )
+        current = float(sequence_mean_kl(kl, mask))
+        self.kl_ctrl.update(current, n_steps=len(batch))
+        batch.meta.setdefault("reward_metrics", {}).update(
+            {"kl_in_reward/kl": current, "kl_in_reward/coef": beta}
+        )
+        return token_rewards
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_controller": self.kl_ctrl.state_dict()} if self.kl_ctrl is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.kl_ctrl is not None and "kl_controller" in state:
+            self.kl_ctrl.load_state_dict(state["kl_controller"])

@@ -1,0 +1,147 @@
+"""The diffusion policy: a flow-matching generator's actor group, as the trainer drives it.
+
+Design decision: a flow-matching policy's actions are its SDE denoising steps, so the driver's
+four calls mean here: ``prepare`` — old log-probs of the stored transitions (recomputed only when
+a batch gets several optimizer steps); ``update`` — the PPO-clip update of the velocity model;
+``sync`` — nothing (the worker samples with the weights it trains); and its checkpoint state.
+Rollout, rewards and the online test are the diffusion *workflow*'s
+(``groupflow.workflows.diffusion``); advantages are the shared credit stage's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from groupflow import builders
+from groupflow.batch import Batch
+from groupflow.config import Config, DiffusionConfig
+from groupflow.contracts import DIFFUSION_CONTRACTS, validate
+from groupflow.data import DataError, PromptRow
+from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
+from groupflow.utils.timing import StageTimer
+
+log = logging.getLogger("groupflow")
+
+__all__ = ["DiffusionPolicy", "FlowModelSpec", "settings_from_config", "ensure_tiny_model"]
+
+_MODEL_KEYS = (
+    "latents", "next_latents", "sigmas", "sigmas_next", "response_mask", "advantages", "old_logprobs",
+)  # fmt: skip
+
+
+class FlowModelSpec:
+    """How a worker builds its flow model inside its own process (picklable for Ray)."""
+
+    def __init__(self, kind: str, path: str, latent_shape: list[int] | None = None):
+        self.kind, self.path, self.latent_shape = kind, path, latent_shape
+
+    def build(self):
+        from groupflow.diffusion.models import load_diffusers_model, load_tiny_model
+
+        if self.kind == "tiny":
+            return load_tiny_model(self.path)
+        return load_diffusers_model(self.path, self.kind, self.latent_shape)
+
+
+def settings_from_config(d: DiffusionConfig) -> DiffusionSettings:
+    return DiffusionSettings(
+        sampler=d.sampler, noise_level=d.noise_level, num_steps=d.num_steps, shift=d.shift,
+        cfg_scale=d.cfg_scale, same_noise_per_group=d.same_noise_per_group,
+        timestep_selection=d.timestep_selection, timestep_fraction=d.timestep_fraction,
+        window=d.window, lora=d.model.lora.model_dump() if d.model.lora else None,
+    )  # fmt: skip
+
+
+def ensure_tiny_model(d: DiffusionConfig, seed: int) -> dict[str, float]:
+    """Pre-train the tiny base model (labels: the synthetic colours) into ``d.model.path`` when
+    asked and missing; later runs reuse it."""
+    m = d.model
+    path = Path(m.path).expanduser()
+    if m.kind != "tiny" or (path / "config.json").is_file():
+        return {}
+    if not m.pretrain_if_missing:
+        raise FileNotFoundError(
+            f"diffusion.model.path '{path}' holds no tiny model; create it with "
+            f"`groupflow pretrain-diffusion --out {path}` or set diffusion.model.pretrain_if_missing=true"
+        )
+    from groupflow.diffusion.pretrain import pretrain_tiny_model
+
+    log.info("pre-training the tiny flow model into %s (%d steps)", path, m.pretrain_steps)
+    _, stats = pretrain_tiny_model(path, steps=m.pretrain_steps, seed=seed)
+    return stats
+
+
+def check_labels(path: Path, rows: list[PromptRow]) -> None:
+    """A tiny model knows only the colour names it was pre-trained on."""
+    import json
+
+    labels = json.loads((path / "config.json").read_text()).get("labels", [])
+    for r in rows:
+        if isinstance(r.prompt, str) and r.prompt not in labels:
+            raise DataError(
+                f"prompt {r.prompt!r} is not a label of the tiny diffusion model at {path}; "
+                f"valid prompts: {labels}",
+                source=r.source, index=r.index, field="prompt",
+            )  # fmt: skip
+
+
+class DiffusionPolicy:
+    """The flow model's actor group (replicated, data-parallel) and its training calls."""
+
+    contracts = DIFFUSION_CONTRACTS
+
+    def __init__(self, cfg: Config, run_dir: Path, corpus: list[PromptRow]):
+        self.cfg = cfg
+        d = cfg.diffusion
+        self.pretrain_stats = ensure_tiny_model(d, cfg.run.seed)
+        if d.model.kind == "tiny":
+            check_labels(Path(d.model.path), corpus)
+        spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape)
+        self.actor = builders.role_group(
+            cfg, "actor", DiffusionWorker, spec=spec, settings=settings_from_config(d), cfg=cfg.actor,
+            total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
+        )  # fmt: skip
+        self.rollout = self.actor
+
+    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> Batch:
+        """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's."""
+        timer = timer or StageTimer()
+        a = self.cfg.actor
+        several = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
+        with timer("old_logprobs"):
+            if a.recompute_old_logprobs == "always" or (
+                a.recompute_old_logprobs == "auto" and several
+            ):
+                batch["old_logprobs"] = self.actor.compute_logprobs(model_inputs(batch))["logprobs"]
+            else:
+                # One optimizer step per batch: the rollout's log-probs come from the same step
+                # function computed the same way (step by step), so the first ratio is exactly 1.
+                batch["old_logprobs"] = batch["rollout_logprobs"]
+        return batch
+
+    def update(self, batch: Batch, *, step: int, seed: int) -> dict[str, float]:
+        batch = validate(batch, DIFFUSION_CONTRACTS["train_ready"])
+        return self.actor.update(model_inputs(batch), shuffle_seed=seed)
+
+    def sync(self) -> None:
+        """The worker samples with the weights it trains: nothing to push."""
+
+    def begin(self, warm_started: bool) -> None:
+        """No reference or critic to initialise."""
+
+    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(self.actor.state_dict()), {}  # replicated: one full copy
+
+    def load(self, state: dict[str, Any], path: Path) -> None:
+        self.actor.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        self.actor.shutdown()
+
+
+def model_inputs(batch: Batch) -> Batch:
+    """Only the tensors the workers need: images, texts and dataset rows stay on the driver."""
+    keys = [k for k in batch.tensors if k in _MODEL_KEYS or k.startswith(COND_PREFIX)]
+    return batch.select(*keys, meta=False)

@@ -1,0 +1,257 @@
+"""The LLM policy: every role that learns or is learned against — actor, rollout, reference, critic,
+reward model — each a worker group placed as the config says.
+
+Design decision: the trainer's loop is the same for every policy type; what an LLM adds is which
+roles exist and how a rewarded batch becomes a trainable one. This object owns the roles and
+answers the driver's four questions — ``prepare`` (old and reference log-probs, critic values),
+``update`` (critic, then actor, one call each), ``sync`` (push new weights to a separately placed
+rollout pool) and its checkpoint state — while the workflows (single- or multi-turn) use its
+``rollout`` group, ``tokenizer`` and ``sampling`` parameters to produce experience. Tensor math
+stays in the workers and ``groupflow.algorithms``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from groupflow import builders
+from groupflow.algorithms import logprob_mismatch
+from groupflow.batch import Batch
+from groupflow.config import ActorConfig, Config
+from groupflow.contracts import CONTRACTS
+from groupflow.rollout.hf import SamplingParams
+from groupflow.utils.timing import StageTimer
+from groupflow.workers.actor import ActorRolloutWorker
+from groupflow.workers.common import ModelSpec
+from groupflow.workers.critic import CriticSpec, CriticWorker
+from groupflow.workers.inference import InferenceWorker
+from groupflow.workers.reward_model import RewardModelWorker, check_reward_model_path
+
+log = logging.getLogger("groupflow")
+
+__all__ = ["LLMPolicy", "recompute_old_logprobs", "model_inputs", "sampling_params"]
+
+MODEL_KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+    "responses",
+    "response_mask",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "rollout_logprobs",  # for truncated importance sampling (actor.tis_cap)
+)
+
+
+def model_inputs(batch: Batch) -> Batch:
+    """Only the tensors the workers need: dataset rows and texts stay on the driver."""
+    return batch.select(*[k for k in MODEL_KEYS if k in batch], meta=False)
+
+
+def recompute_old_logprobs(actor: ActorConfig, engine: str, num_samples: int) -> bool:
+    """Whether the old log-probs are recomputed by the training forward (``actor.recompute_old_logprobs``).
+
+    auto: yes when the batch takes several optimizer steps (the policy moves between them), or
+    when the rollout engine is not our own decode loop (vLLM's kernels give slightly different
+    log-probs, so its record is not the "old" policy of the PPO ratio).
+    """
+    if actor.recompute_old_logprobs != "auto":
+        return actor.recompute_old_logprobs == "always"
+    several_steps = actor.ppo_epochs > 1 or (actor.mini_batch_samples or num_samples) < num_samples
+    return several_steps or engine != "hf"
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
+        max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), n=r.samples_per_prompt,
+        static_kv_cache=r.static_kv_cache,
+    )  # fmt: skip
+
+
+def check_role_paths(cfg: Config) -> None:
+    """Model directories of the optional roles must exist before anything else starts."""
+    from groupflow.models.causal_lm import ModelLoadError
+
+    if cfg.model is not None and cfg.model.path is not None:
+        builders.check_model_dir(cfg.model.path, "model.path")
+    if cfg.reward_model is not None:
+        check_reward_model_path(cfg.reward_model)
+    if cfg.critic is not None and cfg.critic.path is not None:
+        p = Path(cfg.critic.path).expanduser()
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(
+                f"critic.path: '{p}' is not a Hugging Face model directory (no config.json)"
+            )
+
+
+class LLMPolicy:
+    """Actor (+ colocated or separate rollout and reference), optional critic and reward model."""
+
+    contracts = CONTRACTS
+
+    def __init__(self, cfg: Config, run_dir: Path, corpus: list, extra_texts: list[str] = ()):
+        self.cfg = cfg
+        check_role_paths(cfg)  # a missing model directory fails now, not mid-run
+        engine = builders.build_rollout_engine(cfg)  # None: HF; fails fast if vLLM is missing
+        self.tokenizer = builders.build_tokenizer(cfg, run_dir, corpus, extra_texts)
+        self.max_entropy = math.log(len(self.tokenizer))  # a uniform output's (CollapseMonitor)
+        self.sampling = sampling_params(cfg)
+        # Workers build their own models in their own processes (local: this one). Rollout and
+        # reference live inside the actor worker unless placement gives them pools of their own.
+        spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed)
+        pl = cfg.placement
+        needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
+        self.actor = builders.role_group(
+            cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
+            pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated", engine=engine,
+        )  # fmt: skip
+        self.rollout = self.actor
+        if pl.rollout != "colocated":
+            self.rollout = builders.role_group(
+                cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout"
+            )
+        self.reference = None
+        if needs_reference:
+            self.reference = self.actor
+            if pl.reference != "colocated":
+                self.reference = builders.role_group(
+                    cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor, role="reference"
+                )
+        self.critic = self.reward_model = None
+        if cfg.critic is not None:
+            self.critic = builders.role_group(
+                cfg, "critic", CriticWorker, spec=CriticSpec(cfg.critic, spec, cfg.run.seed),
+                total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
+            )  # fmt: skip
+        if cfg.reward_model is not None:
+            self.reward_model = builders.role_group(
+                cfg, "reward_model", RewardModelWorker, cfg=cfg.reward_model,
+                pg_timeout_s=cfg.run.worker_timeout_s,
+            )  # fmt: skip
+
+    # ----- the driver's calls -----------------------------------------------------------------
+    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> Batch:
+        """Old log-probs (recomputed when the batch gets several optimizer steps or comes from
+        another engine), reference log-probs and critic values."""
+        timer = timer or StageTimer()
+        a = self.cfg.actor
+        t = self.sampling.temperature
+        with timer("old_logprobs"):
+            if recompute_old_logprobs(a, self.cfg.rollout.engine, len(batch)):
+                batch["old_logprobs"] = self.actor.compute_logprobs(
+                    model_inputs(batch), temperature=t
+                )["logprobs"]
+                # How far the rollout engine's numerics are from the training forward's.
+                diff = logprob_mismatch(
+                    batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
+                )
+                batch.meta.setdefault("rollout_metrics", {}).update(
+                    {
+                        "rollout/logprob_diff_max": diff["max"],
+                        "rollout/logprob_diff_mean": diff["mean"],
+                    }
+                )
+            else:
+                # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the
+                # rollout's log-probs serve (same numerics; see tests/rollout): the first ratio is 1.
+                batch["old_logprobs"] = batch["rollout_logprobs"]
+            if self.reference is not None:
+                batch["ref_logprobs"] = self.reference.compute_logprobs(
+                    model_inputs(batch), temperature=t, reference=True
+                )["logprobs"]
+        if self.critic is not None:
+            with timer("values"):
+                batch["values"] = self.critic.compute_values(model_inputs(batch))["values"]
+        return batch
+
+    def update(self, batch: Batch, *, step: int, seed: int) -> dict[str, float]:
+        """Critic update (if any), then the actor's — except during the critic warm-up steps."""
+        metrics: dict[str, float] = {}
+        if self.critic is not None:
+            critic_keys = [*(k for k in MODEL_KEYS if k in batch), "values", "returns"]
+            metrics.update(
+                self.critic.update_critic(batch.select(*critic_keys, meta=False), shuffle_seed=seed)
+            )
+            if step < self.cfg.critic.warmup_steps:
+                return metrics
+        metrics.update(
+            self.actor.update(
+                model_inputs(batch), temperature=self.sampling.temperature, shuffle_seed=seed
+            )
+        )
+        return metrics
+
+    def sync(self) -> None:
+        """Push the actor's current weights into a separately placed rollout pool (no-op colocated)."""
+        if self.rollout is not self.actor:
+            self.rollout.load_weights(self.actor.full_weights())
+
+    def begin(self, warm_started: bool) -> None:
+        """Where RL starts: the reference is the (warm-started) policy, and a critic initialised
+        "from the policy" copies that policy's backbone."""
+        self.sync()
+        if warm_started:
+            if self.reference is self.actor:
+                self.actor.reset_reference()
+            elif self.reference is not None:
+                self.reference.load_weights(self.actor.full_weights())
+        c = self.cfg.critic
+        if self.critic is not None and c.path is None and c.tiny is None:
+            self.critic.load_backbone(self.actor.full_weights())
+
+    # ----- checkpoints ------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(state for the checkpoint, writers of sharded parts: name -> fn(path))."""
+        state: dict[str, Any] = {}
+        writers = {}
+        if self.cfg.run.num_workers == 1:
+            state.update(self.actor.state_dict())
+        else:
+            state["actor_state"] = self.actor.train_state()
+            writers["shards"] = lambda path: self.actor.save_sharded(str(path))
+        if self.reference is not None and self.cfg.sft.steps:
+            # a warm-started reference is not the model the config builds: keep its weights
+            state["reference"] = self.reference.reference_weights()
+        if self.critic is not None and self.critic.world_size == 1:
+            state.update({f"critic_{k}": v for k, v in self.critic.state_dict().items()})
+        elif self.critic is not None:
+            state["critic_train_state"] = self.critic.train_state()
+            writers["critic_shards"] = lambda path: self.critic.save_sharded(str(path))
+        return state, writers
+
+    def load(self, state: dict[str, Any], path: Path) -> None:
+        load_actor_state(self.actor, state, self.cfg.run.num_workers)
+        if self.reference is not None and state.get("reference") is not None:
+            self.reference.load_reference(state["reference"])
+        if self.critic is not None:
+            if "critic_shards" in state:
+                self.critic.load_sharded(str(state["critic_shards"]), state["critic_train_state"])
+            elif "critic_model" in state:
+                self.critic.load_state_dict(
+                    {k: state[f"critic_{k}"] for k in ("model", "optimizer", "scheduler")}
+                )
+            else:
+                raise ValueError(
+                    f"checkpoint {path} has no critic state, but this run has a critic"
+                )
+
+    def shutdown(self) -> None:
+        """Stop every role's worker group (Ray actors and their resource pools)."""
+        roles = (self.actor, self.rollout, self.reference, self.critic, self.reward_model)
+        for group in dict.fromkeys(g for g in roles if g is not None):
+            group.shutdown()
+
+
+def load_actor_state(actor, state: dict, num_workers: int) -> None:
+    """Restore the actor from a single-worker checkpoint or from shards (any number of ranks)."""
+    if "shards" in state:  # sharded: DCP reshards to however many workers load it
+        actor.load_sharded(str(state["shards"]), state["actor_state"])
+    elif num_workers == 1:
+        actor.load_state_dict(state)
+    else:  # one worker's full state, sharded over num_workers on load
+        actor.load_full_state(state)

@@ -1,0 +1,112 @@
+"""What every worker (actor, critic, inference, diffusion) needs: how to build its model in its own
+process, which device it lives on, how its LR schedule goes, and the guard against a diverged run.
+
+Design decision: one small leaf module under the workers, so that no worker imports another
+(the critic and the diffusion worker used to import the actor's module for these helpers).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from groupflow.algorithms import POLICY_LOSSES
+from groupflow.algorithms.registry import option_names
+from groupflow.config import ActorConfig
+
+__all__ = [
+    "NonFiniteLossError",
+    "ModelSpec",
+    "lr_lambda",
+    "loss_options",
+    "optimizer_state_by_name",
+    "worker_device",
+    "decoder_layers",
+]
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive updates produced NaN/inf losses or gradients."""
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Multiplier of the base LR at a given (0-based) step: linear warm-up, then constant or cosine."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def loss_options(cfg: ActorConfig) -> dict:
+    """The typed PPO options the chosen loss declares, plus its free-form extras (``loss_options``)."""
+    accepted = option_names(POLICY_LOSSES.get(cfg.loss_fn))
+    typed = ("ratio_level", "clip_eps_low", "clip_eps_high", "clip_ratio_c", "delta")
+    chosen = {k: getattr(cfg, k) for k in typed if accepted is None or k in accepted}
+    return {**chosen, **cfg.loss_options}
+
+
+class ModelSpec:
+    """How a worker builds its model and tokenizer inside its own process (picklable for Ray)."""
+
+    def __init__(self, model_cfg, tokenizer_dir: str, seed: int):
+        self.model_cfg, self.tokenizer_dir, self.seed = model_cfg, tokenizer_dir, seed
+
+    def build(self):
+        from transformers import AutoTokenizer
+
+        from groupflow.builders import build_model
+
+        tok = AutoTokenizer.from_pretrained(
+            self.tokenizer_dir,
+            local_files_only=True,
+            trust_remote_code=self.model_cfg.trust_remote_code,
+        )
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return build_model(self.model_cfg, tok, self.seed), tok
+
+
+def optimizer_state_by_name(osd: dict, names: Sequence[str]) -> dict:
+    """A ``torch.optim`` state dict keyed by parameter index, re-keyed by parameter name (the form
+    ``torch.distributed.checkpoint.state_dict`` shards from); indices follow ``names``' order."""
+    count = sum(len(g["params"]) for g in osd["param_groups"])
+    if count != len(names):
+        raise ValueError(
+            f"the checkpoint's optimizer holds {count} parameters but the model has {len(names)}; "
+            "was it written for a different model?"
+        )
+    return {
+        "state": {names[i]: v for i, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
+
+
+def worker_device(rank: int) -> torch.device:
+    """This worker's GPU (by local rank) when CUDA is available, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def decoder_layers(model: nn.Module):
+    """The transformer blocks of an HF causal LM (FSDP2 shards each as a unit)."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    if layers is None:
+        raise ValueError(f"cannot find the transformer layers of {type(model).__name__} to shard")
+    return list(layers)

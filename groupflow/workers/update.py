@@ -1,0 +1,216 @@
+"""The update loop's bookkeeping, shared by the actor, critic and diffusion workers: micro-batches,
+trimmed widths, global loss denominators, which rows run, metric accumulation, and log-probs of a
+batch under an unsharded model.
+
+Design decision: everything here is a plain function of a Batch (and the config), so the three
+workers run one mini-batch / micro-batch scheme with the same denominators — the gradient depends
+neither on micro-batching nor on the number of ranks (algorithms.md §3) — and it is tested once.
+``response_mask`` marks actions and may have gaps (tool/observation tokens): widths, attention
+and budgets reach to each response's last action (``groupflow.algorithms.masks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from groupflow.algorithms import (
+    loss_denominators,
+    prompt_widths,
+    response_widths,
+    zero_advantage_inert,
+)
+from groupflow.batch import Batch
+from groupflow.config import ActorConfig
+from groupflow.distributed import PAD_KEY
+from groupflow.distributed.parallel import all_reduce
+from groupflow.models.logprobs import response_logprobs
+
+__all__ = [
+    "micro_batches",
+    "accumulate",
+    "combine_steps",
+    "row_widths",
+    "trim",
+    "global_denominators",
+    "skips_zero_advantage",
+    "update_rows",
+    "drop_padding",
+    "batch_logprobs",
+    "EXTREMES",
+    "REDUCE_OP",
+]
+
+
+def micro_batches(
+    lengths: Sequence[int | tuple[int, int]], max_samples: int | None, max_tokens: int | None
+) -> list[list[int]]:
+    """Consecutive index groups: by sample count, or packed greedily under a token budget.
+
+    ``lengths`` are per-sample token counts, or (prompt, response) pairs: a trimmed micro-batch is
+    padded to its longest prompt plus its longest response, so that is the width charged against
+    the budget. A single sample longer than the budget gets a micro-batch of its own.
+    """
+    n = len(lengths)
+    if n == 0:
+        return []
+    if max_tokens is None:
+        size = max_samples or n
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    pairs = [
+        (int(x), 0) if isinstance(x, (int, float)) else (int(x[0]), int(x[1])) for x in lengths
+    ]
+    out: list[list[int]] = []
+    cur: list[int] = []
+    p_max = r_max = 0
+    for i, (p, r) in enumerate(pairs):
+        new_p, new_r = max(p_max, p), max(r_max, r)
+        if cur and (new_p + new_r) * (len(cur) + 1) > max_tokens:
+            out.append(cur)
+            cur, new_p, new_r = [], p, r
+        cur.append(i)
+        p_max, r_max = new_p, new_r
+    if cur:
+        out.append(cur)
+    return out
+
+
+# Metrics that are extremes combine by max/min; the rest are sums of micro-batch contributions
+# (losses with global denominators, token-weighted means) and means over optimizer steps.
+EXTREMES = {"actor/ratio_max": max, "actor/ratio_min": min}
+REDUCE_OP = {"actor/ratio_max": "max", "actor/ratio_min": "min"}
+
+
+def accumulate(stats: dict[str, float], key: str, value: float, weight: float = 1.0) -> None:
+    op = EXTREMES.get(key)
+    if op is not None:
+        stats[key] = op(stats[key], value) if key in stats else value
+    else:
+        stats[key] = stats.get(key, 0.0) + value * weight
+
+
+def combine_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for s in steps for k in s):
+        values = [s[key] for s in steps if key in s]
+        op = EXTREMES.get(key)
+        out[key] = op(values) if op is not None else sum(values) / len(values)
+    return out
+
+
+def row_widths(batch: Batch) -> list[tuple[int, int]]:
+    """(prompt, response) widths per sample: the columns a trimmed forward keeps for it. A response
+    reaches to its last action, gaps included (``groupflow.algorithms.masks``)."""
+    return list(
+        zip(
+            prompt_widths(batch["prompt_mask"]).tolist(),
+            response_widths(batch["response_mask"]).tolist(),
+        )
+    )
+
+
+def trim(batch: Batch) -> Batch:
+    """Drop all-padding columns (left of prompts, right of responses) to save compute. A response
+    keeps every column up to its last action: a gap (mask 0 between actions) is not padding."""
+    pm, rm = batch["prompt_mask"], batch["response_mask"]
+    p_keep = int(prompt_widths(pm).max())
+    t_keep = max(1, int(response_widths(rm).max()))
+    out = batch.copy()
+    for k in ("prompt_ids", "prompt_mask"):
+        out[k] = batch[k][:, pm.shape[1] - p_keep :]
+    for k in ("responses", "response_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+              "values", "returns"):  # fmt: skip
+        if k in batch.tensors:
+            out[k] = batch[k][:, :t_keep]
+    if "advantages" in batch.tensors and batch["advantages"].dim() == 2:
+        out["advantages"] = batch["advantages"][:, :t_keep]
+    return out
+
+
+def global_denominators(
+    mini: Batch, groups: Sequence[Sequence[int]] | None = None
+) -> dict[str, int]:
+    """Loss denominators of a whole mini-batch summed over ranks (algorithms.md §3), so the
+    gradient depends neither on micro-batching nor on the number of ranks; dispatch padding rows
+    (zero masks) count as no tokens and no sequences. A collective: every rank calls it.
+
+    ``groups`` are this rank's micro-batches (row indices into ``mini``; None: one of all rows).
+    ``num_micro_batches`` counts those with a real row on all ranks: ``local_token_mean`` divides
+    each micro-batch's token mean by it (TRL's division by the accumulation steps, with DDP's mean
+    over ranks), and the zero-mask passes that keep ranks in step do not count.
+    """
+    local = loss_denominators(mini["response_mask"])
+    real = ~mini[PAD_KEY].cpu() if PAD_KEY in mini else torch.ones(len(mini), dtype=torch.bool)
+    groups = [range(len(mini))] if groups is None else groups
+    micro = sum(1 for g in groups if bool(real[list(g)].any()))
+    return {
+        "num_tokens": int(all_reduce(local["num_tokens"])),
+        "num_seqs": int(all_reduce(int(real.sum()))),
+        "max_len": int(all_reduce(local["max_len"], op="max")),
+        "num_micro_batches": int(all_reduce(micro)),
+    }
+
+
+def skips_zero_advantage(cfg: ActorConfig) -> bool:
+    """Whether the update may leave zero-advantage samples out: only when nothing else gives them
+    a gradient and the loss denominators do not depend on which samples are run."""
+    return (
+        cfg.skip_zero_advantage
+        and cfg.kl_coef == 0
+        and cfg.entropy_coef == 0
+        and cfg.loss_agg != "local_token_mean"
+        and zero_advantage_inert(cfg.loss_fn)
+    )
+
+
+def update_rows(mini: Batch, cfg: ActorConfig) -> list[int]:
+    """The mini-batch rows the update runs: all of them, or (``skips_zero_advantage``) those with a
+    non-zero advantage on a valid token — in GRPO, the groups whose rewards were not all equal.
+    Rows are ordered by group so micro-batches hold whole groups (an order the global-denominator
+    losses are invariant to)."""
+    order = list(range(len(mini)))
+    if "group_ids" in mini and cfg.loss_agg != "local_token_mean":
+        order = torch.argsort(mini["group_ids"].cpu(), stable=True).tolist()
+    if not skips_zero_advantage(cfg):
+        return order
+    valid = mini["response_mask"] != 0
+    adv = mini["advantages"]
+    adv = adv[:, None].expand_as(valid) if adv.dim() == 1 else adv[:, : valid.shape[1]]
+    carries = ((adv != 0) & valid).any(dim=1).cpu().tolist()  # NaN != 0: kept, guard sees it
+    return [r for r in order if carries[r]]
+
+
+def drop_padding(batch: Batch) -> Batch:
+    """Zero the masks of dispatch padding so those samples count nowhere (losses, denominators)."""
+    if PAD_KEY not in batch:
+        return batch
+    out = batch.copy()
+    keep = (~batch[PAD_KEY]).to(batch["response_mask"].dtype)[:, None]
+    out["response_mask"] = batch["response_mask"] * keep
+    return out
+
+
+@torch.no_grad()
+def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: ActorConfig,
+                   device: torch.device) -> Batch:  # fmt: skip
+    """``logprobs`` [B, T] of the batch's responses under an unsharded ``model``; 0 where masked."""
+    batch = batch.to(device)
+    was_training = model.training
+    model.eval()
+    out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    try:
+        for idx in micro_batches(
+            row_widths(batch), cfg.micro_batch_samples, cfg.micro_batch_tokens
+        ):
+            mb = trim(batch.index(idx))
+            lp, _ = response_logprobs(
+                model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+                temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens,
+                share_prompt=cfg.share_prompt_prefix,
+            )  # fmt: skip
+            out[idx, : lp.shape[1]] = lp * mb["response_mask"]
+    finally:
+        model.train(was_training)
+    return Batch({"logprobs": out.cpu()})

@@ -1,0 +1,126 @@
+"""Workflows: how a batch of experience is produced. The trainer knows only this interface.
+
+Design decision (the seed's §11 roadmap; AReaL's ``RolloutWorkflow``, verl's agent loop, TRL's
+``environment_factory``): producing experience is an object, chosen by config, and the driver
+loop is blind to what it produces — one completion per prompt, a conversation with tools, or the
+denoising trajectory of an image generator:
+
+    class Workflow(Protocol):
+        contracts: dict[str, Contract]     # the stage contracts of its batches
+        train_rows: list[PromptRow]        # what the prompt loader draws from (after filtering)
+        data_stats: dict[str, float]       # logged before training
+        def collect(rows, step, round_, version) -> Batch   # rollout + rewards ('rewarded')
+        def step_metrics(batch, seconds) -> dict[str, float]
+        def validate(step) -> dict[str, float]
+        def warm_start() -> dict[str, float]               # before RL (SFT); {} when none
+
+A workflow works with a *policy* — the roles that learn (``groupflow.policies``): it generates
+through the policy's ``rollout`` group, and the trainer hands its batches to the policy's
+``prepare``/``update``. Every sample carries the ``version`` of the policy that generated it
+(the number of updates applied so far), contract-checked, for asynchronous rollout.
+
+Built-in workflows (``rollout.workflow``): ``single_turn``, ``multi_turn`` (tools or an
+environment; chosen automatically when ``rollout.max_turns > 1``, ``rollout.tools`` or
+``rollout.environment`` is set), ``diffusion`` (with a ``diffusion:`` section). A custom one is
+an import path (``package.module:Class`` or ``path/to/file.py:Class``) whose constructor takes
+``(cfg, policy, train_rows, val_rows, rewards)`` — ``rewards`` is the configured reward runner,
+or None when a reward model alone scores — and may declare ``provided_fields`` (per-sample fields
+it hands the reward functions besides the dataset's) and a ``tokenizer_texts(cfg)`` static method
+(text a tiny model's character tokenizer must cover). See ``examples/workflows/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from groupflow.batch import Batch
+from groupflow.config import Config
+from groupflow.data import PromptRow
+
+__all__ = ["Workflow", "workflow_name", "workflow_class", "build_run", "check_paths"]
+
+
+class Workflow(Protocol):
+    contracts: dict[str, Any]
+    data_stats: dict[str, float]  # logged before training (e.g. prompts kept after filtering)
+
+    @property
+    def train_rows(self) -> list[PromptRow]: ...
+
+    def collect(self, rows: list[PromptRow], step: int, round_: int, version: int) -> Batch: ...
+
+    def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]: ...
+
+    def validate(self, step: int) -> dict[str, float]: ...
+
+    def warm_start(self) -> dict[str, float]: ...
+
+
+def workflow_name(cfg: Config) -> str:
+    """The configured workflow, ``auto`` resolved."""
+    name = cfg.rollout.workflow
+    if name != "auto":
+        return name
+    if cfg.diffusion is not None:
+        return "diffusion"
+    r = cfg.rollout
+    return "multi_turn" if (r.max_turns > 1 or r.tools or r.environment) else "single_turn"
+
+
+def check_paths(cfg: Config) -> None:
+    """Model directories the run needs must exist before anything else starts."""
+    if cfg.diffusion is None:
+        from groupflow.policies.llm import check_role_paths
+
+        check_role_paths(cfg)
+
+
+def workflow_class(cfg: Config) -> type:
+    name = workflow_name(cfg)
+    if name == "diffusion":
+        from groupflow.workflows.diffusion import DiffusionWorkflow
+
+        return DiffusionWorkflow
+    if name == "single_turn":
+        from groupflow.workflows.single_turn import SingleTurnWorkflow
+
+        return SingleTurnWorkflow
+    if name == "multi_turn":
+        from groupflow.workflows.multi_turn import MultiTurnWorkflow
+
+        return MultiTurnWorkflow
+    from groupflow.utils.imports import resolve_import_path
+
+    return resolve_import_path(name, "rollout.workflow")
+
+
+def build_run(cfg: Config, run_dir: Path):
+    """(policy, workflow, data statistics): the rule-based rewards, the data (each row checked
+    for the fields its reward needs, except those the workflow supplies while scoring), the
+    policy's worker groups and the workflow that produces their experience."""
+    from groupflow import builders
+
+    cls = workflow_class(cfg)
+    rm_only = cfg.reward_model is not None and cfg.reward_model.only
+    rewards = None if rm_only else builders.build_reward(cfg)
+    provided = tuple(getattr(cls, "provided_fields", ()))
+    train_rows, val_rows, stats = builders.build_data(cfg, rewards, provided=provided)
+    corpus = train_rows + val_rows
+    if cfg.diffusion is not None:
+        from groupflow.policies.diffusion import DiffusionPolicy
+
+        policy = DiffusionPolicy(cfg, run_dir, corpus)
+        return policy, cls(cfg, policy, train_rows, val_rows, rewards, run_dir), stats
+    from groupflow.policies.llm import LLMPolicy
+
+    # a tiny model's character tokenizer must also spell what the workflow appends (observations)
+    extra = list(cls.tokenizer_texts(cfg)) if hasattr(cls, "tokenizer_texts") else []
+    policy = LLMPolicy(cfg, run_dir, corpus, extra)
+    try:
+        workflow = cls(cfg, policy, train_rows, val_rows, rewards)
+    except BaseException:
+        policy.shutdown()  # its worker groups (Ray actors) must not outlive a failed start
+        raise
+    stats.update(getattr(workflow, "data_stats", {}))
+    return policy, workflow, stats

@@ -1,0 +1,321 @@
+"""Multi-turn episodes, token-in/token-out: model turn → environment → observation → model turn …
+
+Design decision: the episode loop lives on the driver and calls the rollout worker group once per
+turn with the contexts of the samples still running, so tools and environments (user code, often
+I/O) stay in the single controller, the workers stay stateless, and the same loop runs locally,
+on Ray and with either engine (with vLLM, its prefix cache reuses each conversation's earlier
+turns). Every sample is a :class:`Episode` holding the token ids it will be trained on, built by
+appending — never by re-encoding text:
+
+    prompt ids | turn 1 (sampled ids, mask 1) | observation ids (mask 0) | turn 2 (mask 1) | …
+
+So the ids trained are the ids sampled, and the sampling log-probs of turn k are those of the
+context the model really saw. Turn 1 samples a group's G episodes from one prefill; later turns
+decode each live episode from its own context, with a seed derived from (sample seed, turn), so a
+sample's trajectory depends on nothing but its prompt, seed and environment.
+
+Limits: ``max_turns`` model turns, ``max_new_tokens`` per turn, ``max_response_tokens`` for
+everything after the prompt (model and observation tokens), ``max_observation_tokens`` per
+observation (the observation's text is cut, marked, and rendered again). An episode ends when its
+environment says done (a tool environment: a turn without a tool call), when a model turn is cut
+by a limit (``length``), at the turn limit (``max_turns``), or when its environment fails
+(``env_failure``: raised, timed out or returned garbage — counted, and the sample later gets
+``reward.failure_value``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from groupflow.agents.calls import run_async
+from groupflow.agents.environments import StepResult, reset_env, step_env
+from groupflow.agents.formats import TurnFormat
+from groupflow.batch import Batch
+from groupflow.data import PromptRow
+from groupflow.rollout.batching import prompts_batch
+from groupflow.rollout.hf import SamplingParams
+
+log = logging.getLogger("groupflow")
+
+__all__ = ["EpisodeLimits", "Episode", "run_episodes", "episodes_batch", "turn_seed"]
+
+_TRUNCATED = " …[cut]"
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_new_tokens: int  # per model turn
+    max_response_tokens: int  # model + observation tokens after the prompt
+    max_observation_tokens: int | None = None
+    env_timeout_s: float | None = 30.0
+
+
+@dataclass
+class Episode:
+    """One sample's conversation as token ids (see the module docstring)."""
+
+    row: PromptRow
+    env: Any
+    seed: int
+    group: int
+    prompt_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turn_texts: list[str] = field(default_factory=list)
+    env_rewards: list[float] = field(default_factory=list)
+    observation_tokens: int = 0
+    finish: str = ""
+    failure: str | None = None
+    failure_kind: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    def add_model_turn(self, ids: list[int], logprobs: list[float], text: str) -> None:
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.turn_texts.append(text)
+        self.messages.append({"role": "assistant", "content": text})
+
+    def add_observation(self, ids: list[int], messages: list[dict[str, Any]]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.observation_tokens += len(ids)
+        self.messages += messages
+
+    def fail(self, result: StepResult) -> None:
+        self.finish, self.failure, self.failure_kind = (
+            "env_failure",
+            result.failure,
+            result.failure_kind,
+        )
+
+
+def turn_seed(sample_seed: int, turn: int) -> int:
+    """The generator seed of one sample's model turn (turn 0: the sample's own seed)."""
+    return sample_seed if turn == 0 else (sample_seed * 1_000_033 + turn * 7_919) % (2**63 - 1)
+
+
+def run_episodes(
+    rows: Sequence[PromptRow],
+    prompt_ids: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    group_ids: Sequence[int],
+    *,
+    n: int,
+    generate: Callable[[Batch, SamplingParams, int], Batch],
+    params: SamplingParams,
+    make_env: Callable[[], Any],
+    fmt: TurnFormat,
+    tokenizer,
+    limits: EpisodeLimits,
+    max_prompt_tokens: int | None = None,
+) -> list[Episode]:
+    """Run ``n`` episodes per row (sample j of row i at i*n + j, seed ``seeds[i*n + j]``).
+
+    ``prompt_ids`` are the rows' encoded prompts; an environment whose ``reset`` returns a first
+    observation extends its sample's prompt (rendered again with it)."""
+    episodes = [
+        Episode(row, make_env(), seeds[i * n + j], group_ids[i], list(prompt_ids[i]))
+        for i, row in enumerate(rows)
+        for j in range(n)
+    ]
+    try:
+        _reset(episodes, fmt, tokenizer, limits, max_prompt_tokens)
+        for turn in range(limits.max_turns):
+            live = [e for e in episodes if not e.done]
+            if not live:
+                break
+            budget = [limits.max_response_tokens - len(e.ids) for e in live]
+            width = min(limits.max_new_tokens, max(budget))
+            batch, per_prompt = _turn_inputs(live, turn, n, prompts_batch)
+            out = generate(batch, replace(params, max_new_tokens=max(1, width), n=per_prompt), 0)
+            _take_turn(live, out, budget, limits, tokenizer)
+            stepping = [e for e in live if not e.done]
+            if not stepping:
+                continue
+            results = run_async(_step_all(stepping, limits.env_timeout_s))
+            for e, r in zip(stepping, results):
+                _apply(e, r, turn, fmt, tokenizer, limits)
+    finally:
+        for e in episodes:
+            close = getattr(e.env, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # cleanup of user code must not lose the batch
+                    log.warning("closing environment %s failed: %s", type(e.env).__name__, exc)
+    for e in episodes:
+        e.finish = e.finish or "max_turns"
+    return episodes
+
+
+def _reset(episodes: list[Episode], fmt: TurnFormat, tokenizer, limits: EpisodeLimits,
+           max_prompt_tokens: int | None) -> None:  # fmt: skip
+    results = run_async(_reset_all(episodes, limits.env_timeout_s))
+    first: dict[int, tuple[int, ...]] = {}
+    for e, r in zip(episodes, results):
+        if r.failure is not None:
+            e.fail(r)
+            continue
+        if r.observation:
+            text = fmt.prompt_text(e.row.prompt, r.observation)
+            e.prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            e.messages += r.observation
+            if max_prompt_tokens is not None and len(e.prompt_ids) > max_prompt_tokens:
+                e.fail(StepResult(None, failure=f"the first observation makes the prompt "
+                                  f"{len(e.prompt_ids)} tokens, more than data.max_prompt_tokens="
+                                  f"{max_prompt_tokens}", failure_kind="invalid"))  # fmt: skip
+        key = tuple(e.prompt_ids)
+        if first.setdefault(e.group, key) != key:
+            raise ValueError(
+                f"environment {type(e.env).__qualname__}: reset returned different first "
+                f"observations for samples of one group (row {e.row.index} of {e.row.source}); "
+                "GRPO compares answers to the same prompt, so reset must depend only on the row "
+                "(draw any randomness from a row field, e.g. a seed column)"
+            )
+
+
+async def _reset_all(episodes: list[Episode], timeout_s: float | None) -> list[StepResult]:
+    return await asyncio.gather(*(reset_env(e.env, _row_dict(e.row), timeout_s) for e in episodes))
+
+
+def _row_dict(row: PromptRow) -> dict[str, Any]:
+    return {"prompt": row.prompt, **row.fields}
+
+
+def _turn_inputs(live: list[Episode], turn: int, n: int, prompts_batch) -> tuple[Batch, int]:
+    """Turn 0 of whole groups shares one prefill per prompt (n samples); later turns (and groups
+    thinned by failed resets) decode each episode from its own context."""
+    if turn == 0 and len(live) % n == 0:
+        firsts = live[::n]
+        whole = all(
+            live[k * n + j].group == firsts[k].group
+            and live[k * n + j].context == firsts[k].context
+            for k in range(len(firsts))
+            for j in range(n)
+        )
+        if whole:
+            return prompts_batch(
+                [e.context for e in firsts],
+                [[e.seed for e in live[k * n : (k + 1) * n]] for k in range(len(firsts))],
+                [e.group for e in firsts],
+            ), n
+    return prompts_batch(
+        [e.context for e in live],
+        [[turn_seed(e.seed, turn)] for e in live],
+        [e.group for e in live],
+    ), 1
+
+
+def _take_turn(live: list[Episode], out: Batch, budget: list[int], limits: EpisodeLimits,
+               tokenizer) -> None:  # fmt: skip
+    responses, mask, logps = out["responses"], out["response_mask"], out["rollout_logprobs"]
+    for k, e in enumerate(live):
+        m = mask[k].bool()
+        ids, lps = responses[k][m].tolist(), logps[k][m].tolist()
+        reason = out["finish_reason"][k]
+        if len(ids) > budget[k]:  # the batch decoded to the longest budget; this one has less
+            ids, lps, reason = ids[: budget[k]], lps[: budget[k]], "length"
+        e.add_model_turn(ids, lps, tokenizer.decode(ids, skip_special_tokens=True))
+        if reason == "length":
+            e.finish = "length"
+
+
+async def _step_all(episodes: list[Episode], timeout_s: float | None) -> list[StepResult]:
+    return await asyncio.gather(*(step_env(e.env, e.turn_texts[-1], timeout_s) for e in episodes))
+
+
+def _apply(e: Episode, r: StepResult, turn: int, fmt: TurnFormat, tokenizer,
+           limits: EpisodeLimits) -> None:  # fmt: skip
+    if r.failure is not None:
+        e.fail(r)
+        return
+    e.env_rewards.append(r.reward)
+    if r.done or not r.observation:
+        e.finish = "stop"
+        return
+    if turn == limits.max_turns - 1:
+        e.finish = "max_turns"
+        return
+    last = e.ids[-1] if e.ids else None
+    try:
+        messages, ids = _observation(fmt, r.observation, last, limits.max_observation_tokens)
+    except ValueError as exc:  # the environment's observation cannot be rendered
+        e.fail(
+            StepResult(None, failure=f"{type(e.env).__qualname__}: {exc}", failure_kind="invalid")
+        )
+        return
+    if len(e.ids) + len(ids) >= limits.max_response_tokens:  # no room left for a model token
+        e.finish = "length"
+        return
+    e.add_observation(ids, messages)
+
+
+def _observation(fmt: TurnFormat, messages: list[dict], last: int | None,
+                 max_tokens: int | None) -> tuple[list[dict], list[int]]:  # fmt: skip
+    """The observation's ids; over ``max_tokens``, its texts are cut (marked) until they fit."""
+    ids = fmt.observation_ids(messages, last)
+    if max_tokens is None or len(ids) <= max_tokens:
+        return messages, ids
+    original = [m["content"] for m in messages]
+    keep = 1.0  # the share of each message's text that is kept
+    for _ in range(12):
+        keep *= 0.9 * max_tokens / len(ids)
+        cut = [{**m, "content": text[: int(len(text) * keep)] + _TRUNCATED}
+               for m, text in zip(messages, original)]  # fmt: skip
+        ids = fmt.observation_ids(cut, last)
+        if len(ids) <= max_tokens:
+            return cut, ids
+    raise ValueError(
+        f"the observation's template alone is longer than max_observation_tokens={max_tokens}"
+    )
+
+
+def episodes_batch(episodes: list[Episode], pad_id: int, width: int) -> Batch:
+    """Fixed-width tensors of the episodes: prompts left-padded, responses right-padded to ``width``
+    (so batches of different steps or ranks concatenate), observation tokens with mask 0."""
+    p_width = max(len(e.prompt_ids) for e in episodes)
+    b = len(episodes)
+    prompt_ids = torch.full((b, p_width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((b, p_width), dtype=torch.long)
+    responses = torch.full((b, width), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((b, width), dtype=torch.long)
+    logprobs = torch.zeros((b, width), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        p = len(e.prompt_ids)
+        if p:
+            prompt_ids[i, p_width - p :] = torch.tensor(e.prompt_ids)
+            prompt_mask[i, p_width - p :] = 1
+        t = len(e.ids)
+        if t:
+            responses[i, :t] = torch.tensor(e.ids)
+            response_mask[i, :t] = torch.tensor(e.mask)
+            logprobs[i, :t] = torch.tensor(e.logprobs)
+    return Batch(
+        {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "responses": responses,
+            "response_mask": response_mask,
+            "rollout_logprobs": logprobs,
+            "group_ids": torch.tensor([e.group for e in episodes], dtype=torch.long),
+        },
+        {"finish_reason": [e.finish for e in episodes]},
+    )

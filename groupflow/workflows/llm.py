@@ -1,0 +1,163 @@
+"""What the LLM workflows share: encoded prompts, the reward call, per-step metrics, and evaluation
+through the workflow's own episodes.
+
+Design decision: single- and multi-turn workflows differ only in how one prompt becomes a
+sample (one completion, or a conversation with tools); loading and encoding prompts, calling the
+reward functions with the dataset's fields, building a ``samples.jsonl``-ready Batch, computing
+step metrics and turning scored records into validation accuracy are the same code, here, used by
+composition. Validation and the warm start's probe run the *workflow's* episodes, so a tool-using
+policy is evaluated with its tools.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from groupflow import builders
+from groupflow.batch import Batch
+from groupflow.config import Config
+from groupflow.data import PromptRow
+from groupflow.evaluation import evaluate
+from groupflow.rollout.hf import SamplingParams
+from groupflow.sft import warm_start
+from groupflow.workers.reward_model import ModelRewardRunner
+
+__all__ = [
+    "row_fields",
+    "with_prompt_info",
+    "llm_step_metrics",
+    "build_rewards",
+    "add_rewards",
+    "PromptTable",
+]
+
+
+def row_fields(rows: Sequence[PromptRow]) -> dict[str, list]:
+    """Per-sample dataset fields by name, for the reward functions (missing → None)."""
+    keys = dict.fromkeys(k for r in rows for k in r.fields)
+    return {k: [r.fields.get(k) for r in rows] for k in keys}
+
+
+def with_prompt_info(out: Batch, rows: list[PromptRow], texts: list[str], n: int,
+                     uid_prefix: str, version: int) -> Batch:  # fmt: skip
+    """Attach uids, prompt text, dataset rows and the policy version to generated samples
+    (sample j of prompt i at i*n + j)."""
+    b = len(rows) * n
+    out["uid"] = [f"{uid_prefix}-{i}" for i in range(b)]
+    out["prompt"] = [texts[i // n] for i in range(b)]
+    out["row"] = [rows[i // n] for i in range(b)]
+    out["version"] = torch.full((b,), version, dtype=torch.long)
+    return out
+
+
+def build_rewards(cfg: Config, policy, rules, prompt_tables: Sequence):
+    """The reward runner: the rule-based functions (``rules``, None when the reward model alone
+    scores), plus the reward model role when configured."""
+    reward_fn = rules
+    if cfg.reward_model is not None:
+        rm = cfg.reward_model
+        raw = {t: r.prompt for table in prompt_tables for t, r in zip(table.texts, table.rows)}
+        reward_fn = ModelRewardRunner(
+            reward_fn, policy.reward_model, weight=rm.weight, label=rm.label, raw_prompts=raw
+        )
+    return reward_fn
+
+
+def add_rewards(reward_fn, batch: Batch, completions: list[str], **extra: list) -> Batch:
+    """``rewards`` [B] from the reward runner, called with the dataset fields and ``extra``
+    per-sample fields (e.g. a trajectory's messages); metrics go to ``batch.meta``."""
+    lengths = batch["response_mask"].sum(1).tolist()
+    result = reward_fn(
+        list(batch["prompt"]), completions, completion_lengths=lengths,
+        **row_fields(batch["row"]), **extra,
+    )  # fmt: skip
+    batch["rewards"] = result.total.float()
+    batch.meta["reward_metrics"] = result.metrics
+    return batch
+
+
+def llm_step_metrics(batch: Batch, seconds: float) -> dict[str, float]:
+    """Rewards, advantages and response lengths (model tokens only: observation tokens of a
+    multi-turn sample are not the policy's) of one training batch."""
+    rewards, adv = batch["rewards"], batch["advantages"]
+    lengths = batch["response_mask"].sum(1).float()
+    finished_by_length = sum(r == "length" for r in batch["finish_reason"]) / len(batch)
+    m = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "reward/max": float(rewards.max()),
+        "reward/min": float(rewards.min()),
+        "acc/train": float((rewards >= 1.0).float().mean()),
+        "advantages/mean": float(adv.mean()),
+        "advantages/std": float(adv.std(unbiased=False)),
+        "advantages/max": float(adv.max()),
+        "advantages/min": float(adv.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(finished_by_length),
+        "batch/samples": float(len(batch)),
+    }
+    # prompt tokens count once per sample, observation tokens not at all (they are not decoded)
+    prompt = float(batch["prompt_mask"].sum()) if "prompt_mask" in batch else 0.0
+    m["perf/tokens_per_s"] = (float(lengths.sum()) + prompt) / max(seconds, 1e-9)
+    m.update(batch.meta.get("rollout_metrics", {}))
+    for k, v in batch.meta.get("reward_metrics", {}).items():
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            m[k] = float(v)
+    return m
+
+
+class PromptTable:
+    """Prompt rows with their rendered text and token ids (``builders.EncodedPrompts``), looked up
+    by row identity: rollout never renders or tokenizes a prompt again."""
+
+    def __init__(self, encoded: builders.EncodedPrompts):
+        self.encoded = encoded
+        self._by_row = {id(r): (t, i) for r, t, i in zip(encoded.rows, encoded.texts, encoded.ids)}
+
+    @property
+    def rows(self) -> list[PromptRow]:
+        return self.encoded.rows
+
+    @property
+    def texts(self) -> list[str]:
+        return self.encoded.texts
+
+    def lookup(self, rows: Sequence[PromptRow]) -> tuple[list[str], list[list[int]]]:
+        texts, ids = zip(*(self._by_row[id(r)] for r in rows))
+        return list(texts), list(ids)
+
+
+Scorer = Callable[[Any, SamplingParams, int], list[dict[str, Any]]]
+
+
+def validate_llm(cfg: Config, score: Scorer, val: builders.EncodedPrompts | None,
+                 sampling: SamplingParams, return_records: bool = False,
+                 progress_label: str = "validation"):  # fmt: skip
+    """Greedy and sampled accuracy on the held-out prompts through ``score`` (the workflow's
+    episodes); progress shows as ``progress_label`` (a bar of its own command stays)."""
+    if val is None:
+        return ({}, {}) if return_records else {}
+    v = cfg.validation
+    return evaluate(
+        score, val, base_params=sampling, samples=v.samples_per_prompt,
+        temperature=v.temperature, greedy=v.greedy, seed=cfg.run.seed,
+        return_records=return_records, progress_label=progress_label,
+        progress_leave=progress_label != "validation",
+    )  # fmt: skip
+
+
+def llm_warm_start(cfg: Config, policy, examples, score: Scorer, train) -> dict[str, float]:
+    """The supervised warm start (``sft.steps``), probed through the workflow's episodes."""
+    if not cfg.sft.steps:
+        return {}
+    greedy = replace(policy.sampling, temperature=0.0, n=1)
+    return warm_start(
+        policy.actor, examples, lambda probe: score(probe, greedy, cfg.run.seed), train,
+        cfg.sft, cfg.run.seed, sync=policy.sync,
+    )  # fmt: skip

@@ -1,0 +1,120 @@
+"""Tools and environments referenced by import path in tests (``agent_helpers:Name``); the
+``helpers_on_path`` fixture puts this directory on ``sys.path``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+def lookup(city: str, unit: str = "C", api_base: str = "x") -> str:
+    """Current temperature of a city.
+
+    Args:
+        city: the city's name.
+        unit: C or F.
+        api_base: where to ask.
+    """
+    return f"{city}: 21{unit}"
+
+
+def slow_tool(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: how long to sleep.
+    """
+    time.sleep(float(seconds))
+    return "done"
+
+
+def failing_tool(x: str) -> str:
+    """Always fails.
+
+    Args:
+        x: anything.
+    """
+    raise RuntimeError(f"cannot handle {x}")
+
+
+class CountdownEnv:
+    """Answers every turn with the number of turns left; done after ``turns`` steps; reward 1 for
+    each turn whose text contains the row's ``target`` string."""
+
+    def __init__(self, turns: int = 2):
+        self.turns = turns
+
+    def reset(self, row):
+        self.target = str(row.get("target", ""))
+        self.left = self.turns
+        return None
+
+    def step(self, text):
+        self.left -= 1
+        reward = 1.0 if self.target and self.target in text else 0.0
+        return (f"left {self.left}", reward, self.left <= 0)
+
+
+class AsyncEchoEnv:
+    async def reset(self, row):
+        await asyncio.sleep(0)
+        return f"start {row['prompt']}"
+
+    async def step(self, text):
+        await asyncio.sleep(0)
+        return ({"role": "user", "content": f"echo {len(text)}"}, 0.5, False)
+
+
+class RaisingEnv:
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        raise KeyError("the simulator crashed")
+
+
+class HangingEnv:
+    def reset(self, row):
+        return None
+
+    async def step(self, text):
+        await asyncio.sleep(60)
+
+
+class GarbageEnv:
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        return "not a tuple"
+
+
+class RandomResetEnv:
+    """Breaks the group contract: every instance starts differently."""
+
+    count = 0
+
+    def reset(self, row):
+        RandomResetEnv.count += 1
+        return f"start {RandomResetEnv.count}"
+
+    def step(self, text):
+        return None, 0.0, True
+
+
+SEEN: list[dict] = []
+
+
+def record_trajectory(prompts, completions, messages, turns, tool_calls, env_rewards, trajectory):
+    """Records what a multi-turn reward receives; scores the environment's summed reward."""
+    SEEN.append(
+        {"prompts": list(prompts), "completions": list(completions), "messages": list(messages),
+         "turns": list(turns), "tool_calls": list(tool_calls), "env_rewards": list(env_rewards),
+         "trajectory": list(trajectory)}
+    )  # fmt: skip
+    return [float(sum(r)) for r in env_rewards]
+
+
+def needs_env_rewards(prompts, completions, env_rewards):
+    """A reward that only a multi-turn workflow can feed."""
+    return [float(sum(r)) for r in env_rewards]

@@ -73,7 +73,7 @@ _EVIDENCE = (
     "wandb",
     "mlruns",
 )
-# Temp files of the atomic writers (tracking._atomic_write_text): ".tmp_<name>_<pid>".
+# Temp files of the atomic writers (run_files.atomic_write_text): ".tmp_<name>_<pid>".
 _TMP_FILE = re.compile(r"^\.tmp_(.+)_\d+$")
 
 # Keys a resume may change without being told: they decide where and how the run is written and

@@ -16,9 +16,6 @@ resumed step are dropped from ``metrics.jsonl``/``samples.jsonl`` so steps never
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import importlib.util
 import json
 import math
 import numbers
@@ -28,12 +25,27 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, Protocol, TextIO, runtime_checkable
+from typing import Any, TextIO
 
-import yaml
-
+from groupflow.run_files import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    SAMPLES_FILE,
+    read_metrics,
+    save_config,
+    to_json_safe,
+    to_plain,
+    truncate_jsonl_after,
+)
+from groupflow.tracking_backends import (
+    BackendContext,
+    LoggerBackend,
+    MissingBackendPackageError,
+    make_mlflow,
+    make_tensorboard,
+    make_wandb,
+)
 from groupflow.utils.env import redact_secrets
-from groupflow.utils.metric_names import MLFLOW, WANDB, NameMap
 
 __all__ = [
     "BACKENDS",
@@ -54,189 +66,11 @@ __all__ = [
     "truncate_jsonl_after",
 ]
 
-METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"
-CONFIG_FILE = "config.yaml"
 _RESERVED_KEYS = ("step", "wall_time")
-# MLflow rejects longer parameter values (MAX_PARAM_VAL_LENGTH since 2.x).
-_MLFLOW_MAX_PARAM_LEN = 6000
 
 
 class UnknownBackendError(ValueError):
     """A logger backend name that is not registered."""
-
-
-class MissingBackendPackageError(ImportError):
-    """A logger backend was requested whose third-party package is not installed."""
-
-
-@runtime_checkable
-class LoggerBackend(Protocol):
-    """Where metrics go. ``metrics`` values are floats (possibly NaN); ``step`` is a non-negative int."""
-
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendContext:
-    """Everything a backend factory may use; ``config`` is already plain and redacted."""
-
-    run_dir: Path
-    project: str
-    run_name: str
-    config: dict[str, Any]
-    console_every: int = 10
-    total_steps: int | None = None
-    resume_step: int | None = None
-    console_file: TextIO | None = None
-
-
-# ---------------------------------------------------------------------------------------------
-# JSON / YAML helpers
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    # A reader (or a crash) must see either the old file or the new one, never half of one.
-    tmp = path.with_name(f".tmp_{path.name}_{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _to_json_safe(obj: Any, where: str) -> Any:
-    """Plain JSON types; non-finite floats become None; tensors/arrays via ``tolist()``."""
-    if obj is None or isinstance(obj, (str, bool)):
-        return obj
-    if isinstance(obj, numbers.Integral):
-        return int(obj)
-    if isinstance(obj, numbers.Real):
-        value = float(obj)
-        return value if math.isfinite(value) else None
-    if isinstance(obj, Mapping):
-        out = {}
-        for key, value in obj.items():
-            if not isinstance(key, (str, int)):
-                raise TypeError(f"{where}: key {key!r} must be a string, got {type(key).__name__}")
-            out[str(key)] = _to_json_safe(value, f"{where}.{key}")
-        return out
-    if isinstance(obj, (list, tuple)):
-        return [_to_json_safe(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    if callable(getattr(obj, "tolist", None)):  # torch tensors, NumPy arrays and scalars
-        return _to_json_safe(obj.tolist(), where)
-    raise TypeError(f"{where}: a {type(obj).__name__} cannot be written as JSON")
-
-
-def _to_plain(obj: Any, where: str) -> Any:
-    """A config object (pydantic model, dataclass, mapping) as plain dicts/lists/scalars for YAML."""
-    if hasattr(obj, "model_dump") and callable(obj.model_dump):
-        return _to_plain(obj.model_dump(mode="json"), where)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _to_plain(dataclasses.asdict(obj), where)
-    if isinstance(obj, Mapping):
-        return {str(k): _to_plain(v, f"{where}.{k}" if where else str(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, enum.Enum):
-        return _to_plain(obj.value, where)
-    if obj is None or isinstance(obj, (str, bool, int, float)):
-        return obj
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    if callable(getattr(obj, "tolist", None)):
-        return _to_plain(obj.tolist(), where)
-    raise TypeError(
-        f"config value at '{where}' has type {type(obj).__name__}, which cannot be saved"
-    )
-
-
-def save_config(run_dir: str | os.PathLike[str], config: Any) -> Path:
-    """Write the resolved config (secrets redacted) to ``run_dir/config.yaml``; returns the path."""
-    plain = _to_plain(config, "")
-    if not isinstance(plain, dict):
-        raise TypeError(
-            f"config must be a mapping (or pydantic model/dataclass), got {type(config).__name__}"
-        )
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / CONFIG_FILE
-    text = yaml.safe_dump(redact_secrets(plain), sort_keys=False, allow_unicode=True)
-    _atomic_write_text(path, text)
-    return path
-
-
-def _read_jsonl_rows(path: Path) -> tuple[list[dict[str, Any]], bool]:
-    """Rows of a JSONL file, and whether a truncated last line (crash, live writer) was dropped."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            if lineno == len(lines):
-                warnings.warn(
-                    f"{path}:{lineno}: dropping a truncated last line ({err.msg})", stacklevel=3
-                )
-                return rows, True
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object with an integer 'step'")
-        rows.append(row)
-    return rows, False
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as f:
-        if f.seek(0, os.SEEK_END) == 0:
-            return True
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
-def truncate_jsonl_after(path: str | os.PathLike[str], step: int) -> list[dict[str, Any]]:
-    """Drop rows whose ``step`` is greater than ``step`` (atomically); returns the rows kept.
-
-    Used on resume so that steps re-run after the checkpoint are not logged twice; a truncated last
-    line left by a crash is removed too (appending after it would corrupt the next row). ``step=-1``
-    empties the file. A missing file is treated as empty.
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows, dropped_tail = _read_jsonl_rows(path)
-    kept = [row for row in rows if row["step"] <= step]
-    if dropped_tail or len(kept) != len(rows) or not _ends_with_newline(path):
-        _atomic_write_text(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
-    return kept
-
-
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, float]]:
-    """Per-step metrics from a run directory or a ``metrics.jsonl`` path, sorted by step.
-
-    Several lines with the same step (e.g. training then validation metrics) are merged; ``null``
-    values come back as NaN. A missing file raises ``FileNotFoundError``.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics file at {path} (a run writes it as it trains)")
-    merged: dict[int, dict[str, float]] = {}
-    for row in _read_jsonl_rows(path)[0]:
-        entry = merged.setdefault(row["step"], {})
-        for key, value in row.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                entry[key] = float(value)
-            elif value is None:
-                entry[key] = math.nan
-    return [{**merged[step], "step": float(step)} for step in sorted(merged)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,137 +203,6 @@ class ConsoleBackend:
         self._bar.close()
 
 
-class TensorBoardBackend:
-    """Scalars into ``run_dir/tensorboard`` via ``torch.utils.tensorboard.SummaryWriter`` (tags are
-    stored as they are: TensorBoard restricts no characters)."""
-
-    def __init__(self, log_dir: Path, resume_step: int | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step hides events a crashed run wrote after the checkpoint (or all of an old run).
-        purge = 0 if resume_step is None else resume_step + 1
-        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge, flush_secs=10)
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        for key, value in metrics.items():
-            self._writer.add_scalar(key, value, global_step=step)
-
-    def close(self) -> None:
-        self._writer.flush()
-        self._writer.close()
-
-
-class WandbBackend:
-    """A W&B run in ``run_dir/wandb``; the mode comes from ``WANDB_MODE`` (``offline`` needs no network)."""
-
-    ID_FILE = "wandb_run_id.txt"
-
-    def __init__(self, ctx: BackendContext) -> None:
-        import wandb
-
-        id_file = ctx.run_dir / self.ID_FILE
-        resume: dict[str, Any] = {}
-        if ctx.resume_step is not None and id_file.exists():
-            resume = {"id": id_file.read_text(encoding="utf-8").strip(), "resume": "allow"}
-        self._run = wandb.init(
-            project=ctx.project,
-            name=ctx.run_name,
-            dir=str(ctx.run_dir),
-            config=ctx.config,
-            **resume,
-        )
-        _atomic_write_text(id_file, self._run.id)
-        self._names = NameMap(WANDB)  # names its UI can sort and filter
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self._run.log(self._names.translate(metrics), step=step)
-
-    def close(self) -> None:
-        self._run.finish()
-
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            out.update(_flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
-
-
-class MlflowBackend:
-    """An MLflow run: local file store ``run_dir/mlruns`` unless ``MLFLOW_TRACKING_URI`` is set."""
-
-    ID_FILE = "mlflow_run_id.txt"
-
-    def __init__(self, ctx: BackendContext) -> None:
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
-            uri = (ctx.run_dir / "mlruns").resolve().as_uri()
-            # MLflow 3 refuses file stores unless opted in; a local, dependency-free store is the
-            # point of this default (a sqlite store would need SQLAlchemy, i.e. full mlflow).
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        from mlflow.entities import Metric, Param
-        from mlflow.tracking import MlflowClient
-
-        self._metric_cls = Metric
-        self._client = MlflowClient(tracking_uri=uri)
-        self._names = NameMap(MLFLOW)  # MLflow rejects a batch with one name it does not accept
-        id_file = ctx.run_dir / self.ID_FILE
-        if ctx.resume_step is not None and id_file.exists():
-            self._run_id = id_file.read_text(encoding="utf-8").strip()
-            self._client.update_run(self._run_id, status="RUNNING")
-            return
-        experiment = self._client.get_experiment_by_name(ctx.project)
-        exp_id = (
-            experiment.experiment_id if experiment else self._client.create_experiment(ctx.project)
-        )
-        self._run_id = self._client.create_run(exp_id, run_name=ctx.run_name).info.run_id
-        keys = NameMap(MLFLOW)
-        params = [
-            Param(keys(k), str(v)[:_MLFLOW_MAX_PARAM_LEN]) for k, v in _flatten(ctx.config).items()
-        ]
-        for i in range(0, len(params), 100):  # MLflow caps a batch at 100 params
-            self._client.log_batch(self._run_id, params=params[i : i + 100])
-        _atomic_write_text(id_file, self._run_id)
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        stamp = int(time.time() * 1000)
-        batch = [self._metric_cls(self._names(k), v, stamp, step) for k, v in metrics.items()]
-        for i in range(0, len(batch), 1000):  # MLflow caps a batch at 1000 metrics
-            self._client.log_batch(self._run_id, metrics=batch[i : i + 1000])
-
-    def close(self) -> None:
-        self._client.set_terminated(self._run_id)
-
-
-def _require(backend: str, module: str, pip_name: str) -> None:
-    # find_spec only looks the package up, so a missing optional dependency is reported before
-    # any partial import, with the install line.
-    if importlib.util.find_spec(module) is None:
-        raise MissingBackendPackageError(
-            f"logger backend '{backend}' needs the '{module}' package, which is not installed; "
-            f"install it with: pip install 'groupflow[loggers]'  (or: pip install {pip_name})"
-        )
-
-
-def _make_tensorboard(ctx: BackendContext) -> LoggerBackend:
-    _require("tensorboard", "tensorboard", "tensorboard")
-    return TensorBoardBackend(ctx.run_dir / "tensorboard", ctx.resume_step)
-
-
-def _make_wandb(ctx: BackendContext) -> LoggerBackend:
-    _require("wandb", "wandb", "wandb")
-    return WandbBackend(ctx)
-
-
-def _make_mlflow(ctx: BackendContext) -> LoggerBackend:
-    _require("mlflow", "mlflow", "mlflow-skinny")
-    return MlflowBackend(ctx)
-
-
 BackendFactory = Callable[[BackendContext], LoggerBackend]
 
 BACKENDS: dict[str, BackendFactory] = {
@@ -507,9 +210,9 @@ BACKENDS: dict[str, BackendFactory] = {
     "console": lambda ctx: ConsoleBackend(
         ctx.total_steps, ctx.console_every, initial_step=ctx.resume_step or 0, file=ctx.console_file
     ),
-    "tensorboard": _make_tensorboard,
-    "wandb": _make_wandb,
-    "mlflow": _make_mlflow,
+    "tensorboard": make_tensorboard,
+    "wandb": make_wandb,
+    "mlflow": make_mlflow,
 }
 
 
@@ -599,7 +302,7 @@ class Tracker:
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        plain_config = {} if config is None else redact_secrets(_to_plain(config, ""))
+        plain_config = {} if config is None else redact_secrets(to_plain(config, ""))
         if config is not None:
             save_config(self.run_dir, plain_config)
         self._samples_path = self.run_dir / SAMPLES_FILE
@@ -689,7 +392,7 @@ class Tracker:
                 raise ValueError(
                     f"samples row {i} has a 'step' key; the tracker adds the step itself"
                 )
-            safe = _to_json_safe(row, f"samples row {i}")
+            safe = to_json_safe(row, f"samples row {i}")
             lines.append(json.dumps({"step": int(step), **safe}, allow_nan=False) + "\n")
         if self._samples_file is None:
             self._samples_file = open(self._samples_path, "a", encoding="utf-8")

@@ -2,7 +2,13 @@ import pytest
 import torch
 
 from groupflow.batch import Batch
-from groupflow.contracts import ContractError, FieldSpec, get_contract, validate
+from groupflow.contracts import (
+    ContractError,
+    FieldSpec,
+    check_staleness,
+    get_contract,
+    validate,
+)
 
 
 def rollout(n=4, t=3):
@@ -12,6 +18,7 @@ def rollout(n=4, t=3):
             "responses": torch.ones(n, t, dtype=torch.long),
             "response_mask": torch.ones(n, t, dtype=torch.bool),
             "rollout_logprobs": -torch.ones(n, t),
+            "version": torch.zeros(n, dtype=torch.long),
         },
         {"uid": [f"u{i}" for i in range(n)], "prompt": ["p", "p", "q", "q"][:n]},
     )
@@ -159,3 +166,24 @@ def test_object_key_given_as_tensor():
     b["uid"] = torch.arange(4)
     with pytest.raises(ContractError, match="'uid': expected per-sample Python values"):
         validate(b, "rollout")
+
+
+def test_version_is_required():
+    b = staged("rollout")
+    del b["version"]
+    with pytest.raises(
+        ContractError, match="key 'version': expected a int entry, found no such key"
+    ):
+        validate(b, "rollout")
+
+
+def test_staleness_bound_names_the_stale_and_the_future_samples():
+    b = staged("train_ready")
+    b["version"] = torch.tensor([3, 4, 2, 4])
+    assert check_staleness(b, current=4, max_staleness=2) is b  # 4 - 2 = 2 is still allowed
+    with pytest.raises(ContractError, match=r"'version': expected >= 3 .*max staleness 1.*'u2'"):
+        check_staleness(b, current=4, max_staleness=1)
+    with pytest.raises(ContractError, match=r"'version': expected >= 4 .*'u0', 'u2'"):
+        check_staleness(b, current=4, max_staleness=0)
+    with pytest.raises(ContractError, match=r"versions from the future in 2 sample.*'u1', 'u3'"):
+        check_staleness(b, current=3, max_staleness=1)

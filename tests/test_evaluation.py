@@ -8,6 +8,8 @@ scores the text, so every metric below is computed by hand from the plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from groupflow.data import PromptRow
 from groupflow.evaluation import evaluate, pass_at_k
 from groupflow.rewards.base import RewardFunction, RewardRunner
 from groupflow.rollout.hf import SamplingParams
+from groupflow.workflows.single_turn import SingleTurnWorkflow
 
 RIGHT, CLOSE, WRONG = 1, 2, 3
 TEXT = {RIGHT: "right", CLOSE: "close", WRONG: "wrong"}
@@ -87,13 +90,19 @@ def _runner() -> RewardRunner:
     return RewardRunner([RewardFunction("score", _score)])
 
 
+def _scorer(actor: FakeActor):
+    """The single-turn workflow's own ``score`` over the fake actor, tokenizer and real runner."""
+    workflow = SimpleNamespace(
+        policy=SimpleNamespace(rollout=actor, tokenizer=FakeTokenizer()), reward_fn=_runner()
+    )
+    return partial(SingleTurnWorkflow.score, workflow)
+
+
 def _evaluate(sampled=SAMPLED, **kwargs):
     actor = FakeActor(GREEDY, sampled)
     out = evaluate(
-        actor,
-        FakeTokenizer(),
+        _scorer(actor),
         _encoded(),
-        _runner(),
         base_params=SamplingParams(max_new_tokens=4, temperature=0.7),
         seed=5,
         **kwargs,
@@ -189,10 +198,8 @@ def test_rows_without_data_source_are_reported_as_default():
         PromptRow(prompt=r.prompt, fields={}, source=r.source, index=r.index) for r in encoded.rows
     ]
     metrics = evaluate(
-        FakeActor(GREEDY, SAMPLED),
-        FakeTokenizer(),
+        _scorer(FakeActor(GREEDY, SAMPLED)),
         encoded,
-        _runner(),
         base_params=SamplingParams(max_new_tokens=4),
         samples=1,
     )

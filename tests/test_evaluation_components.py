@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from groupflow.evaluation import evaluate
 from groupflow.rewards import build_reward_runner
 from groupflow.rewards.base import RewardFunction, RewardRunner
 from groupflow.rollout.hf import SamplingParams
+from groupflow.workflows.single_turn import SingleTurnWorkflow
 
 # prompt i has ground truth "7"; completions per prompt (greedy: the first; sampled: all three)
 PLANS = [
@@ -72,11 +75,14 @@ STRICT_AND_FLEXIBLE = [
 
 def _run(runner, sources=("openai/gsm8k",) * 3, **kwargs):
     vocab = [c for plan in PLANS for c in plan]
+    # the single-turn workflow's own score, over the fake actor and tokenizer and the real runner
+    workflow = SimpleNamespace(
+        policy=SimpleNamespace(rollout=FakeActor(), tokenizer=FakeTokenizer(vocab)),
+        reward_fn=runner,
+    )
     return evaluate(
-        FakeActor(),
-        FakeTokenizer(vocab),
+        partial(SingleTurnWorkflow.score, workflow),
         Encoded(list(sources)),
-        runner,
         base_params=SamplingParams(max_new_tokens=4),
         **kwargs,
     )

@@ -61,7 +61,9 @@ def test_rows_are_valid_dataset_rows_and_fit_the_tokenizer():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match=r"unknown synthetic task 'mul'.*\('reverse', 'add'\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown synthetic task 'mul'.*\('reverse', 'add', 'calc'\)"
+    ):
         make_task_rows("mul", 1, 1, seed=0)
     with pytest.raises(ValueError, match="only 10 distinct problems"):
         make_task_rows("reverse", 8, 3, seed=0, digits=1)

@@ -1,0 +1,71 @@
+"""Typed run configuration: YAML + dotted ``key=value`` overrides, validated once at load.
+
+Design decision: one strict pydantic schema (unknown keys are errors), split by job — the LLM-side
+sections (``sections.py``), the diffusion section (``diffusion.py``), the whole ``Config`` with the
+checks across sections (``root.py``) and loading with its error messages (``loading.py``) — and
+re-exported here, so callers import everything from ``groupflow.config``. Nothing below the
+builders reads this object: builders pass plain arguments into workers (style.md principle 6).
+"""
+
+from groupflow.config.diffusion import DiffusionConfig, DiffusionLoraConfig, DiffusionModelConfig
+from groupflow.config.loading import apply_overrides, config_from_dict, load_config, parse_overrides
+from groupflow.config.root import Config
+from groupflow.config.sections import (
+    VLLM_HEAD_DIMS,
+    ActorConfig,
+    AlgorithmConfig,
+    ConfigError,
+    CriticConfig,
+    DataConfig,
+    EnvironmentConfig,
+    KLInRewardConfig,
+    LoraConfig,
+    ModelConfig,
+    PlacementConfig,
+    PoolConfig,
+    RewardConfig,
+    RewardFunctionConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    RunConfig,
+    SFTConfig,
+    TaskConfig,
+    TinyModelConfig,
+    ToolConfig,
+    ValidationConfig,
+    VLLMConfig,
+)
+
+__all__ = [
+    "VLLM_HEAD_DIMS",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "Config",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "DiffusionConfig",
+    "DiffusionLoraConfig",
+    "DiffusionModelConfig",
+    "EnvironmentConfig",
+    "KLInRewardConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "PlacementConfig",
+    "PoolConfig",
+    "RewardConfig",
+    "RewardFunctionConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SFTConfig",
+    "TaskConfig",
+    "TinyModelConfig",
+    "ToolConfig",
+    "VLLMConfig",
+    "ValidationConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "load_config",
+    "parse_overrides",
+]

@@ -1,0 +1,242 @@
+"""``Config``: the whole run configuration, and the checks that span its sections.
+
+Design decision: every rule that relates two sections (placement vs backend, PPO needs a critic,
+diffusion refuses LLM-only keys, the vLLM engine's limits, batch sizes that must divide) is a
+model validator here, so a config that loads is one the builders can run; nothing below the
+builders reads this object (style.md principle 6).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from groupflow.config.diffusion import DiffusionConfig
+from groupflow.config.keys import unknown_key_problem
+from groupflow.config.sections import (
+    VLLM_HEAD_DIMS,
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    ModelConfig,
+    PlacementConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    RunConfig,
+    SFTConfig,
+    ValidationConfig,
+    _Section,
+)
+
+__all__ = ["Config"]
+
+
+class Config(_Section):
+    # Modules imported before validation, so that user code can register estimators, losses
+    # and rewards (e.g. "my_pkg.algos") and the config can name them.
+    imports: list[str] = Field(default_factory=list)
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig | None = None  # an LLM policy; absent when `diffusion` is set
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    critic: CriticConfig | None = None  # PPO's value model (needs algorithm.estimator=gae)
+    reward_model: RewardModelConfig | None = None
+
+    diffusion: DiffusionConfig | None = None  # a flow-matching policy instead of an LLM
+
+    @model_validator(mode="after")
+    def _known_keys(self):
+        # here, not on RunConfig: a key is checked against the whole schema
+        for key in self.run.allow_config_changes:
+            problem = unknown_key_problem(type(self), key.split("."))
+            if problem:
+                raise ValueError(f"run.allow_config_changes: '{key}' {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _placement(self):
+        pl, run = self.placement, self.run
+        a = pl.actor
+        if a.workers_per_node is None and run.num_workers % a.nodes:
+            raise ValueError(
+                f"run.num_workers={run.num_workers} does not split evenly over "
+                f"placement.actor.nodes={a.nodes}"
+            )
+        per_node = a.workers_per_node or run.num_workers // a.nodes
+        if a.nodes * per_node != run.num_workers:
+            raise ValueError(
+                f"placement.actor: {a.nodes} node(s) × {per_node} worker(s) per node does not "
+                f"make run.num_workers={run.num_workers}"
+            )
+        if (
+            pl.reference != "colocated"
+            and self.actor.kl_coef == 0
+            and self.algorithm.kl_in_reward is None
+        ):
+            raise ValueError(
+                "placement.reference is a pool but no reference model is used (actor.kl_coef is 0 "
+                "and algorithm.kl_in_reward is unset); set one or placement.reference=colocated"
+            )
+        for role in ("critic", "reward_model"):
+            if getattr(pl, role) is not None and getattr(self, role) is None:
+                raise ValueError(f"placement.{role} is set but the run has no '{role}' section")
+        for role in ("rollout", "reference", "critic", "reward_model"):
+            pool = getattr(pl, role)
+            if (
+                pool not in ("colocated", None)
+                and run.backend == "local"
+                and pool.nodes * (pool.workers_per_node or 1) > 1
+            ):
+                raise ValueError(
+                    f"placement.{role}: the local backend runs one in-process worker per role; "
+                    "use run.backend=ray for more"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _ppo(self):
+        gae = self.algorithm.estimator == "gae"
+        if gae and self.critic is None:
+            raise ValueError("algorithm.estimator 'gae' needs a critic: add a 'critic' section")
+        if not gae and self.critic is not None:
+            raise ValueError(
+                f"a 'critic' section is only used by algorithm.estimator 'gae' "
+                f"(got '{self.algorithm.estimator}'); remove it or set the estimator to gae"
+            )
+        if gae and self.algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.dynamic_sampling filters groups for outcome estimators; not with 'gae'"
+            )
+        mb = self.critic.mini_batch_samples if self.critic else None
+        samples = self.data.prompts_per_step * self.rollout.samples_per_prompt
+        if mb is not None and samples % mb:
+            raise ValueError(
+                f"critic.mini_batch_samples={mb} must divide the samples per step ({samples})"
+            )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _required_sections(cls, data: Any) -> Any:
+        # Checked before field validation so that an empty file names every missing section.
+        if isinstance(data, dict) and data.get("model") is None and data.get("diffusion") is None:
+            missing = ["one of 'model' (an LLM policy) or 'diffusion' (a flow-matching generator)"]
+            if "data" not in data:
+                missing.append("'data'")
+            raise ValueError(f"missing required section(s): {' and '.join(missing)}")
+        return data
+
+    @model_validator(mode="after")
+    def _policy_type(self):
+        if (self.model is None) == (self.diffusion is None):
+            raise ValueError(
+                "set exactly one of 'model' (an LLM policy) or 'diffusion' (a flow-matching generator)"
+            )
+        if self.diffusion is not None:
+            llm_only = [k for k in ("critic", "reward_model") if getattr(self, k) is not None]
+            # the diffusion KL is exact per step (algorithms.md §7), not a sampled estimate
+            llm_only += ["actor.kl_bias_correction"] if self.actor.kl_bias_correction else []
+            llm_only += [
+                f"placement.{k}" for k in ("rollout", "reference")
+                if getattr(self.placement, k) != "colocated"
+            ]  # fmt: skip
+            if llm_only:
+                raise ValueError(
+                    f"{', '.join(llm_only)}: for LLM policies only, not with a 'diffusion' policy"
+                )
+        if self.diffusion is not None and self.sft.steps:
+            raise ValueError(
+                "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"
+            )
+        if self.diffusion is not None:
+            # Diffusion log-probs are per-element means: ratios are geometric means over
+            # thousands of latent elements, so the clip range is tiny (algorithms.md §7).
+            if "clip_eps_low" not in self.actor.model_fields_set:
+                self.actor.clip_eps_low = 1e-4
+            if "adv_clip_max" not in self.algorithm.model_fields_set:
+                self.algorithm.adv_clip_max = 5.0
+        return self
+
+    @model_validator(mode="after")
+    def _workflow(self):
+        r = self.rollout
+        name = r.workflow
+        builtin = ("auto", "single_turn", "multi_turn", "diffusion")
+        if name not in builtin and ":" not in name:
+            raise ValueError(
+                f"rollout.workflow={name!r}: use one of {', '.join(builtin)} or the import path of "
+                "a workflow class ('package.module:Class')"
+            )
+        multi = r.max_turns > 1 or r.tools or r.environment is not None
+        if self.diffusion is not None and (multi or name in ("single_turn", "multi_turn")):
+            raise ValueError(
+                "rollout.max_turns / tools / environment and the single- and multi-turn workflows "
+                "are for LLM policies, not with a 'diffusion' policy"
+            )
+        if self.diffusion is None and name == "diffusion":
+            raise ValueError("rollout.workflow=diffusion needs a 'diffusion' section")
+        if multi and r.observation_template is None and self.data.use_chat_template is False:
+            raise ValueError(
+                "data.use_chat_template=false with a multi-turn rollout: observations are then "
+                "appended as text, so set rollout.observation_template (e.g. '{content}\\n')"
+            )
+        if name == "single_turn" and multi:
+            raise ValueError(
+                "rollout.workflow=single_turn with rollout.max_turns > 1, tools or an environment: "
+                "use multi_turn (or auto)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _engine(self):
+        if self.rollout.engine != "vllm":
+            return self
+        clashes = []
+        if self.diffusion is not None:
+            clashes.append("a 'diffusion' policy")
+        if self.actor.lora is not None:
+            clashes.append("actor.lora (the engine is fed plain weights, not adapters)")
+        if self.placement.rollout != "colocated":
+            clashes.append("placement.rollout as its own pool (the vLLM engine lives in the actor)")
+        if clashes:
+            raise ValueError(f"rollout.engine=vllm does not work with {'; '.join(clashes)}")
+        return self
+
+    @model_validator(mode="after")
+    def _cross(self):
+        samples = self.data.prompts_per_step * self.rollout.samples_per_prompt
+        mb = self.actor.mini_batch_samples
+        if mb is not None and samples % mb:
+            raise ValueError(
+                f"actor.mini_batch_samples={mb} must divide the samples per step "
+                f"(data.prompts_per_step × rollout.samples_per_prompt = {samples})"
+            )
+        tiny = self.model.tiny if self.model is not None else None
+        if self.rollout.engine == "vllm" and tiny is not None:
+            head_dim = tiny.hidden_size // tiny.num_heads
+            if head_dim not in VLLM_HEAD_DIMS:
+                raise ValueError(
+                    f"rollout.engine=vllm: the tiny model's head dim (model.tiny.hidden_size / "
+                    f"num_heads = {head_dim}) is not one vLLM's attention supports "
+                    f"({', '.join(map(str, VLLM_HEAD_DIMS))}); e.g. hidden_size=128, num_heads=2"
+                )
+        if self.actor.tis_cap is not None and self.actor.recompute_old_logprobs == "never":
+            raise ValueError(
+                "actor.tis_cap compares recomputed old log-probs with the rollout's; with "
+                "actor.recompute_old_logprobs=never they are the same and every weight is 1 "
+                "(use auto or always, or unset actor.tis_cap)"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)

@@ -195,6 +195,14 @@ class RolloutConfig(_Section):
     # Models without a chat template: each observation message is appended as this text (fields
     # {content}, {role}, {name}); None: rendered by the tokenizer's chat template.
     observation_template: str | None = None
+    # ---- asynchronous rollout (groupflow.async_rollout)
+    # k: the batch of step s is generated with the weights of version max(0, s - k) while the
+    # trainer updates; 0: the synchronous loop (generate, then train, every step).
+    max_staleness: int = Field(0, ge=0)
+    # local backend, k >= 1: the rollout's own weight snapshot runs in a child process with one
+    # torch thread ("process": generation and training on two cores) or in a thread of this
+    # process ("thread": no second process, but the decode loop shares the GIL with training).
+    async_worker: Literal["process", "thread"] = "process"
 
     @model_validator(mode="after")
     def _multi_turn(self):
@@ -324,6 +332,12 @@ class ActorConfig(_Section):
     # Truncated importance sampling: weight each token's loss by min(exp(old − rollout), tis_cap)
     # to correct for the rollout engine's numerics (groupflow.algorithms.correction). None: off.
     tis_cap: float | None = Field(None, gt=0)
+    # Off-policy correction for stale or engine-sampled batches (groupflow.algorithms.correction):
+    # none (naive PPO: the behaviour log-probs anchor the ratio unless recomputed), tis (needs
+    # tis_cap), decoupled (AReaL: recomputed proximal anchor, loss weighted by π_prox/π_behav,
+    # tokens above behav_weight_cap dropped). auto: tis when tis_cap is set, else none.
+    off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
+    behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
     max_nonfinite_steps: int = Field(3, ge=1)
     # Leave samples whose advantages are all 0 (groups where every sample got the same reward)
     # out of the update's forward/backward. Exact: their loss and gradient are 0 and they still
@@ -663,6 +677,30 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _async_rollout(self):
+        if self.diffusion is not None and self.actor.off_policy in ("tis", "decoupled"):
+            raise ValueError(
+                f"actor.off_policy={self.actor.off_policy} is implemented for LLM policies only; "
+                "a diffusion policy trains its stale batches with the rollout's log-probs (none)"
+            )
+        if self.rollout.max_staleness == 0:
+            return self
+        k = self.rollout.max_staleness
+        if self.rollout.engine != "hf":
+            raise ValueError(
+                f"rollout.max_staleness={k}: asynchronous rollout runs groupflow's own decode loop "
+                "only (rollout.engine=hf); the vLLM engine lives inside the actor worker"
+            )
+        llm_on_ray = self.run.backend == "ray" and self.diffusion is None
+        if llm_on_ray and self.placement.rollout == "colocated":
+            raise ValueError(
+                f"rollout.max_staleness={k} with run.backend=ray needs a rollout pool of its own "
+                "(placement.rollout: {nodes: 1, ...}): a colocated rollout has no weights but the "
+                "actor's current ones"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ppo(self):
         gae = self.algorithm.estimator == "gae"
         if gae and self.critic is None:
@@ -789,6 +827,19 @@ class Config(_Section):
                     f"num_heads = {head_dim}) is not one vLLM's attention supports "
                     f"({', '.join(map(str, VLLM_HEAD_DIMS))}); e.g. hidden_size=128, num_heads=2"
                 )
+        a = self.actor
+        if a.off_policy == "tis" and a.tis_cap is None:
+            raise ValueError("actor.off_policy=tis needs actor.tis_cap (the weight's truncation)")
+        if a.off_policy in ("none", "decoupled") and a.tis_cap is not None:
+            raise ValueError(
+                f"actor.tis_cap is set but actor.off_policy={a.off_policy}: unset tis_cap, or use "
+                "off_policy auto or tis"
+            )
+        if a.off_policy == "decoupled" and a.recompute_old_logprobs == "never":
+            raise ValueError(
+                "actor.off_policy=decoupled needs the proximal log-probs recomputed; "
+                "actor.recompute_old_logprobs=never forbids it (use auto or always)"
+            )
         if self.actor.tis_cap is not None and self.actor.recompute_old_logprobs == "never":
             raise ValueError(
                 "actor.tis_cap compares recomputed old log-probs with the rollout's; with "

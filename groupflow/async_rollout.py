@@ -101,6 +101,11 @@ class AsyncRollout:
         job = self._wait(step, "started", "start the batch of")
         return job.loader_state
 
+    def drain(self) -> None:
+        """Wait until every submitted job has finished (results stay to be collected)."""
+        for step in list(self._jobs):
+            self._wait(step, "done", "deliver the batch of")
+
     def close(self) -> None:
         """Stop the thread after the job it is running (abandoned jobs are not waited for)."""
         for job in self._jobs.values():

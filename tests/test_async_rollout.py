@@ -64,6 +64,7 @@ def test_schedule_version_hand_values():
     assert [schedule_version(s, 3) for s in range(6)] == [0, 0, 0, 0, 1, 2]
 
 
+@pytest.mark.slow
 def test_deterministic_schedule(tiny_config):
     common = dict(run__total_steps=4)
     sync = _run(tiny_config, run__name="sync", **common)
@@ -113,6 +114,7 @@ def test_config_errors_name_the_key(tiny_config_data, overrides, message):
         config_from_dict(apply_overrides(tiny_config_data(), overrides), "<test>")
 
 
+@pytest.mark.slow
 def test_decoupled_correction_logs_gaps_and_weights(tiny_config):
     rows = _run(tiny_config, run__total_steps=3, rollout__max_staleness=1,
                 actor__off_policy="decoupled", actor__behav_weight_cap=5.0)  # fmt: skip
@@ -125,6 +127,7 @@ def test_decoupled_correction_logs_gaps_and_weights(tiny_config):
     assert 0.0 <= rows[3]["actor/behav_masked_frac"] <= 1.0
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_refills_use_the_scheduled_version(tiny_config):
     rows = _run(tiny_config, run__total_steps=3, rollout__max_staleness=1,
                 algorithm__dynamic_sampling=True, algorithm__max_sampling_rounds=3)  # fmt: skip
@@ -206,6 +209,7 @@ def test_weight_sync_that_never_returns_times_out_naming_the_role(tiny_config, m
         trainer.shutdown()
 
 
+@pytest.mark.slow
 def test_rollout_worker_killed_mid_generation_then_resume(tiny_config, monkeypatch):
     from groupflow.workflows.single_turn import SingleTurnWorkflow
 

@@ -58,7 +58,14 @@ class ProcessHost:
         )
         self.process.start()
         child.close()
-        ok, value = self._receive(startup_timeout_s)
+        try:
+            ok, value = self._receive(startup_timeout_s)
+        except ChildProcessError as e:
+            # the usual cause: spawn re-imports the __main__ script, which starts a run again
+            raise ChildProcessError(
+                f"{e} while starting (a script that starts a run must do so under "
+                "`if __name__ == '__main__':` — the child process imports it again)"
+            ) from None
         if not ok:
             self.close()
             raise ChildProcessError(f"its constructor raised; traceback:\n{value}")

@@ -6,7 +6,9 @@ diffusion — ``groupflow.workflows``), training goes to a *policy* (its worker 
 ``groupflow.policies``), advantages from the shared credit stage (``groupflow.credit``); every
 batch is validated against the stage contract at each boundary, so a broken reward function,
 environment or custom estimator is reported where it happened. This file decides only *what
-happens in which order*, plus validation, logging and checkpoints.
+happens in which order*, plus validation, logging and checkpoints. With ``rollout.max_staleness``
+the collect stage runs ahead in the background (``groupflow.async_rollout``) on the deterministic
+schedule; the loop is otherwise the same.
 """
 
 from __future__ import annotations
@@ -195,8 +197,9 @@ class Trainer:
             v = schedule_version(t, k)
             if v not in self.snapshots:
                 raise RuntimeError(
-                    f"no weights of policy version {v} to regenerate the batch of step {t} "
-                    f"(rollout.max_staleness={k}); the checkpoint was not written by this run"
+                    f"no weights of policy version {v} to generate the batch of step {t} "
+                    f"(rollout.max_staleness={k}): the checkpoint resumed from keeps the "
+                    "snapshots of the staleness it was written with; resume with that value"
                 )
             self.rollouts.submit(t, v, self.snapshots[v] if v != previous else None)
             previous = v
@@ -243,12 +246,15 @@ class Trainer:
         state, writers = self.policy.state()
         state.update(self.credit.state_dict())
         state["loader"] = self.loader.state_dict()
-        if self.rollouts is not None and self.step in self.rollouts.in_flight():
-            # the loader as the next step's batch found it: a resume draws the in-flight batches
-            # again, each generated with its version's weights, kept here
-            state["loader"] = self.rollouts.loader_state_before(self.step)
-            versions = sorted({schedule_version(t, self.max_staleness)
-                               for t in self.rollouts.in_flight()} - {self.step})  # fmt: skip
+        if self.max_staleness and self.snapshots:
+            # A resume draws the next k+1 batches again (in flight now, or not yet submitted at
+            # the last step: a resume may raise run.total_steps), each with its version's
+            # weights, kept here; the loader as the next step's batch found it.
+            if self.rollouts is not None and self.step in self.rollouts.in_flight():
+                state["loader"] = self.rollouts.loader_state_before(self.step)
+            k = self.max_staleness
+            versions = sorted({schedule_version(t, k) for t in range(self.step, self.step + k + 1)}
+                              - {self.step})  # fmt: skip
             state["async_rollout"] = {"versions": versions}
             state.update({f"rollout_weights_v{v}": self.snapshots[v] for v in versions})
         state["rng"] = capture_rng_state()

@@ -237,6 +237,27 @@ def test_rollout_worker_killed_mid_generation_then_resume(tiny_config, monkeypat
         assert not _same(full[s], resumed[s]), (s, _same(full[s], resumed[s]))
 
 
+def test_resume_of_a_finished_run_with_more_steps_matches_the_longer_run(tiny_config):
+    # the last step submits nothing; its checkpoint must still carry version 1's weights, which
+    # the batch of step 2 (0-based) of the longer run is scheduled with
+    common = dict(rollout__max_staleness=1, rollout__async_worker="thread")
+    full = _run(tiny_config, run__name="long", run__total_steps=3, **common)
+    _run(tiny_config, run__name="short", run__total_steps=2, **common)
+    more = _run(tiny_config, run__name="short", run__total_steps=3, **common)
+    assert sorted(more) == [1, 2, 3]
+    assert not _same(full[3], more[3]), _same(full[3], more[3])
+
+
+def test_resume_with_a_larger_staleness_names_the_missing_snapshot(tiny_config):
+    _run(tiny_config, run__name="r", run__total_steps=2, rollout__max_staleness=1,
+         rollout__async_worker="thread")  # fmt: skip
+    trainer = Trainer(tiny_config(run__name="r", run__total_steps=4, rollout__max_staleness=2,
+                                  rollout__async_worker="thread",
+                                  run__allow_config_changes=["rollout.max_staleness"]))  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"no weights of policy version 0 .*max_staleness=2"):
+        trainer.fit()
+
+
 @pytest.mark.slow
 def test_sigkill_with_batches_in_flight_then_resume_is_bit_identical(
     tiny_config_data, tmp_path, helpers_on_path

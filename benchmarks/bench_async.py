@@ -18,7 +18,8 @@ the ratio is the number to read, not the absolute times.
 synchronously and once with k = 1 and prints held-out greedy accuracy at every validation side by
 side — does the stale, decoupled-PPO run learn as well in the same number of steps?
 
-    .venv/bin/python benchmarks/bench_async.py [--blocks 4] [--block 6] [--prompts 32] [--curves]
+    .venv/bin/python benchmarks/bench_async.py [--blocks 4] [--block 6] [--prompts 32]
+        [--model demo|medium] [--curves]
 """
 
 from __future__ import annotations
@@ -59,12 +60,20 @@ def load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+# Llama-style shapes as in bench_trl.py: the demo's ~0.2M and a ~2.7M-parameter model.
+MODELS = {
+    "demo": "{hidden_size: 64, num_layers: 4, num_heads: 4, max_positions: 64}",
+    "medium": "{hidden_size: 192, num_layers: 6, num_heads: 4, max_positions: 64}",
+}
+
+
 def speed(args) -> None:
     steps = args.blocks * args.block + args.block
     extra = [
         f"run.total_steps={steps + 2}", f"data.prompts_per_step={args.prompts}",
-        "validation.before_training=false", "sft.steps=0",
+        "validation.before_training=false", "sft.steps=0", f"model.tiny={MODELS[args.model]}",
     ]  # fmt: skip
+    print(f"model: {args.model} {MODELS[args.model]}")
     print(f"before: {load()}; {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as out:
         trainers = {
@@ -142,6 +151,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=4, help="timed blocks per trainer")
     p.add_argument("--block", type=int, default=6, help="steps per block")
     p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--model", choices=sorted(MODELS), default="demo", help="speed part only")
     p.add_argument("--curves", action="store_true", help="also the demo's learning curves")
     args = p.parse_args()
 

@@ -348,6 +348,16 @@ def role_group(config: Config, role: str, worker_cls, /, **kwargs) -> WorkerGrou
     )  # fmt: skip
 
 
+def snapshot_group(config: Config, worker_cls, /, **kwargs) -> WorkerGroup:
+    """The asynchronous rollout's own copy of the policy on the local backend (one worker): a
+    child process with one torch thread (``rollout.async_worker: process``) or in this process."""
+    backend = "process" if config.rollout.async_worker == "process" else "local"
+    return WorkerGroup(
+        worker_cls, 1, backend=backend, timeout_s=config.run.worker_timeout_s, role_name="rollout",
+        **kwargs,
+    )  # fmt: skip
+
+
 def pool_spec(cfg: Config, role: str) -> PoolSpec:
     """A role's pool; the critic and reward model take the actor's shape unless placed otherwise."""
     pool = getattr(cfg.placement, role)

@@ -6,7 +6,9 @@ diffusion — ``groupflow.workflows``), training goes to a *policy* (its worker 
 ``groupflow.policies``), advantages from the shared credit stage (``groupflow.credit``); every
 batch is validated against the stage contract at each boundary, so a broken reward function,
 environment or custom estimator is reported where it happened. This file decides only *what
-happens in which order*, plus validation, logging and checkpoints.
+happens in which order*, plus validation, logging and checkpoints. With ``rollout.max_staleness``
+the collect stage runs ahead in the background (``groupflow.async_rollout``) on the deterministic
+schedule; the loop is otherwise the same.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from groupflow.async_rollout import AsyncRollout, schedule_version
 from groupflow.batch import Batch
 from groupflow.checkpoint import (
     capture_rng_state,
@@ -69,6 +72,11 @@ class Trainer:
             self.workflow.train_rows, cfg.data.prompts_per_step, seed=cfg.run.seed,
             shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last,
         )  # fmt: skip
+        # Asynchronous rollout (rollout.max_staleness = k >= 1): the batches of the next k steps
+        # are generated in the background, each with the weights of its scheduled version.
+        self.max_staleness = cfg.rollout.max_staleness
+        self.rollouts: AsyncRollout | None = None
+        self.snapshots: dict[int, dict] = {}  # version -> weights, while a batch in flight needs it
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -92,6 +100,8 @@ class Trainer:
             self.policy.sync()
             if not resumed:
                 self.tracker.log(self.before_training(), step=0)
+            if self.max_staleness:
+                self.start_rollouts()
             while self.step < cfg.run.total_steps:
                 batch, last = self.train_step()
                 if self._due(cfg.validation.every_steps) or self.step == cfg.run.total_steps:
@@ -107,6 +117,9 @@ class Trainer:
                 ):
                     self.save()
         finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
+                self.rollouts = None
             self.tracker.close()
         return last
 
@@ -114,9 +127,12 @@ class Trainer:
         """One step: collect (rollout + rewards) → old/ref log-probs, values → advantages → update."""
         timer = StageTimer()
         with timer("step"):
-            with timer("rollout_and_reward"):
-                batch, sampling_metrics = self.collect(self.step)
-            check_staleness(batch, current=self.step, max_staleness=0)  # synchronous: on-policy
+            with timer("rollout_and_reward"):  # asynchronous: the wait for the batch
+                if self.rollouts is None:
+                    batch, sampling_metrics = self.collect(self.step)
+                else:
+                    batch, sampling_metrics = self.rollouts.result(self.step)
+            check_staleness(batch, current=self.step, max_staleness=self.max_staleness)
             batch = self.policy.prepare(batch, timer)
             with timer("advantages"):
                 batch = validate(self.credit(batch, self.step), self.contracts["advantaged"])
@@ -125,17 +141,24 @@ class Trainer:
                 batch = validate(batch, self.contracts["train_ready"])
                 update_metrics = self.policy.update(batch, step=self.step, seed=seed)
             with timer("weight_sync"):
-                self.policy.sync()
+                if self.rollouts is None:
+                    self.policy.sync()
+                else:
+                    self.submit_next()
         self.step += 1
         metrics = self.workflow.step_metrics(batch, timer.seconds("step"))
         metrics = {**metrics, **sampling_metrics, **update_metrics, **timer.metrics()}
+        if self.max_staleness:
+            metrics["async/staleness"] = self.step - 1 - float(batch["version"].float().mean())
         self.collapse.observe(metrics, batch["advantages"])
         return batch, metrics
 
-    def collect(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """Rollout + reward for one step; with dynamic sampling, refill zero-signal groups (DAPO)."""
+    def collect(self, step: int, version: int | None = None) -> tuple[Batch, dict[str, float]]:
+        """Rollout + reward for one step with the weights of ``version`` (default ``step``: the
+        policy has taken ``step`` updates); with dynamic sampling, refill zero-signal groups (DAPO)
+        — with the same weights, so refills count against the staleness bound."""
         cfg = self.cfg
-        version = step  # the policy has taken `step` updates: the weights that generate now
+        version = step if version is None else version
         batch = self.workflow.collect(self.loader.next_batch(), step, 0, version)
         if not cfg.algorithm.dynamic_sampling:
             return batch, {}
@@ -157,6 +180,41 @@ class Trainer:
             "sampling/dropped_groups": dropped,
             "sampling/kept_groups": int(batch["group_ids"].unique().numel()),
         }
+
+    # ----- asynchronous rollout ------------------------------------------------------------------
+    def start_rollouts(self) -> None:
+        """Start the background rollout and submit the batches of steps step..step+k (after a
+        resume: regenerated from the checkpoint's weight snapshots)."""
+        k, total = self.max_staleness, self.cfg.run.total_steps
+        self.policy.start_async()
+        self.snapshots[self.step] = self.policy.snapshot()
+        self.rollouts = AsyncRollout(
+            self.collect, self.policy.push_snapshot, self.loader.state_dict,
+            timeout_s=self.cfg.run.worker_timeout_s,
+        )  # fmt: skip
+        previous = None
+        for t in range(self.step, min(self.step + k + 1, total)):
+            v = schedule_version(t, k)
+            if v not in self.snapshots:
+                raise RuntimeError(
+                    f"no weights of policy version {v} to generate the batch of step {t} "
+                    f"(rollout.max_staleness={k}): the checkpoint resumed from keeps the "
+                    "snapshots of the staleness it was written with; resume with that value"
+                )
+            self.rollouts.submit(t, v, self.snapshots[v] if v != previous else None)
+            previous = v
+
+    def submit_next(self) -> None:
+        """After the update of step s (version s+1 now exists): snapshot it and submit the batch
+        of step s+1+k with its scheduled version (s+1)."""
+        k, version = self.max_staleness, self.step + 1
+        self.snapshots[version] = self.policy.snapshot()
+        for v in [v for v in self.snapshots if v < schedule_version(version, k)]:
+            del self.snapshots[v]  # no batch in flight needs it
+        t = version + k
+        if t < self.cfg.run.total_steps:
+            v = schedule_version(t, k)
+            self.rollouts.submit(t, v, self.snapshots[v])
 
     def before_training(self) -> dict[str, float]:
         """Data statistics, the optional warm start, and the baseline validation."""
@@ -188,6 +246,17 @@ class Trainer:
         state, writers = self.policy.state()
         state.update(self.credit.state_dict())
         state["loader"] = self.loader.state_dict()
+        if self.max_staleness and self.snapshots:
+            # A resume draws the next k+1 batches again (in flight now, or not yet submitted at
+            # the last step: a resume may raise run.total_steps), each with its version's
+            # weights, kept here; the loader as the next step's batch found it.
+            if self.rollouts is not None and self.step in self.rollouts.in_flight():
+                state["loader"] = self.rollouts.loader_state_before(self.step)
+            k = self.max_staleness
+            versions = sorted({schedule_version(t, k) for t in range(self.step, self.step + k + 1)}
+                              - {self.step})  # fmt: skip
+            state["async_rollout"] = {"versions": versions}
+            state.update({f"rollout_weights_v{v}": self.snapshots[v] for v in versions})
         state["rng"] = capture_rng_state()
         state["trainer_state"] = {"step": self.step}
         state["config"] = plain_config(self.cfg)  # what a resume compares its config with
@@ -213,6 +282,8 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         restore_rng_state(state["rng"])
         self.step = int(state["trainer_state"]["step"])
+        versions = state.get("async_rollout", {}).get("versions", [])
+        self.snapshots = {int(v): state[f"rollout_weights_v{v}"] for v in versions}
         log.info("resumed from %s at step %d", path, self.step)
         return True
 

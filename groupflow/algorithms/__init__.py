@@ -11,7 +11,8 @@ selects variants by name and users add one by registering a function:
                 entropy_from_logits
     PPO         place_outcome_reward, kl_in_reward, Fixed/AdaptiveKLController, value_loss
     sampling    apply_sampling_filters, sample_from_logits, logprobs_from_logits
-    mismatch    truncated_is_weights (TIS), logprob_mismatch (rollout engine vs training forward)
+    mismatch    truncated_is_weights (TIS), decoupled_weights (decoupled PPO), logprob_mismatch
+                (rollout engine or stale behaviour policy vs training forward)
     masks       response_span, response_widths, prompt_widths, last_valid_index (gaps in masks)
 """
 
@@ -29,7 +30,11 @@ from groupflow.algorithms.aggregation import (
     loss_denominators,
     register_aggregation,
 )
-from groupflow.algorithms.correction import logprob_mismatch, truncated_is_weights
+from groupflow.algorithms.correction import (
+    decoupled_weights,
+    logprob_mismatch,
+    truncated_is_weights,
+)
 from groupflow.algorithms.kl import (
     KL_ESTIMATORS,
     entropy_from_logits,
@@ -102,6 +107,7 @@ __all__ = [
     "kl_penalty",
     "logprobs_from_logits",
     "logprob_mismatch",
+    "decoupled_weights",
     "loss_denominators",
     "masked_mean",
     "policy_loss",

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from groupflow.algorithms.aggregation import Number, aggregate
-from groupflow.algorithms.correction import truncated_is_weights
+from groupflow.algorithms.correction import decoupled_weights, truncated_is_weights
 from groupflow.algorithms.registry import Registry, check_options
 
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
@@ -196,6 +196,8 @@ def policy_loss(
     num_micro_batches: Number | None = None,
     rollout_logprobs: Tensor | None = None,
     tis_cap: float | None = None,
+    decoupled: bool = False,
+    behav_weight_cap: float | None = None,
     **opts,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Aggregated policy-gradient loss and metrics.
@@ -213,6 +215,9 @@ def policy_loss(
             correction``): with ``tis_cap`` set, each action's loss is multiplied by
             ``min(exp(old_logprobs - rollout_logprobs), tis_cap)`` (no gradient through it), for
             engines whose sampling log-probs differ from the training forward (vLLM).
+        decoupled, behav_weight_cap: decoupled PPO (AReaL; ``correction.decoupled_weights``):
+            ``old_logprobs`` are the proximal policy's, ``rollout_logprobs`` the behaviour
+            policy's; each action's loss is multiplied by ``exp(old - rollout)``, 0 above the cap.
         **opts: options of the loss function (ppo_clip: ratio_level, clip_eps_low, clip_eps_high,
             clip_ratio_c, delta, log_ratio_clamp); unknown ones raise.
 
@@ -254,6 +259,20 @@ def policy_loss(
                 **metrics,
                 "tis_weight_mean": torch.where(valid.any(), masked_mean(weights, valid), 1.0),
                 "tis_capped_frac": masked_mean((weights >= tis_cap).float(), valid),
+            }
+    if decoupled:
+        if rollout_logprobs is None:
+            raise ValueError("decoupled PPO needs the behaviour (rollout) log-probs")
+        if tis_cap is not None:
+            raise ValueError("decoupled PPO and truncated IS (tis_cap) are exclusive corrections")
+        behaviour = torch.where(valid, rollout_logprobs.detach().to(logprobs.dtype), 0.0)
+        weights = decoupled_weights(old, behaviour, behav_weight_cap)
+        per_token = per_token * weights
+        with torch.no_grad():
+            metrics = {
+                **metrics,
+                "behav_weight_mean": torch.where(valid.any(), masked_mean(weights, valid), 1.0),
+                "behav_masked_frac": masked_mean((weights == 0).float(), valid),
             }
     loss = aggregate(
         per_token,

@@ -104,6 +104,30 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _async_rollout(self):
+        if self.diffusion is not None and self.actor.off_policy in ("tis", "decoupled"):
+            raise ValueError(
+                f"actor.off_policy={self.actor.off_policy} is implemented for LLM policies only; "
+                "a diffusion policy trains its stale batches with the rollout's log-probs (none)"
+            )
+        if self.rollout.max_staleness == 0:
+            return self
+        k = self.rollout.max_staleness
+        if self.rollout.engine != "hf":
+            raise ValueError(
+                f"rollout.max_staleness={k}: asynchronous rollout runs groupflow's own decode loop "
+                "only (rollout.engine=hf); the vLLM engine lives inside the actor worker"
+            )
+        llm_on_ray = self.run.backend == "ray" and self.diffusion is None
+        if llm_on_ray and self.placement.rollout == "colocated":
+            raise ValueError(
+                f"rollout.max_staleness={k} with run.backend=ray needs a rollout pool of its own "
+                "(placement.rollout: {nodes: 1, ...}): a colocated rollout has no weights but the "
+                "actor's current ones"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ppo(self):
         gae = self.algorithm.estimator == "gae"
         if gae and self.critic is None:
@@ -230,6 +254,19 @@ class Config(_Section):
                     f"num_heads = {head_dim}) is not one vLLM's attention supports "
                     f"({', '.join(map(str, VLLM_HEAD_DIMS))}); e.g. hidden_size=128, num_heads=2"
                 )
+        a = self.actor
+        if a.off_policy == "tis" and a.tis_cap is None:
+            raise ValueError("actor.off_policy=tis needs actor.tis_cap (the weight's truncation)")
+        if a.off_policy in ("none", "decoupled") and a.tis_cap is not None:
+            raise ValueError(
+                f"actor.tis_cap is set but actor.off_policy={a.off_policy}: unset tis_cap, or use "
+                "off_policy auto or tis"
+            )
+        if a.off_policy == "decoupled" and a.recompute_old_logprobs == "never":
+            raise ValueError(
+                "actor.off_policy=decoupled needs the proximal log-probs recomputed; "
+                "actor.recompute_old_logprobs=never forbids it (use auto or always)"
+            )
         if self.actor.tis_cap is not None and self.actor.recompute_old_logprobs == "never":
             raise ValueError(
                 "actor.tis_cap compares recomputed old log-probs with the rollout's; with "

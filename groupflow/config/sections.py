@@ -182,6 +182,22 @@ class RolloutConfig(_Section):
     # Models without a chat template: each observation message is appended as this text (fields
     # {content}, {role}, {name}); None: rendered by the tokenizer's chat template.
     observation_template: str | None = None
+    # ---- asynchronous rollout (groupflow.async_rollout)
+    # k: the batch of step s is generated with the weights of version max(0, s - k) while the
+    # trainer updates; 0: the synchronous loop (generate, then train, every step).
+    max_staleness: int = Field(0, ge=0)
+    # local backend, k >= 1: the rollout's own weight snapshot runs in a child process with one
+    # torch thread ("process": generation and training on two cores) or in a thread of this
+    # process ("thread": no second process, but the decode loop shares the GIL with training).
+    async_worker: Literal["process", "thread"] = "process"
+    # ---- asynchronous rollout (groupflow.async_rollout)
+    # k: the batch of step s is generated with the weights of version max(0, s - k) while the
+    # trainer updates; 0: the synchronous loop (generate, then train, every step).
+    max_staleness: int = Field(0, ge=0)
+    # local backend, k >= 1: the rollout's own weight snapshot runs in a child process with one
+    # torch thread ("process": generation and training on two cores) or in a thread of this
+    # process ("thread": no second process, but the decode loop shares the GIL with training).
+    async_worker: Literal["process", "thread"] = "process"
 
     @model_validator(mode="after")
     def _multi_turn(self):
@@ -311,6 +327,18 @@ class ActorConfig(_Section):
     # Truncated importance sampling: weight each token's loss by min(exp(old − rollout), tis_cap)
     # to correct for the rollout engine's numerics (groupflow.algorithms.correction). None: off.
     tis_cap: float | None = Field(None, gt=0)
+    # Off-policy correction for stale or engine-sampled batches (groupflow.algorithms.correction):
+    # none (naive PPO: the behaviour log-probs anchor the ratio unless recomputed), tis (needs
+    # tis_cap), decoupled (AReaL: recomputed proximal anchor, loss weighted by π_prox/π_behav,
+    # tokens above behav_weight_cap dropped). auto: tis when tis_cap is set, else none.
+    off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
+    behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
+    # Off-policy correction for stale or engine-sampled batches (groupflow.algorithms.correction):
+    # none (naive PPO: the behaviour log-probs anchor the ratio unless recomputed), tis (needs
+    # tis_cap), decoupled (AReaL: recomputed proximal anchor, loss weighted by π_prox/π_behav,
+    # tokens above behav_weight_cap dropped). auto: tis when tis_cap is set, else none.
+    off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
+    behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
     max_nonfinite_steps: int = Field(3, ge=1)
     # Leave samples whose advantages are all 0 (groups where every sample got the same reward)
     # out of the update's forward/backward. Exact: their loss and gradient are 0 and they still

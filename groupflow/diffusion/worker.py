@@ -454,6 +454,16 @@ class DiffusionWorker:
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
 
     @register("rank0")
+    def full_weights(self) -> dict:
+        """The flow model's weights (LoRA layers included), a copy: the asynchronous rollout's
+        snapshot of one policy version."""
+        return {k: v.detach().clone().cpu() for k, v in self.flow.state_dict().items()}
+
+    @register("all")
+    def load_weights(self, weights: dict) -> None:
+        self.flow.load_state_dict(weights)
+
+    @register("rank0")
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.flow.parameters() if p.requires_grad)
 

@@ -1,4 +1,5 @@
-"""Worker groups: the driver's handle on N workers, in-process (``local``) or as Ray actors (``ray``).
+"""Worker groups: the driver's handle on N workers, in-process (``local``), each in a child process
+of its own (``process``, ``groupflow.distributed.process``) or as Ray actors (``ray``).
 
 Design decision: one class, two tiny backends behind the same four-method surface (start a
 worker, call a method on all of them, wait, shut down). Methods that a worker class marks with
@@ -19,6 +20,7 @@ from typing import Any
 
 from groupflow.distributed.dispatch import collect, dispatch_mode, split_args
 from groupflow.distributed.placement import PoolSpec, RayPool
+from groupflow.distributed.process import ProcessHost
 
 __all__ = ["WorkerGroup", "WorkerError", "RayOptions"]
 
@@ -122,13 +124,16 @@ class WorkerGroup:
         worker_threads: int | None = 1,
         pool: PoolSpec | None = None,
         placement_timeout_s: float | None = None,
+        role_name: str | None = None,
         **kwargs: Any,
     ):
-        if backend not in ("local", "ray"):
-            raise ValueError(f"unknown backend '{backend}'; valid: local, ray")
+        if backend not in ("local", "process", "ray"):
+            raise ValueError(f"unknown backend '{backend}'; valid: local, process, ray")
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.name = getattr(factory, "__name__", str(factory))
+        if role_name:  # errors name the role too: "InferenceWorker (rollout role) rank 0: ..."
+            self.name = f"{self.name} ({role_name} role)"
         self.backend, self.world_size, self.timeout_s = backend, world_size, timeout_s
         cls, factory = (
             factory,
@@ -145,6 +150,16 @@ class WorkerGroup:
                 _Host(factory, r, world_size, {**env, "GROUPFLOW_WORKER_THREADS": ""}, kwargs)
                 for r in range(world_size)
             ]
+        elif backend == "process":
+            env["GROUPFLOW_WORKER_THREADS"] = str(worker_threads or 1)
+            self._hosts = []
+            try:
+                for r in range(world_size):
+                    self._hosts.append(ProcessHost(_Host, factory, r, world_size, env, kwargs,
+                                                   self.startup_timeout_s))  # fmt: skip
+            except (ChildProcessError, TimeoutError) as e:
+                self.shutdown()
+                raise WorkerError(self.name, len(self._hosts), "__init__", str(e)) from None
         else:
             opts = ray_options or RayOptions()
             spec = pool or PoolSpec(
@@ -210,6 +225,8 @@ class WorkerGroup:
         ranks = [0] if mode == "one" else range(self.world_size)
         if self.backend == "local":
             results = [self._call_local(r, method, *per_rank[r]) for r in ranks]
+        elif self.backend == "process":
+            results = [self._call_process(r, method, *per_rank[r]) for r in ranks]
         else:
             import ray
 
@@ -226,6 +243,13 @@ class WorkerGroup:
         except Exception as e:
             e.add_note(f"(in {self.name} rank {rank}, method {method}())")
             raise
+
+    def _call_process(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            ok, value = self._hosts[rank].call(method, args, kwargs, self.timeout_s)
+        except (ChildProcessError, TimeoutError) as e:
+            raise WorkerError(self.name, rank, method, str(e)) from None
+        return self._check(rank, method, ok, value)
 
     def _check(self, rank: int, method: str, ok: bool, value: Any) -> Any:
         if not ok:
@@ -270,6 +294,9 @@ class WorkerGroup:
             if self._pool is not None:
                 self._pool.remove()
                 self._pool = None
+        elif self.backend == "process":
+            for h in self._hosts:
+                h.close()
         self._hosts = []
 
     # local backend only: direct access for tests and single-process tools

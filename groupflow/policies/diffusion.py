@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from groupflow import builders
+from groupflow.async_rollout import ThreadRoute
 from groupflow.batch import Batch
 from groupflow.config import Config, DiffusionConfig
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
@@ -99,11 +100,14 @@ class DiffusionPolicy:
         if d.model.kind == "tiny":
             check_labels(Path(d.model.path), corpus)
         spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape)
+        self._worker_kwargs = dict(spec=spec, settings=settings_from_config(d), cfg=cfg.actor,
+                                   total_steps=cfg.run.total_steps)  # fmt: skip
         self.actor = builders.role_group(
-            cfg, "actor", DiffusionWorker, spec=spec, settings=settings_from_config(d), cfg=cfg.actor,
-            total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
+            cfg, "actor", DiffusionWorker, **self._worker_kwargs,
+            pg_timeout_s=cfg.run.worker_timeout_s,
         )  # fmt: skip
         self.rollout = self.actor
+        self.snapshot_worker = None  # asynchronous rollout's own weights (start_async)
 
     def prepare(self, batch: Batch, timer: StageTimer | None = None) -> Batch:
         """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's."""
@@ -131,6 +135,21 @@ class DiffusionPolicy:
     def begin(self, warm_started: bool) -> None:
         """No reference or critic to initialise."""
 
+    def start_async(self) -> None:
+        """A second flow model that samples with the scheduled (older) weights in the background
+        rollout thread; validation keeps sampling with the actor's current ones."""
+        if self.snapshot_worker is None:
+            self.snapshot_worker = builders.snapshot_group(
+                self.cfg, DiffusionWorker, **self._worker_kwargs
+            )
+            self.rollout = ThreadRoute(self.actor, self.snapshot_worker)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.actor.full_weights()
+
+    def push_snapshot(self, weights: dict[str, Any]) -> None:
+        self.snapshot_worker.load_weights(weights)
+
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return dict(self.actor.state_dict()), {}  # replicated: one full copy
 
@@ -139,6 +158,8 @@ class DiffusionPolicy:
 
     def shutdown(self) -> None:
         self.actor.shutdown()
+        if self.snapshot_worker is not None:
+            self.snapshot_worker.shutdown()
 
 
 def model_inputs(batch: Batch) -> Batch:

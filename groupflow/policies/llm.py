@@ -19,6 +19,7 @@ from typing import Any
 
 from groupflow import builders
 from groupflow.algorithms import logprob_mismatch
+from groupflow.async_rollout import ThreadRoute
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config
 from groupflow.contracts import CONTRACTS
@@ -56,12 +57,14 @@ def recompute_old_logprobs(actor: ActorConfig, engine: str, num_samples: int) ->
 
     auto: yes when the batch takes several optimizer steps (the policy moves between them), or
     when the rollout engine is not our own decode loop (vLLM's kernels give slightly different
-    log-probs, so its record is not the "old" policy of the PPO ratio).
+    log-probs, so its record is not the "old" policy of the PPO ratio), or when an off-policy
+    correction (``actor.off_policy``: tis, decoupled) needs the proximal log-probs.
     """
     if actor.recompute_old_logprobs != "auto":
         return actor.recompute_old_logprobs == "always"
     several_steps = actor.ppo_epochs > 1 or (actor.mini_batch_samples or num_samples) < num_samples
-    return several_steps or engine != "hf"
+    corrected = actor.off_policy in ("tis", "decoupled")  # both weigh prox against behaviour
+    return several_steps or engine != "hf" or corrected
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -104,6 +107,8 @@ class LLMPolicy:
         # Workers build their own models in their own processes (local: this one). Rollout and
         # reference live inside the actor worker unless placement gives them pools of their own.
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed)
+        self.spec = spec
+        self.snapshot_worker = None  # asynchronous rollout's own weights (start_async)
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
         self.actor = builders.role_group(
@@ -187,8 +192,9 @@ class LLMPolicy:
         return metrics
 
     def sync(self) -> None:
-        """Push the actor's current weights into a separately placed rollout pool (no-op colocated)."""
-        if self.rollout is not self.actor:
+        """Push the actor's current weights into a separately placed rollout pool (no-op colocated;
+        with asynchronous rollout the schedule pushes them instead: ``push_snapshot``)."""
+        if self.snapshot_worker is None and self.rollout is not self.actor:
             self.rollout.load_weights(self.actor.full_weights())
 
     def begin(self, warm_started: bool) -> None:
@@ -203,6 +209,28 @@ class LLMPolicy:
         c = self.cfg.critic
         if self.critic is not None and c.path is None and c.tiny is None:
             self.critic.load_backbone(self.actor.full_weights())
+
+    # ----- asynchronous rollout (groupflow.async_rollout) -------------------------------------
+    def start_async(self) -> None:
+        """Give the rollout weights of its own: the background rollout thread generates with a
+        snapshot worker (a separately placed rollout pool, else ``builders.snapshot_group``),
+        every other thread (validation) with the actor's current weights."""
+        if self.snapshot_worker is not None:
+            return
+        background = self.rollout
+        if background is self.actor:
+            background = builders.snapshot_group(
+                self.cfg, InferenceWorker, spec=self.spec, cfg=self.cfg.actor, role="rollout"
+            )
+        self.snapshot_worker = background
+        self.rollout = ThreadRoute(self.actor, background)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The actor's current weights (a copy: later updates do not change it)."""
+        return self.actor.full_weights()
+
+    def push_snapshot(self, weights: dict[str, Any]) -> None:
+        self.snapshot_worker.load_weights(weights)
 
     # ----- checkpoints ------------------------------------------------------------------------
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -242,7 +270,8 @@ class LLMPolicy:
 
     def shutdown(self) -> None:
         """Stop every role's worker group (Ray actors and their resource pools)."""
-        roles = (self.actor, self.rollout, self.reference, self.critic, self.reward_model)
+        rollout = self.snapshot_worker or self.rollout
+        roles = (self.actor, rollout, self.reference, self.critic, self.reward_model)
         for group in dict.fromkeys(g for g in roles if g is not None):
             group.shutdown()
 

@@ -332,6 +332,9 @@ class ActorRolloutWorker:
         tis = {}
         if cfg.tis_cap is not None:  # truncated IS against the rollout engine's log-probs
             tis = {"tis_cap": cfg.tis_cap, "rollout_logprobs": mb["rollout_logprobs"]}
+        elif cfg.off_policy == "decoupled":  # AReaL: proximal anchor, behaviour-weighted loss
+            tis = {"decoupled": True, "behav_weight_cap": cfg.behav_weight_cap,
+                   "rollout_logprobs": mb["rollout_logprobs"]}  # fmt: skip
         loss, pg_metrics = policy_loss(
             logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
             **self.loss_options, **denominators, **tis,

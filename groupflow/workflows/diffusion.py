@@ -70,7 +70,7 @@ class DiffusionWorkflow:
             [seeds[i * n : (i + 1) * n] for i in range(len(rows))],
             [base + i for i in range(len(rows))],
         )
-        out = self.policy.actor.generate(inputs, n)
+        out = self.policy.rollout.generate(inputs, n)
         batch = with_prompt_info(out, rows, texts, n, f"{step}-{round_}", version)
         batch["completion"] = [_describe(img) for img in batch["images"]]
         validate(batch, self.contracts["rollout"])

@@ -88,7 +88,7 @@ def test_worker_exception_names_worker_rank_method_and_traceback(group):
 
 
 def test_bad_construction():
-    with pytest.raises(ValueError, match="unknown backend 'mpi'; valid: local, ray"):
+    with pytest.raises(ValueError, match="unknown backend 'mpi'; valid: local, process, ray"):
         WorkerGroup(ToyWorker, 1, backend="mpi")
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         WorkerGroup(ToyWorker, 0)

@@ -163,3 +163,19 @@ def test_rollout_and_reference_pools_on_ray_match_the_colocated_run(tmp_path):
                 step,
                 k,
             )
+
+
+def test_async_rollout_with_a_ray_rollout_pool_matches_the_local_process_worker(tmp_path):
+    # rollout.max_staleness=1 on Ray: the rollout pool holds the scheduled (one version old)
+    # weights and generates in the background; the numbers are those of the local child process.
+    k1 = "rollout.max_staleness=1"
+    local = run(tmp_path, "local", 3, k1)
+    on_ray = run(
+        tmp_path, "ray", 3, k1, "run.backend=ray",
+        "placement.actor={nodes: 1, workers_per_node: 1, cpus_per_worker: 0.5}",
+        "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}",
+    )  # fmt: skip
+    for step in (1, 2, 3):
+        assert on_ray[step]["async/staleness"] == local[step]["async/staleness"]
+        for k in KEYS:
+            assert on_ray[step][k] == pytest.approx(local[step][k], rel=1e-5, abs=1e-7), (step, k)

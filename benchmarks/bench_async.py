@@ -1,0 +1,167 @@
+"""Asynchronous rollout: steps per second of ``rollout.max_staleness: 1`` against the synchronous
+loop, measured side by side in one run; optionally the learning curves of both.
+
+Methodology: two trainers on the same config and seed (the CPU demo, ``examples/
+reverse_demo.yaml``, without its warm start for the speed part): ``sync`` (k = 0, rollout and
+training alternate in this process) and ``k=1`` (the rollout's weight snapshot in a child process
+with one torch thread, generating the next step's batch while this process trains with one
+thread) — once with no off-policy correction (``k=1``) and once with decoupled PPO (``k=1 dec``,
+which adds a forward pass to recompute the proximal log-probs). Both are built and warmed up first (the child's start is not timed), then timed in
+alternating blocks of ``--block`` steps (sync, k=1, sync, k=1, ...) so that both see the same
+machine load; the first block of each is discarded, and so is the first step of every block (the
+k=1 run's next batch is finished before the other's block starts, so that step found its batch
+ready). Printed: the median seconds per step of
+each, steps/s and their ratio, and the load average before and after. The machine may be shared:
+the ratio is the number to read, not the absolute times.
+
+``--curves``: then runs the whole demo (warm start included, ``run.total_steps``) once
+synchronously and once with k = 1 and prints held-out greedy accuracy at every validation side by
+side — does the stale, decoupled-PPO run learn as well in the same number of steps?
+
+    .venv/bin/python benchmarks/bench_async.py [--blocks 4] [--block 6] [--prompts 32]
+        [--model demo|medium] [--curves]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def overrides(
+    name: str, out_dir: str, k: int, extra: list[str], correction="decoupled"
+) -> list[str]:
+    return [
+        f"run.output_dir={out_dir}", f"run.name={name}", "run.loggers=[]", "run.num_threads=1",
+        "run.resume=never", "run.save_every=0", "run.save_final=false",
+        f"rollout.max_staleness={k}", *([f"actor.off_policy={correction}"] if k else []), *extra,
+    ]  # fmt: skip
+
+
+def build(name: str, out_dir: str, k: int, extra: list[str], correction: str = "decoupled"):
+    from groupflow.config import load_config
+    from groupflow.trainer import Trainer
+
+    cfg = load_config("examples/reverse_demo.yaml", overrides(name, out_dir, k, extra, correction))
+    trainer = Trainer(cfg)
+    trainer.policy.sync()
+    if k:
+        trainer.start_rollouts()  # what fit() does first: the child process starts here
+    return trainer
+
+
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+# Llama-style shapes as in bench_trl.py: the demo's ~0.2M and a ~2.7M-parameter model.
+MODELS = {
+    "demo": "{hidden_size: 64, num_layers: 4, num_heads: 4, max_positions: 64}",
+    "medium": "{hidden_size: 192, num_layers: 6, num_heads: 4, max_positions: 64}",
+}
+
+
+def speed(args) -> None:
+    steps = args.blocks * args.block + args.block
+    extra = [
+        f"run.total_steps={steps + 2}", f"data.prompts_per_step={args.prompts}",
+        "validation.before_training=false", "sft.steps=0", f"model.tiny={MODELS[args.model]}",
+    ]  # fmt: skip
+    print(f"model: {args.model} {MODELS[args.model]}")
+    print(f"before: {load()}; {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory() as out:
+        trainers = {
+            "sync": build("sync", out, 0, extra),
+            "k=1": build("k1", out, 1, extra, "none"),
+            "k=1 dec": build("k1d", out, 1, extra, "decoupled"),
+        }
+        times: dict[str, list[float]] = {n: [] for n in trainers}
+        stages: list[tuple[float, float]] = []  # the sync run's (rollout+reward, step) seconds
+        try:
+            for block in range(args.blocks + 1):
+                for name, trainer in trainers.items():
+                    per_step = []
+                    for _ in range(args.block):
+                        start = time.perf_counter()
+                        _, metrics = trainer.train_step()
+                        per_step.append(time.perf_counter() - start)
+                        if block and name == "sync":
+                            stages.append(
+                                (metrics["time/rollout_and_reward"], metrics["time/step"])
+                            )
+                    if trainer.rollouts is not None:
+                        # the batch generated ahead must not run during the other's block
+                        trainer.rollouts.drain()
+                    if block:  # the first block of each warms up
+                        # a block's first step found its batch ready (generated while idle)
+                        times[name].append(statistics.mean(per_step[1:]))
+        finally:
+            for trainer in trainers.values():
+                if trainer.rollouts is not None:
+                    trainer.rollouts.close()
+                trainer.shutdown()
+    print(f"after:  {load()}")
+    med = {n: statistics.median(t) for n, t in times.items()}
+    print(f"{'':8} {'s/step (median of blocks)':>26} {'steps/s':>9}  blocks")
+    for n, t in times.items():
+        print(f"{n:8} {med[n]:26.3f} {1 / med[n]:9.2f}  {' '.join(f'{x:.3f}' for x in t)}")
+    for n in ("k=1", "k=1 dec"):
+        print(f"speed-up {n} over sync: {med['sync'] / med[n]:.2f}x (steps/s ratio)")
+    # What overlap could give with two idle cores: the sync step's rollout and the rest of it
+    # run side by side, so the step takes the longer of the two (a bound, not a measurement).
+    rollout = statistics.median(r for r, _ in stages)
+    step = statistics.median(s for _, s in stages)
+    print(f"sync step {step:.3f} s, of which rollout+reward {rollout:.3f} s: with two idle cores "
+          f"overlap could reach {step / max(rollout, step - rollout):.2f}x (bound)")  # fmt: skip
+
+
+def curves(args) -> None:
+    from groupflow.config import load_config
+    from groupflow.tracking import read_metrics
+    from groupflow.trainer import Trainer
+
+    rows = {}
+    with tempfile.TemporaryDirectory() as out:
+        for name, k in (("sync", 0), ("k=1", 1)):
+            cfg = load_config("examples/reverse_demo.yaml", overrides(f"c{k}", out, k, []))
+            trainer = Trainer(cfg)
+            start = time.perf_counter()
+            trainer.fit()
+            trainer.shutdown()
+            seconds = time.perf_counter() - start
+            metrics = read_metrics(trainer.run_dir / "metrics.jsonl")
+            rows[name] = {int(r["step"]): r.get("val/greedy/acc") for r in metrics}
+            print(f"{name}: {seconds:.0f} s for the whole run ({load()})")
+    print(f"{'step':>5} {'sync val/greedy/acc':>20} {'k=1 val/greedy/acc':>20}")
+    for step in sorted(rows["sync"]):
+        a, b = rows["sync"][step], rows["k=1"].get(step)
+        if a is not None or b is not None:
+            print(f"{step:5d} {a if a is not None else float('nan'):20.3f} "
+                  f"{b if b is not None else float('nan'):20.3f}")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--blocks", type=int, default=4, help="timed blocks per trainer")
+    p.add_argument("--block", type=int, default=6, help="steps per block")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--model", choices=sorted(MODELS), default="demo", help="speed part only")
+    p.add_argument("--curves", action="store_true", help="also the demo's learning curves")
+    args = p.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    speed(args)
+    if args.curves:
+        curves(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""A worker in a child process of its own: the ``process`` backend of a worker group.
+
+Design decision: the asynchronous rollout's honest speed-up on a small machine needs generation
+and training to run *at the same time* on different cores; threads in one process share the GIL
+(a small model's decode loop is mostly Python), so the rollout worker lives in a spawned child
+process with one torch thread while the trainer keeps its own. The protocol is a pipe carrying
+``(method, args, kwargs)`` one way and ``(ok, value)`` back — the ``_Host`` contract the Ray
+backend uses — and every call waits at most ``timeout_s``: a hung child is killed and reported, a
+dead one is reported as dead, always as a ``WorkerError`` naming the worker, its role and the
+method. Tensors cross the pipe through torch's shared-memory pickling (no copy of the payload).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ProcessHost"]
+
+
+def _serve(conn, host_cls, factory, rank: int, world_size: int, env: dict[str, str],
+           kwargs: dict) -> None:  # fmt: skip
+    """The child's loop: build the worker (in ``host_cls``, the group's ``_Host``), then answer
+    calls until the pipe closes."""
+    os.environ.update(env)
+    try:
+        host = host_cls(factory, rank, world_size, env, kwargs)
+        conn.send((True, None))
+    except BaseException:  # noqa: BLE001 - the parent reports it with the traceback
+        import traceback
+
+        conn.send((False, traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args, kw = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(host.call(method, args, kw))
+
+
+class ProcessHost:
+    """One worker in a spawned child process; ``call`` returns ``(ok, value)`` like ``_Host.call``
+    or raises ``TimeoutError`` / ``ChildProcessError`` (the group turns them into WorkerErrors)."""
+
+    def __init__(self, host_cls: type, factory: Callable[..., Any], rank: int, world_size: int,
+                 env: dict[str, str], kwargs: dict, startup_timeout_s: float):  # fmt: skip
+        import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor pickling
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_serve,
+            args=(child, host_cls, factory, rank, world_size, env, kwargs),
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        try:
+            ok, value = self._receive(startup_timeout_s)
+        except ChildProcessError as e:
+            # the usual cause: spawn re-imports the __main__ script, which starts a run again
+            raise ChildProcessError(
+                f"{e} while starting (a script that starts a run must do so under "
+                "`if __name__ == '__main__':` — the child process imports it again)"
+            ) from None
+        if not ok:
+            self.close()
+            raise ChildProcessError(f"its constructor raised; traceback:\n{value}")
+
+    def call(self, method: str, args: tuple, kwargs: dict, timeout_s: float) -> tuple[bool, Any]:
+        try:
+            self._conn.send((method, args, kwargs))
+        except (BrokenPipeError, OSError) as e:
+            raise ChildProcessError(self._death(f"could not be reached ({e})")) from None
+        return self._receive(timeout_s)
+
+    def _receive(self, timeout_s: float) -> tuple[bool, Any]:
+        # poll in short slices so that a child that dies is reported at once, not at the timeout
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if not self.process.is_alive():
+                raise ChildProcessError(self._death("died"))
+            if time.monotonic() >= deadline:
+                self.close()  # its state is unknown: a later call must not read a stale answer
+                raise TimeoutError(f"no answer within {timeout_s:g} s (timeout); process killed")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise ChildProcessError(self._death("died")) from None
+
+    def _death(self, what: str) -> str:
+        self.process.join(timeout=1.0)
+        return (
+            f"the worker process (pid {self.process.pid}) {what}, exit code {self.process.exitcode}"
+        )
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5.0)

@@ -16,6 +16,13 @@ the policy's step mean with the reference's (a frozen copy, or — with LoRA —
 with its adapters disabled). With several ranks, gradients are summed across ranks (the losses
 already use global denominators), a plain data-parallel all-reduce: these models are small enough
 to replicate; sharding large transformers is FSDP2's job in the LLM worker.
+
+The 2025 variants are switches on the same worker: ``sde_window`` (MixGRPO) samples with the SDE
+only inside a window that slides with the update count (the scheduler's step, so it resumes
+exactly) and trains exactly those steps; ``ratio_norm`` (GRPO-Guard) rewrites the log-probs
+handed to the PPO loss and weights advantages per step (``objectives``); ``objective="nft"``
+(DiffusionNFT) samples with an EMA "old" copy of the model and trains on re-noised final latents
+instead of log-probs.
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ from torch import Tensor, nn
 from groupflow.algorithms import aggregate, policy_loss
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
+from groupflow.diffusion import objectives as obj
 from groupflow.diffusion.models import check_latents
 from groupflow.diffusion.samplers import (
     flow_kl,
-    gaussian_logprob,
     get_sampler,
     guided_velocity,
     sample_trajectory,
+    sde_window,
 )
 from groupflow.diffusion.schedule import sigma_schedule
 from groupflow.distributed import PAD_KEY, register
@@ -70,10 +78,19 @@ class DiffusionSettings:
     timestep_fraction: float = 0.5
     window: tuple[int, int] | None = None
     lora: dict | None = field(default=None)  # {rank, alpha, target_modules}
+    sde_window: dict | None = None  # MixGRPO {size, shift_interval, stride, roll_back}
+    ratio_norm: bool = False  # GRPO-Guard
+    objective: str = "grpo"  # or "nft" (DiffusionNFT)
+    nft: dict = field(
+        default_factory=dict
+    )  # {beta, old_decay_rate, old_decay_max, adaptive_weight_min}
+    adv_clip_max: float = 5.0  # DiffusionNFT maps advantages to [0, 1] through it
 
     def __post_init__(self):
         spec = get_sampler(self.sampler)  # unknown names raise, listing the valid ones
-        if not spec.stochastic:
+        if self.objective not in ("grpo", "nft"):
+            raise ValueError(f"objective must be 'grpo' or 'nft', got {self.objective!r}")
+        if self.objective == "grpo" and not spec.stochastic:
             raise ValueError(
                 f"sampler '{self.sampler}' is deterministic and has no step log-probs; train with "
                 "'flow_sde' or 'dance_sde' (the ODE sampler is for evaluation)"
@@ -102,8 +119,9 @@ def select_steps(num_steps: int, settings: DiffusionSettings, generator: torch.G
 
 def stream_seed(seed: int, stream: int) -> int:
     """A seed for one of a sample's random streams (0: initial noise, 1: SDE noise, 2: step
-    choice). Mixed, not ``seed + stream``: the trainer's per-sample seeds are consecutive
-    integers, so offsets would make one sample's SDE noise another group's initial noise."""
+    choice; 3 + rank: DiffusionNFT's re-noising from an update's seed). Mixed, not
+    ``seed + stream``: the trainer's per-sample seeds are consecutive integers, so offsets would
+    make one sample's SDE noise another group's initial noise."""
     return (seed * 6364136223846793005 + (stream + 1) * 1442695040888963407) % (2**63 - 1)
 
 
@@ -169,6 +187,10 @@ class DiffusionWorker:
         self.ref_model = None
         if cfg.kl_coef > 0 and self.peft is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        # DiffusionNFT's sampling policy: an EMA of the trained model (adapters included)
+        self.old_model = None
+        if settings.objective == "nft":
+            self.old_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.sigmas = sigma_schedule(settings.num_steps, settings.shift)
         self.spec = get_sampler(settings.sampler)
         self.noise_level = (
@@ -204,11 +226,18 @@ class DiffusionWorker:
 
     # ----- model calls ------------------------------------------------------------------------
     def _velocity(
-        self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor], reference: bool = False
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        cond: dict[str, Tensor],
+        reference: bool = False,
+        old: bool = False,
     ) -> Tensor:
         null = self.flow.null_cond(x.shape[0]) if self.settings.cfg_scale != 1.0 else None
         if null is not None:
             null = {k: v.to(self.device) for k, v in null.items()}
+        if old and self.old_model is not None:
+            return guided_velocity(self.old_model, x, sigma, cond, null, self.settings.cfg_scale)
         if not reference:
             return guided_velocity(self.flow, x, sigma, cond, null, self.settings.cfg_scale)
         if self.peft is not None:
@@ -218,6 +247,26 @@ class DiffusionWorker:
 
     def _train_mode(self, on: bool) -> None:
         self.flow.train(on)
+
+    def _sde_steps(self) -> Tensor | None:
+        """[N] bool: the steps sampled with the SDE now (MixGRPO's window), or None for all."""
+        w = self.settings.sde_window
+        if w is None:
+            return None
+        updates = int(self.scheduler.last_epoch)  # updates applied so far (restored on resume)
+        start, end = sde_window(updates, self.settings.num_steps, **w)
+        steps = torch.zeros(self.settings.num_steps, dtype=torch.bool)
+        steps[start:end] = True
+        return steps
+
+    def _trainable_steps(self) -> Tensor:
+        """[N] bool: steps with exploration noise (CPS's last step, σ' = 0, has none)."""
+        if self.settings.objective == "nft":
+            return torch.ones(self.settings.num_steps, dtype=torch.bool)
+        s, s_next = self.sigmas[:-1], self.sigmas[1:]
+        zeros = torch.zeros(len(s), 1)
+        _, std = self.spec.step(zeros, zeros, s, s_next, noise_level=self.noise_level)
+        return std > 0
 
     # ----- rollout ----------------------------------------------------------------------------
     @register("dp")
@@ -246,15 +295,27 @@ class DiffusionWorker:
         noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in init_seeds])
         gens = [_gen(s, 1) for s in seeds]  # SDE noise: distinct per sample
         cond = {k: v.to(self.device) for k, v in self.flow.encode(texts).items()}
+        sde_steps = self._sde_steps()
         traj = sample_trajectory(
-            lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas,
-            self.settings.sampler, noise_level=self.noise_level, generators=gens,
+            lambda x, s: self._velocity(x, s, cond, old=True), noise.to(self.device), self.sigmas,
+            self.settings.sampler, noise_level=self.noise_level, generators=gens, sde_steps=sde_steps,
         )  # fmt: skip
         step_gens = [_gen(s, 2) for s in seeds]
-        mask = torch.stack(
-            [select_steps(self.settings.num_steps, self.settings, g) for g in step_gens]
-        )
+        if sde_steps is not None:  # MixGRPO trains every step of its window
+            mask = sde_steps.long().expand(len(seeds), -1).clone()
+        else:
+            mask = torch.stack(
+                [select_steps(self.settings.num_steps, self.settings, g) for g in step_gens]
+            )
+        mask = mask * self._trainable_steps().long()
+        if not bool(mask.any(1).all()):
+            raise ValueError(
+                "diffusion: a sample has no trainable step (CPS's last step is deterministic); "
+                "choose diffusion.window / sde_window / timestep_fraction to include earlier steps"
+            )
+        extra = {"clean_latents": traj.final} if self.settings.objective == "nft" else {}
         tensors = {
+            **extra,
             "latents": traj.latents, "next_latents": traj.next_latents,
             "sigmas": traj.sigmas, "sigmas_next": traj.sigmas_next,
             "rollout_logprobs": traj.logprobs, "response_mask": mask,
@@ -282,12 +343,17 @@ class DiffusionWorker:
         return Batch({"images": self.flow.decode(traj.final).cpu()})
 
     # ----- log-probs --------------------------------------------------------------------------
-    def _step_terms(self, mb: Batch, mask: Tensor, with_kl: bool):
+    def _step_terms(self, mb: Batch, mask: Tensor, with_kl: bool, means: bool = False):
         """Log-probs [b, N] of the masked transitions (0 elsewhere; differentiable) and the
-        Flow-GRPO KL [b, N] (or None), computed step by step as they were sampled."""
+        Flow-GRPO KL [b, N] (or None), computed step by step as they were sampled. With
+        ``ratio_norm`` also GRPO-Guard's bias and std [b, N]; ``means``: also the step means."""
         b, n = mask.shape
         logp = torch.zeros(b, n, device=self.device)
         kl = torch.zeros(b, n, device=self.device) if with_kl else None
+        guard = self.settings.ratio_norm
+        bias = torch.zeros(b, n, device=self.device) if guard else None
+        stds = torch.ones(b, n, device=self.device) if guard else None
+        step_means = torch.zeros_like(mb["latents"]) if means else None
         cond = _cond_of(mb)
         for t in range(n):
             rows = mask[:, t].nonzero().flatten()
@@ -299,8 +365,16 @@ class DiffusionWorker:
             mean, std = self.spec.step(
                 x, self._velocity(x, s, c), s, s_next, noise_level=self.noise_level
             )
-            lp = gaussian_logprob(mb["next_latents"][rows, t], mean, std)
-            logp = logp.index_put((rows, torch.full_like(rows, t)), lp)
+            lp = self.spec.step_logprob(mb["next_latents"][rows, t], mean, std)
+            at = (rows, torch.full_like(rows, t))
+            logp = logp.index_put(at, lp)
+            if means:
+                step_means[rows, t] = mean
+            if guard:
+                # one optimizer step per batch: the old means are this forward's, detached
+                old = mb["old_means"][rows, t] if "old_means" in mb else mean.detach()
+                bias = bias.index_put(at, obj.guard_bias(mean, old, std))
+                stds = stds.index_put(at, std.to(stds.dtype))
             if with_kl:
                 with torch.no_grad():
                     ref_mean, _ = self.spec.step(
@@ -313,7 +387,7 @@ class DiffusionWorker:
                 kl = kl.index_put(
                     (rows, torch.full_like(rows, t)), flow_kl(mean, ref_mean, std, s_next - s)
                 )
-        return logp, kl
+        return logp, kl, (bias, stds), step_means
 
     def _check(self, batch: Batch) -> None:
         lat = batch["latents"]
@@ -328,8 +402,12 @@ class DiffusionWorker:
         self._check(batch)
         batch = batch.to(self.device)
         self._train_mode(False)
-        logp, _ = self._step_terms(batch, batch["response_mask"], with_kl=False)
-        return Batch({"logprobs": logp.cpu()})
+        guard = self.settings.ratio_norm
+        logp, _, _, means = self._step_terms(batch, batch["response_mask"], False, means=guard)
+        out = {"logprobs": logp.cpu()}
+        if guard:  # GRPO-Guard's bias needs the old policy's step means
+            out["old_means"] = means.cpu()
+        return Batch(out)
 
     # ----- update -----------------------------------------------------------------------------
     @register("dp")
@@ -349,6 +427,8 @@ class DiffusionWorker:
         n = len(batch)
         mb_size = max(1, (cfg.mini_batch_samples or n * self.world_size) // self.world_size)
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+        # DiffusionNFT's re-noising: its own stream, distinct per rank
+        self._nft_gen = _gen(shuffle_seed or 0, 3 + self.rank)
         lr = self.optimizer.param_groups[0]["lr"]
         per_step = []
         for _ in range(cfg.ppo_epochs):
@@ -356,6 +436,8 @@ class DiffusionWorker:
             for start in range(0, n, mb_size):
                 per_step.append(self._optimizer_step(batch.index(order[start : start + mb_size])))
         self.scheduler.step()
+        if self.old_model is not None:
+            self._update_old_model()
         metrics = _combine(per_step)
         metrics["actor/lr"] = lr
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
@@ -376,12 +458,22 @@ class DiffusionWorker:
         for start in starts:
             mb = mini.index(slice(start, start + size))
             mask = mb["response_mask"]
-            logp, kl = self._step_terms(mb, mask, with_kl)
-            old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
-            loss, m = policy_loss(
-                logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
-                **self.loss_options, **denominators,
-            )  # fmt: skip
+            if self.settings.objective == "nft":
+                per_step, kl = self._nft_terms(mb, mask, with_kl)
+                loss = aggregate(per_step, mask, cfg.loss_agg, **denominators)
+                m = {}
+            else:
+                logp, kl, (bias, stds), _ = self._step_terms(mb, mask, with_kl)
+                old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+                adv = mb["advantages"]
+                if self.settings.ratio_norm:
+                    logp = obj.guard_logprobs(logp, old, bias, stds)
+                    weights = obj.guard_step_weights(mb["sigmas"], mb["sigmas_next"])
+                    adv = (adv[:, None] if adv.dim() == 1 else adv) * weights
+                loss, m = policy_loss(
+                    logp, old, adv, mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
+                    **self.loss_options, **denominators,
+                )  # fmt: skip
             share = float(mask.sum()) / max(1, denominators["num_tokens"])
             stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + float(loss.detach())
             if with_kl:
@@ -423,6 +515,50 @@ class DiffusionWorker:
         stats["actor/nonfinite_skipped"] = 0.0
         return stats
 
+    def _nft_terms(self, mb: Batch, mask: Tensor, with_kl: bool):
+        """DiffusionNFT's loss [b, N] on the masked steps' noise levels (0 elsewhere) and the
+        velocity KL to the reference ‖v − v_ref‖² [b, N] (or None)."""
+        b, n = mask.shape
+        loss = torch.zeros(b, n, device=self.device)
+        kl = torch.zeros(b, n, device=self.device) if with_kl else None
+        cond, x0_all, adv = _cond_of(mb), mb["clean_latents"], mb["advantages"]
+        nft = self.settings.nft
+        for t in range(n):
+            rows = mask[:, t].nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            x0, s, c = x0_all[rows], mb["sigmas"][rows, t], _index_cond(cond, rows)
+            x_t = obj.nft_noised(x0, torch.randn(x0.shape, generator=self._nft_gen), s)
+            v = self._velocity(x_t, s, c)
+            with torch.no_grad():
+                v_old = self._velocity(x_t, s, c, old=True)
+            a = adv[rows] if adv.dim() == 1 else adv[rows, t]
+            r = obj.nft_reward_weight(a, self.settings.adv_clip_max)
+            per = obj.nft_loss(
+                v, v_old, x_t, x0, s, r, beta=nft.get("beta", 1.0),
+                adv_clip_max=self.settings.adv_clip_max,
+                weight_min=nft.get("adaptive_weight_min", 1e-5),
+            )  # fmt: skip
+            at = (rows, torch.full_like(rows, t))
+            loss = loss.index_put(at, per)
+            if with_kl:
+                with torch.no_grad():
+                    v_ref = self._velocity(x_t, s, c, reference=True)
+                d = (v - v_ref) ** 2
+                kl = kl.index_put(at, d.reshape(d.shape[0], -1).mean(1))
+        return loss, kl
+
+    @torch.no_grad()
+    def _update_old_model(self) -> None:
+        """old ← d·old + (1 − d)·current, d rising with the update count (DiffusionNFT)."""
+        nft = self.settings.nft
+        d = obj.ema_decay(
+            int(self.scheduler.last_epoch), nft.get("old_decay_rate", 0.001),
+            nft.get("old_decay_max", 0.5),
+        )  # fmt: skip
+        for o, p in zip(self.old_model.parameters(), self.flow.parameters(), strict=True):
+            o.mul_(d).add_(p.detach(), alpha=1 - d)
+
     def _all_reduce_grads(self) -> None:
         """Sum gradients over ranks (losses use global denominators, so the sum is the gradient)."""
         if not is_distributed():
@@ -439,10 +575,11 @@ class DiffusionWorker:
     @register("rank0")
     def state_dict(self) -> dict:
         return {
-            "model": {k: v.detach().clone().cpu() for k, v in self.flow.state_dict().items()},
+            "model": _cpu_state(self.flow),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+            **({"nft_old": _cpu_state(self.old_model)} if self.old_model is not None else {}),
         }
 
     @register("all")
@@ -452,10 +589,16 @@ class DiffusionWorker:
         self.scheduler.load_state_dict(state["scheduler"])
         apply_configured_hyperparameters(self.optimizer, self.scheduler)
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
+        if self.old_model is not None:
+            self.old_model.load_state_dict(state.get("nft_old", state["model"]))
 
     @register("rank0")
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.flow.parameters() if p.requires_grad)
+
+
+def _cpu_state(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
 
 
 def prompt_rows(

@@ -28,6 +28,7 @@ __all__ = ["DiffusionPolicy", "FlowModelSpec", "settings_from_config", "ensure_t
 
 _MODEL_KEYS = (
     "latents", "next_latents", "sigmas", "sigmas_next", "response_mask", "advantages", "old_logprobs",
+    "old_means", "clean_latents",
 )  # fmt: skip
 
 
@@ -45,12 +46,14 @@ class FlowModelSpec:
         return load_diffusers_model(self.path, self.kind, self.latent_shape)
 
 
-def settings_from_config(d: DiffusionConfig) -> DiffusionSettings:
+def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -> DiffusionSettings:
     return DiffusionSettings(
         sampler=d.sampler, noise_level=d.noise_level, num_steps=d.num_steps, shift=d.shift,
         cfg_scale=d.cfg_scale, same_noise_per_group=d.same_noise_per_group,
         timestep_selection=d.timestep_selection, timestep_fraction=d.timestep_fraction,
         window=d.window, lora=d.model.lora.model_dump() if d.model.lora else None,
+        sde_window=d.sde_window.model_dump() if d.sde_window else None, ratio_norm=d.ratio_norm,
+        objective=d.objective, nft=d.nft.model_dump(), adv_clip_max=adv_clip_max or 5.0,
     )  # fmt: skip
 
 
@@ -100,7 +103,7 @@ class DiffusionPolicy:
             check_labels(Path(d.model.path), corpus)
         spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape)
         self.actor = builders.role_group(
-            cfg, "actor", DiffusionWorker, spec=spec, settings=settings_from_config(d), cfg=cfg.actor,
+            cfg, "actor", DiffusionWorker, spec=spec, settings=settings_from_config(d, cfg.algorithm.adv_clip_max), cfg=cfg.actor,
             total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
         )  # fmt: skip
         self.rollout = self.actor
@@ -110,11 +113,20 @@ class DiffusionPolicy:
         timer = timer or StageTimer()
         a = self.cfg.actor
         several = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
+        d = self.cfg.diffusion
         with timer("old_logprobs"):
-            if a.recompute_old_logprobs == "always" or (
-                a.recompute_old_logprobs == "auto" and several
+            if d.objective == "nft":
+                # no likelihoods: the old policy is the worker's EMA model, not stored log-probs
+                batch["old_logprobs"] = batch["rollout_logprobs"]
+            elif (
+                a.recompute_old_logprobs == "always"
+                or (a.recompute_old_logprobs == "auto" and several)
+                or (d.ratio_norm and several)  # GRPO-Guard needs the old step means too
             ):
-                batch["old_logprobs"] = self.actor.compute_logprobs(model_inputs(batch))["logprobs"]
+                old = self.actor.compute_logprobs(model_inputs(batch))
+                batch["old_logprobs"] = old["logprobs"]
+                if "old_means" in old:
+                    batch["old_means"] = old["old_means"]
             else:
                 # One optimizer step per batch: the rollout's log-probs come from the same step
                 # function computed the same way (step by step), so the first ratio is exactly 1.

@@ -15,8 +15,11 @@ import path work exactly as for LLMs. The built-ins below are registered by name
   hps`` are CLIP-style (image–text cosine similarity × logit scale, as PickScore and HPS v2 use),
   ``kind: hpsv3`` uses the ``hpsv3`` package's inferencer. A missing path is a clear error.
 
-Every reward takes ``frames``: ``first`` (MMDanceGRPO scores the first video frame) or an integer
-k (every k-th frame, averaged); images are single-frame videos. MMDanceGRPO's coefficient 0.1 on
+Every reward takes ``frames``: ``first`` (MMDanceGRPO scores the first video frame), an integer
+k (every k-th frame, averaged) or a list of frame indices (averaged); images are single-frame
+videos. A selection the clip cannot give (an index beyond it, or k ≥ its length, which would
+silently score only frame 0) is a :class:`RewardConfigError` naming ``frames``: it stops the step
+rather than being counted as one failed sample. MMDanceGRPO's coefficient 0.1 on
 HPSv3 is the reward's ``weight`` in the config.
 """
 
@@ -35,6 +38,7 @@ from groupflow.rewards.registry import register_reward
 
 __all__ = [
     "select_frames",
+    "check_frames",
     "make_target_color_reward",
     "make_brightness_reward",
     "make_compressibility_reward",
@@ -45,8 +49,27 @@ __all__ = [
 _LUMA = torch.tensor([0.299, 0.587, 0.114])
 
 
-def select_frames(media: Tensor, frames: str | int = "first") -> Tensor:
-    """[3, H, W] -> [1, 3, H, W]; [3, F, H, W] -> the first frame or every k-th: [n, 3, H, W]."""
+def check_frames(frames) -> str | int | list[int]:
+    """``frames`` must be 'first', a positive integer or a non-empty list of indices >= 0."""
+    if frames == "first" or (
+        isinstance(frames, int) and not isinstance(frames, bool) and frames >= 1
+    ):
+        return frames
+    if (
+        isinstance(frames, (list, tuple))
+        and frames
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in frames)
+    ):
+        return list(frames)
+    raise RewardConfigError(
+        "frames must be 'first', a positive integer k (every k-th frame) or a list of frame "
+        f"indices >= 0, got {frames!r}"
+    )
+
+
+def select_frames(media: Tensor, frames: str | int | Sequence[int] = "first") -> Tensor:
+    """[3, H, W] -> [1, 3, H, W]; [3, F, H, W] -> the first frame, every k-th, or the listed
+    indices: [n, 3, H, W]."""
     if not isinstance(media, Tensor) or media.dim() not in (3, 4) or media.shape[0] != 3:
         shape = list(media.shape) if isinstance(media, Tensor) else type(media).__name__
         raise ValueError(
@@ -55,13 +78,23 @@ def select_frames(media: Tensor, frames: str | int = "first") -> Tensor:
     if media.dim() == 3:
         return media[None].float()
     video = media.permute(1, 0, 2, 3).float()  # [F, 3, H, W]
+    frames = check_frames(frames)
+    n = video.shape[0]
     if frames == "first":
         return video[:1]
-    if isinstance(frames, int) and frames >= 1:
+    if isinstance(frames, int):
+        if frames >= n > 1:
+            raise RewardConfigError(
+                f"frames={frames} (every {frames}-th frame) on a {n}-frame clip scores only frame "
+                "0; use frames: first, or a smaller k"
+            )
         return video[::frames]
-    raise ValueError(
-        f"frames must be 'first' or a positive integer k (every k-th frame), got {frames!r}"
-    )
+    beyond = [i for i in frames if i >= n]
+    if beyond:
+        raise RewardConfigError(
+            f"frames={frames}: index {beyond[0]} is beyond the {n}-frame clip (indices 0..{n - 1})"
+        )
+    return video[frames]
 
 
 def _per_sample(score: Callable[[Tensor], Tensor], frames: str | int):
@@ -76,6 +109,7 @@ def _per_sample(score: Callable[[Tensor], Tensor], frames: str | int):
 def make_target_color_reward(
     color: Sequence[float] = (1.0, 1.0, 1.0), mode: str = "mean", frames: str | int = "first"
 ):
+    check_frames(frames)
     target = torch.tensor([float(c) for c in color])
     if target.numel() != 3 or not bool(((target >= 0) & (target <= 1)).all()):
         raise RewardConfigError(
@@ -94,10 +128,13 @@ def make_target_color_reward(
 
 
 def make_brightness_reward(frames: str | int = "first"):
+    check_frames(frames)
     return _per_sample(lambda x: (x * _LUMA[None, :, None, None]).sum(1).mean((1, 2)), frames)
 
 
 def make_compressibility_reward(min_pixels: int = 256, frames: str | int = "first"):
+    check_frames(frames)
+
     def score(x: Tensor) -> Tensor:
         if x.shape[2] * x.shape[3] < min_pixels:
             raise RewardConfigError(
@@ -164,6 +201,7 @@ _SCORERS = {
 def make_image_scorer_reward(
     path: str, kind: str = "pickscore", frames: str | int = "first", device: str = "cpu"
 ):
+    check_frames(frames)
     if kind not in _SCORERS:
         raise RewardConfigError(
             f"image_scorer: unknown kind {kind!r}; valid kinds: {sorted(_SCORERS)}"

@@ -55,7 +55,7 @@ def test_video_frames_first_or_every_kth():
     assert make_brightness_reward(frames=2)([video]) == pytest.approx([0.5])  # frames 0 and 2
     with pytest.raises(ValueError, match="expects \\[3, H, W\\] or \\[3, F, H, W\\]"):
         select_frames(torch.zeros(4, 16, 16))
-    with pytest.raises(ValueError, match="frames must be 'first' or a positive integer"):
+    with pytest.raises(ValueError, match="frames must be 'first', a positive integer"):
         select_frames(video, 0)
 
 

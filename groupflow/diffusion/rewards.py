@@ -14,6 +14,11 @@ import path work exactly as for LLMs. The built-ins below are registered by name
 - ``image_scorer`` — a model-based scorer loaded from a LOCAL path: ``kind: clip | pickscore |
   hps`` are CLIP-style (image–text cosine similarity × logit scale, as PickScore and HPS v2 use),
   ``kind: hpsv3`` uses the ``hpsv3`` package's inferencer. A missing path is a clear error.
+  PickScore ships its weights (``yuvalkirstain/PickScore_v1``) apart from its processor
+  (``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``): ``processor_path`` names the latter's directory.
+  The chosen frames of all samples are scored ``batch_size`` at a time (prompts truncated to the
+  text tower's length, as PickScore does); a sample with non-finite pixels raises, so the runner
+  isolates it (a failed batch is retried per sample) and counts it.
 
 Every reward takes ``frames``: ``first`` (MMDanceGRPO scores the first video frame), an integer
 k (every k-th frame, averaged) or a list of frame indices (averaged); images are single-frame
@@ -44,6 +49,7 @@ __all__ = [
     "make_compressibility_reward",
     "make_image_scorer_reward",
     "CLIPStyleScorer",
+    "score_in_batches",
 ]
 
 _LUMA = torch.tensor([0.299, 0.587, 0.114])
@@ -152,19 +158,25 @@ class CLIPStyleScorer:
     """Image–text score of a CLIP-family model from a local directory (transformers format):
     ``logit_scale · cos(image, text)``, the form PickScore and HPS v2 use."""
 
-    def __init__(self, path: str | Path, device: str = "cpu"):
+    def __init__(
+        self, path: str | Path, device: str = "cpu", processor_path: str | Path | None = None
+    ):
         from transformers import AutoModel, AutoProcessor
 
         self.model = AutoModel.from_pretrained(str(path), local_files_only=True).eval().to(device)
-        self.processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
+        self.processor = AutoProcessor.from_pretrained(
+            str(processor_path or path), local_files_only=True
+        )
+        self.max_length = self.model.config.text_config.max_position_embeddings
         self.device = device
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         pixels = [img.permute(1, 2, 0).mul(255).round().to(torch.uint8).numpy() for img in images]
         inputs = self.processor(
-            text=list(prompts), images=pixels, return_tensors="pt", padding=True
-        )
+            text=list(prompts), images=pixels, return_tensors="pt", padding=True,
+            truncation=True, max_length=self.max_length,
+        )  # fmt: skip
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         # logits_per_image[i, j] = logit_scale · cos(image_i, text_j); each image pairs with its prompt
         out = self.model(**inputs)
@@ -172,7 +184,7 @@ class CLIPStyleScorer:
 
 
 class _HPSv3Scorer:
-    def __init__(self, path: str | Path, device: str = "cpu"):
+    def __init__(self, path: str | Path, device: str = "cpu", processor_path=None):
         try:
             from hpsv3 import HPSv3RewardInferencer
         except ImportError as e:
@@ -199,9 +211,18 @@ _SCORERS = {
 
 
 def make_image_scorer_reward(
-    path: str, kind: str = "pickscore", frames: str | int = "first", device: str = "cpu"
+    path: str,
+    kind: str = "pickscore",
+    frames: str | int = "first",
+    device: str = "cpu",
+    processor_path: str | None = None,
+    batch_size: int = 16,
 ):
     check_frames(frames)
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise RewardConfigError(
+            f"image_scorer: batch_size must be an integer >= 1, got {batch_size!r}"
+        )
     if kind not in _SCORERS:
         raise RewardConfigError(
             f"image_scorer: unknown kind {kind!r}; valid kinds: {sorted(_SCORERS)}"
@@ -212,16 +233,43 @@ def make_image_scorer_reward(
             f"image_scorer ({kind}): model path '{p}' does not exist; download the weights yourself "
             "and point kwargs.path at the local directory (groupflow never fetches from a hub)"
         )
-    scorer = _SCORERS[kind](p, device)
+    if processor_path is not None and not Path(processor_path).expanduser().exists():
+        raise RewardConfigError(
+            f"image_scorer ({kind}): processor_path '{processor_path}' does not exist"
+        )
+    scorer = _SCORERS[kind](p, device, processor_path)
 
     def reward(prompts: Sequence[str], completions: Sequence[Tensor]) -> list[float]:
-        out = []
-        for prompt, media in zip(prompts, completions):
-            chosen = select_frames(media, frames)
-            out.append(float(scorer(chosen, [prompt] * len(chosen)).mean()))
-        return out
+        chosen = [select_frames(media, frames) for media in completions]
+        for i, c in enumerate(chosen):
+            if not bool(torch.isfinite(c).all()):
+                raise ValueError(f"image_scorer: completion {i} has non-finite pixels")
+        return score_in_batches(scorer, chosen, prompts, batch_size)
 
     return reward
+
+
+def score_in_batches(
+    scorer: Callable[[Tensor, Sequence[str]], Tensor],
+    chosen: Sequence[Tensor],
+    prompts: Sequence[str],
+    batch_size: int,
+) -> list[float]:
+    """Score every sample's chosen frames [n_i, 3, H, W] against its prompt, ``batch_size`` frames
+    per call (frames of one size per call: a call's images are stacked), and average per sample."""
+    flat = [(i, f) for i, c in enumerate(chosen) for f in c]
+    scores = torch.empty(len(flat))
+    start = 0
+    while start < len(flat):
+        end = min(start + batch_size, len(flat))
+        size = flat[start][1].shape
+        # a call takes frames of one size only (they are stacked)
+        end = next((j for j in range(start, end) if flat[j][1].shape != size), end)
+        frames = torch.stack([f for _, f in flat[start:end]])
+        scores[start:end] = scorer(frames, [prompts[i] for i, _ in flat[start:end]]).float()
+        start = end
+    owners = torch.tensor([i for i, _ in flat])
+    return [float(scores[owners == i].mean()) for i in range(len(chosen))]
 
 
 for _name, _factory in (

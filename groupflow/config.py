@@ -540,9 +540,21 @@ class DiffusionModelConfig(_Section):
     pretrain_if_missing: bool = False
     pretrain_steps: int = Field(600, ge=1)
     lora: DiffusionLoraConfig | None = None
+    # wan only: the pipeline's other parts (local diffusers folders). Without a text encoder,
+    # prompts get fixed random embeddings; without a VAE, images are latent previews.
+    text_encoder_path: str | None = None  # UMT5 (`text_encoder/`)
+    tokenizer_path: str | None = None  # default: `tokenizer/` beside the text encoder
+    max_sequence_length: int = Field(512, ge=1)
+    vae_path: str | None = None  # AutoencoderKLWan (`vae/`)
 
     @model_validator(mode="after")
     def _shape(self):
+        parts = [k for k in ("text_encoder_path", "tokenizer_path", "vae_path") if getattr(self, k)]
+        if parts and self.kind != "wan":
+            raise ValueError(
+                f"diffusion.model.{parts[0]} is for kind 'wan' (the Wan pipeline's parts), "
+                f"not '{self.kind}'"
+            )
         if self.kind != "tiny" and self.latent_shape is None:
             raise ValueError(f"diffusion.model.latent_shape is required for kind '{self.kind}'")
         if self.kind != "tiny" and self.pretrain_if_missing:

@@ -342,4 +342,17 @@ def load_diffusers_model(
             )
         else:
             prompt_encoder = HashPromptEncoder(c.text_dim)
+    want = getattr(transformer.config, "text_dim", None)
+    got = getattr(prompt_encoder, "dim", None)
+    if kind == "wan" and want is not None and got is not None and got != want:
+        raise ValueError(
+            f"diffusion.model.text_encoder_path: its embeddings have {got} features; the "
+            f"transformer at '{path}' takes text_dim={want}"
+        )
+    z_dim = getattr(decoder, "z_dim", None)
+    if z_dim is not None and z_dim != int(latent_shape[0]):
+        raise ValueError(
+            f"diffusion.model.vae_path: the VAE decodes {z_dim}-channel latents; "
+            f"diffusion.model.latent_shape has {int(latent_shape[0])}"
+        )
     return DiffusersFlowModel(transformer, kind, latent_shape, prompt_encoder, decoder)

@@ -35,15 +35,30 @@ _MODEL_KEYS = (
 class FlowModelSpec:
     """How a worker builds its flow model inside its own process (picklable for Ray)."""
 
-    def __init__(self, kind: str, path: str, latent_shape: list[int] | None = None):
+    def __init__(
+        self, kind: str, path: str, latent_shape: list[int] | None = None, parts: dict | None = None
+    ):
         self.kind, self.path, self.latent_shape = kind, path, latent_shape
+        self.parts = parts or {}  # text_encoder_path, tokenizer_path, max_sequence_length, vae_path
 
     def build(self):
         from groupflow.diffusion.models import load_diffusers_model, load_tiny_model
 
         if self.kind == "tiny":
             return load_tiny_model(self.path)
-        return load_diffusers_model(self.path, self.kind, self.latent_shape)
+        encoder = decoder = None
+        if self.parts.get("text_encoder_path"):
+            from groupflow.diffusion.encoders import WanTextEncoder
+
+            encoder = WanTextEncoder(
+                self.parts["text_encoder_path"], self.parts.get("tokenizer_path"),
+                self.parts.get("max_sequence_length", 512),
+            )  # fmt: skip
+        if self.parts.get("vae_path"):
+            from groupflow.diffusion.encoders import WanVaeDecoder
+
+            decoder = WanVaeDecoder(self.parts["vae_path"])
+        return load_diffusers_model(self.path, self.kind, self.latent_shape, encoder, decoder)
 
 
 def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -> DiffusionSettings:
@@ -101,7 +116,10 @@ class DiffusionPolicy:
         self.pretrain_stats = ensure_tiny_model(d, cfg.run.seed)
         if d.model.kind == "tiny":
             check_labels(Path(d.model.path), corpus)
-        spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape)
+        parts = d.model.model_dump(
+            include={"text_encoder_path", "tokenizer_path", "max_sequence_length", "vae_path"}
+        )
+        spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape, parts)
         self.actor = builders.role_group(
             cfg, "actor", DiffusionWorker, spec=spec, settings=settings_from_config(d, cfg.algorithm.adv_clip_max), cfg=cfg.actor,
             total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,

@@ -1,7 +1,8 @@
 """examples/mmdancegrpo_wan.yaml end to end on a tiny random Wan-shaped transformer (CPU).
 
 Only what a CPU cannot hold changes: the transformer (a random 1-layer WanTransformer3DModel
-with the real class and file layout), the latent size, the worker count, the step counts, and the
+with the real class and file layout), its text encoder and VAE (tiny random UMT5 and
+AutoencoderKLWan in the second test, none in the first), the latent size, the worker count, the step counts, and the
 reward (HPSv3 needs its own package; `brightness` on the same first frame with the same 0.1
 coefficient stands in for it). Every other key — DanceGRPO's SDE, shift, same noise per group,
 every step trained, advantage clip, reward threshold, warm-up + cosine LR, ratio clip, gradient
@@ -44,6 +45,7 @@ def _recipe(tmp_path, model, **over):
         "run.output_dir": str(tmp_path), "run.backend": "local", "run.num_workers": 1,
         "run.total_steps": 2, "run.num_threads": 1, "placement.actor.gpus_per_worker": 0.0,
         "diffusion.model.path": str(model), "diffusion.model.latent_shape": [4, 3, 8, 8],
+        "diffusion.model.text_encoder_path": None, "diffusion.model.vae_path": None,
         "diffusion.model.lora.rank": 4, "diffusion.num_steps": 3, "data.prompts_per_step": 2,
         "rollout.samples_per_prompt": 3, "validation.every_steps": 1, "actor.lr": 1e-3,
         "actor.warmup_steps": 2,
@@ -74,3 +76,22 @@ def test_the_recipe_trains_a_wan_shaped_transformer_end_to_end(tmp_path):
     rows = read_metrics(filtered.run_dir / "metrics.jsonl")
     assert rows[1]["advantages/max"] == 0.0 == rows[1]["advantages/min"]
     assert rows[1]["actor/grad_norm"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_recipe_with_the_pipelines_text_encoder_and_vae(tmp_path):
+    """Prompts through UMT5, rewards on VAE-decoded first frames: the whole Wan pipeline's path."""
+    from tests.diffusion.test_encoders import wan_parts
+
+    torch.set_num_threads(1)
+    text, vae = wan_parts(tmp_path / "parts")
+    model = _tiny_wan(tmp_path / "wan")
+    parts = {"diffusion.model.text_encoder_path": str(text), "diffusion.model.vae_path": str(vae),
+             "diffusion.model.max_sequence_length": 8, "algorithm.reward_threshold": -1.0,
+             "run.samples_every": 1}  # fmt: skip
+    trainer = Trainer(_recipe(tmp_path, model, **parts))
+    trainer.fit()
+    rows = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert rows[-1]["actor/grad_norm"] > 0 and 0 <= rows[-1]["reward/mean"] <= 0.1
+    sample = (trainer.run_dir / "samples.jsonl").read_text().splitlines()[0]
+    assert "<image 3x5x16x16" in sample  # decoded video: 5 frames of 16x16, not a latent preview

@@ -610,6 +610,9 @@ class DiffusionConfig(_Section):
     ratio_norm: bool = False  # GRPO-Guard: mean-corrected, step-scaled ratio and 1/|dt| weights
     objective: Literal["grpo", "nft"] = "grpo"  # nft: DiffusionNFT's forward-process objective
     nft: NftConfig = Field(default_factory=NftConfig)
+    # FSDP2 over run.num_workers ranks (each block, then the root) instead of full replicas
+    fsdp: bool = False
+    activation_checkpointing: bool = False  # diffusers transformers: recompute block activations
 
     @field_validator("sampler", "eval_sampler")
     @classmethod
@@ -643,6 +646,11 @@ class DiffusionConfig(_Section):
                 f"diffusion.sampler '{self.sampler}' is deterministic: with "
                 "diffusion.same_noise_per_group every sample of a group is the same image and "
                 "every advantage 0; set same_noise_per_group: false"
+            )
+        if self.activation_checkpointing and self.model.kind == "tiny":
+            raise ValueError(
+                "diffusion.activation_checkpointing is for the diffusers transformers "
+                "(diffusion.model.kind sd3 / wan), not 'tiny'"
             )
         if self.objective == "nft" and self.ratio_norm:
             raise ValueError(

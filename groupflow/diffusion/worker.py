@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -48,106 +46,37 @@ from groupflow.diffusion.samplers import (
     sde_window,
 )
 from groupflow.diffusion.schedule import sigma_schedule
+from groupflow.diffusion.settings import (
+    COND_PREFIX,
+    DiffusionSettings,
+    combine_metrics,
+    cond_of,
+    index_cond,
+    prompt_rows,
+    seeded_generator,
+    select_steps,
+)
+from groupflow.diffusion.sharding import (
+    enable_activation_checkpointing,
+    flow_layers,
+    full_state,
+    load_full_state,
+    memory_stats,
+)
 from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import (
     all_reduce,
     clip_grad_norm,
+    full_model_state,
     init_process_group,
     is_distributed,
+    shard,
 )
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import NonFiniteLossError, loss_options, lr_lambda, worker_device
 from groupflow.workers.update import global_denominators
 
-__all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX"]
-
-COND_PREFIX = "cond."  # condition tensors travel in the Batch as cond.<name> [B, ...]
-
-
-@dataclass(frozen=True)
-class DiffusionSettings:
-    """Plain sampling/training knobs of the diffusion policy (built from the config by the builder)."""
-
-    sampler: str = "flow_sde"
-    noise_level: float | None = None  # None: the sampler's default (flow 0.7, dance 0.3)
-    num_steps: int = 10
-    shift: float = 3.0
-    cfg_scale: float = 1.0
-    same_noise_per_group: bool = True
-    timestep_selection: str = "random"  # "random" (fraction per sample) or "window"
-    timestep_fraction: float = 0.5
-    window: tuple[int, int] | None = None
-    lora: dict | None = field(default=None)  # {rank, alpha, target_modules}
-    sde_window: dict | None = None  # MixGRPO {size, shift_interval, stride, roll_back}
-    ratio_norm: bool = False  # GRPO-Guard
-    objective: str = "grpo"  # or "nft" (DiffusionNFT)
-    nft: dict = field(
-        default_factory=dict
-    )  # {beta, old_decay_rate, old_decay_max, adaptive_weight_min}
-    adv_clip_max: float = 5.0  # DiffusionNFT maps advantages to [0, 1] through it
-
-    def __post_init__(self):
-        spec = get_sampler(self.sampler)  # unknown names raise, listing the valid ones
-        if self.objective not in ("grpo", "nft"):
-            raise ValueError(f"objective must be 'grpo' or 'nft', got {self.objective!r}")
-        if self.objective == "grpo" and not spec.stochastic:
-            raise ValueError(
-                f"sampler '{self.sampler}' is deterministic and has no step log-probs; train with "
-                "'flow_sde' or 'dance_sde' (the ODE sampler is for evaluation)"
-            )
-        if self.timestep_selection not in ("random", "window"):
-            raise ValueError(
-                f"timestep_selection must be 'random' or 'window', got {self.timestep_selection!r}"
-            )
-        if self.window is not None and not 0 <= self.window[0] < self.window[1] <= self.num_steps:
-            raise ValueError(
-                f"window {list(self.window)} must satisfy 0 <= start < end <= num_steps={self.num_steps}"
-            )
-
-
-def select_steps(num_steps: int, settings: DiffusionSettings, generator: torch.Generator) -> Tensor:
-    """The [num_steps] 0/1 mask of steps one sample trains on."""
-    mask = torch.zeros(num_steps, dtype=torch.long)
-    if settings.timestep_selection == "window":
-        start, end = settings.window or (0, num_steps)
-        mask[start:end] = 1
-        return mask
-    k = max(1, round(settings.timestep_fraction * num_steps))
-    mask[torch.randperm(num_steps, generator=generator)[:k]] = 1
-    return mask
-
-
-def stream_seed(seed: int, stream: int) -> int:
-    """A seed for one of a sample's random streams (0: initial noise, 1: SDE noise, 2: step
-    choice; 3 + rank: DiffusionNFT's re-noising from an update's seed). Mixed, not
-    ``seed + stream``: the trainer's per-sample seeds are consecutive integers, so offsets would
-    make one sample's SDE noise another group's initial noise."""
-    return (seed * 6364136223846793005 + (stream + 1) * 1442695040888963407) % (2**63 - 1)
-
-
-def _gen(seed: int, stream: int) -> torch.Generator:
-    return torch.Generator().manual_seed(stream_seed(int(seed), stream))
-
-
-def _cond_of(batch: Batch) -> dict[str, Tensor]:
-    return {k[len(COND_PREFIX) :]: v for k, v in batch.tensors.items() if k.startswith(COND_PREFIX)}
-
-
-def _index_cond(cond: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
-    return {k: v[rows] for k, v in cond.items()}
-
-
-def _combine(steps: list[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for s in steps for k in s):
-        values = [s[key] for s in steps if key in s]
-        if key.endswith("ratio_max"):
-            out[key] = max(values)
-        elif key.endswith("ratio_min"):
-            out[key] = min(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
+__all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX", "prompt_rows"]
 
 
 class DiffusionWorker:
@@ -196,6 +125,14 @@ class DiffusionWorker:
         self.noise_level = (
             self.spec.default_noise_level if settings.noise_level is None else settings.noise_level
         )
+        if settings.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        # FSDP2: every copy is sharded alike (the old model's EMA then works on local shards)
+        self.sharded = settings.fsdp and is_distributed()
+        if self.sharded:
+            for m in (model, self.ref_model, self.old_model):
+                if m is not None:
+                    shard(m, flow_layers(m))
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -292,15 +229,17 @@ class DiffusionWorker:
             for row in prompts["seeds"]
             for s in row
         ]
-        noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in init_seeds])
-        gens = [_gen(s, 1) for s in seeds]  # SDE noise: distinct per sample
+        noise = torch.stack(
+            [torch.randn(shape, generator=seeded_generator(s, 0)) for s in init_seeds]
+        )
+        gens = [seeded_generator(s, 1) for s in seeds]  # SDE noise: distinct per sample
         cond = {k: v.to(self.device) for k, v in self.flow.encode(texts).items()}
         sde_steps = self._sde_steps()
         traj = sample_trajectory(
             lambda x, s: self._velocity(x, s, cond, old=True), noise.to(self.device), self.sigmas,
             self.settings.sampler, noise_level=self.noise_level, generators=gens, sde_steps=sde_steps,
         )  # fmt: skip
-        step_gens = [_gen(s, 2) for s in seeds]
+        step_gens = [seeded_generator(s, 2) for s in seeds]
         if sde_steps is not None:  # MixGRPO trains every step of its window
             mask = sde_steps.long().expand(len(seeds), -1).clone()
         else:
@@ -333,9 +272,9 @@ class DiffusionWorker:
         self._train_mode(False)
         shape = tuple(self.flow.latent_shape)
         seeds = prompts["noise_seed"].tolist()
-        noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in seeds])
+        noise = torch.stack([torch.randn(shape, generator=seeded_generator(s, 0)) for s in seeds])
         cond = {k: v.to(self.device) for k, v in self.flow.encode(list(prompts["prompt"])).items()}
-        gens = [_gen(s, 1) for s in seeds]
+        gens = [seeded_generator(s, 1) for s in seeds]
         traj = sample_trajectory(
             lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas, sampler,
             noise_level=None if sampler != self.settings.sampler else self.noise_level, generators=gens,
@@ -354,14 +293,15 @@ class DiffusionWorker:
         bias = torch.zeros(b, n, device=self.device) if guard else None
         stds = torch.ones(b, n, device=self.device) if guard else None
         step_means = torch.zeros_like(mb["latents"]) if means else None
-        cond = _cond_of(mb)
+        cond = cond_of(mb)
         for t in range(n):
             rows = mask[:, t].nonzero().flatten()
-            if rows.numel() == 0:
+            rows = self._rows_or_placeholder(rows)
+            if rows is None:
                 continue
             x = mb["latents"][rows, t]
             s, s_next = mb["sigmas"][rows, t], mb["sigmas_next"][rows, t]
-            c = _index_cond(cond, rows)
+            c = index_cond(cond, rows)
             mean, std = self.spec.step(
                 x, self._velocity(x, s, c), s, s_next, noise_level=self.noise_level
             )
@@ -404,7 +344,7 @@ class DiffusionWorker:
         self._train_mode(False)
         guard = self.settings.ratio_norm
         logp, _, _, means = self._step_terms(batch, batch["response_mask"], False, means=guard)
-        out = {"logprobs": logp.cpu()}
+        out = {"logprobs": (logp * batch["response_mask"]).cpu()}  # placeholders (FSDP) out
         if guard:  # GRPO-Guard's bias needs the old policy's step means
             out["old_means"] = means.cpu()
         return Batch(out)
@@ -428,7 +368,7 @@ class DiffusionWorker:
         mb_size = max(1, (cfg.mini_batch_samples or n * self.world_size) // self.world_size)
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         # DiffusionNFT's re-noising: its own stream, distinct per rank
-        self._nft_gen = _gen(shuffle_seed or 0, 3 + self.rank)
+        self._nft_gen = seeded_generator(shuffle_seed or 0, 3 + self.rank)
         lr = self.optimizer.param_groups[0]["lr"]
         per_step = []
         for _ in range(cfg.ppo_epochs):
@@ -438,7 +378,7 @@ class DiffusionWorker:
         self.scheduler.step()
         if self.old_model is not None:
             self._update_old_model()
-        metrics = _combine(per_step)
+        metrics = combine_metrics(per_step)
         metrics["actor/lr"] = lr
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
         return metrics
@@ -488,7 +428,8 @@ class DiffusionWorker:
                     stats[key] = min(stats.get(key, math.inf), float(v))
                 else:
                     stats[key] = stats.get(key, 0.0) + float(v) * share
-            loss.backward()
+            # FSDP2 averages gradients over ranks; the losses use global denominators (a sum)
+            (loss * self.world_size if self.sharded else loss).backward()
             total += float(loss.detach())
         self._all_reduce_grads()
         params = [p for p in self.flow.parameters() if p.requires_grad]
@@ -521,13 +462,14 @@ class DiffusionWorker:
         b, n = mask.shape
         loss = torch.zeros(b, n, device=self.device)
         kl = torch.zeros(b, n, device=self.device) if with_kl else None
-        cond, x0_all, adv = _cond_of(mb), mb["clean_latents"], mb["advantages"]
+        cond, x0_all, adv = cond_of(mb), mb["clean_latents"], mb["advantages"]
         nft = self.settings.nft
         for t in range(n):
             rows = mask[:, t].nonzero().flatten()
-            if rows.numel() == 0:
+            rows = self._rows_or_placeholder(rows)
+            if rows is None:
                 continue
-            x0, s, c = x0_all[rows], mb["sigmas"][rows, t], _index_cond(cond, rows)
+            x0, s, c = x0_all[rows], mb["sigmas"][rows, t], index_cond(cond, rows)
             x_t = obj.nft_noised(x0, torch.randn(x0.shape, generator=self._nft_gen), s)
             v = self._velocity(x_t, s, c)
             with torch.no_grad():
@@ -559,9 +501,17 @@ class DiffusionWorker:
         for o, p in zip(self.old_model.parameters(), self.flow.parameters(), strict=True):
             o.mul_(d).add_(p.detach(), alpha=1 - d)
 
+    def _rows_or_placeholder(self, rows: Tensor) -> Tensor | None:
+        """The rows training step t; with none, None — or, sharded, row 0 as a placeholder: every
+        rank must run the same forwards (FSDP2's all-gathers are collectives); row 0's step t is
+        masked out, so it adds nothing but keeps the backward's reduce-scatters in step too."""
+        if rows.numel() > 0:
+            return rows
+        return torch.zeros(1, dtype=torch.long, device=rows.device) if self.sharded else None
+
     def _all_reduce_grads(self) -> None:
         """Sum gradients over ranks (losses use global denominators, so the sum is the gradient)."""
-        if not is_distributed():
+        if not is_distributed() or self.sharded:  # FSDP2 reduce-scatters its own
             return
         import torch.distributed as dist
 
@@ -574,38 +524,42 @@ class DiffusionWorker:
     # ----- state ------------------------------------------------------------------------------
     @register("rank0")
     def state_dict(self) -> dict:
-        return {
-            "model": _cpu_state(self.flow),
-            "optimizer": self.optimizer.state_dict(),
+        """Full state by parameter name (gathered when sharded: every rank runs this), so a
+        checkpoint written by N workers loads into M."""
+        model, optimizer = full_state(self.flow, self.optimizer)
+        out = {
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
-            **({"nft_old": _cpu_state(self.old_model)} if self.old_model is not None else {}),
         }
+        if self.old_model is not None:
+            out["nft_old"] = {k: v.cpu() for k, v in full_model_state(self.old_model).items()}
+        return out
 
     @register("all")
     def load_state_dict(self, state: dict) -> None:
-        self.flow.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_full_state(self.flow, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         apply_configured_hyperparameters(self.optimizer, self.scheduler)
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
         if self.old_model is not None:
-            self.old_model.load_state_dict(state.get("nft_old", state["model"]))
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(
+                self.old_model, state.get("nft_old", state["model"]),
+                options=StateDictOptions(full_state_dict=True),
+            )  # fmt: skip
+
+    @register("all")
+    def memory_stats(self) -> dict[str, float]:
+        """This rank's model-state bytes (parameters, gradients, optimizer state: local shards
+        when sharded) and the process's peak resident memory."""
+        return memory_stats(self.flow, self.optimizer)
 
     @register("rank0")
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.flow.parameters() if p.requires_grad)
-
-
-def _cpu_state(model: nn.Module) -> dict[str, Tensor]:
-    return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
-
-
-def prompt_rows(
-    prompts: Sequence[str], seeds: Sequence[Sequence[int]], group_ids: Sequence[int]
-) -> Batch:
-    """The input of ``generate``: one row per prompt with its text and one seed per sample."""
-    return Batch(
-        {"group_ids": torch.as_tensor(list(group_ids), dtype=torch.long)},
-        {"prompt": list(prompts), "seeds": [list(s) for s in seeds]},
-    )

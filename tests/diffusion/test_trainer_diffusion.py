@@ -84,6 +84,7 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"diffusion.objective": "nft", "diffusion.sampler": "ode"}, "same_noise_per_group: false"),
         ({"diffusion.nft.beta": 0}, "'diffusion.nft.beta'"),
         ({"diffusion.model.vae_path": "vae"}, "diffusion.model.vae_path is for kind 'wan'"),
+        ({"diffusion.activation_checkpointing": True}, "not 'tiny'"),
         ({"diffusion.nft.old_decay_max": 1.0}, "'diffusion.nft.old_decay_max'"),
     ],
 )  # fmt: skip

@@ -79,6 +79,9 @@ from groupflow.workers.update import global_denominators
 __all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX", "prompt_rows"]
 
 
+LORA_INIT_SEED = 20251126  # adapters' init: the same on every rank and in every run
+
+
 class DiffusionWorker:
     """Flow-matching policy + optional reference + AdamW + LR schedule + SDE rollout."""
 
@@ -102,16 +105,19 @@ class DiffusionWorker:
 
             lora = settings.lora
             # LoRA layers are injected into `model` in place; the PeftModel is kept for
-            # disable_adapter() (the reference policy) and for saving adapters.
-            self.peft = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora["rank"],
-                    lora_alpha=lora["alpha"],
-                    target_modules=list(lora["target_modules"]),
-                    lora_dropout=0.0,
-                ),
-            )
+            # disable_adapter() (the reference policy) and for saving adapters. Their random
+            # init comes from a fixed seed: every rank (replica or shard) must start alike.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(LORA_INIT_SEED)
+                self.peft = get_peft_model(
+                    model,
+                    LoraConfig(
+                        r=lora["rank"],
+                        lora_alpha=lora["alpha"],
+                        target_modules=list(lora["target_modules"]),
+                        lora_dropout=0.0,
+                    ),
+                )
         # β = 0 never builds a reference; with LoRA the reference is the same net without adapters.
         self.ref_model = None
         if cfg.kl_coef > 0 and self.peft is None:

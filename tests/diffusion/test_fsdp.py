@@ -106,3 +106,24 @@ def test_activation_checkpointing_gives_the_same_gradients(wan_setup):
         grads.append(seen[0])
     for g0, g1 in zip(*grads, strict=True):
         assert torch.allclose(g0, g1, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_on_a_sharded_transformer_equals_one_worker(wan_setup, tmp_path):
+    """LoRA adapters injected before sharding; the reference is the adapter-free sharded model."""
+    pytest.importorskip("ray")
+    model, prompts = wan_setup
+    lora = {"diffusion.model.lora": {"rank": 2, "alpha": 4, "target_modules": ["to_q", "to_v"]},
+            "actor.kl_coef": 0.1, "run.total_steps": 1}  # fmt: skip
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **lora))
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **lora, **{
+        "run.name": "two", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True}))  # fmt: skip
+    a = read_metrics(one.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(two.run_dir / "metrics.jsonl")[-1]
+    assert a["actor/grad_norm"] > 0
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+    adapters = [k for k in s1["model"] if "lora_" in k]
+    assert adapters and all(
+        torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6) for k in adapters
+    )

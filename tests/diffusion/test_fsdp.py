@@ -127,3 +127,22 @@ def test_lora_on_a_sharded_transformer_equals_one_worker(wan_setup, tmp_path):
     assert adapters and all(
         torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6) for k in adapters
     )
+
+
+@pytest.mark.slow
+def test_two_sharded_workers_equal_one_worker_on_an_sd3_transformer(wan_setup, tmp_path):
+    pytest.importorskip("ray")
+    from tests.diffusion.test_models import _sd3
+
+    model, prompts = _sd3(tmp_path), wan_setup[1]
+    sd3 = {"diffusion.model.kind": "sd3", "diffusion.model.path": str(model),
+           "diffusion.model.latent_shape": [4, 8, 8], "run.total_steps": 1}  # fmt: skip
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **sd3))
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **sd3, **{
+        "run.name": "two", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True}))  # fmt: skip
+    a = read_metrics(one.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(two.run_dir / "metrics.jsonl")[-1]
+    assert a["actor/grad_norm"] > 0
+    assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    for k in s1["model"]:
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k

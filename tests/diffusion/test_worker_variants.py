@@ -15,7 +15,8 @@ def test_cps_rollout_is_reproduced_and_never_trains_its_deterministic_last_step(
     w = _worker(DiffusionSettings(sampler="cps", num_steps=3, timestep_fraction=1.0))
     b = _rollout(w)
     assert b["response_mask"].tolist() == [[1, 1, 0]] * 6
-    assert torch.equal(b["next_latents"][:, 2], b["next_latents"][:, 2])  # finite, no noise
+    assert bool((b["rollout_logprobs"][:, 2] == 0).all())  # std 0: x' is the mean exactly
+    assert bool((b["rollout_logprobs"][:, :2] < 0).all())
     again = w.compute_logprobs(_inputs(b))["logprobs"]
     assert torch.equal(again, b["rollout_logprobs"] * b["response_mask"])
     b["old_logprobs"] = b["rollout_logprobs"]

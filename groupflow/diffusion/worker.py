@@ -13,9 +13,10 @@ mini-batch-global denominators, gradient clipping, warm-up + cosine LR — is th
 Transitions are recomputed grouped by step index, as they were sampled (all samples at step t in
 one forward), so a stored step's log-prob is reproduced bit for bit. The Flow-GRPO KL compares
 the policy's step mean with the reference's (a frozen copy, or — with LoRA — the same network
-with its adapters disabled). With several ranks, gradients are summed across ranks (the losses
-already use global denominators), a plain data-parallel all-reduce: these models are small enough
-to replicate; sharding large transformers is FSDP2's job in the LLM worker.
+with its adapters disabled). With several ranks the model is either replicated, its gradients
+summed by an all-reduce (the losses already use global denominators), or — ``fsdp`` — sharded
+with FSDP2 like the LLM actor's (``diffusion.sharding``), the loss scaled by the world size since
+FSDP averages; then every rank runs the same forwards (placeholders where it has no sample).
 
 The 2025 variants are switches on the same worker: ``sde_window`` (MixGRPO) samples with the SDE
 only inside a window that slides with the update count (the scheduler's step, so it resumes

@@ -107,7 +107,8 @@ def check_labels(path: Path, rows: list[PromptRow]) -> None:
 
 
 class DiffusionPolicy:
-    """The flow model's actor group (replicated, data-parallel) and its training calls."""
+    """The flow model's actor group (data-parallel: replicated, or FSDP2-sharded with
+    ``diffusion.fsdp``) and its training calls."""
 
     contracts = DIFFUSION_CONTRACTS
 
@@ -163,7 +164,7 @@ class DiffusionPolicy:
         """No reference or critic to initialise."""
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(self.actor.state_dict()), {}  # replicated: one full copy
+        return dict(self.actor.state_dict()), {}  # the full state by name (gathered if sharded)
 
     def load(self, state: dict[str, Any], path: Path) -> None:
         self.actor.load_state_dict(state)

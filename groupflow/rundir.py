@@ -101,6 +101,8 @@ SAFE_TO_CHANGE = (
     "run.worker_timeout_s",
     "placement",
     "model.gradient_checkpointing",
+    "diffusion.fsdp",
+    "diffusion.activation_checkpointing",
     "actor.micro_batch_samples",
     "actor.micro_batch_tokens",
     "actor.logprob_chunk_tokens",

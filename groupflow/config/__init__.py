@@ -7,7 +7,13 @@ re-exported here, so callers import everything from ``groupflow.config``. Nothin
 builders reads this object: builders pass plain arguments into workers (style.md principle 6).
 """
 
-from groupflow.config.diffusion import DiffusionConfig, DiffusionLoraConfig, DiffusionModelConfig
+from groupflow.config.diffusion import (
+    DiffusionConfig,
+    DiffusionLoraConfig,
+    DiffusionModelConfig,
+    NftConfig,
+    SdeWindowConfig,
+)
 from groupflow.config.loading import apply_overrides, config_from_dict, load_config, parse_overrides
 from groupflow.config.root import Config
 from groupflow.config.sections import (
@@ -51,6 +57,7 @@ __all__ = [
     "KLInRewardConfig",
     "LoraConfig",
     "ModelConfig",
+    "NftConfig",
     "PlacementConfig",
     "PoolConfig",
     "RewardConfig",
@@ -59,6 +66,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SFTConfig",
+    "SdeWindowConfig",
     "TaskConfig",
     "TinyModelConfig",
     "ToolConfig",

@@ -36,14 +36,48 @@ class DiffusionModelConfig(_Section):
     pretrain_if_missing: bool = False
     pretrain_steps: int = Field(600, ge=1)
     lora: DiffusionLoraConfig | None = None
+    # wan only: the pipeline's other parts (local diffusers folders). Without a text encoder,
+    # prompts get fixed random embeddings; without a VAE, images are latent previews.
+    text_encoder_path: str | None = None  # UMT5 (`text_encoder/`)
+    tokenizer_path: str | None = None  # default: `tokenizer/` beside the text encoder
+    max_sequence_length: int = Field(512, ge=1)
+    vae_path: str | None = None  # AutoencoderKLWan (`vae/`)
 
     @model_validator(mode="after")
     def _shape(self):
+        parts = [k for k in ("text_encoder_path", "tokenizer_path", "vae_path") if getattr(self, k)]
+        if parts and self.kind != "wan":
+            raise ValueError(
+                f"diffusion.model.{parts[0]} is for kind 'wan' (the Wan pipeline's parts), "
+                f"not '{self.kind}'"
+            )
         if self.kind != "tiny" and self.latent_shape is None:
             raise ValueError(f"diffusion.model.latent_shape is required for kind '{self.kind}'")
         if self.kind != "tiny" and self.pretrain_if_missing:
             raise ValueError("diffusion.model.pretrain_if_missing applies to kind 'tiny' only")
         return self
+
+
+class SdeWindowConfig(_Section):
+    """MixGRPO: the SDE (and training) only on a window of ``size`` denoising steps, the ODE
+    elsewhere; the window moves ``stride`` steps every ``shift_interval`` training steps (stride 0:
+    fixed) and stops at the last step, or with ``roll_back`` starts over."""
+
+    size: int = Field(4, ge=1)
+    shift_interval: int = Field(25, ge=1)
+    stride: int = Field(1, ge=0)
+    roll_back: bool = False
+
+
+class NftConfig(_Section):
+    """DiffusionNFT (forward-process RL): ``beta`` mixes the trained and the old velocity into the
+    implicit positive/negative policies; the old (sampling) model follows the trained one with an
+    EMA whose decay rises by ``old_decay_rate`` per update up to ``old_decay_max``."""
+
+    beta: float = Field(1.0, gt=0)
+    old_decay_rate: float = Field(0.001, ge=0)
+    old_decay_max: float = Field(0.5, ge=0, lt=1)
+    adaptive_weight_min: float = Field(1e-5, gt=0)
 
 
 class DiffusionConfig(_Section):
@@ -56,7 +90,7 @@ class DiffusionConfig(_Section):
     """
 
     model: DiffusionModelConfig
-    sampler: str = "flow_sde"  # training sampler: flow_sde | dance_sde
+    sampler: str = "flow_sde"  # training sampler: flow_sde | dance_sde | cps (nft: any, ode too)
     noise_level: float | None = Field(None, ge=0)  # None: flow_sde 0.7, dance_sde 0.3
     num_steps: int = Field(10, ge=1)
     shift: float = Field(3.0, gt=0)
@@ -68,6 +102,13 @@ class DiffusionConfig(_Section):
     eval_sampler: str = "ode"
     eval_samples_per_prompt: int = Field(2, ge=1)  # fixed noise seeds per validation prompt
     save_images: bool = True  # PNG grids of the online test in <run>/images/
+    sde_window: SdeWindowConfig | None = None  # MixGRPO: SDE on a sliding window, ODE elsewhere
+    ratio_norm: bool = False  # GRPO-Guard: mean-corrected, step-scaled ratio and 1/|dt| weights
+    objective: Literal["grpo", "nft"] = "grpo"  # nft: DiffusionNFT's forward-process objective
+    nft: NftConfig = Field(default_factory=NftConfig)
+    # FSDP2 over run.num_workers ranks (each block, then the root) instead of full replicas
+    fsdp: bool = False
+    activation_checkpointing: bool = False  # diffusers transformers: recompute block activations
 
     @field_validator("sampler", "eval_sampler")
     @classmethod
@@ -81,11 +122,48 @@ class DiffusionConfig(_Section):
     def _train_sampler(self):
         from groupflow.diffusion.samplers import get_sampler
 
-        if not get_sampler(self.sampler).stochastic:
+        # DiffusionNFT needs no log-probs: any sampler, the ODE included, collects its data
+        if self.objective == "grpo" and not get_sampler(self.sampler).stochastic:
             raise ValueError(
-                f"diffusion.sampler '{self.sampler}' has no step log-probs; train with flow_sde or "
-                "dance_sde (use it as diffusion.eval_sampler)"
+                f"diffusion.sampler '{self.sampler}' has no step log-probs; train with flow_sde, "
+                "dance_sde or cps (use it as diffusion.eval_sampler, or with diffusion.objective=nft)"
             )
+        if self.ratio_norm and self.sampler == "cps":
+            raise ValueError(
+                "diffusion.ratio_norm (GRPO-Guard) corrects Gaussian log-probs; the cps sampler's "
+                "are constant-free squared errors: use flow_sde or dance_sde"
+            )
+        if (
+            self.objective == "nft"
+            and not get_sampler(self.sampler).stochastic
+            and self.same_noise_per_group
+        ):
+            raise ValueError(
+                f"diffusion.sampler '{self.sampler}' is deterministic: with "
+                "diffusion.same_noise_per_group every sample of a group is the same image and "
+                "every advantage 0; set same_noise_per_group: false"
+            )
+        if self.activation_checkpointing and self.model.kind == "tiny":
+            raise ValueError(
+                "diffusion.activation_checkpointing is for the diffusers transformers "
+                "(diffusion.model.kind sd3 / wan), not 'tiny'"
+            )
+        if self.objective == "nft" and self.ratio_norm:
+            raise ValueError(
+                "diffusion.ratio_norm (GRPO-Guard) normalises importance ratios, which "
+                "diffusion.objective=nft does not have"
+            )
+        if self.sde_window is not None:
+            if self.sde_window.size > self.num_steps:
+                raise ValueError(
+                    f"diffusion.sde_window.size={self.sde_window.size} exceeds "
+                    f"diffusion.num_steps={self.num_steps}"
+                )
+            if self.timestep_selection == "window" or "timestep_fraction" in self.model_fields_set:
+                raise ValueError(
+                    "diffusion.sde_window trains every step of its window: drop "
+                    "diffusion.timestep_selection=window / diffusion.timestep_fraction"
+                )
         if self.timestep_selection == "window":
             if self.window is None:
                 raise ValueError(

@@ -189,6 +189,17 @@ class Config(_Section):
                 self.actor.clip_eps_low = 1e-4
             if "adv_clip_max" not in self.algorithm.model_fields_set:
                 self.algorithm.adv_clip_max = 5.0
+            d = self.diffusion
+            if d.objective == "nft" and self.algorithm.adv_clip_max is None:
+                raise ValueError(
+                    "diffusion.objective=nft maps advantages to [0, 1] through "
+                    "algorithm.adv_clip_max; set it (default 5)"
+                )
+            if d.ratio_norm and self.actor.loss_fn != "ppo_clip":
+                raise ValueError(
+                    f"diffusion.ratio_norm (GRPO-Guard) is defined on the PPO clip loss; "
+                    f"actor.loss_fn={self.actor.loss_fn!r}"
+                )
         return self
 
     @model_validator(mode="after")

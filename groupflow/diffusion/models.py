@@ -38,6 +38,7 @@ __all__ = [
     "TinyFlowModel",
     "DiffusersFlowModel",
     "check_latents",
+    "check_latent_fits",
     "load_tiny_model",
     "save_tiny_model",
     "load_diffusers_model",
@@ -242,6 +243,33 @@ def _check_kind(kind: str) -> None:
         )
 
 
+def check_latent_fits(config, kind: str, latent_shape: Sequence[int]) -> None:
+    """Refuse a ``diffusion.model.latent_shape`` the transformer cannot take: other channels than
+    its ``in_channels``, frames/height/width not divisible by its patch, or (SD3) more patches per
+    side than its position embedding holds. ``config``: the transformer's diffusers config."""
+    shape = [int(d) for d in latent_shape]
+    key = f"diffusion.model.latent_shape={shape}"
+    channels = getattr(config, "in_channels", None)
+    if channels is not None and shape[0] != channels:
+        raise ValueError(
+            f"{key}: the {DIFFUSERS_KINDS[kind]} takes {channels} latent channels, not {shape[0]}"
+        )
+    patch = getattr(config, "patch_size", None)
+    if patch is None:
+        return
+    patch = [1, patch, patch] if isinstance(patch, int) else [int(q) for q in patch]
+    names, dims = ("frames", "height", "width"), shape[1:] if kind == "wan" else [1, *shape[1:]]
+    for name, d, q in zip(names, dims, patch, strict=True):
+        if d % q:
+            raise ValueError(f"{key}: {name} {d} is not divisible by the patch size {q}")
+    most = getattr(config, "pos_embed_max_size", None)
+    if kind == "sd3" and most is not None and max(dims[1] // patch[1], dims[2] // patch[2]) > most:
+        raise ValueError(
+            f"{key}: {dims[1] // patch[1]}x{dims[2] // patch[2]} patches exceed the position "
+            f"embedding's {most} per side (pos_embed_max_size)"
+        )
+
+
 class DiffusersFlowModel(nn.Module):
     """A diffusers flow transformer as a :class:`FlowModel`; ``kind`` is ``sd3`` or ``wan``."""
 
@@ -261,6 +289,8 @@ class DiffusersFlowModel(nn.Module):
             raise ValueError(
                 f"a '{kind}' latent is {layout}; got latent_shape={list(latent_shape)}"
             )
+        if hasattr(transformer, "config"):
+            check_latent_fits(transformer.config, kind, latent_shape)
         self.transformer, self.kind = transformer, kind
         self.latent_shape = tuple(int(d) for d in latent_shape)
         self.prompt_encoder, self.decoder = prompt_encoder, decoder
@@ -312,4 +342,17 @@ def load_diffusers_model(
             )
         else:
             prompt_encoder = HashPromptEncoder(c.text_dim)
+    want = getattr(transformer.config, "text_dim", None)
+    got = getattr(prompt_encoder, "dim", None)
+    if kind == "wan" and want is not None and got is not None and got != want:
+        raise ValueError(
+            f"diffusion.model.text_encoder_path: its embeddings have {got} features; the "
+            f"transformer at '{path}' takes text_dim={want}"
+        )
+    z_dim = getattr(decoder, "z_dim", None)
+    if z_dim is not None and z_dim != int(latent_shape[0]):
+        raise ValueError(
+            f"diffusion.model.vae_path: the VAE decodes {z_dim}-channel latents; "
+            f"diffusion.model.latent_shape has {int(latent_shape[0])}"
+        )
     return DiffusersFlowModel(transformer, kind, latent_shape, prompt_encoder, decoder)

@@ -14,9 +14,17 @@ import path work exactly as for LLMs. The built-ins below are registered by name
 - ``image_scorer`` — a model-based scorer loaded from a LOCAL path: ``kind: clip | pickscore |
   hps`` are CLIP-style (image–text cosine similarity × logit scale, as PickScore and HPS v2 use),
   ``kind: hpsv3`` uses the ``hpsv3`` package's inferencer. A missing path is a clear error.
+  PickScore ships its weights (``yuvalkirstain/PickScore_v1``) apart from its processor
+  (``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``): ``processor_path`` names the latter's directory.
+  The chosen frames of all samples are scored ``batch_size`` at a time (prompts truncated to the
+  text tower's length, as PickScore does); a sample with non-finite pixels raises, so the runner
+  isolates it (a failed batch is retried per sample) and counts it.
 
-Every reward takes ``frames``: ``first`` (MMDanceGRPO scores the first video frame) or an integer
-k (every k-th frame, averaged); images are single-frame videos. MMDanceGRPO's coefficient 0.1 on
+Every reward takes ``frames``: ``first`` (MMDanceGRPO scores the first video frame), an integer
+k (every k-th frame, averaged) or a list of frame indices (averaged); images are single-frame
+videos. A selection the clip cannot give (an index beyond it, or k ≥ its length, which would
+silently score only frame 0) is a :class:`RewardConfigError` naming ``frames``: it stops the step
+rather than being counted as one failed sample. MMDanceGRPO's coefficient 0.1 on
 HPSv3 is the reward's ``weight`` in the config.
 """
 
@@ -35,18 +43,39 @@ from groupflow.rewards.registry import register_reward
 
 __all__ = [
     "select_frames",
+    "check_frames",
     "make_target_color_reward",
     "make_brightness_reward",
     "make_compressibility_reward",
     "make_image_scorer_reward",
     "CLIPStyleScorer",
+    "score_in_batches",
 ]
 
 _LUMA = torch.tensor([0.299, 0.587, 0.114])
 
 
-def select_frames(media: Tensor, frames: str | int = "first") -> Tensor:
-    """[3, H, W] -> [1, 3, H, W]; [3, F, H, W] -> the first frame or every k-th: [n, 3, H, W]."""
+def check_frames(frames) -> str | int | list[int]:
+    """``frames`` must be 'first', a positive integer or a non-empty list of indices >= 0."""
+    if frames == "first" or (
+        isinstance(frames, int) and not isinstance(frames, bool) and frames >= 1
+    ):
+        return frames
+    if (
+        isinstance(frames, (list, tuple))
+        and frames
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in frames)
+    ):
+        return list(frames)
+    raise RewardConfigError(
+        "frames must be 'first', a positive integer k (every k-th frame) or a list of frame "
+        f"indices >= 0, got {frames!r}"
+    )
+
+
+def select_frames(media: Tensor, frames: str | int | Sequence[int] = "first") -> Tensor:
+    """[3, H, W] -> [1, 3, H, W]; [3, F, H, W] -> the first frame, every k-th, or the listed
+    indices: [n, 3, H, W]."""
     if not isinstance(media, Tensor) or media.dim() not in (3, 4) or media.shape[0] != 3:
         shape = list(media.shape) if isinstance(media, Tensor) else type(media).__name__
         raise ValueError(
@@ -55,13 +84,23 @@ def select_frames(media: Tensor, frames: str | int = "first") -> Tensor:
     if media.dim() == 3:
         return media[None].float()
     video = media.permute(1, 0, 2, 3).float()  # [F, 3, H, W]
+    frames = check_frames(frames)
+    n = video.shape[0]
     if frames == "first":
         return video[:1]
-    if isinstance(frames, int) and frames >= 1:
+    if isinstance(frames, int):
+        if frames >= n > 1:
+            raise RewardConfigError(
+                f"frames={frames} (every {frames}-th frame) on a {n}-frame clip scores only frame "
+                "0; use frames: first, or a smaller k"
+            )
         return video[::frames]
-    raise ValueError(
-        f"frames must be 'first' or a positive integer k (every k-th frame), got {frames!r}"
-    )
+    beyond = [i for i in frames if i >= n]
+    if beyond:
+        raise RewardConfigError(
+            f"frames={frames}: index {beyond[0]} is beyond the {n}-frame clip (indices 0..{n - 1})"
+        )
+    return video[frames]
 
 
 def _per_sample(score: Callable[[Tensor], Tensor], frames: str | int):
@@ -76,6 +115,7 @@ def _per_sample(score: Callable[[Tensor], Tensor], frames: str | int):
 def make_target_color_reward(
     color: Sequence[float] = (1.0, 1.0, 1.0), mode: str = "mean", frames: str | int = "first"
 ):
+    check_frames(frames)
     target = torch.tensor([float(c) for c in color])
     if target.numel() != 3 or not bool(((target >= 0) & (target <= 1)).all()):
         raise RewardConfigError(
@@ -94,10 +134,13 @@ def make_target_color_reward(
 
 
 def make_brightness_reward(frames: str | int = "first"):
+    check_frames(frames)
     return _per_sample(lambda x: (x * _LUMA[None, :, None, None]).sum(1).mean((1, 2)), frames)
 
 
 def make_compressibility_reward(min_pixels: int = 256, frames: str | int = "first"):
+    check_frames(frames)
+
     def score(x: Tensor) -> Tensor:
         if x.shape[2] * x.shape[3] < min_pixels:
             raise RewardConfigError(
@@ -115,19 +158,25 @@ class CLIPStyleScorer:
     """Image–text score of a CLIP-family model from a local directory (transformers format):
     ``logit_scale · cos(image, text)``, the form PickScore and HPS v2 use."""
 
-    def __init__(self, path: str | Path, device: str = "cpu"):
+    def __init__(
+        self, path: str | Path, device: str = "cpu", processor_path: str | Path | None = None
+    ):
         from transformers import AutoModel, AutoProcessor
 
         self.model = AutoModel.from_pretrained(str(path), local_files_only=True).eval().to(device)
-        self.processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
+        self.processor = AutoProcessor.from_pretrained(
+            str(processor_path or path), local_files_only=True
+        )
+        self.max_length = self.model.config.text_config.max_position_embeddings
         self.device = device
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         pixels = [img.permute(1, 2, 0).mul(255).round().to(torch.uint8).numpy() for img in images]
         inputs = self.processor(
-            text=list(prompts), images=pixels, return_tensors="pt", padding=True
-        )
+            text=list(prompts), images=pixels, return_tensors="pt", padding=True,
+            truncation=True, max_length=self.max_length,
+        )  # fmt: skip
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         # logits_per_image[i, j] = logit_scale · cos(image_i, text_j); each image pairs with its prompt
         out = self.model(**inputs)
@@ -135,7 +184,7 @@ class CLIPStyleScorer:
 
 
 class _HPSv3Scorer:
-    def __init__(self, path: str | Path, device: str = "cpu"):
+    def __init__(self, path: str | Path, device: str = "cpu", processor_path=None):
         try:
             from hpsv3 import HPSv3RewardInferencer
         except ImportError as e:
@@ -162,8 +211,18 @@ _SCORERS = {
 
 
 def make_image_scorer_reward(
-    path: str, kind: str = "pickscore", frames: str | int = "first", device: str = "cpu"
+    path: str,
+    kind: str = "pickscore",
+    frames: str | int = "first",
+    device: str = "cpu",
+    processor_path: str | None = None,
+    batch_size: int = 16,
 ):
+    check_frames(frames)
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise RewardConfigError(
+            f"image_scorer: batch_size must be an integer >= 1, got {batch_size!r}"
+        )
     if kind not in _SCORERS:
         raise RewardConfigError(
             f"image_scorer: unknown kind {kind!r}; valid kinds: {sorted(_SCORERS)}"
@@ -174,16 +233,43 @@ def make_image_scorer_reward(
             f"image_scorer ({kind}): model path '{p}' does not exist; download the weights yourself "
             "and point kwargs.path at the local directory (groupflow never fetches from a hub)"
         )
-    scorer = _SCORERS[kind](p, device)
+    if processor_path is not None and not Path(processor_path).expanduser().exists():
+        raise RewardConfigError(
+            f"image_scorer ({kind}): processor_path '{processor_path}' does not exist"
+        )
+    scorer = _SCORERS[kind](p, device, processor_path)
 
     def reward(prompts: Sequence[str], completions: Sequence[Tensor]) -> list[float]:
-        out = []
-        for prompt, media in zip(prompts, completions):
-            chosen = select_frames(media, frames)
-            out.append(float(scorer(chosen, [prompt] * len(chosen)).mean()))
-        return out
+        chosen = [select_frames(media, frames) for media in completions]
+        for i, c in enumerate(chosen):
+            if not bool(torch.isfinite(c).all()):
+                raise ValueError(f"image_scorer: completion {i} has non-finite pixels")
+        return score_in_batches(scorer, chosen, prompts, batch_size)
 
     return reward
+
+
+def score_in_batches(
+    scorer: Callable[[Tensor, Sequence[str]], Tensor],
+    chosen: Sequence[Tensor],
+    prompts: Sequence[str],
+    batch_size: int,
+) -> list[float]:
+    """Score every sample's chosen frames [n_i, 3, H, W] against its prompt, ``batch_size`` frames
+    per call (frames of one size per call: a call's images are stacked), and average per sample."""
+    flat = [(i, f) for i, c in enumerate(chosen) for f in c]
+    scores = torch.empty(len(flat))
+    start = 0
+    while start < len(flat):
+        end = min(start + batch_size, len(flat))
+        size = flat[start][1].shape
+        # a call takes frames of one size only (they are stacked)
+        end = next((j for j in range(start, end) if flat[j][1].shape != size), end)
+        frames = torch.stack([f for _, f in flat[start:end]])
+        scores[start:end] = scorer(frames, [prompts[i] for i, _ in flat[start:end]]).float()
+        start = end
+    owners = torch.tensor([i for i, _ in flat])
+    return [float(scores[owners == i].mean()) for i in range(len(chosen))]
 
 
 for _name, _factory in (

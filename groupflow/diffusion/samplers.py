@@ -14,7 +14,17 @@ Conventions (SD3 / FLUX / Wan): x_σ = (1−σ)·x0 + σ·ε, the model predicts
   in the denominator), mean = x·(1 + g²/(2σ)·dt) + v·(1 + g²(1−σ)/(2σ))·dt, std = g·sqrt(−dt).
 - ``dance_sde`` (DanceGRPO, constant g = η = 0.3): mean = x + dt·v − ½η²·score·dt with
   score = −(x − (1−σ)·x0)/σ², std = η·sqrt(−dt); the image is the last step's x0 prediction.
+- ``cps`` (coefficients-preserving sampling, Wang & Yu 2025; Flow-GRPO-Fast's sampler): with
+  x̂0 = x − σ·v, x̂1 = x + (1−σ)·v and std = σ'·sin(aπ/2), mean = (1−σ')·x̂0 +
+  sqrt(σ'² − std²)·x̂1, so x' keeps the flow's coefficients exactly ((1−σ') on data, σ' on noise,
+  noise power split between x̂1 and fresh noise). Its log-prob is the reference's constant-free
+  −‖x' − mean‖² (averaged), not a normalised Gaussian: the 1/(2·std²) factor, which explodes as
+  σ' → 0, is dropped. The last step (σ' = 0) is deterministic (std 0) and never trained.
 - ``ode`` (Euler, evaluation): mean = x + dt·v, std = 0; no log-probs.
+
+MixGRPO (and Flow-GRPO-Fast's few stochastic steps) sample with the SDE on a window of steps and
+with the ODE elsewhere: ``sample_trajectory(sde_steps=...)``, with the sliding window's position a
+pure function of the training step (:func:`sde_window`).
 
 Both SDEs are the reverse-time SDE whose marginals equal the flow's (the Langevin term ½g²·score
 is what keeps them): tests check this on Gaussian data with the exact velocity. Classifier-free
@@ -39,6 +49,9 @@ __all__ = [
     "flow_sde_step",
     "dance_sde_step",
     "ode_step",
+    "cps_step",
+    "squared_error_logprob",
+    "sde_window",
     "gaussian_logprob",
     "flow_kl",
     "guided_velocity",
@@ -81,6 +94,42 @@ def ode_step(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, *, noise_l
     return x + _b(sigma_next - sigma, x) * v, torch.zeros_like(sigma)
 
 
+def cps_step(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, *, noise_level: float):
+    """Coefficients-preserving step: std = σ'·sin(aπ/2); returns (mean, std [B])."""
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    s, sn = _b(sigma, x), _b(sigma_next, x)
+    x0, x1 = x - s * v, x + (1 - s) * v
+    # clamp: σ'² − std² is ≥ 0 exactly but may round below 0 when sin(aπ/2) = 1
+    keep = torch.sqrt((sn**2 - _b(std, x) ** 2).clamp_min(0))
+    return (1 - sn) * x0 + keep * x1, std
+
+
+def squared_error_logprob(x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """CPS's log-prob up to a per-step constant: −‖x' − mean‖² averaged over non-batch dims [B]."""
+    sq = -((x_next.detach() - mean) ** 2)
+    return sq.reshape(sq.shape[0], -1).mean(1)
+
+
+def sde_window(
+    step: int, num_steps: int, size: int, shift_interval: int, stride: int, roll_back: bool
+) -> tuple[int, int]:
+    """MixGRPO's sliding window [start, start + size) of SDE steps at training step ``step``.
+
+    The window starts at step 0 and moves ``stride`` steps every ``shift_interval`` training
+    steps until it reaches the last start that still holds ``size`` steps (num_steps − size);
+    there it stays, or with ``roll_back`` it starts over from 0. stride 0: a fixed window.
+    """
+    if not 1 <= size <= num_steps:
+        raise ValueError(f"sde window size {size} must be in [1, num_steps={num_steps}]")
+    last = num_steps - size
+    moves = step // shift_interval
+    if roll_back and stride > 0:
+        start = (moves % (last // stride + 1)) * stride
+    else:
+        start = min(moves * stride, last)
+    return start, start + size
+
+
 @dataclass(frozen=True)
 class SamplerSpec:
     """A sampler: its step function, default noise level, and how the final image is read."""
@@ -90,6 +139,10 @@ class SamplerSpec:
     default_noise_level: float
     stochastic: bool
     image_from_x0_pred: bool  # DanceGRPO decodes the last step's x0 prediction
+    logprob: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None  # None: Gaussian
+
+    def step_logprob(self, x_next: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+        return (self.logprob or gaussian_logprob)(x_next, mean, std)
 
     def __call__(
         self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, *, noise_level: float
@@ -101,6 +154,7 @@ SAMPLERS: Registry[SamplerSpec] = Registry("sampler")
 SAMPLERS.add("flow_sde", SamplerSpec("flow_sde", flow_sde_step, 0.7, True, False))
 SAMPLERS.add("dance_sde", SamplerSpec("dance_sde", dance_sde_step, 0.3, True, True))
 SAMPLERS.add("ode", SamplerSpec("ode", ode_step, 0.0, False, False))
+SAMPLERS.add("cps", SamplerSpec("cps", cps_step, 0.7, True, False, squared_error_logprob))
 
 
 def get_sampler(name: str) -> SamplerSpec:
@@ -182,11 +236,13 @@ def sample_trajectory(
     *,
     noise_level: float | None = None,
     generators: list[torch.Generator] | torch.Generator | None = None,
+    sde_steps: Tensor | None = None,
 ) -> Trajectory:
     """Run ``sampler`` from ``noise`` [B, ...] over ``sigmas`` [N + 1]; ``velocity(x, σ[B])`` -> v.
 
     ``generators``: one per sample for the SDE noise (required for stochastic samplers), or one
-    generator for the whole batch.
+    generator for the whole batch. ``sde_steps`` [N] bool: the steps sampled with ``sampler``;
+    the others take a deterministic Euler (ODE) step with log-prob 0 (MixGRPO). None: all.
     """
     spec = get_sampler(sampler)
     level = spec.default_noise_level if noise_level is None else noise_level
@@ -203,11 +259,13 @@ def sample_trajectory(
         s = sigmas[i].expand(b).to(noise.device)
         s_next = sigmas[i + 1].expand(b).to(noise.device)
         v = velocity(x, s)
-        mean, std = spec.step(x, v, s, s_next, noise_level=level)
-        if spec.stochastic and level > 0:
+        sde = sde_steps is None or bool(sde_steps[i])
+        step = spec.step if sde else ode_step
+        mean, std = step(x, v, s, s_next, noise_level=level)
+        if sde and spec.stochastic and level > 0:
             z = step_noise(generators, tuple(x.shape[1:]), b).to(x.device, x.dtype)
             x_next = mean + _b(std, mean) * z
-            lps.append(gaussian_logprob(x_next, mean, std))
+            lps.append(spec.step_logprob(x_next, mean, std))
         else:
             x_next = mean
             lps.append(torch.zeros(b, device=x.device))

@@ -13,17 +13,23 @@ mini-batch-global denominators, gradient clipping, warm-up + cosine LR — is th
 Transitions are recomputed grouped by step index, as they were sampled (all samples at step t in
 one forward), so a stored step's log-prob is reproduced bit for bit. The Flow-GRPO KL compares
 the policy's step mean with the reference's (a frozen copy, or — with LoRA — the same network
-with its adapters disabled). With several ranks, gradients are summed across ranks (the losses
-already use global denominators), a plain data-parallel all-reduce: these models are small enough
-to replicate; sharding large transformers is FSDP2's job in the LLM worker.
+with its adapters disabled). With several ranks the model is either replicated, its gradients
+summed by an all-reduce (the losses already use global denominators), or — ``fsdp`` — sharded
+with FSDP2 like the LLM actor's (``diffusion.sharding``), the loss scaled by the world size since
+FSDP averages; then every rank runs the same forwards (placeholders where it has no sample).
+
+The 2025 variants are switches on the same worker: ``sde_window`` (MixGRPO) samples with the SDE
+only inside a window that slides with the update count (the scheduler's step, so it resumes
+exactly) and trains exactly those steps; ``ratio_norm`` (GRPO-Guard) rewrites the log-probs
+handed to the PPO loss and weights advantages per step (``objectives``); ``objective="nft"``
+(DiffusionNFT) samples with an EMA "old" copy of the model and trains on re-noised final latents
+instead of log-probs.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -31,105 +37,50 @@ from torch import Tensor, nn
 from groupflow.algorithms import aggregate, policy_loss
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
+from groupflow.diffusion import objectives as obj
 from groupflow.diffusion.models import check_latents
 from groupflow.diffusion.samplers import (
     flow_kl,
-    gaussian_logprob,
     get_sampler,
     guided_velocity,
     sample_trajectory,
+    sde_window,
 )
 from groupflow.diffusion.schedule import sigma_schedule
+from groupflow.diffusion.settings import (
+    COND_PREFIX,
+    DiffusionSettings,
+    combine_metrics,
+    cond_of,
+    index_cond,
+    prompt_rows,
+    seeded_generator,
+    select_steps,
+)
+from groupflow.diffusion.sharding import (
+    enable_activation_checkpointing,
+    flow_layers,
+    full_state,
+    load_full_state,
+    memory_stats,
+)
 from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import (
     all_reduce,
     clip_grad_norm,
+    full_model_state,
     init_process_group,
     is_distributed,
+    shard,
 )
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import NonFiniteLossError, loss_options, lr_lambda, worker_device
 from groupflow.workers.update import global_denominators
 
-__all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX"]
-
-COND_PREFIX = "cond."  # condition tensors travel in the Batch as cond.<name> [B, ...]
+__all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX", "prompt_rows"]
 
 
-@dataclass(frozen=True)
-class DiffusionSettings:
-    """Plain sampling/training knobs of the diffusion policy (built from the config by the builder)."""
-
-    sampler: str = "flow_sde"
-    noise_level: float | None = None  # None: the sampler's default (flow 0.7, dance 0.3)
-    num_steps: int = 10
-    shift: float = 3.0
-    cfg_scale: float = 1.0
-    same_noise_per_group: bool = True
-    timestep_selection: str = "random"  # "random" (fraction per sample) or "window"
-    timestep_fraction: float = 0.5
-    window: tuple[int, int] | None = None
-    lora: dict | None = field(default=None)  # {rank, alpha, target_modules}
-
-    def __post_init__(self):
-        spec = get_sampler(self.sampler)  # unknown names raise, listing the valid ones
-        if not spec.stochastic:
-            raise ValueError(
-                f"sampler '{self.sampler}' is deterministic and has no step log-probs; train with "
-                "'flow_sde' or 'dance_sde' (the ODE sampler is for evaluation)"
-            )
-        if self.timestep_selection not in ("random", "window"):
-            raise ValueError(
-                f"timestep_selection must be 'random' or 'window', got {self.timestep_selection!r}"
-            )
-        if self.window is not None and not 0 <= self.window[0] < self.window[1] <= self.num_steps:
-            raise ValueError(
-                f"window {list(self.window)} must satisfy 0 <= start < end <= num_steps={self.num_steps}"
-            )
-
-
-def select_steps(num_steps: int, settings: DiffusionSettings, generator: torch.Generator) -> Tensor:
-    """The [num_steps] 0/1 mask of steps one sample trains on."""
-    mask = torch.zeros(num_steps, dtype=torch.long)
-    if settings.timestep_selection == "window":
-        start, end = settings.window or (0, num_steps)
-        mask[start:end] = 1
-        return mask
-    k = max(1, round(settings.timestep_fraction * num_steps))
-    mask[torch.randperm(num_steps, generator=generator)[:k]] = 1
-    return mask
-
-
-def stream_seed(seed: int, stream: int) -> int:
-    """A seed for one of a sample's random streams (0: initial noise, 1: SDE noise, 2: step
-    choice). Mixed, not ``seed + stream``: the trainer's per-sample seeds are consecutive
-    integers, so offsets would make one sample's SDE noise another group's initial noise."""
-    return (seed * 6364136223846793005 + (stream + 1) * 1442695040888963407) % (2**63 - 1)
-
-
-def _gen(seed: int, stream: int) -> torch.Generator:
-    return torch.Generator().manual_seed(stream_seed(int(seed), stream))
-
-
-def _cond_of(batch: Batch) -> dict[str, Tensor]:
-    return {k[len(COND_PREFIX) :]: v for k, v in batch.tensors.items() if k.startswith(COND_PREFIX)}
-
-
-def _index_cond(cond: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
-    return {k: v[rows] for k, v in cond.items()}
-
-
-def _combine(steps: list[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for s in steps for k in s):
-        values = [s[key] for s in steps if key in s]
-        if key.endswith("ratio_max"):
-            out[key] = max(values)
-        elif key.endswith("ratio_min"):
-            out[key] = min(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
+LORA_INIT_SEED = 20251126  # adapters' init: the same on every rank and in every run
 
 
 class DiffusionWorker:
@@ -155,25 +106,40 @@ class DiffusionWorker:
 
             lora = settings.lora
             # LoRA layers are injected into `model` in place; the PeftModel is kept for
-            # disable_adapter() (the reference policy) and for saving adapters.
-            self.peft = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora["rank"],
-                    lora_alpha=lora["alpha"],
-                    target_modules=list(lora["target_modules"]),
-                    lora_dropout=0.0,
-                ),
-            )
+            # disable_adapter() (the reference policy) and for saving adapters. Their random
+            # init comes from a fixed seed: every rank (replica or shard) must start alike.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(LORA_INIT_SEED)
+                self.peft = get_peft_model(
+                    model,
+                    LoraConfig(
+                        r=lora["rank"],
+                        lora_alpha=lora["alpha"],
+                        target_modules=list(lora["target_modules"]),
+                        lora_dropout=0.0,
+                    ),
+                )
         # β = 0 never builds a reference; with LoRA the reference is the same net without adapters.
         self.ref_model = None
         if cfg.kl_coef > 0 and self.peft is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        # DiffusionNFT's sampling policy: an EMA of the trained model (adapters included)
+        self.old_model = None
+        if settings.objective == "nft":
+            self.old_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.sigmas = sigma_schedule(settings.num_steps, settings.shift)
         self.spec = get_sampler(settings.sampler)
         self.noise_level = (
             self.spec.default_noise_level if settings.noise_level is None else settings.noise_level
         )
+        if settings.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        # FSDP2: every copy is sharded alike (the old model's EMA then works on local shards)
+        self.sharded = settings.fsdp and is_distributed()
+        if self.sharded:
+            for m in (model, self.ref_model, self.old_model):
+                if m is not None:
+                    shard(m, flow_layers(m))
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -204,11 +170,18 @@ class DiffusionWorker:
 
     # ----- model calls ------------------------------------------------------------------------
     def _velocity(
-        self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor], reference: bool = False
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        cond: dict[str, Tensor],
+        reference: bool = False,
+        old: bool = False,
     ) -> Tensor:
         null = self.flow.null_cond(x.shape[0]) if self.settings.cfg_scale != 1.0 else None
         if null is not None:
             null = {k: v.to(self.device) for k, v in null.items()}
+        if old and self.old_model is not None:
+            return guided_velocity(self.old_model, x, sigma, cond, null, self.settings.cfg_scale)
         if not reference:
             return guided_velocity(self.flow, x, sigma, cond, null, self.settings.cfg_scale)
         if self.peft is not None:
@@ -218,6 +191,26 @@ class DiffusionWorker:
 
     def _train_mode(self, on: bool) -> None:
         self.flow.train(on)
+
+    def _sde_steps(self) -> Tensor | None:
+        """[N] bool: the steps sampled with the SDE now (MixGRPO's window), or None for all."""
+        w = self.settings.sde_window
+        if w is None:
+            return None
+        updates = int(self.scheduler.last_epoch)  # updates applied so far (restored on resume)
+        start, end = sde_window(updates, self.settings.num_steps, **w)
+        steps = torch.zeros(self.settings.num_steps, dtype=torch.bool)
+        steps[start:end] = True
+        return steps
+
+    def _trainable_steps(self) -> Tensor:
+        """[N] bool: steps with exploration noise (CPS's last step, σ' = 0, has none)."""
+        if self.settings.objective == "nft":
+            return torch.ones(self.settings.num_steps, dtype=torch.bool)
+        s, s_next = self.sigmas[:-1], self.sigmas[1:]
+        zeros = torch.zeros(len(s), 1)
+        _, std = self.spec.step(zeros, zeros, s, s_next, noise_level=self.noise_level)
+        return std > 0
 
     # ----- rollout ----------------------------------------------------------------------------
     @register("dp")
@@ -243,18 +236,32 @@ class DiffusionWorker:
             for row in prompts["seeds"]
             for s in row
         ]
-        noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in init_seeds])
-        gens = [_gen(s, 1) for s in seeds]  # SDE noise: distinct per sample
-        cond = {k: v.to(self.device) for k, v in self.flow.encode(texts).items()}
-        traj = sample_trajectory(
-            lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas,
-            self.settings.sampler, noise_level=self.noise_level, generators=gens,
-        )  # fmt: skip
-        step_gens = [_gen(s, 2) for s in seeds]
-        mask = torch.stack(
-            [select_steps(self.settings.num_steps, self.settings, g) for g in step_gens]
+        noise = torch.stack(
+            [torch.randn(shape, generator=seeded_generator(s, 0)) for s in init_seeds]
         )
+        gens = [seeded_generator(s, 1) for s in seeds]  # SDE noise: distinct per sample
+        cond = {k: v.to(self.device) for k, v in self.flow.encode(texts).items()}
+        sde_steps = self._sde_steps()
+        traj = sample_trajectory(
+            lambda x, s: self._velocity(x, s, cond, old=True), noise.to(self.device), self.sigmas,
+            self.settings.sampler, noise_level=self.noise_level, generators=gens, sde_steps=sde_steps,
+        )  # fmt: skip
+        step_gens = [seeded_generator(s, 2) for s in seeds]
+        if sde_steps is not None:  # MixGRPO trains every step of its window
+            mask = sde_steps.long().expand(len(seeds), -1).clone()
+        else:
+            mask = torch.stack(
+                [select_steps(self.settings.num_steps, self.settings, g) for g in step_gens]
+            )
+        mask = mask * self._trainable_steps().long()
+        if not bool(mask.any(1).all()):
+            raise ValueError(
+                "diffusion: a sample has no trainable step (CPS's last step is deterministic); "
+                "choose diffusion.window / sde_window / timestep_fraction to include earlier steps"
+            )
+        extra = {"clean_latents": traj.final} if self.settings.objective == "nft" else {}
         tensors = {
+            **extra,
             "latents": traj.latents, "next_latents": traj.next_latents,
             "sigmas": traj.sigmas, "sigmas_next": traj.sigmas_next,
             "rollout_logprobs": traj.logprobs, "response_mask": mask,
@@ -272,9 +279,9 @@ class DiffusionWorker:
         self._train_mode(False)
         shape = tuple(self.flow.latent_shape)
         seeds = prompts["noise_seed"].tolist()
-        noise = torch.stack([torch.randn(shape, generator=_gen(s, 0)) for s in seeds])
+        noise = torch.stack([torch.randn(shape, generator=seeded_generator(s, 0)) for s in seeds])
         cond = {k: v.to(self.device) for k, v in self.flow.encode(list(prompts["prompt"])).items()}
-        gens = [_gen(s, 1) for s in seeds]
+        gens = [seeded_generator(s, 1) for s in seeds]
         traj = sample_trajectory(
             lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas, sampler,
             noise_level=None if sampler != self.settings.sampler else self.noise_level, generators=gens,
@@ -282,25 +289,39 @@ class DiffusionWorker:
         return Batch({"images": self.flow.decode(traj.final).cpu()})
 
     # ----- log-probs --------------------------------------------------------------------------
-    def _step_terms(self, mb: Batch, mask: Tensor, with_kl: bool):
+    def _step_terms(self, mb: Batch, mask: Tensor, with_kl: bool, means: bool = False):
         """Log-probs [b, N] of the masked transitions (0 elsewhere; differentiable) and the
-        Flow-GRPO KL [b, N] (or None), computed step by step as they were sampled."""
+        Flow-GRPO KL [b, N] (or None), computed step by step as they were sampled. With
+        ``ratio_norm`` also GRPO-Guard's bias and std [b, N]; ``means``: also the step means."""
         b, n = mask.shape
         logp = torch.zeros(b, n, device=self.device)
         kl = torch.zeros(b, n, device=self.device) if with_kl else None
-        cond = _cond_of(mb)
+        guard = self.settings.ratio_norm
+        bias = torch.zeros(b, n, device=self.device) if guard else None
+        stds = torch.ones(b, n, device=self.device) if guard else None
+        step_means = torch.zeros_like(mb["latents"]) if means else None
+        cond = cond_of(mb)
         for t in range(n):
             rows = mask[:, t].nonzero().flatten()
-            if rows.numel() == 0:
+            rows = self._rows_or_placeholder(rows)
+            if rows is None:
                 continue
             x = mb["latents"][rows, t]
             s, s_next = mb["sigmas"][rows, t], mb["sigmas_next"][rows, t]
-            c = _index_cond(cond, rows)
+            c = index_cond(cond, rows)
             mean, std = self.spec.step(
                 x, self._velocity(x, s, c), s, s_next, noise_level=self.noise_level
             )
-            lp = gaussian_logprob(mb["next_latents"][rows, t], mean, std)
-            logp = logp.index_put((rows, torch.full_like(rows, t)), lp)
+            lp = self.spec.step_logprob(mb["next_latents"][rows, t], mean, std)
+            at = (rows, torch.full_like(rows, t))
+            logp = logp.index_put(at, lp)
+            if means:
+                step_means[rows, t] = mean
+            if guard:
+                # one optimizer step per batch: the old means are this forward's, detached
+                old = mb["old_means"][rows, t] if "old_means" in mb else mean.detach()
+                bias = bias.index_put(at, obj.guard_bias(mean, old, std))
+                stds = stds.index_put(at, std.to(stds.dtype))
             if with_kl:
                 with torch.no_grad():
                     ref_mean, _ = self.spec.step(
@@ -313,7 +334,7 @@ class DiffusionWorker:
                 kl = kl.index_put(
                     (rows, torch.full_like(rows, t)), flow_kl(mean, ref_mean, std, s_next - s)
                 )
-        return logp, kl
+        return logp, kl, (bias, stds), step_means
 
     def _check(self, batch: Batch) -> None:
         lat = batch["latents"]
@@ -328,8 +349,12 @@ class DiffusionWorker:
         self._check(batch)
         batch = batch.to(self.device)
         self._train_mode(False)
-        logp, _ = self._step_terms(batch, batch["response_mask"], with_kl=False)
-        return Batch({"logprobs": logp.cpu()})
+        guard = self.settings.ratio_norm
+        logp, _, _, means = self._step_terms(batch, batch["response_mask"], False, means=guard)
+        out = {"logprobs": (logp * batch["response_mask"]).cpu()}  # placeholders (FSDP) out
+        if guard:  # GRPO-Guard's bias needs the old policy's step means
+            out["old_means"] = means.cpu()
+        return Batch(out)
 
     # ----- update -----------------------------------------------------------------------------
     @register("dp")
@@ -349,6 +374,8 @@ class DiffusionWorker:
         n = len(batch)
         mb_size = max(1, (cfg.mini_batch_samples or n * self.world_size) // self.world_size)
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+        # DiffusionNFT's re-noising: its own stream, distinct per rank
+        self._nft_gen = seeded_generator(shuffle_seed or 0, 3 + self.rank)
         lr = self.optimizer.param_groups[0]["lr"]
         per_step = []
         for _ in range(cfg.ppo_epochs):
@@ -356,7 +383,9 @@ class DiffusionWorker:
             for start in range(0, n, mb_size):
                 per_step.append(self._optimizer_step(batch.index(order[start : start + mb_size])))
         self.scheduler.step()
-        metrics = _combine(per_step)
+        if self.old_model is not None:
+            self._update_old_model()
+        metrics = combine_metrics(per_step)
         metrics["actor/lr"] = lr
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
         return metrics
@@ -376,12 +405,22 @@ class DiffusionWorker:
         for start in starts:
             mb = mini.index(slice(start, start + size))
             mask = mb["response_mask"]
-            logp, kl = self._step_terms(mb, mask, with_kl)
-            old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
-            loss, m = policy_loss(
-                logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
-                **self.loss_options, **denominators,
-            )  # fmt: skip
+            if self.settings.objective == "nft":
+                per_step, kl = self._nft_terms(mb, mask, with_kl)
+                loss = aggregate(per_step, mask, cfg.loss_agg, **denominators)
+                m = {}
+            else:
+                logp, kl, (bias, stds), _ = self._step_terms(mb, mask, with_kl)
+                old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+                adv = mb["advantages"]
+                if self.settings.ratio_norm:
+                    logp = obj.guard_logprobs(logp, old, bias, stds)
+                    weights = obj.guard_step_weights(mb["sigmas"], mb["sigmas_next"])
+                    adv = (adv[:, None] if adv.dim() == 1 else adv) * weights
+                loss, m = policy_loss(
+                    logp, old, adv, mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
+                    **self.loss_options, **denominators,
+                )  # fmt: skip
             share = float(mask.sum()) / max(1, denominators["num_tokens"])
             stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + float(loss.detach())
             if with_kl:
@@ -396,7 +435,8 @@ class DiffusionWorker:
                     stats[key] = min(stats.get(key, math.inf), float(v))
                 else:
                     stats[key] = stats.get(key, 0.0) + float(v) * share
-            loss.backward()
+            # FSDP2 averages gradients over ranks; the losses use global denominators (a sum)
+            (loss * self.world_size if self.sharded else loss).backward()
             total += float(loss.detach())
         self._all_reduce_grads()
         params = [p for p in self.flow.parameters() if p.requires_grad]
@@ -423,9 +463,62 @@ class DiffusionWorker:
         stats["actor/nonfinite_skipped"] = 0.0
         return stats
 
+    def _nft_terms(self, mb: Batch, mask: Tensor, with_kl: bool):
+        """DiffusionNFT's loss [b, N] on the masked steps' noise levels (0 elsewhere) and the
+        velocity KL to the reference ‖v − v_ref‖² [b, N] (or None)."""
+        b, n = mask.shape
+        loss = torch.zeros(b, n, device=self.device)
+        kl = torch.zeros(b, n, device=self.device) if with_kl else None
+        cond, x0_all, adv = cond_of(mb), mb["clean_latents"], mb["advantages"]
+        nft = self.settings.nft
+        for t in range(n):
+            rows = mask[:, t].nonzero().flatten()
+            rows = self._rows_or_placeholder(rows)
+            if rows is None:
+                continue
+            x0, s, c = x0_all[rows], mb["sigmas"][rows, t], index_cond(cond, rows)
+            x_t = obj.nft_noised(x0, torch.randn(x0.shape, generator=self._nft_gen), s)
+            v = self._velocity(x_t, s, c)
+            with torch.no_grad():
+                v_old = self._velocity(x_t, s, c, old=True)
+            a = adv[rows] if adv.dim() == 1 else adv[rows, t]
+            r = obj.nft_reward_weight(a, self.settings.adv_clip_max)
+            per = obj.nft_loss(
+                v, v_old, x_t, x0, s, r, beta=nft.get("beta", 1.0),
+                adv_clip_max=self.settings.adv_clip_max,
+                weight_min=nft.get("adaptive_weight_min", 1e-5),
+            )  # fmt: skip
+            at = (rows, torch.full_like(rows, t))
+            loss = loss.index_put(at, per)
+            if with_kl:
+                with torch.no_grad():
+                    v_ref = self._velocity(x_t, s, c, reference=True)
+                d = (v - v_ref) ** 2
+                kl = kl.index_put(at, d.reshape(d.shape[0], -1).mean(1))
+        return loss, kl
+
+    @torch.no_grad()
+    def _update_old_model(self) -> None:
+        """old ← d·old + (1 − d)·current, d rising with the update count (DiffusionNFT)."""
+        nft = self.settings.nft
+        d = obj.ema_decay(
+            int(self.scheduler.last_epoch), nft.get("old_decay_rate", 0.001),
+            nft.get("old_decay_max", 0.5),
+        )  # fmt: skip
+        for o, p in zip(self.old_model.parameters(), self.flow.parameters(), strict=True):
+            o.mul_(d).add_(p.detach(), alpha=1 - d)
+
+    def _rows_or_placeholder(self, rows: Tensor) -> Tensor | None:
+        """The rows training step t; with none, None — or, sharded, row 0 as a placeholder: every
+        rank must run the same forwards (FSDP2's all-gathers are collectives); row 0's step t is
+        masked out, so it adds nothing but keeps the backward's reduce-scatters in step too."""
+        if rows.numel() > 0:
+            return rows
+        return torch.zeros(1, dtype=torch.long, device=rows.device) if self.sharded else None
+
     def _all_reduce_grads(self) -> None:
         """Sum gradients over ranks (losses use global denominators, so the sum is the gradient)."""
-        if not is_distributed():
+        if not is_distributed() or self.sharded:  # FSDP2 reduce-scatters its own
             return
         import torch.distributed as dist
 
@@ -438,20 +531,41 @@ class DiffusionWorker:
     # ----- state ------------------------------------------------------------------------------
     @register("rank0")
     def state_dict(self) -> dict:
-        return {
-            "model": {k: v.detach().clone().cpu() for k, v in self.flow.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+        """Full state by parameter name (gathered when sharded: every rank runs this), so a
+        checkpoint written by N workers loads into M."""
+        model, optimizer = full_state(self.flow, self.optimizer)
+        out = {
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
         }
+        if self.old_model is not None:
+            out["nft_old"] = {k: v.cpu() for k, v in full_model_state(self.old_model).items()}
+        return out
 
     @register("all")
     def load_state_dict(self, state: dict) -> None:
-        self.flow.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_full_state(self.flow, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         apply_configured_hyperparameters(self.optimizer, self.scheduler)
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
+        if self.old_model is not None:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(
+                self.old_model, state.get("nft_old", state["model"]),
+                options=StateDictOptions(full_state_dict=True),
+            )  # fmt: skip
+
+    @register("all")
+    def memory_stats(self) -> dict[str, float]:
+        """This rank's model-state bytes (parameters, gradients, optimizer state: local shards
+        when sharded) and the process's peak resident memory."""
+        return memory_stats(self.flow, self.optimizer)
 
     @register("rank0")
     def full_weights(self) -> dict:
@@ -466,13 +580,3 @@ class DiffusionWorker:
     @register("rank0")
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.flow.parameters() if p.requires_grad)
-
-
-def prompt_rows(
-    prompts: Sequence[str], seeds: Sequence[Sequence[int]], group_ids: Sequence[int]
-) -> Batch:
-    """The input of ``generate``: one row per prompt with its text and one seed per sample."""
-    return Batch(
-        {"group_ids": torch.as_tensor(list(group_ids), dtype=torch.long)},
-        {"prompt": list(prompts), "seeds": [list(s) for s in seeds]},
-    )

@@ -29,29 +29,48 @@ __all__ = ["DiffusionPolicy", "FlowModelSpec", "settings_from_config", "ensure_t
 
 _MODEL_KEYS = (
     "latents", "next_latents", "sigmas", "sigmas_next", "response_mask", "advantages", "old_logprobs",
+    "old_means", "clean_latents",
 )  # fmt: skip
 
 
 class FlowModelSpec:
     """How a worker builds its flow model inside its own process (picklable for Ray)."""
 
-    def __init__(self, kind: str, path: str, latent_shape: list[int] | None = None):
+    def __init__(
+        self, kind: str, path: str, latent_shape: list[int] | None = None, parts: dict | None = None
+    ):
         self.kind, self.path, self.latent_shape = kind, path, latent_shape
+        self.parts = parts or {}  # text_encoder_path, tokenizer_path, max_sequence_length, vae_path
 
     def build(self):
         from groupflow.diffusion.models import load_diffusers_model, load_tiny_model
 
         if self.kind == "tiny":
             return load_tiny_model(self.path)
-        return load_diffusers_model(self.path, self.kind, self.latent_shape)
+        encoder = decoder = None
+        if self.parts.get("text_encoder_path"):
+            from groupflow.diffusion.encoders import WanTextEncoder
+
+            encoder = WanTextEncoder(
+                self.parts["text_encoder_path"], self.parts.get("tokenizer_path"),
+                self.parts.get("max_sequence_length", 512),
+            )  # fmt: skip
+        if self.parts.get("vae_path"):
+            from groupflow.diffusion.encoders import WanVaeDecoder
+
+            decoder = WanVaeDecoder(self.parts["vae_path"])
+        return load_diffusers_model(self.path, self.kind, self.latent_shape, encoder, decoder)
 
 
-def settings_from_config(d: DiffusionConfig) -> DiffusionSettings:
+def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -> DiffusionSettings:
     return DiffusionSettings(
         sampler=d.sampler, noise_level=d.noise_level, num_steps=d.num_steps, shift=d.shift,
         cfg_scale=d.cfg_scale, same_noise_per_group=d.same_noise_per_group,
         timestep_selection=d.timestep_selection, timestep_fraction=d.timestep_fraction,
         window=d.window, lora=d.model.lora.model_dump() if d.model.lora else None,
+        sde_window=d.sde_window.model_dump() if d.sde_window else None, ratio_norm=d.ratio_norm,
+        objective=d.objective, nft=d.nft.model_dump(), adv_clip_max=adv_clip_max or 5.0,
+        fsdp=d.fsdp, activation_checkpointing=d.activation_checkpointing,
     )  # fmt: skip
 
 
@@ -89,7 +108,8 @@ def check_labels(path: Path, rows: list[PromptRow]) -> None:
 
 
 class DiffusionPolicy:
-    """The flow model's actor group (replicated, data-parallel) and its training calls."""
+    """The flow model's actor group (data-parallel: replicated, or FSDP2-sharded with
+    ``diffusion.fsdp``) and its training calls."""
 
     contracts = DIFFUSION_CONTRACTS
 
@@ -99,9 +119,12 @@ class DiffusionPolicy:
         self.pretrain_stats = ensure_tiny_model(d, cfg.run.seed)
         if d.model.kind == "tiny":
             check_labels(Path(d.model.path), corpus)
-        spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape)
-        self._worker_kwargs = dict(spec=spec, settings=settings_from_config(d), cfg=cfg.actor,
-                                   total_steps=cfg.run.total_steps)  # fmt: skip
+        parts = d.model.model_dump(
+            include={"text_encoder_path", "tokenizer_path", "max_sequence_length", "vae_path"}
+        )
+        spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape, parts)
+        self._worker_kwargs = dict(spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
+                                   settings=settings_from_config(d, cfg.algorithm.adv_clip_max))  # fmt: skip
         self.actor = builders.role_group(
             cfg, "actor", DiffusionWorker, **self._worker_kwargs,
             pg_timeout_s=cfg.run.worker_timeout_s,
@@ -114,11 +137,20 @@ class DiffusionPolicy:
         timer = timer or StageTimer()
         a = self.cfg.actor
         several = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
+        d = self.cfg.diffusion
         with timer("old_logprobs"):
-            if a.recompute_old_logprobs == "always" or (
-                a.recompute_old_logprobs == "auto" and several
+            if d.objective == "nft":
+                # no likelihoods: the old policy is the worker's EMA model, not stored log-probs
+                batch["old_logprobs"] = batch["rollout_logprobs"]
+            elif (
+                a.recompute_old_logprobs == "always"
+                or (a.recompute_old_logprobs == "auto" and several)
+                or (d.ratio_norm and several)  # GRPO-Guard needs the old step means too
             ):
-                batch["old_logprobs"] = self.actor.compute_logprobs(model_inputs(batch))["logprobs"]
+                old = self.actor.compute_logprobs(model_inputs(batch))
+                batch["old_logprobs"] = old["logprobs"]
+                if "old_means" in old:
+                    batch["old_means"] = old["old_means"]
             else:
                 # One optimizer step per batch: the rollout's log-probs come from the same step
                 # function computed the same way (step by step), so the first ratio is exactly 1.
@@ -151,7 +183,7 @@ class DiffusionPolicy:
         self.snapshot_worker.load_weights(weights)
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(self.actor.state_dict()), {}  # replicated: one full copy
+        return dict(self.actor.state_dict()), {}  # the full state by name (gathered if sharded)
 
     def load(self, state: dict[str, Any], path: Path) -> None:
         self.actor.load_state_dict(state)

@@ -41,6 +41,18 @@ __all__ = ["score_component", "take_rows", "validate_output"]
 logger = logging.getLogger("groupflow.rewards")
 
 
+def _per_frame_hint(n: int, expected: int, rows: bool) -> str:
+    """The likely cause when a reward scored frames, not samples (a video batch)."""
+    if rows and n == expected:
+        return "; a row per completion: reduce each video's frame scores to one value"
+    if expected and n > expected and n % expected == 0:
+        return (
+            f" ({n // expected} per completion: scoring every video frame? reduce them to one "
+            "value per sample, e.g. their mean)"
+        )
+    return ""
+
+
 def validate_output(name: str, fn: Callable[..., Any], output: Any, expected: int) -> list[Any]:
     """Turn a reward's return value into ``list[float | None]`` (NaN/inf kept for the caller).
 
@@ -50,10 +62,11 @@ def validate_output(name: str, fn: Callable[..., Any], output: Any, expected: in
     where = f"reward {name!r} ({describe_callable(fn)})"
     if isinstance(output, torch.Tensor) or type(output).__module__ == "numpy":
         if getattr(output, "ndim", None) != 1:
+            shape = tuple(getattr(output, "shape", ()))
+            hint = _per_frame_hint(shape[0] if shape else 0, expected, len(shape) > 1)
             raise RewardOutputError(
-                f"{where} returned a {type(output).__name__} of shape "
-                f"{tuple(getattr(output, 'shape', ()))}; expected one value per completion "
-                f"({expected})"
+                f"{where} returned a {type(output).__name__} of shape {shape}; expected one value "
+                f"per completion ({expected}){hint}"
             )
         output = output.tolist()
     if not isinstance(output, (list, tuple)):
@@ -62,8 +75,10 @@ def validate_output(name: str, fn: Callable[..., Any], output: Any, expected: in
             f"{expected} floats (or None), one per completion"
         )
     if len(output) != expected:
+        hint = _per_frame_hint(len(output), expected, False)
         raise RewardOutputError(
-            f"{where} returned {len(output)} values for {expected} completions: {_short(output)}"
+            f"{where} returned {len(output)} values for {expected} completions: "
+            f"{_short(output)}{hint}"
         )
     values: list[Any] = []
     for i, value in enumerate(output):
@@ -103,9 +118,12 @@ class _DeadlineExceeded(TimeoutError):
     """A sample with no value within the time limit (a user's own TimeoutError is a failure)."""
 
 
-def _raise_config_errors(results: Sequence[Any]) -> None:
+def _raise_config_errors(name: str, results: Sequence[Any]) -> None:
     for r in results:
         if isinstance(r, RewardConfigError):
+            message = str(r)
+            if not message.startswith(f"reward {name!r}"):  # say which reward stopped the step
+                r.args = (f"reward {name!r}: {message}",)
             raise r
 
 
@@ -115,7 +133,7 @@ def _per_sample(
     """Each sample on its own: (values, per-sample error or None); a timeout is a TimeoutError."""
     starts = [functools.partial(spec.start, take_rows(fields, [i])) for i in range(size)]
     results = guard.per_sample(spec.name, starts)
-    _raise_config_errors(results)
+    _raise_config_errors(spec.name, results)
     values: list[float | None] = []
     errors: list[BaseException | None] = [None] * size
     for i, result in enumerate(results):
@@ -146,7 +164,7 @@ def score_component(
     guard = guard if guard is not None else CallGuard(None)
     sample_ids = list(range(size)) if sample_ids is None else list(sample_ids)
     batched = guard.batched(spec.name, functools.partial(spec.start, fields))
-    _raise_config_errors([batched])
+    _raise_config_errors(spec.name, [batched])
     if batched is TIMED_OUT or isinstance(batched, Exception):
         values, errors = _per_sample(spec, fields, size, guard)
         if batched is not TIMED_OUT and all(e is None for e in errors):

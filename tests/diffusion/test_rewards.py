@@ -55,7 +55,7 @@ def test_video_frames_first_or_every_kth():
     assert make_brightness_reward(frames=2)([video]) == pytest.approx([0.5])  # frames 0 and 2
     with pytest.raises(ValueError, match="expects \\[3, H, W\\] or \\[3, F, H, W\\]"):
         select_frames(torch.zeros(4, 16, 16))
-    with pytest.raises(ValueError, match="frames must be 'first' or a positive integer"):
+    with pytest.raises(ValueError, match="frames must be 'first', a positive integer"):
         select_frames(video, 0)
 
 
@@ -130,3 +130,55 @@ def test_clip_style_scorer_from_a_local_directory(tmp_path):
     out = m(**inputs)
     cos = torch.nn.functional.cosine_similarity(out.image_embeds, out.text_embeds)
     assert scores[0] == pytest.approx(float(m.logit_scale.exp() * cos[0]), abs=1e-4)
+
+
+def _pickscore_layout(root):
+    """PickScore's layout: weights (a CLIPModel) in one directory, the processor in another."""
+    import shutil
+
+    _tiny_clip(root / "full")
+    (root / "model").mkdir()
+    (root / "processor").mkdir()
+    for f in (root / "full").iterdir():
+        is_model = f.name in ("config.json", "model.safetensors")
+        shutil.copy(f, root / ("model" if is_model else "processor") / f.name)
+    return root / "model", root / "processor"
+
+
+@pytest.mark.slow  # transformers' CLIP import and save/load dominate; the model is tiny
+def test_pickscore_layout_batching_frames_and_an_isolated_failing_sample(tmp_path):
+    from groupflow.diffusion.rewards import CLIPStyleScorer
+
+    model, processor = _pickscore_layout(tmp_path)
+    with pytest.raises(OSError):  # the weights directory alone has no processor
+        make_image_scorer_reward(path=str(model), kind="pickscore")
+    spec = {"name": "image_scorer", "kwargs": {"path": str(model), "kind": "pickscore",
+            "processor_path": str(processor), "frames": 2, "batch_size": 3}}  # fmt: skip
+    runner = build_reward_runner([spec])
+    g = torch.Generator().manual_seed(1)
+    videos = [torch.rand(3, 4, 16, 16, generator=g) for _ in range(3)]
+    prompts = ["red", "blue", "red " * 40]  # the last is longer than the text tower: truncated
+    scorer = CLIPStyleScorer(model, processor_path=processor)
+    calls = []
+    real = scorer.model.forward
+    scorer.model.forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+    result = runner(prompts, videos)
+    # frames 0 and 2 of each video, each against its own prompt, averaged
+    want = [float(scorer(v[:, ::2].permute(1, 0, 2, 3), [p] * 2).mean()) for v, p in zip(videos, prompts)]  # fmt: skip
+    assert result.total.tolist() == pytest.approx(want, abs=1e-5)
+    from groupflow.diffusion.rewards import score_in_batches
+
+    calls.clear()
+    chosen = [select_frames(v, 2) for v in videos]
+    assert score_in_batches(scorer, chosen, prompts, 4) == pytest.approx(want, abs=1e-5)
+    assert len(calls) == 2  # 6 frames, 4 per call
+    bad = videos[1].clone()
+    bad[0, 0, 0, 0] = float("nan")
+    result = runner(prompts, [videos[0], bad, videos[2]])
+    assert result.metrics["reward/image_scorer/failures"] == 1.0
+    assert result.total[0].item() == pytest.approx(want[0], abs=1e-5)
+    assert result.total[2].item() == pytest.approx(want[2], abs=1e-5)
+    with pytest.raises(RewardConfigError, match="batch_size must be an integer >= 1"):
+        make_image_scorer_reward(path=str(model), processor_path=str(processor), batch_size=0)
+    with pytest.raises(RewardConfigError, match="processor_path .* does not exist"):
+        make_image_scorer_reward(path=str(model), processor_path=str(tmp_path / "nope"))

@@ -112,7 +112,7 @@ def test_samplers_preserve_the_marginals_of_gaussian_data(sampler):
 
 def test_unknown_sampler_lists_the_valid_ones():
     with pytest.raises(
-        UnknownNameError, match="unknown sampler 'flow'; valid names: dance_sde, flow_sde, ode"
+        UnknownNameError, match="unknown sampler 'flow'; valid names: cps, dance_sde, flow_sde, ode"
     ):
         get_sampler("flow")
 

@@ -30,7 +30,7 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-def _cfg(out, model_dir, prompts, **over):
+def _cfg(out, model_dir, prompts, drop=(), **over):
     from groupflow.config import apply_overrides
 
     data = {
@@ -44,6 +44,9 @@ def _cfg(out, model_dir, prompts, **over):
         "actor": {"lr": 1e-3},
         "reward": {"functions": [{"name": "brightness"}]},
     }  # fmt: skip
+    for key in drop:  # "section.key" left to its default
+        section, name = key.split(".")
+        del data[section][name]
     return config_from_dict(apply_overrides(data, over))
 
 
@@ -65,18 +68,61 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
     [
         (
             {"diffusion.sampler": "flow"},
-            r"'diffusion.sampler': unknown sampler 'flow'; valid names: dance_sde, flow_sde, ode",
+            r"'diffusion.sampler': unknown sampler 'flow'; valid names: cps, dance_sde, flow_sde, ode",
         ),
         ({"diffusion.sampler": "ode"}, "has no step log-probs"),
         ({"diffusion.timestep_selection": "window"}, "diffusion.window"),
         ({"diffusion.model.kind": "sd3"}, "latent_shape is required"),
         ({"sft.steps": 5}, "sft.steps"),
         ({"diffusion.num_stepz": 5}, "did you mean 'diffusion.num_steps'"),
+        ({"diffusion.objective": "dpo"}, "'diffusion.objective'"),
+        ({"diffusion.sde_window.size": 4}, "diffusion.sde_window.size=4 exceeds"),
+        ({"diffusion.sde_window.size": 2}, "sde_window trains every step of its window"),
+        ({"diffusion.sde_window.stride": -1}, "'diffusion.sde_window.stride'"),
+        ({"diffusion.ratio_norm": True, "diffusion.sampler": "cps"}, "constant-free"),
+        ({"diffusion.ratio_norm": True, "diffusion.objective": "nft"}, "does not have"),
+        ({"diffusion.objective": "nft", "diffusion.sampler": "ode"}, "same_noise_per_group: false"),
+        ({"diffusion.nft.beta": 0}, "'diffusion.nft.beta'"),
+        ({"diffusion.model.vae_path": "vae"}, "diffusion.model.vae_path is for kind 'wan'"),
+        ({"diffusion.activation_checkpointing": True}, "not 'tiny'"),
+        ({"diffusion.nft.old_decay_max": 1.0}, "'diffusion.nft.old_decay_max'"),
     ],
-)
+)  # fmt: skip
 def test_bad_diffusion_config_names_the_key(tiny_dir, prompts_file, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         _cfg(tmp_path, tiny_dir, prompts_file, **override)
+
+
+VARIANT_RUNS = [
+    pytest.param({"diffusion.sampler": "cps"}, id="cps"),
+    pytest.param({"diffusion.sde_window": {"size": 2, "shift_interval": 1},
+                  "actor.ppo_epochs": 2, "drop": ["diffusion.timestep_fraction"]}, id="mixgrpo"),
+    pytest.param({"diffusion.ratio_norm": True, "actor.ppo_epochs": 2}, id="grpo_guard"),
+    pytest.param({"diffusion.objective": "nft", "diffusion.sampler": "ode",
+                  "diffusion.same_noise_per_group": False}, id="nft"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("over", VARIANT_RUNS)
+def test_each_algorithm_switch_trains_and_resumes_exactly(tiny_dir, prompts_file, tmp_path, over):
+    def run(**more):
+        t = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{**over, **more}))
+        t.fit()
+        return t
+
+    full = run(**{"run.name": "full", "run.total_steps": 3})
+    rows = read_metrics(full.run_dir / "metrics.jsonl")
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert all(r["actor/grad_norm"] > 0 for r in rows[1:])
+    run(**{"run.name": "part", "run.save_every": 1})
+    resumed = run(**{"run.name": "part", "run.total_steps": 3})
+    a = read_metrics(full.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
+    for key in ("reward/mean", "actor/grad_norm", "actor/loss"):
+        assert a[key] == b[key], key
+    sa, sb = full.policy.actor.state_dict(), resumed.policy.actor.state_dict()
+    for part in ("model", "nft_old"):
+        assert all(torch.equal(sa[part][k], sb[part][k]) for k in sa.get(part, {}))
 
 
 def test_missing_model_and_unknown_prompt_are_clear(tiny_dir, prompts_file, tmp_path):

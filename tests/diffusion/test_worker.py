@@ -149,7 +149,8 @@ def test_step_selection():
 
 def test_bad_input_is_reported_clearly():
     with pytest.raises(
-        UnknownNameError, match="unknown sampler 'euler'; valid names: dance_sde, flow_sde, ode"
+        UnknownNameError,
+        match="unknown sampler 'euler'; valid names: cps, dance_sde, flow_sde, ode",
     ):
         DiffusionSettings(sampler="euler")
     with pytest.raises(ValueError, match="sampler 'ode' is deterministic"):

@@ -1,0 +1,106 @@
+"""Peak memory per worker of the diffusion policy: replicated vs FSDP2-sharded, side by side.
+
+One run of each layout through the real path (Trainer, Ray workers, a random WanTransformer3DModel
+built here), 2 workers each, one torch thread per worker; each trains ``--steps`` steps and then
+reports, per worker, its model-state bytes (parameters, gradients, AdamW state: the local shards
+when sharded) and its process's peak resident memory. Printed: both layouts and their ratios.
+
+    .venv/bin/python benchmarks/diffusion_fsdp_memory.py              # 8 blocks of width 512
+    .venv/bin/python benchmarks/diffusion_fsdp_memory.py --layers 4 --checkpointing
+
+Resident memory includes each process's fixed cost (Python, torch, Ray: several hundred MB), so
+its ratio understates the model-state one; on GPUs the model state is what FSDP divides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_model(path: Path, layers: int, width: int) -> Path:
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    heads = width // 64
+    WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=64, in_channels=16,
+        out_channels=16, text_dim=64, freq_dim=64, ffn_dim=4 * width, num_layers=layers,
+        rope_max_seq_len=64,
+    ).save_pretrained(path)  # fmt: skip
+    return path
+
+
+def run(root: Path, model: Path, prompts: Path, fsdp: bool, steps: int, checkpointing: bool):
+    from groupflow.config import config_from_dict
+    from groupflow.trainer import Trainer
+
+    cfg = config_from_dict({
+        "run": {"name": f"fsdp_{fsdp}", "output_dir": str(root), "seed": 0, "total_steps": steps,
+                "loggers": [], "num_threads": 1, "backend": "ray", "num_workers": 2,
+                "save_final": False},
+        "diffusion": {"model": {"kind": "wan", "path": str(model), "latent_shape": [16, 3, 16, 16]},
+                      "num_steps": 4, "timestep_fraction": 0.5, "eval_samples_per_prompt": 1,
+                      "fsdp": fsdp, "activation_checkpointing": checkpointing, "save_images": False},
+        "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 2},
+        "actor": {"lr": 1e-5},
+        "reward": {"functions": [{"name": "brightness"}]},
+    })  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+        return trainer.policy.actor.memory_stats()
+    finally:
+        trainer.shutdown()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_model(root / "wan", args.layers, args.width)
+        prompts = root / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a", "b")))
+        rows = {
+            "replicated": run(root, model, prompts, False, args.steps, args.checkpointing),
+            "fsdp": run(root, model, prompts, True, args.steps, args.checkpointing),
+        }
+    mib = 2**20
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes")
+    print(f"{args.layers} blocks x width {args.width}, 2 workers, {os.cpu_count()} CPUs")
+    print(f"{'per worker (max over ranks), MiB':34s}" + "".join(f"{k[:-6]:>12s}" for k in keys))
+    peak = {name: {k: max(r[k] for r in rs) for k in keys} for name, rs in rows.items()}
+    for name, p in peak.items():
+        print(f"{name:34s}" + "".join(f"{p[k] / mib:12.1f}" for k in keys))
+    print(
+        f"{'fsdp / replicated':34s}"
+        + "".join(f"{peak['fsdp'][k] / max(peak['replicated'][k], 1):12.2f}" for k in keys)
+    )
+    state = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    total = {n: sum(p[k] for k in state) for n, p in peak.items()}
+    print(f"model state: {total['replicated'] / mib:.1f} -> {total['fsdp'] / mib:.1f} MiB per "
+          f"worker ({total['fsdp'] / total['replicated']:.2f}x)")  # fmt: skip
+    if args.json:
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"json": None}, "rows": rows}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

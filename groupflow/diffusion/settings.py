@@ -1,0 +1,133 @@
+"""The diffusion policy's plain settings and the per-sample helpers its worker uses.
+
+Design decision: what needs no model — the settings dataclass with its checks, which steps a
+sample trains, the per-sample random streams, the prompt rows ``generate`` takes, and the small
+Batch/metrics helpers — lives apart from the worker, which keeps only model calls and updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from groupflow.batch import Batch
+from groupflow.diffusion.samplers import get_sampler
+
+__all__ = [
+    "COND_PREFIX",
+    "DiffusionSettings",
+    "select_steps",
+    "stream_seed",
+    "seeded_generator",
+    "prompt_rows",
+    "cpu_state",
+    "cond_of",
+    "index_cond",
+    "combine_metrics",
+]
+
+COND_PREFIX = "cond."  # condition tensors travel in the Batch as cond.<name> [B, ...]
+
+
+@dataclass(frozen=True)
+class DiffusionSettings:
+    """Plain sampling/training knobs of the diffusion policy (built from the config by the builder)."""
+
+    sampler: str = "flow_sde"
+    noise_level: float | None = None  # None: the sampler's default (flow 0.7, dance 0.3)
+    num_steps: int = 10
+    shift: float = 3.0
+    cfg_scale: float = 1.0
+    same_noise_per_group: bool = True
+    timestep_selection: str = "random"  # "random" (fraction per sample) or "window"
+    timestep_fraction: float = 0.5
+    window: tuple[int, int] | None = None
+    lora: dict | None = field(default=None)  # {rank, alpha, target_modules}
+    sde_window: dict | None = None  # MixGRPO {size, shift_interval, stride, roll_back}
+    ratio_norm: bool = False  # GRPO-Guard
+    objective: str = "grpo"  # or "nft" (DiffusionNFT)
+    # {beta, old_decay_rate, old_decay_max, adaptive_weight_min}
+    nft: dict = field(default_factory=dict)
+    adv_clip_max: float = 5.0  # DiffusionNFT maps advantages to [0, 1] through it
+    fsdp: bool = False  # shard the model over the ranks (FSDP2) instead of replicating it
+    activation_checkpointing: bool = False  # recompute block activations in backward
+
+    def __post_init__(self):
+        spec = get_sampler(self.sampler)  # unknown names raise, listing the valid ones
+        if self.objective not in ("grpo", "nft"):
+            raise ValueError(f"objective must be 'grpo' or 'nft', got {self.objective!r}")
+        if self.objective == "grpo" and not spec.stochastic:
+            raise ValueError(
+                f"sampler '{self.sampler}' is deterministic and has no step log-probs; train with "
+                "'flow_sde' or 'dance_sde' (the ODE sampler is for evaluation)"
+            )
+        if self.timestep_selection not in ("random", "window"):
+            raise ValueError(
+                f"timestep_selection must be 'random' or 'window', got {self.timestep_selection!r}"
+            )
+        if self.window is not None and not 0 <= self.window[0] < self.window[1] <= self.num_steps:
+            raise ValueError(
+                f"window {list(self.window)} must satisfy 0 <= start < end <= num_steps={self.num_steps}"
+            )
+
+
+def select_steps(num_steps: int, settings: DiffusionSettings, generator: torch.Generator) -> Tensor:
+    """The [num_steps] 0/1 mask of steps one sample trains on."""
+    mask = torch.zeros(num_steps, dtype=torch.long)
+    if settings.timestep_selection == "window":
+        start, end = settings.window or (0, num_steps)
+        mask[start:end] = 1
+        return mask
+    k = max(1, round(settings.timestep_fraction * num_steps))
+    mask[torch.randperm(num_steps, generator=generator)[:k]] = 1
+    return mask
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """A seed for one of a sample's random streams (0: initial noise, 1: SDE noise, 2: step
+    choice; 3 + rank: DiffusionNFT's re-noising from an update's seed). Mixed, not
+    ``seed + stream``: the trainer's per-sample seeds are consecutive integers, so offsets would
+    make one sample's SDE noise another group's initial noise."""
+    return (seed * 6364136223846793005 + (stream + 1) * 1442695040888963407) % (2**63 - 1)
+
+
+def seeded_generator(seed: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(stream_seed(int(seed), stream))
+
+
+def cond_of(batch: Batch) -> dict[str, Tensor]:
+    return {k[len(COND_PREFIX) :]: v for k, v in batch.tensors.items() if k.startswith(COND_PREFIX)}
+
+
+def index_cond(cond: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+    return {k: v[rows] for k, v in cond.items()}
+
+
+def combine_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for s in steps for k in s):
+        values = [s[key] for s in steps if key in s]
+        if key.endswith("ratio_max"):
+            out[key] = max(values)
+        elif key.endswith("ratio_min"):
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def cpu_state(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+
+
+def prompt_rows(
+    prompts: Sequence[str], seeds: Sequence[Sequence[int]], group_ids: Sequence[int]
+) -> Batch:
+    """The input of ``generate``: one row per prompt with its text and one seed per sample."""
+    return Batch(
+        {"group_ids": torch.as_tensor(list(group_ids), dtype=torch.long)},
+        {"prompt": list(prompts), "seeds": [list(s) for s in seeds]},
+    )

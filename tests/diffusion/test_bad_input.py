@@ -1,0 +1,93 @@
+"""Bad input on the diffusion path: each a clear error naming the key (issue 15, item 5)."""
+
+import types
+
+import pytest
+import torch
+
+from groupflow.diffusion.models import check_latent_fits
+from groupflow.diffusion.rewards import make_brightness_reward, select_frames
+from groupflow.rewards import (
+    RewardConfigError,
+    RewardFunction,
+    RewardOutputError,
+    RewardRunner,
+    build_reward_runner,
+)
+
+SD3 = types.SimpleNamespace(in_channels=4, patch_size=2, pos_embed_max_size=8)
+WAN = types.SimpleNamespace(in_channels=4, patch_size=(1, 2, 2))
+
+
+@pytest.mark.parametrize(
+    "config, kind, shape, message",
+    [
+        (SD3, "sd3", (16, 8, 8), r"latent_shape=\[16, 8, 8\]: the SD3Transformer2DModel takes 4 latent channels, not 16"),
+        (SD3, "sd3", (4, 7, 8), r"latent_shape=\[4, 7, 8\]: height 7 is not divisible by the patch size 2"),
+        (SD3, "sd3", (4, 32, 8), r"16x4 patches exceed the position embedding's 8 per side"),
+        (WAN, "wan", (4, 3, 8, 9), r"latent_shape=\[4, 3, 8, 9\]: width 9 is not divisible by the patch size 2"),
+        (types.SimpleNamespace(in_channels=4, patch_size=(2, 2, 2)), "wan", (4, 3, 8, 8),
+         r"frames 3 is not divisible by the patch size 2"),
+    ],
+)  # fmt: skip
+def test_a_latent_shape_the_transformer_cannot_take_names_the_key(config, kind, shape, message):
+    with pytest.raises(ValueError, match=f"diffusion.model.latent_shape.*{message}|{message}"):
+        check_latent_fits(config, kind, shape)
+
+
+def test_latent_shapes_the_transformer_takes_pass():
+    check_latent_fits(SD3, "sd3", (4, 8, 8))
+    check_latent_fits(WAN, "wan", (4, 3, 8, 8))
+
+
+@pytest.mark.slow  # imports diffusers
+def test_a_real_wan_transformer_refuses_the_wrong_channels(tmp_path):
+    from groupflow.diffusion.models import load_diffusers_model
+    from tests.diffusion.test_models import _wan
+
+    with pytest.raises(ValueError, match="WanTransformer3DModel takes 4 latent channels, not 16"):
+        load_diffusers_model(_wan(tmp_path), "wan", (16, 3, 8, 8))
+
+
+def test_a_reward_scoring_every_frame_of_a_video_batch_is_named_with_the_cause():
+    videos = [torch.rand(3, 4, 8, 8) for _ in range(3)]
+
+    def per_frame(completions):  # a common mistake: one score per frame, not per video
+        return [float(f.mean()) for v in completions for f in v.unbind(1)]
+
+    with pytest.raises(
+        RewardOutputError,
+        match=r"reward 'per_frame' .* returned 12 values for 3 completions.*4 per completion: "
+        r"scoring every video frame\?",
+    ):
+        RewardRunner([RewardFunction("per_frame", per_frame)])(["p"] * 3, videos)
+
+    def frame_rows(completions):
+        return torch.stack([v.mean((0, 2, 3)) for v in completions])  # [B, F]
+
+    with pytest.raises(RewardOutputError, match=r"shape \(3, 4\).*a row per completion"):
+        RewardRunner([RewardFunction("rows", frame_rows)])(["p"] * 3, videos)
+
+
+def test_a_frame_index_beyond_the_clip_stops_the_step_naming_the_reward_and_key():
+    runner = build_reward_runner([{"name": "brightness", "kwargs": {"frames": [0, 9]}}])
+    with pytest.raises(
+        RewardConfigError,
+        match=r"reward 'brightness': frames=\[0, 9\]: index 9 is beyond the 4-frame clip "
+        r"\(indices 0..3\)",
+    ):
+        runner(["a", "b"], [torch.zeros(3, 4, 8, 8)] * 2)
+    with pytest.raises(
+        RewardConfigError, match="frames=8 .* on a 4-frame clip scores only frame 0"
+    ):
+        select_frames(torch.zeros(3, 4, 8, 8), 8)
+
+
+def test_frame_lists_average_the_chosen_frames_and_bad_values_fail_at_build():
+    video = torch.zeros(3, 4, 8, 8)
+    video[:, 3] = 1.0
+    assert make_brightness_reward(frames=[0, 3])([video]) == pytest.approx([0.5])
+    assert make_brightness_reward(frames=[3])([video]) == pytest.approx([1.0])
+    for bad in (0, -1, [], [-1], "last", True):
+        with pytest.raises(RewardConfigError, match="rewards\\[0\\]: frames must be"):
+            build_reward_runner([{"name": "brightness", "kwargs": {"frames": bad}}])

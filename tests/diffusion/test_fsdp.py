@@ -1,0 +1,148 @@
+"""FSDP2 for the diffusion transformer: 1 worker == 2 sharded Ray workers, checkpoints reshard,
+activation checkpointing changes no gradient. Ray workers run one torch thread each."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from groupflow.tracking import read_metrics
+from groupflow.trainer import Trainer
+from tests.diffusion.test_mmdancegrpo import _tiny_wan
+
+
+def _cfg(tmp_path, model, prompts, **over):
+    from groupflow.config import apply_overrides, config_from_dict
+
+    data = {
+        "run": {"name": "one", "output_dir": str(tmp_path), "seed": 0, "total_steps": 2,
+                "loggers": [], "num_threads": 1},
+        "diffusion": {"model": {"kind": "wan", "path": str(model), "latent_shape": [4, 3, 8, 8]},
+                      "num_steps": 3, "timestep_fraction": 0.67, "eval_samples_per_prompt": 1},
+        "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 2},
+        "actor": {"lr": 1e-3},
+        "reward": {"functions": [{"name": "brightness"}]},
+    }  # fmt: skip
+    return config_from_dict(apply_overrides(data, over))
+
+
+@pytest.fixture(scope="module")
+def wan_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
+    return _tiny_wan(root / "wan"), prompts
+
+
+def _fit(cfg, memory=None):
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+        if memory is not None:
+            memory.extend(trainer.policy.actor.memory_stats())
+        return trainer, trainer.policy.actor.state_dict()
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.slow  # Ray start-up and diffusers' import dominate; the model is tiny
+def test_two_sharded_workers_equal_one_worker_and_checkpoints_reshard(wan_setup, tmp_path):
+    pytest.importorskip("ray")
+    model, prompts = wan_setup
+    mem1, mem2 = [], []
+    one, s1 = _fit(_cfg(tmp_path, model, prompts), mem1)
+    two_cfg = {"run.name": "two", "run.backend": "ray", "run.num_workers": 2,
+               "diffusion.fsdp": True, "run.save_every": 1}  # fmt: skip
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **two_cfg), mem2)
+    # really sharded: each rank holds about half of the parameters and of Adam's state
+    for key in ("param_bytes", "optimizer_bytes"):
+        assert sum(m[key] for m in mem2) == pytest.approx(mem1[0][key], rel=0.01), key
+        assert max(m[key] for m in mem2) < 0.6 * mem1[0][key], key
+    a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
+    for ra, rb in zip(a[1:], b[1:], strict=True):
+        assert ra["reward/mean"] == rb["reward/mean"]  # same samples: per-sample seeds
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/loss"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    for k in s1["model"]:
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
+    # the 2-worker checkpoint of step 1 resumes in one local worker: step 2 as in the 1-worker run
+    step1 = str(two.run_dir / "checkpoints" / "step_1")
+    resumed, s3 = _fit(_cfg(tmp_path, model, prompts, **{"run.name": "re", "run.resume": step1}))
+    last = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
+    assert last["actor/grad_norm"] == pytest.approx(a[-1]["actor/grad_norm"], rel=1e-4)
+    for k in s1["model"]:
+        assert torch.allclose(s1["model"][k], s3["model"][k], atol=1e-6), k
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_gives_the_same_gradients(wan_setup):
+    from groupflow.algorithms import compute_advantages
+    from groupflow.config import ActorConfig
+    from groupflow.diffusion.models import load_diffusers_model
+    from groupflow.diffusion.worker import DiffusionSettings, DiffusionWorker, prompt_rows
+
+    torch.set_num_threads(1)
+    grads = []
+    for ckpt in (False, True):
+        flow = load_diffusers_model(wan_setup[0], "wan", (4, 3, 8, 8))
+        settings = DiffusionSettings(
+            num_steps=2, timestep_fraction=1.0, activation_checkpointing=ckpt
+        )
+        w = DiffusionWorker(flow, settings, ActorConfig(lr=1e-3, clip_eps_low=1e-4), total_steps=2)
+        assert w.flow.transformer.gradient_checkpointing is ckpt
+        b = w.generate(prompt_rows(["a cat", "a dog"], [[1, 2], [3, 4]], [0, 1]), 2)
+        b["advantages"] = compute_advantages(b["images"].mean((1, 2, 3, 4)), b["group_ids"], "grpo")
+        b["old_logprobs"] = b["rollout_logprobs"]
+        seen = []
+
+        def keep(*_, seen=seen, w=w, **__):
+            seen.append([p.grad.clone() for p in w.flow.parameters()])
+
+        w.optimizer.step = keep
+        m = w.update(b.select(*[k for k in b.tensors if k not in ("images", "rollout_logprobs")]))
+        assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
+        grads.append(seen[0])
+    for g0, g1 in zip(*grads, strict=True):
+        assert torch.allclose(g0, g1, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_on_a_sharded_transformer_equals_one_worker(wan_setup, tmp_path):
+    """LoRA adapters injected before sharding; the reference is the adapter-free sharded model."""
+    pytest.importorskip("ray")
+    model, prompts = wan_setup
+    lora = {"diffusion.model.lora": {"rank": 2, "alpha": 4, "target_modules": ["to_q", "to_v"]},
+            "actor.kl_coef": 0.1, "run.total_steps": 1}  # fmt: skip
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **lora))
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **lora, **{
+        "run.name": "two", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True}))  # fmt: skip
+    a = read_metrics(one.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(two.run_dir / "metrics.jsonl")[-1]
+    assert a["actor/grad_norm"] > 0
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+    adapters = [k for k in s1["model"] if "lora_" in k]
+    assert adapters and all(
+        torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6) for k in adapters
+    )
+
+
+@pytest.mark.slow
+def test_two_sharded_workers_equal_one_worker_on_an_sd3_transformer(wan_setup, tmp_path):
+    pytest.importorskip("ray")
+    from tests.diffusion.test_models import _sd3
+
+    model, prompts = _sd3(tmp_path), wan_setup[1]
+    sd3 = {"diffusion.model.kind": "sd3", "diffusion.model.path": str(model),
+           "diffusion.model.latent_shape": [4, 8, 8], "run.total_steps": 1}  # fmt: skip
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **sd3))
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **sd3, **{
+        "run.name": "two", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True}))  # fmt: skip
+    a = read_metrics(one.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(two.run_dir / "metrics.jsonl")[-1]
+    assert a["actor/grad_norm"] > 0
+    assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    for k in s1["model"]:
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k

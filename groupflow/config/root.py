@@ -113,10 +113,11 @@ class Config(_Section):
         if self.rollout.max_staleness == 0:
             return self
         k = self.rollout.max_staleness
-        if self.rollout.engine != "hf":
+        if self.rollout.engine == "vllm" and self.rollout.async_worker == "thread":
             raise ValueError(
-                f"rollout.max_staleness={k}: asynchronous rollout runs groupflow's own decode loop "
-                "only (rollout.engine=hf); the vLLM engine lives inside the actor worker"
+                f"rollout.max_staleness={k} with rollout.engine=vllm needs "
+                "rollout.async_worker=process: the snapshot's vLLM engine runs in a process of its "
+                "own (vLLM's in-process engine keeps process-wide state; the actor has one already)"
             )
         llm_on_ray = self.run.backend == "ray" and self.diffusion is None
         if llm_on_ray and self.placement.rollout == "colocated":

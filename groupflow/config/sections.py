@@ -190,14 +190,6 @@ class RolloutConfig(_Section):
     # torch thread ("process": generation and training on two cores) or in a thread of this
     # process ("thread": no second process, but the decode loop shares the GIL with training).
     async_worker: Literal["process", "thread"] = "process"
-    # ---- asynchronous rollout (groupflow.async_rollout)
-    # k: the batch of step s is generated with the weights of version max(0, s - k) while the
-    # trainer updates; 0: the synchronous loop (generate, then train, every step).
-    max_staleness: int = Field(0, ge=0)
-    # local backend, k >= 1: the rollout's own weight snapshot runs in a child process with one
-    # torch thread ("process": generation and training on two cores) or in a thread of this
-    # process ("thread": no second process, but the decode loop shares the GIL with training).
-    async_worker: Literal["process", "thread"] = "process"
 
     @model_validator(mode="after")
     def _multi_turn(self):

@@ -107,7 +107,7 @@ class LLMPolicy:
         # Workers build their own models in their own processes (local: this one). Rollout and
         # reference live inside the actor worker unless placement gives them pools of their own.
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed)
-        self.spec = spec
+        self.spec, self.engine = spec, engine
         self.snapshot_worker = None  # asynchronous rollout's own weights (start_async)
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
@@ -213,15 +213,17 @@ class LLMPolicy:
     # ----- asynchronous rollout (groupflow.async_rollout) -------------------------------------
     def start_async(self) -> None:
         """Give the rollout weights of its own: the background rollout thread generates with a
-        snapshot worker (a separately placed rollout pool, else ``builders.snapshot_group``),
-        every other thread (validation) with the actor's current weights."""
+        snapshot worker (a separately placed rollout pool, else ``builders.snapshot_group``, with a
+        vLLM engine of its own when the actor has one), every other thread (validation) with the
+        actor's current weights."""
         if self.snapshot_worker is not None:
             return
         background = self.rollout
         if background is self.actor:
             background = builders.snapshot_group(
-                self.cfg, InferenceWorker, spec=self.spec, cfg=self.cfg.actor, role="rollout"
-            )
+                self.cfg, InferenceWorker, spec=self.spec, cfg=self.cfg.actor, role="rollout",
+                engine=self.engine,
+            )  # fmt: skip
         self.snapshot_worker = background
         self.rollout = ThreadRoute(self.actor, background)
 

@@ -8,6 +8,12 @@ each other; each takes its share of the batch). The driver pushes weights into i
 ``load_weights`` after every update for the rollout role, once (after any warm start) for the
 reference — so its methods have the same names and outputs as the actor's and the driver's calls
 do not change with placement.
+
+The asynchronous rollout's snapshot worker (``rollout.max_staleness`` >= 1) is this worker too;
+with ``rollout.engine=vllm`` it builds a vLLM engine of its own (``engine``) that generates, and
+every pushed snapshot reaches it through the engine's ``load_weights`` — the path the actor's
+colocated engine takes after each update — so stale batches come from the same engine code as
+synchronous ones. The torch model is kept beside it for ``compute_logprobs``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from groupflow.config import ActorConfig
 from groupflow.distributed import register
 from groupflow.rollout.batching import generate_batch
 from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions
 from groupflow.workers.common import ModelSpec, worker_device
 from groupflow.workers.update import batch_logprobs
 
@@ -29,26 +36,33 @@ class InferenceWorker:
     """Generation and log-probs on a frozen full model; weights arrive from the actor."""
 
     def __init__(self, model, tokenizer, cfg: ActorConfig, *, pad_id: int, eos_ids, role: str,
-                 rank: int = 0, world_size: int = 1):  # fmt: skip
+                 rank: int = 0, world_size: int = 1,
+                 engine: VLLMOptions | None = None):  # fmt: skip
         self.model = model.eval().requires_grad_(False)
         self.tokenizer, self.cfg, self.role = tokenizer, cfg, role
         self.pad_id, self.eos_ids = pad_id, list(eos_ids)
         self.rank, self.world_size = rank, world_size
         self.device = next(model.parameters()).device
+        self.engine = (
+            None
+            if engine is None
+            else VLLMEngine(model, tokenizer, engine, eos_ids=self.eos_ids, pad_id=pad_id)
+        )
 
     @classmethod
-    def create(cls, rank: int, world_size: int, *, spec: ModelSpec, cfg: ActorConfig, role: str):
+    def create(cls, rank: int, world_size: int, *, spec: ModelSpec, cfg: ActorConfig, role: str,
+               engine: VLLMOptions | None = None):  # fmt: skip
         from groupflow.builders import eos_ids
 
         model, tok = spec.build()
         model.to(worker_device(rank))
         return cls(model, tok, cfg, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
-                   role=role, rank=rank, world_size=world_size)  # fmt: skip
+                   role=role, rank=rank, world_size=world_size, engine=engine)  # fmt: skip
 
     @register("dp")
     def generate(self, prompts: Batch, params: SamplingParams, prompt_width: int = 0) -> Batch:
         return generate_batch(self.model, self.tokenizer, self.pad_id, self.eos_ids, prompts,
-                              params, prompt_width)  # fmt: skip
+                              params, prompt_width, engine=self.engine)  # fmt: skip
 
     @register("dp")
     def compute_logprobs(
@@ -63,6 +77,8 @@ class InferenceWorker:
     @register("all")
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(weights)
+        if self.engine is not None:
+            self.engine.load_weights(weights.items())
 
     @register("all")
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:

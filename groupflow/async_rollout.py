@@ -11,6 +11,12 @@ rewards, dynamic-sampling refills: all of them with the job's version, so refill
 the bound). Loader draws happen only in that thread, in step order, so the prompts of step s are
 the same as in a synchronous run. Every wait has a timeout, and a failure in the thread (a dead
 rollout process, a weight push that does not return) is raised in the trainer naming the role.
+
+``rollout.async_mode: eager`` trades that reproducibility for freshness: a job takes the newest
+snapshot at the moment the thread *starts* it (at submission the newest version is the scheduled
+one, so only a start that lags behind — generation slower than training, k >= 2 — can see a newer
+one). The version it takes is at least the scheduled one, so the bound still holds, and the batch
+records the version it really came from.
 """
 
 from __future__ import annotations
@@ -64,14 +70,18 @@ class AsyncRollout:
     """Jobs ``submit(step, version, weights)`` run in order in one background thread.
 
     ``collect(step, version)`` → (batch, metrics) is the trainer's collect; ``push(weights)``
-    loads a snapshot into the rollout worker; ``loader_state()`` captures the prompt loader."""
+    loads a snapshot into the rollout worker; ``loader_state()`` captures the prompt loader;
+    ``newest()`` → (version, weights), given in eager mode only, is the newest snapshot."""
 
     def __init__(self, collect: Callable[[int, int], tuple], push: Callable[[dict], None],
-                 loader_state: Callable[[], dict], timeout_s: float, role: str = "rollout"):  # fmt: skip
+                 loader_state: Callable[[], dict], timeout_s: float, role: str = "rollout",
+                 newest: Callable[[], tuple[int, dict]] | None = None):  # fmt: skip
         self._collect, self._push, self._loader_state = collect, push, loader_state
+        self._newest = newest
         self.timeout_s, self.role = timeout_s, role
         self._jobs: dict[int, _Job] = {}
         self._pushing: int | None = None  # the version being loaded into the worker, if any
+        self._held: int | None = None  # the version the worker holds
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="groupflow-rollout", daemon=True)
         self._thread.start()
@@ -136,11 +146,16 @@ class AsyncRollout:
             try:
                 if failed is not None:  # a later job must not run on a broken worker
                     raise failed
-                if job.weights is not None:
+                if self._newest is not None:  # eager: fresher weights, if there are any
+                    version, weights = self._newest()
+                    if version > job.version:
+                        job.version, job.weights = version, weights
+                if job.weights is not None and job.version != self._held:
                     self._pushing = job.version
                     self._push(job.weights)
                     self._pushing = None
-                    job.weights = None  # the snapshot now lives in the worker
+                    self._held = job.version
+                job.weights = None  # the snapshot now lives in the worker
                 job.loader_state = self._loader_state()
                 job.started.set()
                 job.result = self._collect(job.step, job.version)

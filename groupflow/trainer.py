@@ -77,6 +77,9 @@ class Trainer:
         self.max_staleness = cfg.rollout.max_staleness
         self.rollouts: AsyncRollout | None = None
         self.snapshots: dict[int, dict] = {}  # version -> weights, while a batch in flight needs it
+        # rollout.async_mode=eager: (version, weights) of the newest snapshot, read by the rollout
+        # thread (one attribute, replaced whole: no lock needed)
+        self.newest_snapshot: tuple[int, dict] | None = None
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -188,9 +191,12 @@ class Trainer:
         k, total = self.max_staleness, self.cfg.run.total_steps
         self.policy.start_async()
         self.snapshots[self.step] = self.policy.snapshot()
+        self.newest_snapshot = (self.step, self.snapshots[self.step])
+        eager = self.cfg.rollout.async_mode == "eager"
         self.rollouts = AsyncRollout(
             self.collect, self.policy.push_snapshot, self.loader.state_dict,
             timeout_s=self.cfg.run.worker_timeout_s,
+            newest=(lambda: self.newest_snapshot) if eager else None,
         )  # fmt: skip
         previous = None
         for t in range(self.step, min(self.step + k + 1, total)):
@@ -209,6 +215,7 @@ class Trainer:
         of step s+1+k with its scheduled version (s+1)."""
         k, version = self.max_staleness, self.step + 1
         self.snapshots[version] = self.policy.snapshot()
+        self.newest_snapshot = (version, self.snapshots[version])
         for v in [v for v in self.snapshots if v < schedule_version(version, k)]:
             del self.snapshots[v]  # no batch in flight needs it
         t = version + k

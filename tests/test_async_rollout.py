@@ -84,6 +84,62 @@ def test_deterministic_schedule(tiny_config):
         assert not _same(k1[s], thread[s]), s
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_eager_jobs_take_the_newest_snapshot_when_they_start(eager):
+    """k = 2 by hand: jobs 0, 1, 2 are submitted with version 0; version 1 appears while job 0
+    runs. Eager: jobs 1 and 2 take version 1 (pushed once); deterministic: all keep version 0."""
+    from groupflow.async_rollout import AsyncRollout
+
+    newest = [(0, {"w": 0})]
+    gate, collected, pushes = threading.Event(), [], []
+
+    def collect(step, version):
+        if step == 0:
+            gate.wait(10)
+        collected.append((step, version))
+        return step, version
+
+    rollouts = AsyncRollout(
+        collect, pushes.append, dict, timeout_s=10,
+        newest=(lambda: newest[0]) if eager else None,
+    )  # fmt: skip
+    for step in range(3):
+        rollouts.submit(step, 0, {"w": 0} if step == 0 else None)
+    rollouts.loader_state_before(0)  # waits until job 0 has started (with version 0)
+    newest[0] = (1, {"w": 1})  # the trainer's update of step 0 (the thread is held in job 0)
+    gate.set()
+    results = [rollouts.result(step) for step in range(3)]
+    rollouts.close()
+    if eager:
+        assert results == [(0, 0), (1, 1), (2, 1)]
+        assert pushes == [{"w": 0}, {"w": 1}]
+    else:
+        assert results == [(0, 0), (1, 0), (2, 0)]
+        assert pushes == [{"w": 0}]
+    assert collected == results
+
+
+def test_eager_mode_is_fresher_and_respects_the_bound(tiny_config, monkeypatch):
+    """k = 2 with generation made the bottleneck: the batch of step s is only finished once the
+    trainer reached step s, so the next batch starts when version s exists — eager takes it
+    (staleness <= 1 < k), the deterministic schedule the scheduled max(0, s - 2)."""
+    original = Trainer.collect
+
+    def slow_collect(self, step, version=None):
+        while self.step < step:  # generation "slower" than the update before it
+            time.sleep(0.005)
+        return original(self, step, version)
+
+    monkeypatch.setattr(Trainer, "collect", slow_collect)
+    common = dict(run__total_steps=5, rollout__max_staleness=2, rollout__async_worker="thread")
+    det = _run(tiny_config, run__name="det", **common)
+    eager = _run(tiny_config, run__name="eager", rollout__async_mode="eager", **common)
+    assert [det[s]["async/staleness"] for s in range(1, 6)] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    # the contract (version >= step - k) was checked in the loop; here: strictly fresher
+    assert eager[1]["async/staleness"] == 0.0
+    assert all(0.0 <= eager[s]["async/staleness"] <= 1.0 for s in range(2, 6)), eager
+
+
 def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
     import groupflow.trainer as trainer_module
 
@@ -111,6 +167,8 @@ def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
         ),  # fmt: skip
         ({"rollout.max_staleness": 1, "run.backend": "ray"}, "rollout pool of its own"),
         ({"rollout.async_worker": "fork"}, "rollout.async_worker"),
+        ({"rollout.async_mode": "eager"}, "async_mode=eager needs rollout.max_staleness"),
+        ({"rollout.async_mode": "newest", "rollout.max_staleness": 1}, "rollout.async_mode"),
         ({"actor.off_policy": "tis"}, "needs actor.tis_cap"),
         ({"actor.off_policy": "decoupled", "actor.tis_cap": 2.0}, "exclusive|unset tis_cap"),
         ({"actor.off_policy": "decoupled", "actor.recompute_old_logprobs": "never"}, "proximal"),

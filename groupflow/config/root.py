@@ -111,6 +111,11 @@ class Config(_Section):
                 "a diffusion policy trains its stale batches with the rollout's log-probs (none)"
             )
         if self.rollout.max_staleness == 0:
+            if self.rollout.async_mode == "eager":
+                raise ValueError(
+                    "rollout.async_mode=eager needs rollout.max_staleness >= 1 (with 0 every batch "
+                    "is generated with the current weights already)"
+                )
             return self
         k = self.rollout.max_staleness
         if self.rollout.engine == "vllm" and self.rollout.async_worker == "thread":

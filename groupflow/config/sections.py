@@ -190,6 +190,11 @@ class RolloutConfig(_Section):
     # torch thread ("process": generation and training on two cores) or in a thread of this
     # process ("thread": no second process, but the decode loop shares the GIL with training).
     async_worker: Literal["process", "thread"] = "process"
+    # deterministic: the batch of step s always comes from version max(0, s - k) (reproducible,
+    # exact resume). eager: from the newest version when the rollout thread starts the batch
+    # (never staler than k; fresher when generation is the bottleneck), at the price of
+    # reproducibility: which version that is depends on timing.
+    async_mode: Literal["deterministic", "eager"] = "deterministic"
 
     @model_validator(mode="after")
     def _multi_turn(self):

@@ -17,9 +17,12 @@ the ratio is the number to read, not the absolute times.
 ``--curves``: then runs the whole demo (warm start included, ``run.total_steps``) once
 synchronously and once with k = 1 and prints held-out greedy accuracy at every validation side by
 side — does the stale, decoupled-PPO run learn as well in the same number of steps?
+``--plot PNG`` draws them (held-out accuracy and the training reward, both runs on each panel;
+``--val-every`` validates more often than the demo's 40 steps); ``--no-speed`` skips the timing.
 
     .venv/bin/python benchmarks/bench_async.py [--blocks 4] [--block 6] [--prompts 32]
-        [--model demo|medium] [--curves]
+        [--model demo|medium] [--curves [--plot docs/async_curves.png] [--val-every 20]]
+        [--no-speed]
 """
 
 from __future__ import annotations
@@ -126,24 +129,52 @@ def curves(args) -> None:
     from groupflow.tracking import read_metrics
     from groupflow.trainer import Trainer
 
-    rows = {}
+    rows, runs = {}, {}
+    extra = [f"validation.every_steps={args.val_every}"] if args.val_every else []
     with tempfile.TemporaryDirectory() as out:
         for name, k in (("sync", 0), ("k=1", 1)):
-            cfg = load_config("examples/reverse_demo.yaml", overrides(f"c{k}", out, k, []))
+            cfg = load_config("examples/reverse_demo.yaml", overrides(f"c{k}", out, k, extra))
             trainer = Trainer(cfg)
             start = time.perf_counter()
             trainer.fit()
             trainer.shutdown()
             seconds = time.perf_counter() - start
-            metrics = read_metrics(trainer.run_dir / "metrics.jsonl")
-            rows[name] = {int(r["step"]): r.get("val/greedy/acc") for r in metrics}
+            runs[name] = read_metrics(trainer.run_dir / "metrics.jsonl")
+            rows[name] = {int(r["step"]): r.get("val/greedy/acc") for r in runs[name]}
             print(f"{name}: {seconds:.0f} s for the whole run ({load()})")
+    if args.plot:
+        plot_curves(runs, args.plot)
+        print(f"wrote {args.plot}")
     print(f"{'step':>5} {'sync val/greedy/acc':>20} {'k=1 val/greedy/acc':>20}")
     for step in sorted(rows["sync"]):
         a, b = rows["sync"][step], rows["k=1"].get(step)
         if a is not None or b is not None:
             print(f"{step:5d} {a if a is not None else float('nan'):20.3f} "
                   f"{b if b is not None else float('nan'):20.3f}")  # fmt: skip
+
+
+def plot_curves(runs: dict[str, list[dict]], path: str) -> None:
+    """Held-out greedy accuracy and the training reward (10-step trailing mean) of both runs."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 3), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    val, reward = fig.subplots(1, 2)
+    labels = {"sync": "sync (k = 0)", "k=1": "k = 1, decoupled PPO"}
+    for name, metrics in runs.items():
+        points = [(r["step"], r["val/greedy/acc"]) for r in metrics if "val/greedy/acc" in r]
+        val.plot(*zip(*points), marker="o", markersize=3, label=labels[name])
+        steps = [r["step"] for r in metrics if "reward/mean" in r]
+        values = [r["reward/mean"] for r in metrics if "reward/mean" in r]
+        smooth = [statistics.fmean(values[max(0, i - 9) : i + 1]) for i in range(len(values))]
+        reward.plot(steps, smooth, label=labels[name])
+    val.set(title="held-out greedy accuracy", xlabel="step", ylim=(0, 1.02))
+    reward.set(title="training reward (10-step mean)", xlabel="step")
+    for ax in (val, reward):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.savefig(path)
 
 
 def main() -> None:
@@ -153,12 +184,18 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--model", choices=sorted(MODELS), default="demo", help="speed part only")
     p.add_argument("--curves", action="store_true", help="also the demo's learning curves")
+    p.add_argument("--plot", default=None, help="with --curves: write them to this PNG")
+    p.add_argument("--val-every", type=int, default=None, help="with --curves: validation steps")
+    p.add_argument("--no-speed", dest="speed", action="store_false", help="skip the timing")
     args = p.parse_args()
+    if (args.plot or args.val_every) and not args.curves:
+        p.error("--plot and --val-every need --curves")
 
     import torch
 
     torch.set_num_threads(1)
-    speed(args)
+    if args.speed:
+        speed(args)
     if args.curves:
         curves(args)
 

@@ -6,7 +6,7 @@ are identical, process and thread workers agree), the staleness contract in the 
 after SIGKILL with batches in flight, a rollout worker killed mid-run (clear error naming the
 role, then resume), a weight sync that never returns (timeout naming the role), the off-policy
 corrections and every built-in workflow (single-turn, multi-turn with tools, diffusion) plus
-dynamic sampling.
+dynamic sampling, the vLLM engine (in .venv-vllm), and eager mode (fresher, still within k).
 """
 
 from __future__ import annotations
@@ -392,15 +392,16 @@ def test_sigkill_with_batches_in_flight_then_resume_is_bit_identical(
 )
 def test_vllm_engine_runs_asynchronously_and_deterministically(tmp_path):
     """k = 1 on vLLM: the snapshot worker's own engine generates every batch with its scheduled
-    weights (pushed through the engine's load_weights); two runs give the same metrics, and the
-    training forward's log-probs of the version-0 samples of step 1 match vLLM's (fp32)."""
+    weights (pushed through the engine's load_weights). Step 0's batch (version 0) equals the
+    synchronous run's — generated there by the actor's engine — to the bit; two runs give the same
+    metrics; the training forward's log-probs of step 0's samples match vLLM's (fp32)."""
     from groupflow.config import load_config
 
-    def run(name):
+    def run(name, k, steps):
         cfg = load_config(
             "examples/reverse_vllm.yaml",
-            ["rollout.max_staleness=1", "run.total_steps=3", "sft.steps=20", "run.loggers=[]",
-             "data.prompts_per_step=4", "validation.before_training=false",
+            [f"rollout.max_staleness={k}", f"run.total_steps={steps}", "sft.steps=20",
+             "run.loggers=[]", "data.prompts_per_step=4", "validation.before_training=false",
              f"run.output_dir={tmp_path}", f"run.name={name}"],
         )  # fmt: skip
         trainer = Trainer(cfg)
@@ -410,10 +411,12 @@ def test_vllm_engine_runs_asynchronously_and_deterministically(tmp_path):
             trainer.shutdown()
         return _rows(trainer.run_dir)
 
-    a, b = run("a"), run("b")
-    assert [a[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    assert all(_same(a[s], b[s]) == [] for s in (1, 2, 3)), [_same(a[s], b[s]) for s in a]
-    # step 1 trains version-0 samples with version-0 weights: vLLM and the forward agree
+    sync, a, b = run("sync", 0, 1), run("a", 1, 2), run("b", 1, 2)
+    assert [sync[1][k] for k in KEYS] == [a[1][k] for k in KEYS]
+    assert sync[1]["rollout/logprob_diff_max"] == a[1]["rollout/logprob_diff_max"]
+    assert [a[s]["async/staleness"] for s in (1, 2)] == [0.0, 1.0]
+    assert all(_same(a[s], b[s]) == [] for s in (1, 2)), [_same(a[s], b[s]) for s in a]
+    # step 0 trains version-0 samples with version-0 weights: vLLM and the forward agree
     assert a[1]["rollout/logprob_diff_max"] < 1e-3
-    # later steps: the samples are one version old, the recomputed log-probs are not theirs
-    assert a[3]["rollout/logprob_diff_mean"] > a[1]["rollout/logprob_diff_mean"]
+    # step 1: the samples are one version old, the recomputed log-probs are not theirs
+    assert a[2]["rollout/logprob_diff_mean"] > a[1]["rollout/logprob_diff_mean"]

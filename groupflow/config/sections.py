@@ -330,12 +330,6 @@ class ActorConfig(_Section):
     # tokens above behav_weight_cap dropped). auto: tis when tis_cap is set, else none.
     off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
     behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
-    # Off-policy correction for stale or engine-sampled batches (groupflow.algorithms.correction):
-    # none (naive PPO: the behaviour log-probs anchor the ratio unless recomputed), tis (needs
-    # tis_cap), decoupled (AReaL: recomputed proximal anchor, loss weighted by π_prox/π_behav,
-    # tokens above behav_weight_cap dropped). auto: tis when tis_cap is set, else none.
-    off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
-    behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
     max_nonfinite_steps: int = Field(3, ge=1)
     # Leave samples whose advantages are all 0 (groups where every sample got the same reward)
     # out of the update's forward/backward. Exact: their loss and gradient are 0 and they still

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -67,7 +68,10 @@ class TinyModelConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str | None = None  # local HF directory; never a hub id (no network at run time)
+    # a local HF directory, or a Hub id ("owner/name") resolved through the HF cache
+    # (groupflow.utils.hub: HF_HOME, HF_HUB_OFFLINE honoured)
+    path: str | None = None
+    revision: str | None = None  # of a Hub id in path / tokenizer_path (branch, tag or commit)
     tokenizer_path: str | None = None  # defaults to `path`
     tiny: TinyModelConfig | None = None  # build a tiny model instead of loading one
     trust_remote_code: bool = False
@@ -77,7 +81,9 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _one_source(self):
         if (self.path is None) == (self.tiny is None):
-            raise ValueError("set exactly one of model.path (a local HF directory) or model.tiny")
+            raise ValueError(
+                "set exactly one of model.path (a local HF directory or a Hub id) or model.tiny"
+            )
         return self
 
 
@@ -93,9 +99,34 @@ class TaskConfig(_Section):
     seed: int = 1234
 
 
+class HubDatasetConfig(_Section):
+    """One split of a Hugging Face Hub dataset (``hf://name?config=..&split=..`` is the same)."""
+
+    name: str  # "owner/name"
+    config: str | None = None  # the dataset's configuration (GSM8K: "main")
+    split: str | None = None  # None: "train" in train_files, "test" in val_files
+    revision: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _hub_id(cls, name: str) -> str:
+        if name.count("/") != 1 or name.startswith(("/", ".", "~")):
+            raise ValueError(f"a Hub dataset id is 'owner/name', got {name!r}")
+        return name
+
+
+DataSource = str | HubDatasetConfig
+
+
 class DataConfig(_Section):
-    train_files: list[str] = Field(default_factory=list)
-    val_files: list[str] = Field(default_factory=list)
+    # Each entry: a .parquet / .jsonl / .json file, "hf://owner/name?config=C&split=S&revision=R"
+    # or {name, config, split, revision} (a Hub dataset, read with `datasets` through the HF cache)
+    train_files: list[DataSource] = Field(default_factory=list)
+    val_files: list[DataSource] = Field(default_factory=list)
+    # dataset columns -> groupflow fields, e.g. {prompt: question} (groupflow.data.columns)
+    columns: dict[str, str] = Field(default_factory=dict)
+    prompt_template: str | None = None  # str.format over a row's columns, e.g. "{question} ..."
+    data_source: str | None = None  # for rows without one (Hub datasets: their id)
     task: TaskConfig | None = None
     prompts_per_step: int = Field(32, ge=1)
     max_prompt_tokens: int = Field(512, ge=1)
@@ -109,9 +140,31 @@ class DataConfig(_Section):
     max_val_prompts: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
-    def _one_source(self):
-        if bool(self.train_files) == (self.task is not None):
+    def _one_source(self, info: ValidationInfo):
+        # The Python API (groupflow.Run) may hand over the datasets as objects: then the config
+        # names none (validation context, see config_from_dict's ``python_data``).
+        given = (info.context or {}).get("python_data", ())
+        if "train" in given:
+            if self.train_files or self.task is not None:
+                raise ValueError(
+                    "train_dataset was given to groupflow.Run: remove data.train_files / data.task "
+                    "from the config (one source of training prompts)"
+                )
+        elif bool(self.train_files) == (self.task is not None):
             raise ValueError("set exactly one of data.train_files or data.task")
+        if "val" in given and self.val_files:
+            raise ValueError(
+                "val_dataset was given to groupflow.Run: remove data.val_files from the config"
+            )
+        if self.task is not None and (self.columns or self.prompt_template or self.data_source):
+            raise ValueError(
+                "data.columns / prompt_template / data_source map dataset rows; the built-in "
+                "data.task has its own"
+            )
+        if self.prompt_template is not None:
+            from groupflow.data.columns import template_fields
+
+            template_fields(self.prompt_template)
         return self
 
 
@@ -397,7 +450,8 @@ class SFTConfig(_Section):
 class CriticConfig(_Section):
     """The value model of PPO (estimator gae): LM backbone + scalar head, its own optimizer."""
 
-    path: str | None = None  # a local HF directory (any causal LM; the value head starts fresh)
+    path: str | None = None  # a local HF directory or Hub id (any causal LM; the head starts fresh)
+    revision: str | None = None  # of a Hub id in path
     tiny: TinyModelConfig | None = None  # a tiny one; path and tiny both None: copy the policy
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -431,9 +485,11 @@ class CriticConfig(_Section):
 
 
 class RewardModelConfig(_Section):
-    """A sequence-classification reward model from a local HF directory, scoring prompt + response."""
+    """A sequence-classification reward model (a local HF directory or a Hub id), scoring
+    prompt + response."""
 
     path: str
+    revision: str | None = None  # of a Hub id in path / tokenizer_path
     tokenizer_path: str | None = None  # defaults to path
     weight: float = 1.0  # its weight in the sum with the rule-based rewards
     label: str = "reward_model"  # component name in the reward metrics
@@ -531,10 +587,11 @@ class DiffusionLoraConfig(_Section):
 
 
 class DiffusionModelConfig(_Section):
-    """Where the flow-matching model comes from (a LOCAL directory, never a hub id)."""
+    """Where the flow-matching model comes from (a local directory or a Hub id)."""
 
     kind: Literal["tiny", "sd3", "wan"] = "tiny"
     path: str  # tiny: a `groupflow pretrain-diffusion` dir; sd3/wan: a diffusers transformer dir
+    revision: str | None = None  # of a Hub id in path
     latent_shape: list[int] | None = None  # sd3: [C, H, W]; wan: [C, F, H, W]; tiny: from the model
     # tiny only: pre-train the base model into `path` first when it is missing (cached after)
     pretrain_if_missing: bool = False
@@ -899,7 +956,11 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return data
 
 
-def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
+def config_from_dict(
+    data: dict[str, Any], source: str = "<config>", *, python_data: tuple[str, ...] = ()
+) -> Config:
+    """Validate ``data``. ``python_data``: the datasets given as Python objects (``"train"``,
+    ``"val"``; the Python API), which the config then must not name too."""
     import importlib
 
     for module in data.get("imports") or []:
@@ -910,13 +971,16 @@ def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
                 f"invalid configuration in {source}: 'imports': cannot import '{module}' ({e})"
             ) from e
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"python_data": tuple(python_data)})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
 
 
 def load_config(
-    path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None
+    path: str | Path | None,
+    overrides: list[str] | dict[str, Any] | None = None,
+    *,
+    python_data: tuple[str, ...] = (),
 ) -> Config:
     data: dict[str, Any] = {}
     source = "<overrides>"
@@ -936,7 +1000,7 @@ def load_config(
         ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = apply_overrides(data, ov)
         source = f"{source} with overrides" if path is not None else source
-    return config_from_dict(data, source)
+    return config_from_dict(data, source, python_data=python_data)
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -232,11 +232,12 @@ def build_reward_runner(
     specs: Sequence[Any] | None,
     failure_value: float = 0.0,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    functions: Sequence[RewardFunction] = (),
 ) -> RewardRunner:
-    """The trainer's entry point: a runner for the configured rewards, or, when ``specs`` is
-    None or empty, one that picks each sample's reward from its ``data_source``. ``timeout_s``
-    limits every call (None: no limit)."""
-    if not specs:
+    """The trainer's entry point: a runner for the configured rewards plus ``functions`` (reward
+    objects built in Python), or, when there are none, one that picks each sample's reward from
+    its ``data_source``. ``timeout_s`` limits every call (None: no limit)."""
+    if not specs and not functions:
         return RewardRunner.by_data_source(
             data_source_rewards, failure_value=failure_value, timeout_s=timeout_s
         )
@@ -245,14 +246,16 @@ def build_reward_runner(
             f"rewards must be a list of mappings like [{{name: gsm8k, weight: 1.0}}], "
             f"got {type(specs).__name__}"
         )
-    functions = []
-    for i, spec in enumerate(specs):
+    functions = list(functions)
+    configured = []
+    for i, spec in enumerate(specs or ()):
         try:
-            functions.append(make_reward_function(spec, where=f"rewards[{i}]"))
+            configured.append(make_reward_function(spec, where=f"rewards[{i}]"))
         except RewardConfigError as exc:
             if str(exc).startswith(f"rewards[{i}]"):
                 raise
             raise type(exc)(f"rewards[{i}]: {exc}") from exc
+    functions = configured + functions
     names = [f.name for f in functions]
     repeated = sorted(n for n, c in Counter(names).items() if c > 1)
     if repeated:

@@ -224,10 +224,15 @@ def build_data(
     """
     d = cfg.data
     inputs = inputs or PythonInputs()
-    if d.task is not None:
+    if d.task is not None and d.task.name == "instructions":
+        from groupflow.data.instructions import make_instruction_rows
+
+        train, val = make_instruction_rows(d.task.num_train, d.task.num_val, d.task.seed)
+    elif d.task is not None:
         train, val = make_task_rows(
             d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits
         )
+    if d.task is not None:
         train_set = load_prompt_rows(train)
         val_set = load_prompt_rows(val) if inputs.val_rows is None else None
     else:

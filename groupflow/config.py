@@ -90,9 +90,9 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     """The built-in synthetic task (held-out prompts are disjoint from training prompts)."""
 
-    name: Literal["reverse", "add", "calc"] = (
-        "reverse"  # calc: multiplication with a calculator tool
-    )
+    # calc: multiplication with a calculator tool; instructions: IFEval-style constraints for a
+    # real chat model (groupflow.data.instructions; digits does not apply)
+    name: Literal["reverse", "add", "calc", "instructions"] = "reverse"
     digits: int = Field(6, ge=1, le=32)
     num_train: int = Field(20000, ge=1)
     num_val: int = Field(256, ge=1)

@@ -35,6 +35,13 @@ Methodology (design decisions, each made so that the two numbers are comparable)
 
 Run ``python benchmarks/bench_trl.py --quick`` (a few minutes on 2 cores) or without ``--quick``
 for more steps and a larger batch. TRL is a benchmark-only dependency (see benchmarks/README.md).
+
+``--model DIR`` runs the same comparison on a real Hugging Face model directory instead of the tiny
+built models (e.g. SmolLM2-135M-Instruct from ``groupflow convert-gguf``; the issue's work is
+``--model DIR --prompts-per-step 4 --samples-per-prompt 4 --new-tokens 128 --threads 2``). Every
+run prints groupflow's per-phase breakdown (generation, loss forward, backward, optimizer; the
+backward column is the update's time less the other two) and both ratios: the speed-up over TRL
+and groupflow's step over the matrix-multiply floor of the same work.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 64, "num_layers": 4, "num_heads": 4},
     "medium": {"hidden_size": 192, "num_layers": 6, "num_heads": 4},
 }
+MODEL_DIR_SIZE = "model"  # the size label of a --model DIR run
 FRAMEWORKS = ("trl", "groupflow")
 TARGET_SPEEDUP = 3.0  # on the medium model (the issue's target)
 
@@ -79,6 +87,7 @@ class Settings:
     sizes: tuple[str, ...] = tuple(MODEL_SIZES)
     # TRL's own default is on; off by default here because groupflow does not recompute activations.
     trl_gradient_checkpointing: bool = False
+    model_dir: str | None = None  # a real HF model directory instead of the tiny sizes
 
     def __post_init__(self):
         for key in ("prompts_per_step", "new_tokens", "steps", "memory_steps", "threads"):
@@ -88,7 +97,11 @@ class Settings:
             raise ValueError(
                 f"samples_per_prompt must be >= 2 (GRPO needs a group), got {self.samples_per_prompt}"
             )
-        unknown = [s for s in self.sizes if s not in MODEL_SIZES]
+        unknown = [
+            s
+            for s in self.sizes
+            if s not in MODEL_SIZES and not (s == MODEL_DIR_SIZE and self.model_dir)
+        ]
         if unknown:
             raise ValueError(f"unknown model size(s) {unknown}; valid: {', '.join(MODEL_SIZES)}")
 
@@ -114,7 +127,11 @@ def groupflow_config(size: str, s: Settings, out_dir: Path):
                 "samples_every": 0,
                 "num_threads": s.threads,
             },
-            "model": {"tiny": {**MODEL_SIZES[size], "seed": s.seed}},
+            "model": (
+                {"path": s.model_dir}
+                if size == MODEL_DIR_SIZE
+                else {"tiny": {**MODEL_SIZES[size], "seed": s.seed}}
+            ),
             "data": {
                 "task": {"name": "reverse", "digits": 6, "num_train": 2000, "num_val": 1},
                 "prompts_per_step": s.prompts_per_step,
@@ -150,6 +167,13 @@ def groupflow_step(trainer, seen: dict[str, list] | None = None) -> None:
     if seen is not None:
         seen["skipped"].append(metrics.get("actor/zero_adv_skipped", 0.0))
         seen["prompt_len"].append(int(batch["prompt_mask"].sum(1).max()))
+        seen["update_s"].append(metrics["time/update"])
+
+
+def instrument_update(worker, sinks: dict[str, list[float]]) -> None:
+    """Time the actor's loss forwards (its FSDP root's forward) and optimizer steps per call."""
+    _timed_method(worker.policy, "forward", sinks["forward"])
+    _timed_method(worker.optimizer, "step", sinks["optimizer"])
 
 
 # ----- TRL side ----------------------------------------------------------------------------------
@@ -286,13 +310,17 @@ def time_alternating(size: str, s: Settings) -> dict[str, Any]:
     wall: dict[str, list[float]] = {"trl": [], "groupflow": []}
     cpu: dict[str, list[float]] = {"trl": [], "groupflow": []}
     gen: dict[str, list[float]] = {"trl": [], "groupflow": []}
-    # groupflow's share of zero-advantage samples left out of the update, and prompt widths
-    seen: dict[str, list] = {"skipped": [], "prompt_len": []}
+    # groupflow's share of zero-advantage samples left out of the update, prompt widths, and the
+    # update's time per step (its forward and optimizer parts are timed per call)
+    seen: dict[str, list] = {"skipped": [], "prompt_len": [], "update_s": []}
+    calls: dict[str, list[float]] = {"forward": [], "optimizer": []}
+    phases: dict[str, list[float]] = {"forward": [], "optimizer": []}
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         gf = build_groupflow(size, s, Path(tmp))
         trl_model = copy.deepcopy(actor_worker(gf).model)
         n_params = param_count(trl_model)
         _timed_method(actor_worker(gf), "generate", gen["groupflow"])
+        instrument_update(actor_worker(gf), calls)
         since = {"t": _now()}
 
         def record(fw: str, start: tuple[float, float]) -> None:
@@ -304,15 +332,18 @@ def time_alternating(size: str, s: Settings) -> dict[str, Any]:
             record("trl", since["t"])
             _check_threads(s.threads)
             start = _now()
+            marks = {k: len(v) for k, v in calls.items()}
             groupflow_step(gf, seen)
             record("groupflow", start)
+            for k, v in calls.items():
+                phases[k].append(sum(v[marks[k] :]))
             _check_threads(s.threads)
             since["t"] = _now()
 
         trl = build_trl(
             trl_model,
-            gf.tokenizer,
-            gf.train.rows,
+            gf.policy.tokenizer,
+            gf.workflow.train_rows,
             s,
             Path(tmp),
             max_steps=s.steps + 1,
@@ -333,6 +364,15 @@ def time_alternating(size: str, s: Settings) -> dict[str, Any]:
         "generate_s": {fw: gen[fw][1:] for fw in FRAMEWORKS},
         "zero_adv_skipped": statistics.mean(seen["skipped"][1:]),
         "floor": floor,
+        "groupflow_phases_s": {
+            "generate": gen["groupflow"][1:],
+            "loss_forward": phases["forward"][1:],
+            "backward": [
+                u - f - o
+                for u, f, o in zip(seen["update_s"], phases["forward"], phases["optimizer"])
+            ][1:],
+            "optimizer": phases["optimizer"][1:],
+        },
     }
 
 
@@ -403,7 +443,11 @@ def memory_probe(framework: str, size: str, s: Settings) -> dict[str, Any]:
             # The same construction path as the timing run (groupflow's Trainer builds the model,
             # tokenizer and rows); the Trainer itself is dropped before measuring.
             gf = build_groupflow(size, s, Path(tmp))
-            model, tokenizer, rows = actor_worker(gf).model, gf.tokenizer, gf.train.rows
+            model, tokenizer, rows = (
+                actor_worker(gf).model,
+                gf.policy.tokenizer,
+                gf.workflow.train_rows,
+            )
             del gf
             gc.collect()
             trl = build_trl(model, tokenizer, rows, s, Path(tmp), max_steps=steps, callbacks=[])
@@ -461,6 +505,12 @@ def summarize(size: str, timing: dict[str, Any], memory: dict[str, dict[str, Any
             "cpu_speedup_vs_trl": cpu["trl"] / cpu[fw],
             "floor": timing["floor"],
             "trl_over_floor": wall["trl"] / timing["floor"]["step_s"],
+            "over_floor": wall[fw] / timing["floor"]["step_s"],
+            "phases_s": (
+                {k: statistics.median(v) for k, v in timing["groupflow_phases_s"].items()}
+                if fw == "groupflow"
+                else {"generate": gen["trl"], "rest": wall["trl"] - gen["trl"]}
+            ),
             "zero_adv_skipped": timing["zero_adv_skipped"] if fw == "groupflow" else 0.0,
             **memory[fw],
         }
@@ -501,6 +551,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, help="B")
     p.add_argument("--samples-per-prompt", type=int, help="G")
     p.add_argument("--threads", type=int, help="torch threads, the same for both frameworks")
+    p.add_argument("--new-tokens", type=int, help="new tokens per sample (exactly)")
+    p.add_argument(
+        "--model", help="a Hugging Face model directory to compare on instead of the tiny sizes"
+    )
     p.add_argument(
         "--trl-gradient-checkpointing",
         action="store_true",
@@ -522,7 +576,15 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
         "samples_per_prompt": a.samples_per_prompt,
         "threads": a.threads,
         "trl_gradient_checkpointing": a.trl_gradient_checkpointing or None,
+        "new_tokens": a.new_tokens,
+        "model_dir": a.model,
     }
+    if a.model:
+        if a.sizes:
+            raise SystemExit("--model replaces --sizes: give one of them")
+        if not (Path(a.model) / "config.json").is_file():
+            raise SystemExit(f"--model: '{a.model}' is not a Hugging Face model directory")
+        chosen["sizes"] = (MODEL_DIR_SIZE,)
     base.update({k: v for k, v in chosen.items() if v is not None})
     return Settings(**base)
 
@@ -561,7 +623,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(format_table(rows))
     medium = [r for r in rows if r["size"] == "medium" and r["framework"] == "groupflow"]
     for r in (r for r in rows if r["framework"] == "groupflow"):
-        f = r["floor"]
+        f, ph = r["floor"], r["phases_s"]
+        trl = next(t for t in rows if t["size"] == r["size"] and t["framework"] == "trl")
+        print(
+            f"\n[{r['size']}] groupflow per phase (medians): generation {ph['generate']:.2f} s, "
+            f"loss forward {ph['loss_forward']:.2f} s, backward (rest of update) "
+            f"{ph['backward']:.2f} s, optimizer {ph['optimizer']:.2f} s; TRL: generation "
+            f"{trl['phases_s']['generate']:.2f} s, the rest {trl['phases_s']['rest']:.2f} s"
+        )
+        print(
+            f"[{r['size']}] ratios: {r['speedup_vs_trl']:.2f}x TRL's speed; groupflow's step is "
+            f"{r['over_floor']:.2f}x the matrix-multiply floor ({f['step_s']:.2f} s)"
+        )
         print(
             f"\n[{r['size']}] matrix-multiply floor of this work: generation {f['generate_s']:.3f} s"
             f" + update {f['update_s']:.3f} s = {f['step_s']:.3f} s/step, so no framework computing "

@@ -6,3 +6,14 @@ the driver. Lower layers never import higher ones, so the math can be used and t
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Run"]
+
+
+def __getattr__(name: str):
+    # `import groupflow` stays light (no torch); `groupflow.Run` imports the driver on first use.
+    if name == "Run":
+        from groupflow.api import Run
+
+        return Run
+    raise AttributeError(f"module 'groupflow' has no attribute {name!r}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from groupflow.config import Config, ModelConfig
 from groupflow.data import (
     DataError,
+    NamedRows,
     PromptRow,
     check_row_fields,
     load_prompt_rows,
@@ -30,6 +31,8 @@ log = logging.getLogger("groupflow")
 
 __all__ = [
     "EncodedPrompts",
+    "PythonInputs",
+    "resolve_hub_models",
     "build_tokenizer",
     "build_model",
     "build_data",
@@ -44,6 +47,17 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class PythonInputs:
+    """What the Python API (``groupflow.Run``) hands the run besides its config: reward functions
+    (``RewardFunction`` objects, after the config's ``reward.functions``) and datasets as lists of
+    row dicts (None: the config names them)."""
+
+    rewards: tuple = ()
+    train_rows: list | None = None
+    val_rows: list | None = None
+
+
 @dataclass
 class EncodedPrompts:
     """Prompt rows with their rendered text and token ids (computed once at load)."""
@@ -52,6 +66,31 @@ class EncodedPrompts:
     texts: list[str]
     ids: list[list[int]]
     num_filtered: int = 0
+
+
+def resolve_hub_models(cfg: Config) -> Config:
+    """A copy of ``cfg`` whose model paths that are Hub ids (policy, tokenizer, critic, reward
+    model and its tokenizer, diffusion model) name their local snapshot directories
+    (``groupflow.utils.hub``); ``cfg`` itself, which is logged and checkpointed, keeps the ids.
+    A missing tiny flow model that ``pretrain_if_missing`` will create stays a local path."""
+    from groupflow.utils.hub import resolve_model_path
+
+    out = cfg.model_copy(deep=True)
+    sections = [
+        ("model", ("path", "tokenizer_path")),
+        ("critic", ("path",)),
+        ("reward_model", ("path", "tokenizer_path")),
+    ]
+    for name, keys in sections:
+        section = getattr(out, name)
+        for key in keys:
+            value = getattr(section, key, None) if section is not None else None
+            if value is not None:
+                setattr(section, key, resolve_model_path(value, section.revision, f"{name}.{key}"))
+    dm = out.diffusion.model if out.diffusion is not None else None
+    if dm is not None and not (dm.kind == "tiny" and dm.pretrain_if_missing):
+        dm.path = resolve_model_path(dm.path, dm.revision, "diffusion.model.path")
+    return out
 
 
 def tokenizer_dir(cfg: Config, run_dir: Path) -> Path:
@@ -174,24 +213,33 @@ def build_model(m: ModelConfig, tokenizer, seed: int):
 
 
 def build_data(
-    cfg: Config, reward_fn=None, provided: tuple[str, ...] = ()
+    cfg: Config, reward_fn=None, provided: tuple[str, ...] = (), inputs: PythonInputs | None = None
 ) -> tuple[list[PromptRow], list[PromptRow], dict[str, float]]:
     """Training and validation rows plus load statistics (rows kept, malformed rows skipped).
 
     The built-in task's held-out split never overlaps its training split. With ``reward_fn``,
     every row must carry the fields its reward needs (:func:`rows_with_reward_fields`) except
     ``provided`` ones (a workflow supplies them per sample, e.g. a trajectory's messages); rows
-    skipped for lacking one count as malformed.
+    skipped for lacking one count as malformed. ``inputs``: datasets given as Python objects.
     """
     d = cfg.data
-    if d.task is not None:
+    inputs = inputs or PythonInputs()
+    if d.task is not None and d.task.name == "instructions":
+        from groupflow.data.instructions import make_instruction_rows
+
+        train, val = make_instruction_rows(d.task.num_train, d.task.num_val, d.task.seed)
+    elif d.task is not None:
         train, val = make_task_rows(
             d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits
         )
-        train_set, val_set = load_prompt_rows(train), load_prompt_rows(val)
+    if d.task is not None:
+        train_set = load_prompt_rows(train)
+        val_set = load_prompt_rows(val) if inputs.val_rows is None else None
     else:
-        train_set = load_prompt_rows(d.train_files, on_bad_row=d.bad_rows)
-        val_set = load_prompt_rows(d.val_files, on_bad_row=d.bad_rows) if d.val_files else None
+        train_set = _load_split(d, d.train_files, inputs.train_rows, "train")
+        val_set = None
+    if inputs.val_rows is not None or d.val_files:
+        val_set = _load_split(d, d.val_files, inputs.val_rows, "val")
     val_rows = list(val_set) if val_set is not None else []
     if d.max_val_prompts is not None:
         val_rows = val_rows[: d.max_val_prompts]
@@ -207,6 +255,38 @@ def build_data(
         ),
     }
     return train_rows, val_rows, stats
+
+
+def _load_split(d, files: list, python_rows: list | None, split: str):
+    """One split's rows: from Python (the API), else its files and Hub datasets, each row mapped
+    by ``data.columns`` / ``prompt_template`` / ``data_source`` (a Hub dataset's default
+    ``data_source`` is its id, as verl writes it)."""
+    from groupflow.data.columns import row_mapper
+    from groupflow.utils.hub import load_hub_rows, parse_hub_dataset
+
+    mapper = row_mapper(d.columns, d.prompt_template, d.data_source)
+    if python_rows is not None:
+        name = f"{split}_dataset"
+        return load_prompt_rows(python_rows, on_bad_row=d.bad_rows, name=name, prepare=mapper)
+    key = f"data.{split}_files"
+    sources: list = []
+    for i, entry in enumerate(files):
+        spec = entry.model_dump() if hasattr(entry, "model_dump") else entry
+        hub = parse_hub_dataset(spec, "train" if split == "train" else "test", f"{key}[{i}]")
+        if hub is None:
+            sources.append(spec)
+            continue
+        rows = load_hub_rows(hub, f"{key}[{i}]")
+        if d.data_source is None:
+            rows = [_default_source(r, hub.name) for r in rows]
+        sources.append(NamedRows(hub.label(), rows))
+    return load_prompt_rows(sources, on_bad_row=d.bad_rows, prepare=mapper)
+
+
+def _default_source(raw, source: str):
+    if isinstance(raw, dict) and raw.get("data_source") is None:
+        return {**raw, "data_source": source}
+    return raw
 
 
 def rows_with_reward_fields(
@@ -284,10 +364,15 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str, *,
     return EncodedPrompts(rows_, texts_, ids_, filtered)
 
 
-def build_reward(cfg: Config):
+def build_reward(cfg: Config, functions: tuple = ()):
+    """The reward runner: the config's ``reward.functions``, then ``functions`` (Python objects
+    from the API); neither: each sample's ``data_source`` picks its reward."""
     specs = [s.model_dump() for s in cfg.reward.functions] or None
     return build_reward_runner(
-        specs, failure_value=cfg.reward.failure_value, timeout_s=cfg.reward.timeout_s
+        specs,
+        failure_value=cfg.reward.failure_value,
+        timeout_s=cfg.reward.timeout_s,
+        functions=functions,
     )
 
 

@@ -20,17 +20,15 @@ _GENERATE_CHUNK = 16  # prompts per generate call of `groupflow generate`
 
 
 def _train(args) -> int:
-    from groupflow.config import load_config
-    from groupflow.trainer import Trainer
+    from groupflow.api import Run  # the CLI run is the Python API's run
 
-    cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg)
-    final = trainer.fit()
-    _print_summary(trainer.run_dir, final)
+    run = Run(args.config, overrides=args.overrides)
+    final = run.fit()
+    _print_summary(run.run_dir, final)
     if args.plot:
         from groupflow.plotting import plot_run
 
-        paths = plot_run(trainer.run_dir)
+        paths = plot_run(run.run_dir)
         print(f"plots: {', '.join(str(p) for p in paths)}")
     return 0
 

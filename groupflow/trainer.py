@@ -20,6 +20,7 @@ import torch
 
 from groupflow.async_rollout import AsyncRollout, schedule_version
 from groupflow.batch import Batch
+from groupflow.builders import resolve_hub_models
 from groupflow.checkpoint import (
     capture_rng_state,
     find_latest_checkpoint,
@@ -46,13 +47,16 @@ __all__ = ["Trainer"]
 class Trainer:
     """The driver. ``inference_run_dir``: build the workers to evaluate or sample a finished run
     (its tokenizer comes from that directory), leaving the directory as it is; such a trainer
-    does not train."""
+    does not train. ``inputs``: reward callables and datasets as Python objects
+    (``builders.PythonInputs``; ``groupflow.Run`` builds it)."""
 
-    def __init__(self, cfg: Config, *, inference_run_dir: str | Path | None = None):
+    def __init__(self, cfg: Config, *, inference_run_dir: str | Path | None = None, inputs=None):
         self.cfg = cfg
         self.inference = inference_run_dir is not None
         self.run_dir = Path(inference_run_dir or Path(cfg.run.output_dir) / cfg.run.name)
-        check_paths(cfg)  # a missing model directory fails now, not mid-run
+        # Hub ids become local snapshot directories for building; self.cfg keeps the ids
+        built_cfg = resolve_hub_models(cfg)
+        check_paths(built_cfg)  # a missing model directory fails now, not mid-run
         # Fresh start or resume is decided before the tokenizer is read: a fresh run never
         # reuses an old run's files, a resume never continues under a different config.
         self.resume_from = None if self.inference else prepare_run_dir(cfg, self.run_dir)
@@ -63,7 +67,7 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self.step = 0
         self.tracker: Tracker | None = None
-        self.policy, self.workflow, self.data_stats = build_run(cfg, self.run_dir)
+        self.policy, self.workflow, self.data_stats = build_run(built_cfg, self.run_dir, inputs)
         self.contracts = self.workflow.contracts
         self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed)
         # warns once if the policy dies (e.g. a far too high actor.lr)

@@ -27,10 +27,11 @@ class DiffusionLoraConfig(_Section):
 
 
 class DiffusionModelConfig(_Section):
-    """Where the flow-matching model comes from (a LOCAL directory, never a hub id)."""
+    """Where the flow-matching model comes from (a local directory or a Hub id)."""
 
     kind: Literal["tiny", "sd3", "wan"] = "tiny"
     path: str  # tiny: a `groupflow pretrain-diffusion` dir; sd3/wan: a diffusers transformer dir
+    revision: str | None = None  # of a Hub id in path
     latent_shape: list[int] | None = None  # sd3: [C, H, W]; wan: [C, F, H, W]; tiny: from the model
     # tiny only: pre-train the base model into `path` first when it is missing (cached after)
     pretrain_if_missing: bool = False

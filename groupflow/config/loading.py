@@ -115,7 +115,11 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return data
 
 
-def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
+def config_from_dict(
+    data: dict[str, Any], source: str = "<config>", *, python_data: tuple[str, ...] = ()
+) -> Config:
+    """Validate ``data``. ``python_data``: the datasets given as Python objects (``"train"``,
+    ``"val"``; the Python API), which the config then must not name too."""
     import importlib
 
     for module in data.get("imports") or []:
@@ -126,13 +130,16 @@ def config_from_dict(data: dict[str, Any], source: str = "<config>") -> Config:
                 f"invalid configuration in {source}: 'imports': cannot import '{module}' ({e})"
             ) from e
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"python_data": tuple(python_data)})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
 
 
 def load_config(
-    path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None
+    path: str | Path | None,
+    overrides: list[str] | dict[str, Any] | None = None,
+    *,
+    python_data: tuple[str, ...] = (),
 ) -> Config:
     data: dict[str, Any] = {}
     source = "<overrides>"
@@ -152,7 +159,7 @@ def load_config(
         ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = apply_overrides(data, ov)
         source = f"{source} with overrides" if path is not None else source
-    return config_from_dict(data, source)
+    return config_from_dict(data, source, python_data=python_data)
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

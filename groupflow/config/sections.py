@@ -18,6 +18,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -54,7 +55,10 @@ class TinyModelConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str | None = None  # local HF directory; never a hub id (no network at run time)
+    # a local HF directory, or a Hub id ("owner/name") resolved through the HF cache
+    # (groupflow.utils.hub: HF_HOME, HF_HUB_OFFLINE honoured)
+    path: str | None = None
+    revision: str | None = None  # of a Hub id in path / tokenizer_path (branch, tag or commit)
     tokenizer_path: str | None = None  # defaults to `path`
     tiny: TinyModelConfig | None = None  # build a tiny model instead of loading one
     trust_remote_code: bool = False
@@ -64,25 +68,52 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _one_source(self):
         if (self.path is None) == (self.tiny is None):
-            raise ValueError("set exactly one of model.path (a local HF directory) or model.tiny")
+            raise ValueError(
+                "set exactly one of model.path (a local HF directory or a Hub id) or model.tiny"
+            )
         return self
 
 
 class TaskConfig(_Section):
     """The built-in synthetic task (held-out prompts are disjoint from training prompts)."""
 
-    name: Literal["reverse", "add", "calc"] = (
-        "reverse"  # calc: multiplication with a calculator tool
-    )
+    # calc: multiplication with a calculator tool; instructions: IFEval-style constraints for a
+    # real chat model (groupflow.data.instructions; digits does not apply)
+    name: Literal["reverse", "add", "calc", "instructions"] = "reverse"
     digits: int = Field(6, ge=1, le=32)
     num_train: int = Field(20000, ge=1)
     num_val: int = Field(256, ge=1)
     seed: int = 1234
 
 
+class HubDatasetConfig(_Section):
+    """One split of a Hugging Face Hub dataset (``hf://name?config=..&split=..`` is the same)."""
+
+    name: str  # "owner/name"
+    config: str | None = None  # the dataset's configuration (GSM8K: "main")
+    split: str | None = None  # None: "train" in train_files, "test" in val_files
+    revision: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _hub_id(cls, name: str) -> str:
+        if name.count("/") != 1 or name.startswith(("/", ".", "~")):
+            raise ValueError(f"a Hub dataset id is 'owner/name', got {name!r}")
+        return name
+
+
+DataSource = str | HubDatasetConfig
+
+
 class DataConfig(_Section):
-    train_files: list[str] = Field(default_factory=list)
-    val_files: list[str] = Field(default_factory=list)
+    # Each entry: a .parquet / .jsonl / .json file, "hf://owner/name?config=C&split=S&revision=R"
+    # or {name, config, split, revision} (a Hub dataset, read with `datasets` through the HF cache)
+    train_files: list[DataSource] = Field(default_factory=list)
+    val_files: list[DataSource] = Field(default_factory=list)
+    # dataset columns -> groupflow fields, e.g. {prompt: question} (groupflow.data.columns)
+    columns: dict[str, str] = Field(default_factory=dict)
+    prompt_template: str | None = None  # str.format over a row's columns, e.g. "{question} ..."
+    data_source: str | None = None  # for rows without one (Hub datasets: their id)
     task: TaskConfig | None = None
     prompts_per_step: int = Field(32, ge=1)
     max_prompt_tokens: int = Field(512, ge=1)
@@ -96,9 +127,31 @@ class DataConfig(_Section):
     max_val_prompts: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
-    def _one_source(self):
-        if bool(self.train_files) == (self.task is not None):
+    def _one_source(self, info: ValidationInfo):
+        # The Python API (groupflow.Run) may hand over the datasets as objects: then the config
+        # names none (validation context, see config_from_dict's ``python_data``).
+        given = (info.context or {}).get("python_data", ())
+        if "train" in given:
+            if self.train_files or self.task is not None:
+                raise ValueError(
+                    "train_dataset was given to groupflow.Run: remove data.train_files / data.task "
+                    "from the config (one source of training prompts)"
+                )
+        elif bool(self.train_files) == (self.task is not None):
             raise ValueError("set exactly one of data.train_files or data.task")
+        if "val" in given and self.val_files:
+            raise ValueError(
+                "val_dataset was given to groupflow.Run: remove data.val_files from the config"
+            )
+        if self.task is not None and (self.columns or self.prompt_template or self.data_source):
+            raise ValueError(
+                "data.columns / prompt_template / data_source map dataset rows; the built-in "
+                "data.task has its own"
+            )
+        if self.prompt_template is not None:
+            from groupflow.data.columns import template_fields
+
+            template_fields(self.prompt_template)
         return self
 
 
@@ -403,7 +456,8 @@ class SFTConfig(_Section):
 class CriticConfig(_Section):
     """The value model of PPO (estimator gae): LM backbone + scalar head, its own optimizer."""
 
-    path: str | None = None  # a local HF directory (any causal LM; the value head starts fresh)
+    path: str | None = None  # a local HF directory or Hub id (any causal LM; the head starts fresh)
+    revision: str | None = None  # of a Hub id in path
     tiny: TinyModelConfig | None = None  # a tiny one; path and tiny both None: copy the policy
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -437,9 +491,11 @@ class CriticConfig(_Section):
 
 
 class RewardModelConfig(_Section):
-    """A sequence-classification reward model from a local HF directory, scoring prompt + response."""
+    """A sequence-classification reward model (a local HF directory or a Hub id), scoring
+    prompt + response."""
 
     path: str
+    revision: str | None = None  # of a Hub id in path / tokenizer_path
     tokenizer_path: str | None = None  # defaults to path
     weight: float = 1.0  # its weight in the sum with the rule-based rewards
     label: str = "reward_model"  # component name in the reward metrics

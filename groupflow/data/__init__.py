@@ -8,6 +8,7 @@ and `loader` for the deterministic, resumable prompt stream.
 
 from groupflow.data.datasets import (
     DataError,
+    NamedRows,
     PromptDataset,
     PromptRow,
     check_row_fields,
@@ -32,6 +33,7 @@ from groupflow.data.tokenizer import train_char_tokenizer
 
 __all__ = [
     "DataError",
+    "NamedRows",
     "PromptDataset",
     "PromptLoader",
     "PromptRow",

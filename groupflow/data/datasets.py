@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from groupflow.data.columns import RowMappingError
+
 logger = logging.getLogger(__name__)
 
 ON_BAD_ROW_CHOICES = ("error", "skip")
@@ -314,18 +316,27 @@ def _read_memory(rows: Sequence[Any]) -> Iterator[_RawItem]:
         yield raw, index, None, None
 
 
-def _split_sources(source: Any) -> list[tuple[str, Iterator[_RawItem]]]:
+def _split_sources(
+    source: Any, memory_name: str = IN_MEMORY_SOURCE
+) -> list[tuple[str, Iterator[_RawItem]]]:
     """Resolve `source` into (name, raw-row iterator) pairs, one per file or one in-memory list."""
     if isinstance(source, (str, os.PathLike)):
         return [(str(source), _read_file(Path(source)))]
+    if isinstance(source, NamedRows):
+        return [(source.name, _read_memory(source.rows))]
     if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
-        if all(isinstance(s, (str, os.PathLike)) for s in source) and source:
-            return [(str(s), _read_file(Path(s))) for s in source]
+        if all(isinstance(s, (str, os.PathLike, NamedRows)) for s in source) and source:
+            return [
+                (s.name, _read_memory(s.rows))
+                if isinstance(s, NamedRows)
+                else (str(s), _read_file(Path(s)))
+                for s in source
+            ]
         if all(isinstance(s, dict) for s in source):
-            return [(IN_MEMORY_SOURCE, _read_memory(source))]
+            return [(memory_name, _read_memory(source))]
         # Mixed lists: the in-memory reader reports each non-dict row precisely.
         if not any(isinstance(s, (str, os.PathLike)) for s in source):
-            return [(IN_MEMORY_SOURCE, _read_memory(source))]
+            return [(memory_name, _read_memory(source))]
         raise TypeError(
             "prompt dataset source list mixes paths and rows; pass either a list of file paths "
             "or a list of row dicts"
@@ -336,18 +347,36 @@ def _split_sources(source: Any) -> list[tuple[str, Iterator[_RawItem]]]:
     )
 
 
-def load_prompt_rows(source: Any, *, on_bad_row: str = "error") -> PromptDataset:
+@dataclass(frozen=True)
+class NamedRows:
+    """In-memory rows under a name errors use (``hf://openai/gsm8k/main[train]``); may stand in a
+    list of file paths."""
+
+    name: str
+    rows: Sequence[Any]
+
+
+def load_prompt_rows(
+    source: Any,
+    *,
+    on_bad_row: str = "error",
+    name: str = IN_MEMORY_SOURCE,
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> PromptDataset:
     """Load and validate prompt rows.
 
     source: a `.parquet` / `.jsonl` / `.json` path, a list of such paths (concatenated in order),
         or an in-memory list of row dicts. `.json` holds JSON lines or one JSON array of rows.
     on_bad_row: "error" raises `DataError` at the first malformed row; "skip" drops malformed rows,
         counts them in `num_skipped` and logs one warning with the first reason.
+    name: what errors call an in-memory list (e.g. "train_dataset").
+    prepare: maps each raw row before validation (``groupflow.data.columns.row_mapper``); its
+        ``RowMappingError`` is reported with the row's location.
     Raises `DataError` also when no valid rows remain (an empty dataset cannot train).
     """
     if on_bad_row not in ON_BAD_ROW_CHOICES:
         raise ValueError(f"on_bad_row must be one of {ON_BAD_ROW_CHOICES}, got {on_bad_row!r}")
-    sources = _split_sources(source)
+    sources = _split_sources(source, name)
     rows: list[PromptRow] = []
     skipped: list[DataError] = []
     for name, items in sources:
@@ -356,6 +385,8 @@ def load_prompt_rows(source: Any, *, on_bad_row: str = "error") -> PromptDataset
             try:
                 if parse_error is not None:
                     raise DataError(parse_error, source=name, index=index, line=line)
+                if prepare is not None:
+                    raw = _located_prepare(prepare, raw, name, index, line)
                 row = _located_normalize(raw, name, index, line, whole_floats)
             except DataError as err:
                 if on_bad_row == "error":
@@ -421,6 +452,15 @@ def check_row_fields(
             source=", ".join(dict.fromkeys(r.source for r in rows)) or IN_MEMORY_SOURCE,
         )
     return kept, len(skipped)
+
+
+def _located_prepare(prepare, raw: Any, source: str, index: int, line: int | None) -> Any:
+    try:
+        return prepare(raw)
+    except RowMappingError as problem:
+        raise DataError(
+            problem.reason, source=source, index=index, line=line, field=problem.field
+        ) from None
 
 
 def _located_normalize(

@@ -10,8 +10,11 @@ their rows, then one pass over the responses (``share_prompt``; exact, see
 ``causal_lm.response_hidden_states``): the prompt is encoded once per group, not G times.
 The LM head's output goes through the model's own final transform (Gemma2's soft-capping,
 Granite's logits_scaling, ...: ``models/logit_transform``), then is divided by the sampling
-temperature and never truncated by top-k/top-p (algorithms.md §5), matching what the rollout
-engine records.
+temperature (not at 1) and never truncated by top-k/top-p (algorithms.md §5), matching what the
+rollout engine records. A plain linear head with no transform takes the fused path
+(``models/head_logprob``: no logits kept for backward, fewer passes over them); the entropy is a
+metric computed without gradient unless ``entropy_grad`` (``actor.entropy_coef`` > 0), which takes
+the checkpointed autograd path.
 """
 
 from __future__ import annotations
@@ -22,9 +25,14 @@ from torch.utils.checkpoint import checkpoint
 
 from groupflow.algorithms import entropy_from_logits
 from groupflow.models.causal_lm import response_hidden_states
+from groupflow.models.head_logprob import fusable_head, fused_head_logprobs
 from groupflow.models.logit_transform import logit_transform
 
-__all__ = ["response_logprobs"]
+__all__ = ["response_logprobs", "FUSED_CHUNK_TOKENS"]
+
+# Positions per chunk of the fused head: 1024 × a 49k vocabulary is 200 MB of fp32 logits at a
+# time (actor.logprob_chunk_tokens, when smaller, wins).
+FUSED_CHUNK_TOKENS = 1024
 
 
 def _chunk_stats(
@@ -34,13 +42,19 @@ def _chunk_stats(
     temperature: float,
     want_entropy: bool,
     transform,
+    entropy_grad: bool = True,
 ):
     logits = head(hidden)
-    logits = (logits if transform is None else transform(logits)).float() / temperature
+    logits = (logits if transform is None else transform(logits)).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logz = logits.logsumexp(-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     if not want_entropy:
         return logp, torch.zeros_like(logp)
+    if not entropy_grad:  # a metric: no graph through the [N, V] entropy terms
+        with torch.no_grad():
+            return logp, entropy_from_logits(logits)
     return logp, entropy_from_logits(logits)
 
 
@@ -55,11 +69,15 @@ def response_logprobs(
     chunk_tokens: int = 4096,
     with_entropy: bool = False,
     share_prompt: bool | str = True,
+    entropy_grad: bool = True,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of ``responses`` given left-padded prompts; entropy [B, T] if asked.
 
     Positions where ``response_mask`` is 0 hold garbage and must be masked by the caller.
     ``share_prompt``: encode each distinct prompt once (same result; falls back to one pass).
+    ``entropy_grad``: whether gradients flow through the entropy (false: it is a metric).
+    ``fused``: use the fused head where it applies (false: the autograd path, for comparison).
     """
     temperature = temperature if temperature > 0 else 1.0
     hidden = response_hidden_states(
@@ -68,6 +86,11 @@ def response_logprobs(
     t = responses.shape[1]
     head = model.get_output_embeddings()
     transform = logit_transform(model)
+    if fused and fusable_head(head, transform) and not (with_entropy and entropy_grad):
+        return fused_head_logprobs(
+            hidden, head, responses, temperature=temperature,
+            chunk=min(chunk_tokens, FUSED_CHUNK_TOKENS), with_entropy=with_entropy,
+        )  # fmt: skip
     rows = max(1, chunk_tokens // max(t, 1))
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
     logps, ents = [], []
@@ -75,11 +98,11 @@ def response_logprobs(
         h, y = hidden[start : start + rows], responses[start : start + rows]
         if use_ckpt:
             lp, ent = checkpoint(
-                _chunk_stats, head, h, y, temperature, with_entropy, transform,
+                _chunk_stats, head, h, y, temperature, with_entropy, transform, entropy_grad,
                 use_reentrant=False,
             )  # fmt: skip
         else:
-            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy, transform)
+            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy, transform, entropy_grad)
         logps.append(lp)
         ents.append(ent)
     logp = torch.cat(logps)

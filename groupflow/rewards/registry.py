@@ -31,6 +31,7 @@ from groupflow.rewards.base import (
 )
 from groupflow.rewards.code import make_code_tests_reward
 from groupflow.rewards.format import make_format_tags_reward
+from groupflow.rewards.instructions import make_instructions_reward
 from groupflow.rewards.length import make_length_penalty, make_overlong_penalty
 from groupflow.rewards.math import make_gsm8k_reward, make_math_boxed_reward
 from groupflow.rewards.trajectory import make_env_reward, make_tool_use_reward
@@ -46,6 +47,7 @@ _BUILTINS: dict[str, RewardFactory] = {
     "code_tests": make_code_tests_reward,
     "env_reward": make_env_reward,  # multi-turn: the environment's per-turn rewards, reduced
     "tool_use": make_tool_use_reward,  # multi-turn: did the sample call a tool
+    "instructions": make_instructions_reward,  # IFEval-style constraints, partial credit
 }
 
 SPEC_KEYS = ("name", "function", "label", "weight", "kwargs", "failure_value")
@@ -232,11 +234,12 @@ def build_reward_runner(
     specs: Sequence[Any] | None,
     failure_value: float = 0.0,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    functions: Sequence[RewardFunction] = (),
 ) -> RewardRunner:
-    """The trainer's entry point: a runner for the configured rewards, or, when ``specs`` is
-    None or empty, one that picks each sample's reward from its ``data_source``. ``timeout_s``
-    limits every call (None: no limit)."""
-    if not specs:
+    """The trainer's entry point: a runner for the configured rewards plus ``functions`` (reward
+    objects built in Python), or, when there are none, one that picks each sample's reward from
+    its ``data_source``. ``timeout_s`` limits every call (None: no limit)."""
+    if not specs and not functions:
         return RewardRunner.by_data_source(
             data_source_rewards, failure_value=failure_value, timeout_s=timeout_s
         )
@@ -245,14 +248,16 @@ def build_reward_runner(
             f"rewards must be a list of mappings like [{{name: gsm8k, weight: 1.0}}], "
             f"got {type(specs).__name__}"
         )
-    functions = []
-    for i, spec in enumerate(specs):
+    functions = list(functions)
+    configured = []
+    for i, spec in enumerate(specs or ()):
         try:
-            functions.append(make_reward_function(spec, where=f"rewards[{i}]"))
+            configured.append(make_reward_function(spec, where=f"rewards[{i}]"))
         except RewardConfigError as exc:
             if str(exc).startswith(f"rewards[{i}]"):
                 raise
             raise type(exc)(f"rewards[{i}]: {exc}") from exc
+    functions = configured + functions
     names = [f.name for f in functions]
     repeated = sorted(n for n, c in Counter(names).items() if c > 1)
     if repeated:
@@ -355,3 +360,4 @@ for _source in CODE_DATA_SOURCES:
 register_data_source("groupflow/reverse", "groupflow.data.synthetic:reverse_reward", name="reverse")
 register_data_source("groupflow/add", "groupflow.data.synthetic:add_reward", name="add")
 register_data_source("groupflow/calc", "groupflow.data.synthetic:answer_match_reward", name="calc")
+register_data_source("groupflow/instructions", "instructions")

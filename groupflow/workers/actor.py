@@ -95,6 +95,7 @@ class _PolicyForward(nn.Module):
         temperature,
         chunk_tokens,
         with_entropy,
+        entropy_grad=True,
     ):
         share: bool | str = self.share_prompt_prefix
         if share and self.sharded:
@@ -105,7 +106,7 @@ class _PolicyForward(nn.Module):
         return response_logprobs(
             self.lm, prompt_ids, prompt_mask, responses, response_mask,
             temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-            share_prompt=share,
+            share_prompt=share, entropy_grad=entropy_grad,
         )  # fmt: skip
 
 
@@ -326,7 +327,7 @@ class ActorRolloutWorker:
         cfg = self.cfg
         logp, entropy = self.policy(
             mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
-            temperature, cfg.logprob_chunk_tokens, True,
+            temperature, cfg.logprob_chunk_tokens, True, bool(cfg.entropy_coef),
         )  # fmt: skip
         old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
         tis = {}

@@ -95,17 +95,26 @@ def workflow_class(cfg: Config) -> type:
     return resolve_import_path(name, "rollout.workflow")
 
 
-def build_run(cfg: Config, run_dir: Path):
+def build_run(cfg: Config, run_dir: Path, inputs=None):
     """(policy, workflow, data statistics): the rule-based rewards, the data (each row checked
     for the fields its reward needs, except those the workflow supplies while scoring), the
-    policy's worker groups and the workflow that produces their experience."""
+    policy's worker groups and the workflow that produces their experience. ``inputs``: a
+    ``builders.PythonInputs`` (reward callables and datasets from the Python API) or None."""
     from groupflow import builders
 
+    inputs = inputs or builders.PythonInputs()
     cls = workflow_class(cfg)
     rm_only = cfg.reward_model is not None and cfg.reward_model.only
-    rewards = None if rm_only else builders.build_reward(cfg)
+    if rm_only and inputs.rewards:
+        raise ValueError(
+            "reward_model.only=true: the reward model is the whole reward, so the rewards "
+            "given to groupflow.Run would be ignored; drop them or set reward_model.only=false"
+        )
+    rewards = None if rm_only else builders.build_reward(cfg, inputs.rewards)
     provided = tuple(getattr(cls, "provided_fields", ()))
-    train_rows, val_rows, stats = builders.build_data(cfg, rewards, provided=provided)
+    train_rows, val_rows, stats = builders.build_data(
+        cfg, rewards, provided=provided, inputs=inputs
+    )
     corpus = train_rows + val_rows
     if cfg.diffusion is not None:
         from groupflow.policies.diffusion import DiffusionPolicy

@@ -62,6 +62,7 @@ def test_builtin_names_and_defaults():
         "format_tags",
         "gsm8k",
         "image_scorer",
+        "instructions",  # the built-in instructions task (groupflow.rewards.instructions)
         "length_penalty",
         "math_boxed",
         "overlong_penalty",
@@ -70,6 +71,7 @@ def test_builtin_names_and_defaults():
     ]
     sources = registered_data_sources()
     assert sources["openai/gsm8k"] == "gsm8k"
+    assert sources["groupflow/instructions"] == "instructions"
     for source in (
         "lighteval/MATH",
         "DigitalLearningGmbH/MATH-lighteval",

@@ -17,6 +17,8 @@ with its adapters disabled). With several ranks the model is either replicated, 
 summed by an all-reduce (the losses already use global denominators), or — ``fsdp`` — sharded
 with FSDP2 like the LLM actor's (``diffusion.sharding``), the loss scaled by the world size since
 FSDP averages; then every rank runs the same forwards (placeholders where it has no sample).
+A sharded diffusers transformer is built on the meta device and each rank reads only its rows
+of the safetensors (``meta_init``), so no process ever holds the full model.
 
 The 2025 variants are switches on the same worker: ``sde_window`` (MixGRPO) samples with the SDE
 only inside a window that slides with the update count (the scheduler's step, so it resumes
@@ -62,6 +64,7 @@ from groupflow.diffusion.sharding import (
     flow_layers,
     full_state,
     load_full_state,
+    materialise_shards,
     memory_stats,
 )
 from groupflow.distributed import PAD_KEY, register
@@ -83,6 +86,12 @@ __all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX"
 LORA_INIT_SEED = 20251126  # adapters' init: the same on every rank and in every run
 
 
+def meta_init(spec, settings: DiffusionSettings, world_size: int) -> bool:
+    """Build on the meta device and load shards: a sharded diffusers transformer without LoRA
+    (peft would initialise its adapters on the meta device; LoRA runs load the full base model)."""
+    return settings.fsdp and world_size > 1 and spec.kind != "tiny" and not settings.lora
+
+
 class DiffusionWorker:
     """Flow-matching policy + optional reference + AdamW + LR schedule + SDE rollout."""
 
@@ -95,10 +104,14 @@ class DiffusionWorker:
         total_steps: int,
         rank: int = 0,
         world_size: int = 1,
+        weights: str | None = None,
     ):
+        """``weights``: ``model`` was built with meta parameters (``empty_parameters``); after
+        sharding, each rank reads its shards from this diffusers directory."""
         self.rank, self.world_size = rank, world_size
         self.settings, self.cfg = settings, cfg
-        self.device = next(model.parameters()).device
+        self.device = worker_device(rank) if weights else next(model.parameters()).device
+        self.meta_built = weights is not None
         self.flow = model  # the FlowModel interface (encode / null_cond / decode / latent_shape)
         self.peft = None
         if settings.lora:
@@ -140,6 +153,10 @@ class DiffusionWorker:
             for m in (model, self.ref_model, self.old_model):
                 if m is not None:
                     shard(m, flow_layers(m))
+                    if weights:
+                        materialise_shards(m, weights, self.device)
+        elif weights:
+            raise ValueError("DiffusionWorker: meta-built weights need diffusion.fsdp on >1 rank")
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -165,6 +182,11 @@ class DiffusionWorker:
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
+        if meta_init(spec, settings, world_size):  # no rank ever holds the full transformer
+            return cls(
+                spec.build(empty=True), settings, cfg, total_steps=total_steps, rank=rank,
+                world_size=world_size, weights=spec.path,
+            )  # fmt: skip
         model = spec.build().to(worker_device(rank))
         return cls(model, settings, cfg, total_steps=total_steps, rank=rank, world_size=world_size)
 
@@ -564,8 +586,9 @@ class DiffusionWorker:
     @register("all")
     def memory_stats(self) -> dict[str, float]:
         """This rank's model-state bytes (parameters, gradients, optimizer state: local shards
-        when sharded) and the process's peak resident memory."""
-        return memory_stats(self.flow, self.optimizer)
+        when sharded), the process's peak resident memory, and whether the model was built on
+        the meta device (``meta_init``: 1.0 — the full transformer was never in this process)."""
+        return {**memory_stats(self.flow, self.optimizer), "meta_init": float(self.meta_built)}
 
     @register("rank0")
     def full_weights(self) -> dict:

@@ -42,7 +42,8 @@ class FlowModelSpec:
         self.kind, self.path, self.latent_shape = kind, path, latent_shape
         self.parts = parts or {}  # text_encoder_path, tokenizer_path, max_sequence_length, vae_path
 
-    def build(self):
+    def build(self, empty: bool = False):
+        """``empty``: a diffusers transformer with meta parameters (for sharded loading)."""
         from groupflow.diffusion.models import load_diffusers_model, load_tiny_model
 
         if self.kind == "tiny":
@@ -59,7 +60,9 @@ class FlowModelSpec:
             from groupflow.diffusion.encoders import WanVaeDecoder
 
             decoder = WanVaeDecoder(self.parts["vae_path"])
-        return load_diffusers_model(self.path, self.kind, self.latent_shape, encoder, decoder)
+        return load_diffusers_model(
+            self.path, self.kind, self.latent_shape, encoder, decoder, empty=empty
+        )
 
 
 def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -> DiffusionSettings:

@@ -56,6 +56,8 @@ def test_two_sharded_workers_equal_one_worker_and_checkpoints_reshard(wan_setup,
     two_cfg = {"run.name": "two", "run.backend": "ray", "run.num_workers": 2,
                "diffusion.fsdp": True, "run.save_every": 1}  # fmt: skip
     two, s2 = _fit(_cfg(tmp_path, model, prompts, **two_cfg), mem2)
+    # built on the meta device, each rank reading only its shards of the safetensors
+    assert [m["meta_init"] for m in mem2] == [1.0, 1.0] and mem1[0]["meta_init"] == 0.0
     # really sharded: each rank holds about half of the parameters and of Adam's state
     for key in ("param_bytes", "optimizer_bytes"):
         assert sum(m[key] for m in mem2) == pytest.approx(mem1[0][key], rel=0.01), key

@@ -3,7 +3,9 @@
 One run of each layout through the real path (Trainer, Ray workers, a random WanTransformer3DModel
 built here), 2 workers each, one torch thread per worker; each trains ``--steps`` steps and then
 reports, per worker, its model-state bytes (parameters, gradients, AdamW state: the local shards
-when sharded) and its process's peak resident memory. Printed: both layouts and their ratios.
+when sharded), its process's peak resident memory once the model was built and loaded
+(``load_peak_rss``: a sharded worker builds on the meta device and reads only its rows) and at the
+end (``peak_rss``). Printed: both layouts and their ratios.
 
     .venv/bin/python benchmarks/diffusion_fsdp_memory.py              # 8 blocks of width 512
     .venv/bin/python benchmarks/diffusion_fsdp_memory.py --layers 4 --checkpointing
@@ -81,15 +83,15 @@ def main(argv=None) -> int:
             "fsdp": run(root, model, prompts, True, args.steps, args.checkpointing),
         }
     mib = 2**20
-    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes")
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "load_peak_rss_bytes", "peak_rss_bytes")
     print(f"{args.layers} blocks x width {args.width}, 2 workers, {os.cpu_count()} CPUs")
-    print(f"{'per worker (max over ranks), MiB':34s}" + "".join(f"{k[:-6]:>12s}" for k in keys))
+    print(f"{'per worker (max over ranks), MiB':34s}" + "".join(f"{k[:-6]:>15s}" for k in keys))
     peak = {name: {k: max(r[k] for r in rs) for k in keys} for name, rs in rows.items()}
     for name, p in peak.items():
-        print(f"{name:34s}" + "".join(f"{p[k] / mib:12.1f}" for k in keys))
+        print(f"{name:34s}" + "".join(f"{p[k] / mib:15.1f}" for k in keys))
     print(
         f"{'fsdp / replicated':34s}"
-        + "".join(f"{peak['fsdp'][k] / max(peak['replicated'][k], 1):12.2f}" for k in keys)
+        + "".join(f"{peak['fsdp'][k] / max(peak['replicated'][k], 1):15.2f}" for k in keys)
     )
     state = ("param_bytes", "grad_bytes", "optimizer_bytes")
     total = {n: sum(p[k] for k in state) for n, p in peak.items()}

@@ -4,13 +4,18 @@ Design decision: the diffusion worker shards exactly like the LLM actor — each
 then the root — with ``groupflow.distributed.parallel.shard``; the blocks are found by name
 (``blocks`` in Wan and the tiny model, ``transformer_blocks`` in SD3). Checkpoints hold the FULL
 model and optimizer state keyed by parameter name (``torch.distributed.checkpoint.state_dict``),
-gathered on every rank, so a run saved with N workers resumes with M (resharding is loading).
+gathered on every rank, so a run saved with N workers resumes with M (resharding is loading) —
+for a replicated model. A sharded one writes :func:`save_shards` instead: every rank its own
+shards with torch.distributed.checkpoint, never gathering the model; DCP reshards on load to any
+rank count (one included), and the ``.metadata`` index is checked against an allowlist before
+DCP unpickles it (``safe_state.check_dcp_metadata``), as the LLM actor's shards are.
 
 No rank ever holds the full transformer: with ``diffusion.fsdp`` it is built with its parameters
 on the meta device (:func:`empty_parameters` — buffers such as Wan's rotary tables stay real, so
 nothing needs re-deriving), sharded, then :func:`materialise_shards` allocates each rank's shards
-and reads just those rows from the diffusers safetensors (``safe_open(...).get_slice``, which
-reads the slice's bytes and no others). FSDP2 shards dim 0 like ``torch.chunk``, so rank r's rows
+and reads just those rows from the diffusers safetensors: per tensor one seek and one read of its
+rows' bytes, located through the file's JSON header (the safetensors library's own slicing was
+measured to touch every page: +546 MiB resident to read half of a 546 MiB model). FSDP2 shards dim 0 like ``torch.chunk``, so rank r's rows
 are ``[r·⌈n/W⌉, (r+1)·⌈n/W⌉)``. Only safetensors are read: a pickled ``.bin`` is refused.
 """
 
@@ -33,6 +38,9 @@ __all__ = [
     "full_state",
     "load_full_state",
     "memory_stats",
+    "peak_rss_bytes",
+    "save_shards",
+    "load_shards",
 ]
 
 
@@ -63,23 +71,70 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     inner.enable_gradient_checkpointing()
 
 
+def _shard_state(model: nn.Module, optimizer, extra: dict[str, nn.Module]) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd} | {
+        k: get_model_state_dict(m) for k, m in extra.items()
+    }
+
+
+def save_shards(path: str | Path, model: nn.Module, optimizer, extra: dict[str, nn.Module]) -> None:
+    """Every rank writes its shards of ``model``, ``optimizer`` and the ``extra`` models (a
+    collective: all ranks call it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_shard_state(model, optimizer, extra), checkpoint_id=str(path))
+
+
+def load_shards(path: str | Path, model: nn.Module, optimizer, extra: dict[str, nn.Module]) -> None:
+    """Load :func:`save_shards` output written by any number of ranks into these (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    from groupflow.utils.safe_state import check_dcp_metadata
+
+    check_dcp_metadata(path)
+    state = _shard_state(model, optimizer, extra)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    for k, m in extra.items():
+        set_model_state_dict(m, state[k])
+
+
 def _local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
 
 
+def peak_rss_bytes() -> float:
+    """The process's peak resident set so far: Linux's VmHWM (ru_maxrss, the fallback, survives
+    fork and exec, so a spawned worker would report its parent's peak)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    import resource
+
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
 def memory_stats(model: nn.Module, optimizer) -> dict[str, float]:
     """Bytes of this rank's parameters, gradients and optimizer state (local shards), and the
     process's peak resident set (Linux ru_maxrss, KiB) — the numbers the memory benchmark prints."""
-    import resource
-
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
     return {
         "param_bytes": float(sum(_local_bytes(p) for p in params)),
         "grad_bytes": float(sum(_local_bytes(p.grad) for p in params if p.grad is not None)),
         "optimizer_bytes": float(sum(_local_bytes(v) for v in state if v.dim() > 0)),
-        "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 
@@ -129,10 +184,27 @@ def shard_rows(n: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + size, n)
 
 
-def _safetensors_index(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the ``*.safetensors`` file holding it (diffusers' single or split files)."""
-    from safetensors import safe_open
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 
+
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's JSON header (name -> dtype, shape, data_offsets) and where its data
+    starts: the format is an 8-byte little-endian length, the header, then the raw tensors."""
+    import json
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _safetensors_index(directory: Path) -> dict[str, tuple[Path, dict, int]]:
+    """Tensor name -> (file, its header entry, data start), over diffusers' single or split files."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
@@ -141,9 +213,30 @@ def _safetensors_index(directory: Path) -> dict[str, Path]:
         )
     index = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            index.update((k, f) for k in h.keys())
+        header, base = _header(f)
+        index.update((k, (f, entry, base)) for k, entry in header.items())
     return index
+
+
+def _read_rows(f, entry: dict, base: int, start: int, stop: int, where: str) -> torch.Tensor:
+    """Rows [start, stop) of a row-major tensor: one seek and one read of just their bytes (the
+    safetensors library's slicing touches the whole tensor's pages)."""
+    if entry["dtype"] not in _DTYPES:
+        raise ValueError(
+            f"diffusion.fsdp: {where} has dtype {entry['dtype']}, not one of {sorted(_DTYPES)}"
+        )
+    dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
+    size = torch.empty((), dtype=dtype).element_size()
+    row = math.prod(shape[1:]) * size
+    begin, end = entry["data_offsets"]
+    if end - begin != math.prod(shape) * size:
+        raise ValueError(f"diffusion.fsdp: {where}: {end - begin} bytes for shape {shape}")
+    f.seek(base + begin + start * row)
+    data = f.read((stop - start) * row if shape else size)
+    if len(data) != ((stop - start) * row if shape else size):
+        raise ValueError(f"diffusion.fsdp: {where}: the file ends early")
+    out = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    return out.reshape([stop - start, *shape[1:]] if shape else [])
 
 
 @torch.no_grad()
@@ -153,8 +246,6 @@ def materialise_shards(
     """Allocate a meta-built, FSDP2-sharded ``model`` on ``device`` and fill each parameter's
     local shard from the safetensors in ``directory`` (tensor names = parameter names without
     ``prefix``); buffers keep their values, and those in the checkpoint are read in full."""
-    from safetensors import safe_open
-
     directory = Path(directory).expanduser()
     index = _safetensors_index(directory)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -175,24 +266,23 @@ def materialise_shards(
         )
     by_file: dict[Path, list] = {}
     for n, t in wanted:
-        by_file.setdefault(index[key(n)], []).append((n, t))
-    for f, items in by_file.items():
-        with safe_open(str(f), framework="pt") as h:
+        by_file.setdefault(index[key(n)][0], []).append((n, t))
+    for path, items in by_file.items():
+        with open(path, "rb") as f:
             for n, t in items:
-                _fill(t, h, key(n), f"{f.name}:{key(n)}")
+                _, entry, base = index[key(n)]
+                _fill(t, f, entry, base, f"{path.name}:{key(n)}")
 
 
-def _fill(t: torch.Tensor, handle, name: str, where: str) -> None:
-    """Copy tensor ``name`` of an open safetensors file into ``t``: the whole tensor, or only a
-    DTensor's local rows (read as a slice)."""
-    src = handle.get_slice(name)
-    full = tuple(src.get_shape())
+def _fill(t: torch.Tensor, f, entry: dict, base: int, where: str) -> None:
+    """Fill ``t`` from an open safetensors file: the whole tensor, or a DTensor's local rows."""
+    full = tuple(entry["shape"])
     if tuple(t.shape) != full:
         raise ValueError(
             f"diffusion.fsdp: {where} has shape {list(full)}; the model's is {list(t.shape)}"
         )
     if not hasattr(t, "to_local"):
-        t.copy_(handle.get_tensor(name))
+        t.copy_(_read_rows(f, entry, base, 0, full[0] if full else 0, where))
         return
     from torch.distributed.tensor import Shard
 
@@ -206,4 +296,4 @@ def _fill(t: torch.Tensor, handle, name: str, where: str) -> None:
             f"diffusion.fsdp: {where}: local shard has {local.shape[0]} rows, expected {stop - start}"
         )
     if stop > start:
-        local.copy_(src[start:stop])
+        local.copy_(_read_rows(f, entry, base, start, stop, where))

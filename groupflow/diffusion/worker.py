@@ -64,8 +64,11 @@ from groupflow.diffusion.sharding import (
     flow_layers,
     full_state,
     load_full_state,
+    load_shards,
     materialise_shards,
     memory_stats,
+    peak_rss_bytes,
+    save_shards,
 )
 from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import (
@@ -167,6 +170,7 @@ class DiffusionWorker:
         )
         self.loss_options = loss_options(cfg)
         self.nonfinite_in_a_row = self.nonfinite_total = 0
+        self.load_peak_rss = peak_rss_bytes()  # the high-water mark of building and loading
 
     @classmethod
     def create(
@@ -583,12 +587,40 @@ class DiffusionWorker:
                 options=StateDictOptions(full_state_dict=True),
             )  # fmt: skip
 
+    @register("rank0")
+    def train_state(self) -> dict:
+        """The small, rank-identical part of the state, beside :meth:`save_sharded`'s shards."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+        }
+
+    def _extra_models(self) -> dict[str, nn.Module]:
+        return {"nft_old": self.old_model} if self.old_model is not None else {}
+
+    @register("rank0")
+    def save_sharded(self, path: str) -> None:
+        """Every rank writes its shards (model, AdamW, DiffusionNFT's old copy) with DCP."""
+        save_shards(path, self.flow, self.optimizer, self._extra_models())
+
+    @register("all")
+    def load_sharded(self, path: str, train_state: dict) -> None:
+        """Load shards written by any number of ranks (DCP reshards), then the train state."""
+        load_shards(path, self.flow, self.optimizer, self._extra_models())
+        self.scheduler.load_state_dict(train_state["scheduler"])
+        apply_configured_hyperparameters(self.optimizer, self.scheduler)
+        self.nonfinite_in_a_row, self.nonfinite_total = train_state["nonfinite"]
+
     @register("all")
     def memory_stats(self) -> dict[str, float]:
         """This rank's model-state bytes (parameters, gradients, optimizer state: local shards
-        when sharded), the process's peak resident memory, and whether the model was built on
-        the meta device (``meta_init``: 1.0 — the full transformer was never in this process)."""
-        return {**memory_stats(self.flow, self.optimizer), "meta_init": float(self.meta_built)}
+        when sharded), the process's peak resident memory (now, and once the model was loaded),
+        and whether it was built on the meta device (``meta_init``: 1.0 — the full transformer
+        was never in this process)."""
+        return {
+            **memory_stats(self.flow, self.optimizer), "load_peak_rss_bytes": self.load_peak_rss,
+            "meta_init": float(self.meta_built),
+        }  # fmt: skip
 
     @register("rank0")
     def full_weights(self) -> dict:

@@ -186,10 +186,19 @@ class DiffusionPolicy:
         self.snapshot_worker.load_weights(weights)
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(self.actor.state_dict()), {}  # the full state by name (gathered if sharded)
+        """(state, writers): sharded, every rank writes its DCP shards (``shards``) and the
+        checkpoint keeps only the small train state; replicated, the full state by name."""
+        if self.cfg.diffusion.fsdp and self.cfg.run.num_workers > 1:
+            writers = {"shards": lambda path: self.actor.save_sharded(str(path))}
+            return {"actor_state": self.actor.train_state()}, writers
+        return dict(self.actor.state_dict()), {}
 
     def load(self, state: dict[str, Any], path: Path) -> None:
-        self.actor.load_state_dict(state)
+        """Shards (written by any number of ranks) or a full state, into this many workers."""
+        if "shards" in state:
+            self.actor.load_sharded(str(state["shards"]), state["actor_state"])
+        else:
+            self.actor.load_state_dict(state)
 
     def shutdown(self) -> None:
         self.actor.shutdown()

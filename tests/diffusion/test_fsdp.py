@@ -69,13 +69,23 @@ def test_two_sharded_workers_equal_one_worker_and_checkpoints_reshard(wan_setup,
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
     for k in s1["model"]:
         assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
-    # the 2-worker checkpoint of step 1 resumes in one local worker: step 2 as in the 1-worker run
-    step1 = str(two.run_dir / "checkpoints" / "step_1")
-    resumed, s3 = _fit(_cfg(tmp_path, model, prompts, **{"run.name": "re", "run.resume": step1}))
-    last = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
-    assert last["actor/grad_norm"] == pytest.approx(a[-1]["actor/grad_norm"], rel=1e-4)
-    for k in s1["model"]:
-        assert torch.allclose(s1["model"][k], s3["model"][k], atol=1e-6), k
+    # the sharded checkpoint holds each rank's DCP shards and no gathered model
+    step1 = two.run_dir / "checkpoints" / "step_1"
+    assert sorted(p.name for p in (step1 / "shards").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp",
+    ]  # fmt: skip
+    assert not list(step1.glob("model.*")) and list(step1.glob("actor_state.*"))
+    # it resumes on 2 sharded workers and, resharded, in one local worker: step 2 as before
+    resumes = {"re2": two_cfg | {"run.save_every": 0}, "re1": {}}
+    for name, over in resumes.items():
+        cfg = _cfg(tmp_path, model, prompts, **over | {"run.name": name, "run.resume": str(step1)})
+        resumed, s3 = _fit(cfg)
+        last = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
+        assert last["step"] == 2, name
+        for key in ("actor/grad_norm", "actor/pg_loss", "reward/mean"):
+            assert last[key] == pytest.approx(a[-1][key], rel=1e-4, abs=1e-7), (name, key)
+        for k in s1["model"]:
+            assert torch.allclose(s1["model"][k], s3["model"][k], atol=1e-6), (name, k)
 
 
 @pytest.mark.slow

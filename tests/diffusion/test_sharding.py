@@ -130,3 +130,46 @@ def test_two_gloo_ranks_each_read_only_their_rows(wan, tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(wan)), nprocs=2, join=True)
+
+
+def _tiny_policy(seed: int):
+    from groupflow.diffusion.models import TinyFlowModel
+
+    torch.manual_seed(seed)
+    model = TinyFlowModel(["red", "blue"], width=8, blocks=1, emb_dim=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(
+        torch.randn(2, 3, 16, 16), torch.rand(2), {"labels": torch.tensor([0, 1])}
+    ).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_dcp_shards_round_trip_and_a_crafted_index_is_refused(tmp_path):
+    """save_shards / load_shards in one process (DCP without a process group): model, AdamW
+    state and the extra (NFT old) model come back exactly; a pickle index that would run code is
+    refused before DCP unpickles it."""
+    import pickle
+
+    from groupflow.diffusion.sharding import load_shards, save_shards
+    from groupflow.utils.safe_state import UnsafeStateError
+
+    model, opt = _tiny_policy(0)
+    old = _tiny_policy(1)[0]
+    save_shards(tmp_path / "shards", model, opt, {"nft_old": old})
+    model2, opt2 = _tiny_policy(2)
+    old2 = _tiny_policy(3)[0]
+    load_shards(tmp_path / "shards", model2, opt2, {"nft_old": old2})
+    for a, b in ((model, model2), (old, old2)):
+        for (k, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+            assert torch.equal(x, y), k
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"])
+
+    class Boom:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (tmp_path / "shards" / ".metadata").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(UnsafeStateError, match="refusing to load this sharded checkpoint"):
+        load_shards(tmp_path / "shards", model2, opt2, {"nft_old": old2})

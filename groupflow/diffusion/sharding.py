@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "bf16_policy",
     "empty_parameters",
     "materialise_shards",
     "shard_rows",
@@ -69,6 +70,17 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
             f"not {type(inner).__name__}"
         )
     inner.enable_gradient_checkpointing()
+
+
+def bf16_policy():
+    """FSDP2 mixed precision: parameters all-gathered and computed in bf16, gradients reduced in
+    fp32 into the fp32 shards AdamW updates; outputs (velocities) come back in fp32, so step
+    means and log-probs are computed in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+    )
 
 
 def _shard_state(model: nn.Module, optimizer, extra: dict[str, nn.Module]) -> dict:

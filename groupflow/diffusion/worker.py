@@ -60,6 +60,7 @@ from groupflow.diffusion.settings import (
     select_steps,
 )
 from groupflow.diffusion.sharding import (
+    bf16_policy,
     enable_activation_checkpointing,
     flow_layers,
     full_state,
@@ -155,11 +156,11 @@ class DiffusionWorker:
         if self.sharded:
             for m in (model, self.ref_model, self.old_model):
                 if m is not None:
-                    shard(m, flow_layers(m))
+                    shard(m, flow_layers(m), bf16_policy() if settings.bf16 else None)
                     if weights:
                         materialise_shards(m, weights, self.device)
-        elif weights:
-            raise ValueError("DiffusionWorker: meta-built weights need diffusion.fsdp on >1 rank")
+        elif weights or settings.bf16:
+            raise ValueError("DiffusionWorker: meta init and bf16 need diffusion.fsdp on >1 rank")
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -203,6 +204,12 @@ class DiffusionWorker:
         reference: bool = False,
         old: bool = False,
     ) -> Tensor:
+        # bf16: FSDP2 casts parameters, autocast the ops diffusers upcasts to fp32 (Wan's
+        # modulation and norms), so mixed-dtype matmuls run in bf16; velocities return in fp32
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.settings.bf16):
+            return self._guided(x, sigma, cond, reference, old)
+
+    def _guided(self, x: Tensor, sigma: Tensor, cond, reference: bool, old: bool) -> Tensor:
         null = self.flow.null_cond(x.shape[0]) if self.settings.cfg_scale != 1.0 else None
         if null is not None:
             null = {k: v.to(self.device) for k, v in null.items()}

@@ -148,7 +148,8 @@ def test_two_sharded_workers_equal_one_worker_on_an_sd3_transformer(wan_setup, t
 
     model, prompts = _sd3(tmp_path), wan_setup[1]
     sd3 = {"diffusion.model.kind": "sd3", "diffusion.model.path": str(model),
-           "diffusion.model.latent_shape": [4, 8, 8], "run.total_steps": 1}  # fmt: skip
+           "diffusion.model.latent_shape": [4, 8, 8], "run.total_steps": 1,
+           "actor.kl_coef": 0.1}  # fmt: skip  # the frozen reference: also meta-built, read by rows
     one, s1 = _fit(_cfg(tmp_path, model, prompts, **sd3))
     two, s2 = _fit(_cfg(tmp_path, model, prompts, **sd3, **{
         "run.name": "two", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True}))  # fmt: skip
@@ -156,6 +157,7 @@ def test_two_sharded_workers_equal_one_worker_on_an_sd3_transformer(wan_setup, t
     b = read_metrics(two.run_dir / "metrics.jsonl")[-1]
     assert a["actor/grad_norm"] > 0
     assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    assert b["actor/kl_loss"] == pytest.approx(a["actor/kl_loss"], rel=1e-4, abs=1e-9)
     for k in s1["model"]:
         assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
 

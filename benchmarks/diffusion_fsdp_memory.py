@@ -3,10 +3,17 @@
 One run of each layout through the real path (Trainer, Ray workers, a random WanTransformer3DModel
 built here), 2 workers each, one torch thread per worker; each trains ``--steps`` steps and then
 reports, per worker, its model-state bytes (parameters, gradients, AdamW state: the local shards
-when sharded) and its process's peak resident memory. Printed: both layouts and their ratios.
+when sharded), its process's peak resident memory once the model was built and loaded
+(``load_peak_rss``: a sharded worker builds on the meta device and reads only its rows) and at the
+end (``peak_rss``). Printed: both layouts and their ratios.
 
     .venv/bin/python benchmarks/diffusion_fsdp_memory.py              # 8 blocks of width 512
     .venv/bin/python benchmarks/diffusion_fsdp_memory.py --layers 4 --checkpointing
+    .venv/bin/python benchmarks/diffusion_fsdp_memory.py --width 1024 --load-only
+
+``--load-only``: just the load, in 2 gloo processes each: build the full model and shard it (the
+replicated path's load, then FSDP2) vs build on the meta device, shard and read only the rank's
+rows — each process's peak resident memory (VmHWM) after loading.
 
 Resident memory includes each process's fixed cost (Python, torch, Ray: several hundred MB), so
 its ratio understates the model-state one; on GPUs the model state is what FSDP divides.
@@ -62,6 +69,39 @@ def run(root: Path, model: Path, prompts: Path, fsdp: bool, steps: int, checkpoi
         trainer.shutdown()
 
 
+def _load_rank(rank: int, world: int, store: str, model: str, meta: bool, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from groupflow.diffusion.sharding import flow_layers, materialise_shards, peak_rss_bytes
+    from groupflow.distributed.parallel import shard
+    from groupflow.policies.diffusion import FlowModelSpec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    before = peak_rss_bytes()
+    flow = FlowModelSpec("wan", model, [16, 3, 16, 16]).build(empty=meta)
+    shard(flow, flow_layers(flow))
+    if meta:
+        materialise_shards(flow, model, torch.device("cpu"))
+    else:  # what every worker did before: touch the full weights, then keep its shard
+        for p in flow.parameters():
+            p.to_local().sum()
+    Path(out.format(rank)).write_text(json.dumps({"before": before, "after": peak_rss_bytes()}))
+    dist.destroy_process_group()
+
+
+def load_only(root: Path, model: Path) -> dict[str, list[dict]]:
+    import torch.multiprocessing as mp
+
+    rows = {}
+    for name, meta in (("full build, then shard", False), ("meta build, read rows", True)):
+        out = str(root / f"{meta}_{{}}.json")  # one file per rank
+        mp.spawn(_load_rank, args=(2, str(root / f"store_{meta}"), str(model), meta, out), nprocs=2)
+        rows[name] = [json.loads(Path(out.format(r)).read_text()) for r in range(2)]
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -69,27 +109,38 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--load-only", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mib = 2**20
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = build_model(root / "wan", args.layers, args.width)
+        if args.load_only:
+            print(
+                f"{args.layers} blocks x width {args.width}: peak RSS per rank after loading, MiB"
+            )
+            for name, ranks in load_only(root, model).items():
+                print(f"{name:26s}" + "".join(
+                    f"  rank {i}: {r['before'] / mib:6.0f} -> {r['after'] / mib:6.0f}"
+                    for i, r in enumerate(ranks)
+                ))  # fmt: skip
+            return 0
         prompts = root / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a", "b")))
         rows = {
             "replicated": run(root, model, prompts, False, args.steps, args.checkpointing),
             "fsdp": run(root, model, prompts, True, args.steps, args.checkpointing),
         }
-    mib = 2**20
-    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_bytes")
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "load_peak_rss_bytes", "peak_rss_bytes")
     print(f"{args.layers} blocks x width {args.width}, 2 workers, {os.cpu_count()} CPUs")
-    print(f"{'per worker (max over ranks), MiB':34s}" + "".join(f"{k[:-6]:>12s}" for k in keys))
+    print(f"{'per worker (max over ranks), MiB':34s}" + "".join(f"{k[:-6]:>15s}" for k in keys))
     peak = {name: {k: max(r[k] for r in rs) for k in keys} for name, rs in rows.items()}
     for name, p in peak.items():
-        print(f"{name:34s}" + "".join(f"{p[k] / mib:12.1f}" for k in keys))
+        print(f"{name:34s}" + "".join(f"{p[k] / mib:15.1f}" for k in keys))
     print(
         f"{'fsdp / replicated':34s}"
-        + "".join(f"{peak['fsdp'][k] / max(peak['replicated'][k], 1):12.2f}" for k in keys)
+        + "".join(f"{peak['fsdp'][k] / max(peak['replicated'][k], 1):15.2f}" for k in keys)
     )
     state = ("param_bytes", "grad_bytes", "optimizer_bytes")
     total = {n: sum(p[k] for k in state) for n, p in peak.items()}

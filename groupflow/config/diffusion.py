@@ -110,6 +110,9 @@ class DiffusionConfig(_Section):
     # FSDP2 over run.num_workers ranks (each block, then the root) instead of full replicas
     fsdp: bool = False
     activation_checkpointing: bool = False  # diffusers transformers: recompute block activations
+    # FSDP2 mixed precision: bf16 parameters and compute, fp32 gradient reduction and master
+    # weights (AdamW updates the fp32 shards); needs fsdp on >= 2 workers
+    bf16: bool = False
 
     @field_validator("sampler", "eval_sampler")
     @classmethod
@@ -148,6 +151,11 @@ class DiffusionConfig(_Section):
             raise ValueError(
                 "diffusion.activation_checkpointing is for the diffusers transformers "
                 "(diffusion.model.kind sd3 / wan), not 'tiny'"
+            )
+        if self.bf16 and not self.fsdp:
+            raise ValueError(
+                "diffusion.bf16 is FSDP2's mixed precision (bf16 compute, fp32 master weights): "
+                "set diffusion.fsdp: true"
             )
         if self.objective == "nft" and self.ratio_norm:
             raise ValueError(

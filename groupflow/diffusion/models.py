@@ -323,17 +323,27 @@ def load_diffusers_model(
     latent_shape: Sequence[int],
     prompt_encoder: PromptEncoder | None = None,
     decoder: Callable[[Tensor], Tensor] | None = None,
+    empty: bool = False,
 ) -> DiffusersFlowModel:
-    """Load ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` from a local directory (no hub)."""
+    """Load ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` from a local directory (no hub).
+
+    ``empty``: build it from its config with parameters on the meta device and read no weights
+    (the FSDP2 worker shards it, then reads each rank's shard: ``sharding.materialise_shards``).
+    """
     _check_kind(kind)
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise ModelPathError(f"diffusers transformer directory '{path}' has no config.json")
     import diffusers
 
-    transformer = getattr(diffusers, DIFFUSERS_KINDS[kind]).from_pretrained(
-        str(path), local_files_only=True
-    )
+    cls = getattr(diffusers, DIFFUSERS_KINDS[kind])
+    if empty:
+        from groupflow.diffusion.sharding import empty_parameters
+
+        with empty_parameters():
+            transformer = cls.from_config(cls.load_config(str(path), local_files_only=True))
+    else:
+        transformer = cls.from_pretrained(str(path), local_files_only=True)
     if prompt_encoder is None:
         c = transformer.config
         if kind == "sd3":

@@ -54,6 +54,7 @@ class DiffusionSettings:
     adv_clip_max: float = 5.0  # DiffusionNFT maps advantages to [0, 1] through it
     fsdp: bool = False  # shard the model over the ranks (FSDP2) instead of replicating it
     activation_checkpointing: bool = False  # recompute block activations in backward
+    bf16: bool = False  # with fsdp: bf16 params/compute, fp32 reduce and master weights
 
     def __post_init__(self):
         spec = get_sampler(self.sampler)  # unknown names raise, listing the valid ones

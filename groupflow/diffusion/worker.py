@@ -17,6 +17,8 @@ with its adapters disabled). With several ranks the model is either replicated, 
 summed by an all-reduce (the losses already use global denominators), or — ``fsdp`` — sharded
 with FSDP2 like the LLM actor's (``diffusion.sharding``), the loss scaled by the world size since
 FSDP averages; then every rank runs the same forwards (placeholders where it has no sample).
+A sharded diffusers transformer is built on the meta device and each rank reads only its rows
+of the safetensors (``meta_init``), so no process ever holds the full model.
 
 The 2025 variants are switches on the same worker: ``sde_window`` (MixGRPO) samples with the SDE
 only inside a window that slides with the update count (the scheduler's step, so it resumes
@@ -58,11 +60,16 @@ from groupflow.diffusion.settings import (
     select_steps,
 )
 from groupflow.diffusion.sharding import (
+    bf16_policy,
     enable_activation_checkpointing,
     flow_layers,
     full_state,
     load_full_state,
+    load_shards,
+    materialise_shards,
     memory_stats,
+    peak_rss_bytes,
+    save_shards,
 )
 from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import (
@@ -83,6 +90,12 @@ __all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX"
 LORA_INIT_SEED = 20251126  # adapters' init: the same on every rank and in every run
 
 
+def meta_init(spec, settings: DiffusionSettings, world_size: int) -> bool:
+    """Build on the meta device and load shards: a sharded diffusers transformer without LoRA
+    (peft would initialise its adapters on the meta device; LoRA runs load the full base model)."""
+    return settings.fsdp and world_size > 1 and spec.kind != "tiny" and not settings.lora
+
+
 class DiffusionWorker:
     """Flow-matching policy + optional reference + AdamW + LR schedule + SDE rollout."""
 
@@ -95,10 +108,14 @@ class DiffusionWorker:
         total_steps: int,
         rank: int = 0,
         world_size: int = 1,
+        weights: str | None = None,
     ):
+        """``weights``: ``model`` was built with meta parameters (``empty_parameters``); after
+        sharding, each rank reads its shards from this diffusers directory."""
         self.rank, self.world_size = rank, world_size
         self.settings, self.cfg = settings, cfg
-        self.device = next(model.parameters()).device
+        self.device = worker_device(rank) if weights else next(model.parameters()).device
+        self.meta_built = weights is not None
         self.flow = model  # the FlowModel interface (encode / null_cond / decode / latent_shape)
         self.peft = None
         if settings.lora:
@@ -139,7 +156,11 @@ class DiffusionWorker:
         if self.sharded:
             for m in (model, self.ref_model, self.old_model):
                 if m is not None:
-                    shard(m, flow_layers(m))
+                    shard(m, flow_layers(m), bf16_policy() if settings.bf16 else None)
+                    if weights:
+                        materialise_shards(m, weights, self.device)
+        elif weights or settings.bf16:
+            raise ValueError("DiffusionWorker: meta init and bf16 need diffusion.fsdp on >1 rank")
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -150,6 +171,7 @@ class DiffusionWorker:
         )
         self.loss_options = loss_options(cfg)
         self.nonfinite_in_a_row = self.nonfinite_total = 0
+        self.load_peak_rss = peak_rss_bytes()  # the high-water mark of building and loading
 
     @classmethod
     def create(
@@ -165,6 +187,11 @@ class DiffusionWorker:
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
+        if meta_init(spec, settings, world_size):  # no rank ever holds the full transformer
+            return cls(
+                spec.build(empty=True), settings, cfg, total_steps=total_steps, rank=rank,
+                world_size=world_size, weights=spec.path,
+            )  # fmt: skip
         model = spec.build().to(worker_device(rank))
         return cls(model, settings, cfg, total_steps=total_steps, rank=rank, world_size=world_size)
 
@@ -177,6 +204,12 @@ class DiffusionWorker:
         reference: bool = False,
         old: bool = False,
     ) -> Tensor:
+        # bf16: FSDP2 casts parameters, autocast the ops diffusers upcasts to fp32 (Wan's
+        # modulation and norms), so mixed-dtype matmuls run in bf16; velocities return in fp32
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.settings.bf16):
+            return self._guided(x, sigma, cond, reference, old)
+
+    def _guided(self, x: Tensor, sigma: Tensor, cond, reference: bool, old: bool) -> Tensor:
         null = self.flow.null_cond(x.shape[0]) if self.settings.cfg_scale != 1.0 else None
         if null is not None:
             null = {k: v.to(self.device) for k, v in null.items()}
@@ -561,11 +594,40 @@ class DiffusionWorker:
                 options=StateDictOptions(full_state_dict=True),
             )  # fmt: skip
 
+    @register("rank0")
+    def train_state(self) -> dict:
+        """The small, rank-identical part of the state, beside :meth:`save_sharded`'s shards."""
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+        }
+
+    def _extra_models(self) -> dict[str, nn.Module]:
+        return {"nft_old": self.old_model} if self.old_model is not None else {}
+
+    @register("rank0")
+    def save_sharded(self, path: str) -> None:
+        """Every rank writes its shards (model, AdamW, DiffusionNFT's old copy) with DCP."""
+        save_shards(path, self.flow, self.optimizer, self._extra_models())
+
+    @register("all")
+    def load_sharded(self, path: str, train_state: dict) -> None:
+        """Load shards written by any number of ranks (DCP reshards), then the train state."""
+        load_shards(path, self.flow, self.optimizer, self._extra_models())
+        self.scheduler.load_state_dict(train_state["scheduler"])
+        apply_configured_hyperparameters(self.optimizer, self.scheduler)
+        self.nonfinite_in_a_row, self.nonfinite_total = train_state["nonfinite"]
+
     @register("all")
     def memory_stats(self) -> dict[str, float]:
         """This rank's model-state bytes (parameters, gradients, optimizer state: local shards
-        when sharded) and the process's peak resident memory."""
-        return memory_stats(self.flow, self.optimizer)
+        when sharded), the process's peak resident memory (now, and once the model was loaded),
+        and whether it was built on the meta device (``meta_init``: 1.0 — the full transformer
+        was never in this process)."""
+        return {
+            **memory_stats(self.flow, self.optimizer), "load_peak_rss_bytes": self.load_peak_rss,
+            "meta_init": float(self.meta_built),
+        }  # fmt: skip
 
     @register("rank0")
     def full_weights(self) -> dict:

@@ -64,15 +64,17 @@ def all_reduce(value: float | int | torch.Tensor, op: str = "sum") -> float:
     return float(t)
 
 
-def shard(root: nn.Module, layers: list[nn.Module]) -> nn.Module:
-    """FSDP2: shard each transformer layer, then the root (embeddings, norm, head) — only if distributed."""
+def shard(root: nn.Module, layers: list[nn.Module], mp_policy=None) -> nn.Module:
+    """FSDP2: shard each transformer layer, then the root (embeddings, norm, head) — only if
+    distributed. ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (None: full precision)."""
     if not is_distributed():
         return root
     from torch.distributed.fsdp import fully_shard
 
+    kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(root)
+        fully_shard(layer, **kw)
+    fully_shard(root, **kw)
     return root
 
 

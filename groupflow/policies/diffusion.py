@@ -42,7 +42,8 @@ class FlowModelSpec:
         self.kind, self.path, self.latent_shape = kind, path, latent_shape
         self.parts = parts or {}  # text_encoder_path, tokenizer_path, max_sequence_length, vae_path
 
-    def build(self):
+    def build(self, empty: bool = False):
+        """``empty``: a diffusers transformer with meta parameters (for sharded loading)."""
         from groupflow.diffusion.models import load_diffusers_model, load_tiny_model
 
         if self.kind == "tiny":
@@ -59,7 +60,9 @@ class FlowModelSpec:
             from groupflow.diffusion.encoders import WanVaeDecoder
 
             decoder = WanVaeDecoder(self.parts["vae_path"])
-        return load_diffusers_model(self.path, self.kind, self.latent_shape, encoder, decoder)
+        return load_diffusers_model(
+            self.path, self.kind, self.latent_shape, encoder, decoder, empty=empty
+        )
 
 
 def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -> DiffusionSettings:
@@ -70,7 +73,7 @@ def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -
         window=d.window, lora=d.model.lora.model_dump() if d.model.lora else None,
         sde_window=d.sde_window.model_dump() if d.sde_window else None, ratio_norm=d.ratio_norm,
         objective=d.objective, nft=d.nft.model_dump(), adv_clip_max=adv_clip_max or 5.0,
-        fsdp=d.fsdp, activation_checkpointing=d.activation_checkpointing,
+        fsdp=d.fsdp, activation_checkpointing=d.activation_checkpointing, bf16=d.bf16,
     )  # fmt: skip
 
 
@@ -183,10 +186,19 @@ class DiffusionPolicy:
         self.snapshot_worker.load_weights(weights)
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(self.actor.state_dict()), {}  # the full state by name (gathered if sharded)
+        """(state, writers): sharded, every rank writes its DCP shards (``shards``) and the
+        checkpoint keeps only the small train state; replicated, the full state by name."""
+        if self.cfg.diffusion.fsdp and self.cfg.run.num_workers > 1:
+            writers = {"shards": lambda path: self.actor.save_sharded(str(path))}
+            return {"actor_state": self.actor.train_state()}, writers
+        return dict(self.actor.state_dict()), {}
 
     def load(self, state: dict[str, Any], path: Path) -> None:
-        self.actor.load_state_dict(state)
+        """Shards (written by any number of ranks) or a full state, into this many workers."""
+        if "shards" in state:
+            self.actor.load_sharded(str(state["shards"]), state["actor_state"])
+        else:
+            self.actor.load_state_dict(state)
 
     def shutdown(self) -> None:
         self.actor.shutdown()

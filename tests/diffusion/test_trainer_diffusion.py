@@ -85,6 +85,8 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"diffusion.nft.beta": 0}, "'diffusion.nft.beta'"),
         ({"diffusion.model.vae_path": "vae"}, "diffusion.model.vae_path is for kind 'wan'"),
         ({"diffusion.activation_checkpointing": True}, "not 'tiny'"),
+        ({"diffusion.bf16": True}, "diffusion.bf16 is FSDP2's mixed precision .*set diffusion.fsdp: true"),
+        ({"diffusion.bf16": True, "diffusion.fsdp": True}, "run.num_workers=1"),
         ({"diffusion.nft.old_decay_max": 1.0}, "'diffusion.nft.old_decay_max'"),
     ],
 )  # fmt: skip

@@ -16,7 +16,6 @@ verl's); the MATH sources in :data:`MATH_DATA_SOURCES` use ``math_boxed``; the c
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +34,7 @@ from groupflow.rewards.instructions import make_instructions_reward
 from groupflow.rewards.length import make_length_penalty, make_overlong_penalty
 from groupflow.rewards.math import make_gsm8k_reward, make_math_boxed_reward
 from groupflow.rewards.trajectory import make_env_reward, make_tool_use_reward
+from groupflow.utils import imports
 
 RewardFactory = Callable[..., Callable[..., Any]]
 
@@ -138,39 +138,9 @@ def get_reward(name: str, **options: Any) -> Callable[..., Any]:
 
 
 def resolve_import_path(path: str) -> Callable[..., Any]:
-    """Import ``"package.module:function"`` (the attribute may be dotted: ``module:Class.fn``)."""
-    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise RewardConfigError(
-            f"reward function path must look like 'package.module:function', got {path!r}"
-        )
-    module_name, attr = path.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name + ".").startswith(exc.name + "."):
-            raise RewardConfigError(
-                f"cannot import module {module_name!r} for reward function {path!r}: {exc}; "
-                "is it installed or on PYTHONPATH?"
-            ) from exc
-        raise RewardConfigError(
-            f"importing module {module_name!r} for reward function {path!r} failed: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    except Exception as exc:  # the module exists but its own code failed: surface that
-        raise RewardConfigError(
-            f"importing module {module_name!r} for reward function {path!r} failed: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    target: Any = module
-    for i, part in enumerate(attr.split(".")):
-        if not hasattr(target, part):
-            owner = ".".join([module_name, *attr.split(".")[:i]])
-            public = sorted(n for n in dir(target) if not n.startswith("_"))
-            raise RewardConfigError(
-                f"{owner!r} has no attribute {part!r} (from reward function {path!r})"
-                + _suggest(part, public)
-            )
-        target = getattr(target, part)
+    """Import ``"package.module:function"`` (the attribute may be dotted: ``module:Class.fn``; the
+    module may be a file: ``path/to/file.py:fn``) through the resolver every extension point uses."""
+    target = imports.resolve_import_path(path, f"reward function {path!r}", RewardConfigError)
     if not callable(target):
         raise RewardConfigError(
             f"reward function {path!r} is a {type(target).__name__}, not a callable"

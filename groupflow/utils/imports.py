@@ -26,7 +26,7 @@ def resolve_import_path(path: str, what: str, error: type[Exception] = ValueErro
     ``what`` names the thing in messages (e.g. "tool 'calc'"); failures raise ``error``.
     """
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise error(f"{what}: an import path looks like 'package.module:name', got {path!r}")
+        raise error(f"{what}: must look like 'package.module:function', got {path!r}")
     module_name, attr = path.split(":")
     if module_name.endswith(".py") and not Path(module_name).expanduser().is_file():
         raise error(
@@ -44,11 +44,11 @@ def resolve_import_path(path: str, what: str, error: type[Exception] = ValueErro
                 "is it installed or on PYTHONPATH?"
             ) from exc
         raise error(
-            f"{what}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            f"{what}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
     except Exception as exc:  # the module exists but its own code failed: surface that
         raise error(
-            f"{what}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            f"{what}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
     target: Any = module
     for i, part in enumerate(attr.split(".")):

@@ -405,11 +405,13 @@ def gemm_floor(model, s: Settings, prompt_len: int) -> dict[str, float]:
     rows = s.prompts_per_step * s.samples_per_prompt
     train_m, resp_m = rows * (prompt_len + s.new_tokens), rows * s.new_tokens
 
-    def matmuls(m: int, backward: bool) -> float:
+    def matmuls(m: int, head_m: int, backward: bool) -> float:
+        # the LM head runs only where a token is predicted: the last prompt position in a
+        # prefill, every row in a decode step, the response positions in the update
         total = 0.0
         for w in weights:
             n, k = w.shape
-            mm = resp_m if w is head else m
+            mm = head_m if w is head else m
             x, dy, wt = torch.randn(mm, k), torch.randn(mm, n), w.detach().t()
             total += _matmul_s(x, wt)  # nn.Linear's x @ W^T
             if backward:
@@ -417,9 +419,9 @@ def gemm_floor(model, s: Settings, prompt_len: int) -> dict[str, float]:
                 total += _matmul_s(dy.t(), x)  # grad of the weight
         return total
 
-    decode = matmuls(rows, backward=False) * (s.new_tokens - 1)
-    prefill = matmuls(s.prompts_per_step * prompt_len, backward=False)
-    update = matmuls(train_m, backward=True)
+    decode = matmuls(rows, rows, backward=False) * (s.new_tokens - 1)
+    prefill = matmuls(s.prompts_per_step * prompt_len, s.prompts_per_step, backward=False)
+    update = matmuls(train_m, resp_m, backward=True)
     return {"generate_s": prefill + decode, "update_s": update, "step_s": prefill + decode + update}
 
 

@@ -25,7 +25,7 @@ from groupflow.data import DataError, PromptRow
 from groupflow.diffusion import rewards as _rewards  # noqa: F401  (registers the image rewards)
 from groupflow.diffusion.worker import prompt_rows
 from groupflow.utils.progress import Progress
-from groupflow.utils.seeds import sample_seed
+from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.llm import row_fields, with_prompt_info
 
 __all__ = ["DiffusionWorkflow", "save_image_grid"]
@@ -62,14 +62,9 @@ class DiffusionWorkflow:
 
     def collect(self, rows: list[PromptRow], step: int, round_: int, version: int) -> Batch:
         n = self.cfg.rollout.samples_per_prompt
-        base = round_ * 1_000_000  # distinct seeds and group ids for refill rounds
-        seeds = [sample_seed(self.cfg.run.seed, step, base + i) for i in range(len(rows) * n)]
+        seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
         texts = [self.train_texts.get(id(r)) or _prompt_text(r) for r in rows]
-        inputs = prompt_rows(
-            texts,
-            [seeds[i * n : (i + 1) * n] for i in range(len(rows))],
-            [base + i for i in range(len(rows))],
-        )
+        inputs = prompt_rows(texts, seeds, group_ids)
         out = self.policy.rollout.generate(inputs, n)
         batch = with_prompt_info(out, rows, texts, n, f"{step}-{round_}", version)
         batch["completion"] = [_describe(img) for img in batch["images"]]

@@ -37,7 +37,7 @@ from groupflow.data import DataError, PromptRow
 from groupflow.evaluation import records_from_scores, report_progress
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.imports import resolve_import_path
-from groupflow.utils.seeds import sample_seed
+from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.episodes import Episode, EpisodeLimits, episodes_batch, run_episodes
 from groupflow.workflows.llm import (
     PromptTable,
@@ -128,10 +128,9 @@ class MultiTurnWorkflow:
     def collect(self, rows: list[PromptRow], step: int, round_: int, version: int) -> Batch:
         params = self.policy.sampling
         n = params.n
-        base = round_ * 1_000_000  # distinct seeds and group ids for refill rounds
-        seeds = [sample_seed(self.cfg.run.seed, step, base + i) for i in range(len(rows) * n)]
+        seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
         texts, ids = self.train.lookup(rows)
-        episodes = self.run(rows, ids, seeds, [base + i for i in range(len(rows))], params)
+        episodes = self.run(rows, ids, [s for per in seeds for s in per], group_ids, params)
         batch = episodes_batch(
             episodes, self.policy.tokenizer.pad_token_id, self.limits.max_response_tokens
         )

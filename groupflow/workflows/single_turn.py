@@ -18,7 +18,7 @@ from groupflow.data import PromptRow
 from groupflow.evaluation import records_from_scores, report_progress
 from groupflow.rollout.batching import prompts_batch
 from groupflow.rollout.hf import SamplingParams
-from groupflow.utils.seeds import sample_seed
+from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.llm import (
     PromptTable,
     add_rewards,
@@ -56,11 +56,9 @@ class SingleTurnWorkflow:
     def collect(self, rows: list[PromptRow], step: int, round_: int, version: int) -> Batch:
         params = self.policy.sampling
         n = params.n
-        base = round_ * 1_000_000  # distinct seeds and group ids for refill rounds
-        seeds = [sample_seed(self.cfg.run.seed, step, base + i) for i in range(len(rows) * n)]
+        seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
         texts, ids = self.train.lookup(rows)
-        prompts = prompts_batch(ids, [seeds[i * n : (i + 1) * n] for i in range(len(rows))],
-                                [base + i for i in range(len(rows))])  # fmt: skip
+        prompts = prompts_batch(ids, seeds, group_ids)
         out = self.policy.rollout.generate(prompts, params, max(len(i) for i in ids))
         batch = with_prompt_info(out, rows, texts, n, f"{step}-{round_}", version)
         batch["completion"] = self.decode(batch)

@@ -111,3 +111,23 @@ def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path), local_files_only=True)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """``spy(obj, "name")``: record every return value of the bound method ``obj.name`` while
+    still calling it; returns the list the values are appended to."""
+
+    def install(obj, name: str) -> list:
+        seen: list = []
+        original = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            out = original(*args, **kwargs)
+            seen.append(out)
+            return out
+
+        monkeypatch.setattr(obj, name, wrapper)
+        return seen
+
+    return install

@@ -60,20 +60,6 @@ def _all_steps(run_dir: Path) -> dict[int, dict[str, float]]:
     return {int(r["step"]): r for r in read_metrics(run_dir / "metrics.jsonl")}
 
 
-def _spy(monkeypatch, obj, name: str) -> list:
-    """Record every return value of ``obj.name`` (a bound method) while still calling it."""
-    seen: list = []
-    original = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(obj, name, wrapper)
-    return seen
-
-
 def _spy_args(monkeypatch, obj, name: str) -> list:
     """Record the first positional argument of every call to ``obj.name``."""
     seen: list = []
@@ -143,9 +129,9 @@ def test_parameters_change_and_final_checkpoint_written(tiny_config):
 # ----- ratios and log-probs -------------------------------------------------------------------
 
 
-def test_first_ratio_is_one_with_one_epoch_and_one_mini_batch(tiny_config, monkeypatch):
+def test_first_ratio_is_one_with_one_epoch_and_one_mini_batch(tiny_config, monkeypatch, spy):
     trainer = Trainer(tiny_config(run__total_steps=1, rollout__temperature=0.7))
-    prepared = _spy(monkeypatch, trainer.policy, "prepare")
+    prepared = spy(trainer.policy, "prepare")
     trainer.fit()
     batch = prepared[0]
     # μ = 1, one mini-batch: the rollout's log-probs are used as the old ones, unchanged
@@ -156,13 +142,13 @@ def test_first_ratio_is_one_with_one_epoch_and_one_mini_batch(tiny_config, monke
     assert row["actor/clipfrac_low"] == 0.0
 
 
-def test_old_logprobs_recomputed_with_two_epochs_match_rollout(tiny_config, monkeypatch):
+def test_old_logprobs_recomputed_with_two_epochs_match_rollout(tiny_config, monkeypatch, spy):
     """The log-probs recorded at generation match the training forward (end to end)."""
     # T != 1: both sides must divide the logits by the sampling temperature
     trainer = Trainer(
         tiny_config(run__total_steps=1, actor__ppo_epochs=2, rollout__temperature=0.7)
     )
-    prepared = _spy(monkeypatch, trainer.policy, "prepare")
+    prepared = spy(trainer.policy, "prepare")
     trainer.fit()
     batch = prepared[0]
     assert batch["old_logprobs"] is not batch["rollout_logprobs"]
@@ -173,9 +159,9 @@ def test_old_logprobs_recomputed_with_two_epochs_match_rollout(tiny_config, monk
     assert float(batch["old_logprobs"][~mask].abs().sum()) == 0.0
 
 
-def test_recompute_old_logprobs_always(tiny_config, monkeypatch):
+def test_recompute_old_logprobs_always(tiny_config, monkeypatch, spy):
     trainer = Trainer(tiny_config(run__total_steps=1, actor__recompute_old_logprobs="always"))
-    prepared = _spy(monkeypatch, trainer.policy, "prepare")
+    prepared = spy(trainer.policy, "prepare")
     trainer.fit()
     assert prepared[0]["old_logprobs"] is not prepared[0]["rollout_logprobs"]
 
@@ -183,10 +169,10 @@ def test_recompute_old_logprobs_always(tiny_config, monkeypatch):
 # ----- KL and the reference model ---------------------------------------------------------------
 
 
-def test_no_reference_model_without_kl(tiny_config, monkeypatch):
+def test_no_reference_model_without_kl(tiny_config, monkeypatch, spy):
     trainer = Trainer(tiny_config(run__total_steps=1, actor__kl_coef=0.0))
     assert trainer.policy.actor.ref_model is None
-    prepared = _spy(monkeypatch, trainer.policy, "prepare")
+    prepared = spy(trainer.policy, "prepare")
     trainer.fit()
     assert "ref_logprobs" not in prepared[0]
     assert "actor/kl_loss" not in _steps(trainer.run_dir)[1]
@@ -209,7 +195,9 @@ def test_reference_model_with_kl_is_frozen_and_kl_starts_at_zero(tiny_config):
 # ----- dynamic sampling ------------------------------------------------------------------------
 
 
-def test_dynamic_sampling_drops_constant_reward_groups(tiny_config, helpers_on_path, monkeypatch):
+def test_dynamic_sampling_drops_constant_reward_groups(
+    tiny_config, helpers_on_path, monkeypatch, spy
+):
     cfg = tiny_config(
         run__total_steps=1,
         algorithm__dynamic_sampling=True,
@@ -217,7 +205,7 @@ def test_dynamic_sampling_drops_constant_reward_groups(tiny_config, helpers_on_p
         reward__functions=[{"function": "reward_helpers:constant_when_even"}],
     )
     trainer = Trainer(cfg)
-    rounds = _spy(monkeypatch, trainer.workflow, "collect")
+    rounds = spy(trainer.workflow, "collect")
     trained = _spy_args(monkeypatch, trainer.policy, "prepare")  # the batch that goes on to update
     trainer.fit()
 
@@ -508,10 +496,10 @@ def _nan_policy_loss(monkeypatch, nan_on_calls: set[int]):
     monkeypatch.setattr(actor_module, "policy_loss", maybe_nan)
 
 
-def test_nonfinite_loss_skips_the_step_and_is_counted(tiny_config, monkeypatch):
+def test_nonfinite_loss_skips_the_step_and_is_counted(tiny_config, monkeypatch, spy):
     _nan_policy_loss(monkeypatch, nan_on_calls={0, 2})
     trainer = Trainer(tiny_config(run__total_steps=3, actor__max_nonfinite_steps=2))
-    updates = _spy(monkeypatch, trainer.policy.actor, "update")
+    updates = spy(trainer.policy.actor, "update")
     trainer.fit()
     rows = _steps(trainer.run_dir)
     assert [rows[s]["actor/nonfinite_skipped"] for s in (1, 2, 3)] == [1.0, 0.0, 1.0]

@@ -16,19 +16,6 @@ def _steps(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _spy(monkeypatch, obj, name):
-    seen = []
-    original = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(obj, name, wrapper)
-    return seen
-
-
 CALC = dict(
     data__task={"name": "calc", "digits": 2, "num_train": 200, "num_val": 8},
     model__tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 80},
@@ -47,12 +34,12 @@ def helpers(helpers_on_path):
     return module
 
 
-def test_tool_run_calls_the_tool_masks_its_result_and_logs(tiny_config, monkeypatch):
+def test_tool_run_calls_the_tool_masks_its_result_and_logs(tiny_config, monkeypatch, spy):
     # old log-probs recomputed by the training forward over prompt | turns | observations
     trainer = Trainer(
         tiny_config(run__total_steps=2, actor__recompute_old_logprobs="always", **CALC)
     )
-    batches = _spy(monkeypatch, trainer.workflow, "collect")
+    batches = spy(trainer.workflow, "collect")
     trainer.fit()
     tok = trainer.policy.tokenizer
     calls = 0

@@ -11,6 +11,11 @@ which does not put ``tests/`` on ``sys.path``).
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +136,36 @@ def spy(monkeypatch):
         return seen
 
     return install
+
+
+@pytest.fixture
+def train_until_sigkill(helpers_on_path):
+    """``train_until_sigkill(config_file, marker)``: ``groupflow train`` in a subprocess (tests/
+    and the repo on its path), SIGKILLed as soon as ``marker`` exists — a crash at a chosen point
+    for the exact-resume tests. Fails the test if the run exits first or the marker takes > 120 s."""
+
+    def run(config_file: Path, marker: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": f"{helpers_on_path}{os.pathsep}{TESTS_DIR.parent}"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "groupflow.cli", "train", str(config_file), "--no-plot"],
+            env=env, cwd=config_file.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while not marker.is_file():
+                if proc.poll() is not None:
+                    pytest.fail(
+                        f"the run exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+                    )
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the run did not write {marker} within 120 s")
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+
+    return run

@@ -15,8 +15,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,7 +32,6 @@ from groupflow.rollout.vllm_engine import vllm_available
 from groupflow.tracking import read_metrics
 from groupflow.trainer import Trainer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean")
 _TIME = ("time/", "perf/", "wall_time")
 
@@ -328,7 +325,7 @@ def test_resume_with_a_larger_staleness_names_the_missing_snapshot(tiny_config):
 
 @pytest.mark.slow
 def test_sigkill_with_batches_in_flight_then_resume_is_bit_identical(
-    tiny_config_data, tmp_path, helpers_on_path
+    tiny_config_data, tmp_path, helpers_on_path, train_until_sigkill
 ):
     reward = {"function": "reward_helpers:pausing_reverse_reward", "label": "reverse"}
     common = dict(run__total_steps=6, run__save_every=2, run__keep_last=3,
@@ -346,26 +343,7 @@ def test_sigkill_with_batches_in_flight_then_resume_is_bit_identical(
     config_file = tmp_path / "b.yaml"
     config_file.write_text(yaml.safe_dump(
         tiny_config_data(run__name="b", reward__functions=[paused], **common)))  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{helpers_on_path}{os.pathsep}{REPO_ROOT}"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "groupflow.cli", "train", str(config_file), "--no-plot"],
-        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.is_file():
-            if proc.poll() is not None:
-                pytest.fail(f"run B exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail("run B did not write its step-4 checkpoint within 120 s")
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
+    train_until_sigkill(config_file, marker)
     latest = ckpt_module.find_latest_checkpoint(run_b / "checkpoints")
     assert latest is not None and latest.name in ("step_2", "step_4")
     # the checkpoint carries the weights the in-flight batches were scheduled with

@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +42,6 @@ REQUIRED_METRICS = (
     "time/update",
     "perf/tokens_per_s",
 )
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _steps(run_dir: Path) -> dict[int, dict[str, float]]:
@@ -350,7 +344,7 @@ def _same_metrics(a: dict[str, float], b: dict[str, float]) -> bool:
 
 @pytest.mark.slow
 def test_resume_after_sigkill_replays_identical_metrics(
-    tiny_config_data, tmp_path, helpers_on_path
+    tiny_config_data, tmp_path, helpers_on_path, train_until_sigkill
 ):
     reward = {"function": "reward_helpers:pausing_reverse_reward", "label": "reverse"}
     # a warm-up + cosine schedule, so a scheduler restored at the wrong step would show
@@ -374,29 +368,7 @@ def test_resume_after_sigkill_replays_identical_metrics(
     data_b = tiny_config_data(run__name="b", reward__functions=[paused], **common)
     config_file = tmp_path / "b.yaml"
     config_file.write_text(yaml.safe_dump(data_b))
-    env = {**os.environ, "PYTHONPATH": f"{helpers_on_path}{os.pathsep}{REPO_ROOT}"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "groupflow.cli", "train", str(config_file), "--no-plot"],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.is_file():
-            if proc.poll() is not None:
-                pytest.fail(f"run B exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail("run B did not write its step-4 checkpoint within 120 s")
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
+    train_until_sigkill(config_file, marker)
     assert max(_steps(run_b)) <= 4  # killed before step 5 was logged
     # step_4, or step_2 if the kill landed before `latest` was switched: both are valid
     latest = ckpt_module.find_latest_checkpoint(run_b / "checkpoints")

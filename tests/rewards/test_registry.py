@@ -209,6 +209,17 @@ def test_import_path_errors(user_module, path, message):
         resolve_import_path(path)
 
 
+def test_a_reward_function_may_live_in_a_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def shout(completions, **kw):\n    return [float(c.isupper()) for c in completions]\n"
+    )
+    fn = resolve_import_path(f"{path}:shout")
+    assert fn(completions=["YES", "no"]) == [1.0, 0.0]
+    with pytest.raises(RewardConfigError, match="file '.*missing.py' does not exist"):
+        resolve_import_path(f"{tmp_path / 'missing.py'}:shout")
+
+
 def test_get_reward_and_register_reward(isolated_registry):
     assert get_reward("gsm8k")(completions=["#### 2"], ground_truth=["2"]) == [1.0]
 

@@ -315,6 +315,11 @@ def test_a_bad_checkpoint_is_refused_naming_file_and_key(hpsv3, tmp_path):
         (tmp_path / "two" / name).write_bytes(b"")
     with pytest.raises(RewardConfigError, match="holds 2 checkpoint files"):
         HPSv3Scorer(tmp_path / "two", processor_path=base)
+    with pytest.raises(RewardConfigError, match=r"kwargs\.processor_path \(the Qwen2-VL base\)"):
+        HPSv3Scorer(file)
+    scorer = HPSv3Scorer(file, processor_path=base)
+    with pytest.raises(ValueError, match=r"prompt 1 gives 2 <\|Reward\|> tokens, not 1"):
+        scorer(_frames(2, 0), ["fine", f"a {REWARD_TOKEN} in the prompt"])
     with pytest.raises(RewardConfigError, match="processor_path .* does not exist"):
         build_reward_runner([{"name": "image_scorer", "kwargs": {
             "kind": "hpsv3", "path": str(file), "processor_path": str(tmp_path / "nope")}}])  # fmt: skip

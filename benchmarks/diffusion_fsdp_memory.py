@@ -9,11 +9,12 @@ end (``peak_rss``). Printed: both layouts and their ratios.
 
     .venv/bin/python benchmarks/diffusion_fsdp_memory.py              # 8 blocks of width 512
     .venv/bin/python benchmarks/diffusion_fsdp_memory.py --layers 4 --checkpointing
-    .venv/bin/python benchmarks/diffusion_fsdp_memory.py --width 1024 --load-only
+    .venv/bin/python benchmarks/diffusion_fsdp_memory.py --width 1024 --load-only [--lora]
 
 ``--load-only``: just the load, in 2 gloo processes each: build the full model and shard it (the
 replicated path's load, then FSDP2) vs build on the meta device, shard and read only the rank's
-rows — each process's peak resident memory (VmHWM) after loading.
+rows — each process's peak resident memory (VmHWM) after loading. ``--lora``: with LoRA adapters
+(rank 64 on the attention projections, as the MMDanceGRPO recipe) injected before sharding.
 
 Resident memory includes each process's fixed cost (Python, torch, Ray: several hundred MB), so
 its ratio understates the model-state one; on GPUs the model state is what FSDP divides.
@@ -69,7 +70,12 @@ def run(root: Path, model: Path, prompts: Path, fsdp: bool, steps: int, checkpoi
         trainer.shutdown()
 
 
-def _load_rank(rank: int, world: int, store: str, model: str, meta: bool, out: str) -> None:
+LORA = {"rank": 64, "alpha": 128, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+
+
+def _load_rank(
+    rank: int, world: int, store: str, model: str, meta: bool, out: str, lora: bool
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -81,6 +87,10 @@ def _load_rank(rank: int, world: int, store: str, model: str, meta: bool, out: s
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     before = peak_rss_bytes()
     flow = FlowModelSpec("wan", model, [16, 3, 16, 16]).build(empty=meta)
+    if lora:
+        from groupflow.diffusion.build import lora_adapters
+
+        lora_adapters(flow, LORA)
     shard(flow, flow_layers(flow))
     if meta:
         materialise_shards(flow, model, torch.device("cpu"))
@@ -91,13 +101,14 @@ def _load_rank(rank: int, world: int, store: str, model: str, meta: bool, out: s
     dist.destroy_process_group()
 
 
-def load_only(root: Path, model: Path) -> dict[str, list[dict]]:
+def load_only(root: Path, model: Path, lora: bool) -> dict[str, list[dict]]:
     import torch.multiprocessing as mp
 
     rows = {}
     for name, meta in (("full build, then shard", False), ("meta build, read rows", True)):
         out = str(root / f"{meta}_{{}}.json")  # one file per rank
-        mp.spawn(_load_rank, args=(2, str(root / f"store_{meta}"), str(model), meta, out), nprocs=2)
+        args = (2, str(root / f"store_{meta}"), str(model), meta, out, lora)
+        mp.spawn(_load_rank, args=args, nprocs=2)
         rows[name] = [json.loads(Path(out.format(r)).read_text()) for r in range(2)]
     return rows
 
@@ -110,6 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--load-only", action="store_true")
+    ap.add_argument("--lora", action="store_true", help="--load-only with LoRA adapters")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mib = 2**20
@@ -117,10 +129,12 @@ def main(argv=None) -> int:
         root = Path(tmp)
         model = build_model(root / "wan", args.layers, args.width)
         if args.load_only:
+            lora = " with LoRA r64" if args.lora else ""
             print(
-                f"{args.layers} blocks x width {args.width}: peak RSS per rank after loading, MiB"
+                f"{args.layers} blocks x width {args.width}{lora}: peak RSS per rank after "
+                "loading, MiB"
             )
-            for name, ranks in load_only(root, model).items():
+            for name, ranks in load_only(root, model, args.lora).items():
                 print(f"{name:26s}" + "".join(
                     f"  rank {i}: {r['before'] / mib:6.0f} -> {r['after'] / mib:6.0f}"
                     for i, r in enumerate(ranks)

@@ -113,6 +113,10 @@ class DiffusionConfig(_Section):
     # FSDP2 mixed precision: bf16 parameters and compute, fp32 gradient reduction and master
     # weights (AdamW updates the fp32 shards); needs fsdp on >= 2 workers
     bf16: bool = False
+    # FSDP2 CPUOffloadPolicy: parameter shards, their gradients and AdamW's state in (pinned) CPU
+    # memory, a block's shards copied to the GPU for its all-gather, the optimizer step on the
+    # CPU (the seed's parameter/optimizer offload); needs fsdp on >= 2 workers
+    cpu_offload: bool = False
 
     @field_validator("sampler", "eval_sampler")
     @classmethod
@@ -156,6 +160,11 @@ class DiffusionConfig(_Section):
             raise ValueError(
                 "diffusion.bf16 is FSDP2's mixed precision (bf16 compute, fp32 master weights): "
                 "set diffusion.fsdp: true"
+            )
+        if self.cpu_offload and not self.fsdp:
+            raise ValueError(
+                "diffusion.cpu_offload is FSDP2's CPUOffloadPolicy (parameter shards, gradients "
+                "and optimizer state in CPU memory): set diffusion.fsdp: true"
             )
         if self.objective == "nft" and self.ratio_norm:
             raise ValueError(

@@ -201,11 +201,12 @@ class Config(_Section):
                     "diffusion.objective=nft maps advantages to [0, 1] through "
                     "algorithm.adv_clip_max; set it (default 5)"
                 )
-            if d.bf16 and self.run.num_workers < 2:
-                raise ValueError(
-                    "diffusion.bf16 applies through FSDP2, which shards over run.num_workers >= 2 "
-                    f"workers; run.num_workers={self.run.num_workers}"
-                )
+            for key in ("bf16", "cpu_offload"):
+                if getattr(d, key) and self.run.num_workers < 2:
+                    raise ValueError(
+                        f"diffusion.{key} applies through FSDP2, which shards over "
+                        f"run.num_workers >= 2 workers; run.num_workers={self.run.num_workers}"
+                    )
             if d.ratio_norm and self.actor.loss_fn != "ppo_clip":
                 raise ValueError(
                     f"diffusion.ratio_norm (GRPO-Guard) is defined on the PPO clip loss; "

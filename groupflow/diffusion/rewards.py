@@ -11,11 +11,15 @@ import path work exactly as for LLMs. The built-ins below are registered by name
 - ``compressibility`` — 1 − zlib-compressed size / raw size of the 8-bit pixels (Flow-GRPO's
   compressibility reward, deterministic). Refused below ``min_pixels`` pixels per frame, where the
   compressor's fixed overhead, not the image, decides the score.
-- ``image_scorer`` — a model-based scorer loaded from a LOCAL path: ``kind: clip | pickscore |
-  hps`` are CLIP-style (image–text cosine similarity × logit scale, as PickScore and HPS v2 use),
-  ``kind: hpsv3`` uses the ``hpsv3`` package's inferencer. A missing path is a clear error.
-  PickScore ships its weights (``yuvalkirstain/PickScore_v1``) apart from its processor
-  (``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``): ``processor_path`` names the latter's directory.
+- ``image_scorer`` — a model-based scorer from a local path or a Hub id (resolved through the
+  Hugging Face cache, ``groupflow.utils.hub``): ``kind: clip | pickscore | hps`` are CLIP-style
+  (image–text cosine similarity × logit scale, as PickScore and HPS v2 use), ``kind: hpsv3`` is
+  HPSv3 rebuilt on transformers' Qwen2-VL classes (``groupflow.diffusion.hpsv3``). A missing path
+  is a clear error. PickScore ships its weights (``yuvalkirstain/PickScore_v1``) apart from its
+  processor (``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``): ``processor_path`` names the latter's
+  directory; for HPSv3 ``path`` is ``HPSv3.safetensors`` (or ``MizzenAI/HPSv3``) and
+  ``processor_path`` the Qwen2-VL base (default ``Qwen/Qwen2-VL-7B-Instruct``, of which only the
+  config, tokenizer and image processor files are read or downloaded).
   The chosen frames of all samples are scored ``batch_size`` at a time (prompts truncated to the
   text tower's length, as PickScore does); a sample with non-finite pixels raises, so the runner
   isolates it (a failed batch is retried per sample) and counts it.
@@ -183,31 +187,32 @@ class CLIPStyleScorer:
         return out.logits_per_image.diagonal().float().cpu()
 
 
-class _HPSv3Scorer:
-    def __init__(self, path: str | Path, device: str = "cpu", processor_path=None):
-        try:
-            from hpsv3 import HPSv3RewardInferencer
-        except ImportError as e:
-            raise RewardConfigError(
-                "image_scorer kind 'hpsv3' needs the 'hpsv3' package (pip install hpsv3) and its "
-                f"checkpoint at a local path ({e})"
-            ) from None
-        self.inferencer = HPSv3RewardInferencer(checkpoint_path=str(path), device=device)
+def _hpsv3(path: Path, device: str = "cpu", processor_path=None):
+    from groupflow.diffusion.hpsv3 import HPSv3Scorer  # transformers' Qwen2-VL: imported on use
 
-    @torch.no_grad()
-    def __call__(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
-        from PIL import Image
-
-        pil = [Image.fromarray(i.permute(1, 2, 0).mul(255).round().byte().numpy()) for i in images]
-        return torch.as_tensor([float(r[0]) for r in self.inferencer.reward(pil, list(prompts))])
+    return HPSv3Scorer(path, device, processor_path)
 
 
 _SCORERS = {
     "clip": CLIPStyleScorer,
     "pickscore": CLIPStyleScorer,
     "hps": CLIPStyleScorer,
-    "hpsv3": _HPSv3Scorer,
+    "hpsv3": _hpsv3,
 }
+# HPSv3 was trained from this base; only its config, tokenizer and image processor are read
+HPSV3_BASE = "Qwen/Qwen2-VL-7B-Instruct"
+_BASE_FILES = ["*.json", "*.jinja", "*.txt"]  # not its 16 GB of weights: the checkpoint has them
+
+
+def _local(value: str, key: str, allow_patterns: list[str] | None = None) -> Path:
+    """A local path as given, or the HF-cache snapshot of a Hub id (``groupflow.utils.hub``)."""
+    from groupflow.utils.hub import is_hub_id, resolve_repo
+
+    if is_hub_id(value):
+        return resolve_repo(
+            value, None, f"image_scorer kwargs.{key}", allow_patterns=allow_patterns
+        )
+    return Path(value).expanduser()
 
 
 def make_image_scorer_reward(
@@ -227,16 +232,20 @@ def make_image_scorer_reward(
         raise RewardConfigError(
             f"image_scorer: unknown kind {kind!r}; valid kinds: {sorted(_SCORERS)}"
         )
-    p = Path(path).expanduser()
+    p = _local(path, "path")
     if not p.exists():
         raise RewardConfigError(
-            f"image_scorer ({kind}): model path '{p}' does not exist; download the weights yourself "
-            "and point kwargs.path at the local directory (groupflow never fetches from a hub)"
+            f"image_scorer ({kind}): model path '{p}' does not exist; give a local path or a Hub "
+            "id (owner/name, resolved through the Hugging Face cache)"
         )
-    if processor_path is not None and not Path(processor_path).expanduser().exists():
-        raise RewardConfigError(
-            f"image_scorer ({kind}): processor_path '{processor_path}' does not exist"
-        )
+    if kind == "hpsv3" and processor_path is None:
+        processor_path = HPSV3_BASE
+    if processor_path is not None:
+        processor_path = _local(processor_path, "processor_path", _BASE_FILES)
+        if not processor_path.exists():
+            raise RewardConfigError(
+                f"image_scorer ({kind}): processor_path '{processor_path}' does not exist"
+            )
     scorer = _SCORERS[kind](p, device, processor_path)
 
     def reward(prompts: Sequence[str], completions: Sequence[Tensor]) -> list[float]:

@@ -55,6 +55,7 @@ class DiffusionSettings:
     fsdp: bool = False  # shard the model over the ranks (FSDP2) instead of replicating it
     activation_checkpointing: bool = False  # recompute block activations in backward
     bf16: bool = False  # with fsdp: bf16 params/compute, fp32 reduce and master weights
+    cpu_offload: bool = False  # with fsdp: parameter shards, gradients, AdamW state in CPU memory
 
     def __post_init__(self):
         spec = get_sampler(self.sampler)  # unknown names raise, listing the valid ones

@@ -251,24 +251,45 @@ def _read_rows(f, entry: dict, base: int, start: int, stop: int, where: str) -> 
     return out.reshape([stop - start, *shape[1:]] if shape else [])
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @torch.no_grad()
 def materialise_shards(
-    model: nn.Module, directory: str | Path, device: torch.device, prefix: str = "transformer."
+    model: nn.Module,
+    directory: str | Path,
+    device: torch.device,
+    prefix: str = "transformer.",
+    params_on: torch.device | None = None,
 ) -> None:
-    """Allocate a meta-built, FSDP2-sharded ``model`` on ``device`` and fill each parameter's
-    local shard from the safetensors in ``directory`` (tensor names = parameter names without
-    ``prefix``); buffers keep their values, and those in the checkpoint are read in full."""
+    """Allocate a meta-built, FSDP2-sharded ``model`` and fill each meta parameter's local shard
+    from the safetensors in ``directory`` (tensor names = parameter names without ``prefix`` and
+    without peft's ``base_layer`` level).
+    Parameters go to ``params_on`` (default ``device``; the CPU with FSDP2's CPU offload),
+    buffers to ``device``. Parameters that are already real (LoRA adapters, initialised before
+    sharding) keep their values; buffers too, and those in the checkpoint are read in full."""
     directory = Path(directory).expanduser()
     index = _safetensors_index(directory)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    model.to_empty(device=device)
+    kept = {
+        n: _local(p).detach().clone() for n, p in model.named_parameters() if not _local(p).is_meta
+    }
+    model.to_empty(device=params_on or device)
+    for module in model.modules():  # buffers live where the computation runs
+        for name, b in module.named_buffers(recurse=False):
+            module._buffers[name] = b.to(device)
     for name, b in model.named_buffers():
         b.copy_(buffers[name])
+    for name, p in model.named_parameters():
+        if name in kept:
+            _local(p).copy_(kept[name])
 
-    def key(name: str) -> str:
+    def key(name: str) -> str:  # without the adapter's wrapper level (peft's base_layer)
+        name = name.replace(".base_layer.", ".")
         return name[len(prefix) :] if name.startswith(prefix) else name
 
-    wanted = [(n, p) for n, p in model.named_parameters()]
+    wanted = [(n, p) for n, p in model.named_parameters() if n not in kept]
     wanted += [(n, b) for n, b in model.named_buffers() if key(n) in index]
     missing = [key(n) for n, _ in wanted if key(n) not in index]
     if missing:

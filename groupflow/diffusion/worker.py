@@ -17,8 +17,9 @@ with its adapters disabled). With several ranks the model is either replicated, 
 summed by an all-reduce (the losses already use global denominators), or — ``fsdp`` — sharded
 with FSDP2 like the LLM actor's (``diffusion.sharding``), the loss scaled by the world size since
 FSDP averages; then every rank runs the same forwards (placeholders where it has no sample).
-A sharded diffusers transformer is built on the meta device and each rank reads only its rows
-of the safetensors (``meta_init``), so no process ever holds the full model.
+What the worker holds — LoRA adapters, the reference and old copies, FSDP2 shards (of a
+transformer built on the meta device, each rank reading only its rows), CPU offload — is built
+in ``diffusion.build``; this module computes with it.
 
 The 2025 variants are switches on the same worker: ``sde_window`` (MixGRPO) samples with the SDE
 only inside a window that slides with the update count (the scheduler's step, so it resumes
@@ -30,7 +31,6 @@ instead of log-probs.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -40,6 +40,7 @@ from groupflow.algorithms import aggregate, policy_loss
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.diffusion import objectives as obj
+from groupflow.diffusion.build import build_worker_models, meta_init
 from groupflow.diffusion.models import check_latents
 from groupflow.diffusion.samplers import (
     flow_kl,
@@ -60,13 +61,9 @@ from groupflow.diffusion.settings import (
     select_steps,
 )
 from groupflow.diffusion.sharding import (
-    bf16_policy,
-    enable_activation_checkpointing,
-    flow_layers,
     full_state,
     load_full_state,
     load_shards,
-    materialise_shards,
     memory_stats,
     peak_rss_bytes,
     save_shards,
@@ -78,22 +75,12 @@ from groupflow.distributed.parallel import (
     full_model_state,
     init_process_group,
     is_distributed,
-    shard,
 )
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import NonFiniteLossError, loss_options, lr_lambda, worker_device
 from groupflow.workers.update import global_denominators
 
 __all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX", "prompt_rows"]
-
-
-LORA_INIT_SEED = 20251126  # adapters' init: the same on every rank and in every run
-
-
-def meta_init(spec, settings: DiffusionSettings, world_size: int) -> bool:
-    """Build on the meta device and load shards: a sharded diffusers transformer without LoRA
-    (peft would initialise its adapters on the meta device; LoRA runs load the full base model)."""
-    return settings.fsdp and world_size > 1 and spec.kind != "tiny" and not settings.lora
 
 
 class DiffusionWorker:
@@ -117,50 +104,16 @@ class DiffusionWorker:
         self.device = worker_device(rank) if weights else next(model.parameters()).device
         self.meta_built = weights is not None
         self.flow = model  # the FlowModel interface (encode / null_cond / decode / latent_shape)
-        self.peft = None
-        if settings.lora:
-            from peft import LoraConfig, get_peft_model
-
-            lora = settings.lora
-            # LoRA layers are injected into `model` in place; the PeftModel is kept for
-            # disable_adapter() (the reference policy) and for saving adapters. Their random
-            # init comes from a fixed seed: every rank (replica or shard) must start alike.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(LORA_INIT_SEED)
-                self.peft = get_peft_model(
-                    model,
-                    LoraConfig(
-                        r=lora["rank"],
-                        lora_alpha=lora["alpha"],
-                        target_modules=list(lora["target_modules"]),
-                        lora_dropout=0.0,
-                    ),
-                )
-        # β = 0 never builds a reference; with LoRA the reference is the same net without adapters.
-        self.ref_model = None
-        if cfg.kl_coef > 0 and self.peft is None:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        # DiffusionNFT's sampling policy: an EMA of the trained model (adapters included)
-        self.old_model = None
-        if settings.objective == "nft":
-            self.old_model = copy.deepcopy(model).eval().requires_grad_(False)
+        held = build_worker_models(
+            model, settings, kl_coef=cfg.kl_coef, device=self.device, weights=weights
+        )
+        self.peft, self.ref_model, self.old_model = held.peft, held.ref, held.old
+        self.sharded = held.sharded
         self.sigmas = sigma_schedule(settings.num_steps, settings.shift)
         self.spec = get_sampler(settings.sampler)
         self.noise_level = (
             self.spec.default_noise_level if settings.noise_level is None else settings.noise_level
         )
-        if settings.activation_checkpointing:
-            enable_activation_checkpointing(model)
-        # FSDP2: every copy is sharded alike (the old model's EMA then works on local shards)
-        self.sharded = settings.fsdp and is_distributed()
-        if self.sharded:
-            for m in (model, self.ref_model, self.old_model):
-                if m is not None:
-                    shard(m, flow_layers(m), bf16_policy() if settings.bf16 else None)
-                    if weights:
-                        materialise_shards(m, weights, self.device)
-        elif weights or settings.bf16:
-            raise ValueError("DiffusionWorker: meta init and bf16 need diffusion.fsdp on >1 rank")
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay

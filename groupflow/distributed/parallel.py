@@ -64,14 +64,19 @@ def all_reduce(value: float | int | torch.Tensor, op: str = "sum") -> float:
     return float(t)
 
 
-def shard(root: nn.Module, layers: list[nn.Module], mp_policy=None) -> nn.Module:
+def shard(
+    root: nn.Module, layers: list[nn.Module], mp_policy=None, offload_policy=None
+) -> nn.Module:
     """FSDP2: shard each transformer layer, then the root (embeddings, norm, head) — only if
-    distributed. ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (None: full precision)."""
+    distributed. ``mp_policy``: an FSDP2 ``MixedPrecisionPolicy`` (None: full precision);
+    ``offload_policy``: e.g. ``CPUOffloadPolicy`` (None: shards stay on the device)."""
     if not is_distributed():
         return root
     from torch.distributed.fsdp import fully_shard
 
     kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
     for layer in layers:
         fully_shard(layer, **kw)
     fully_shard(root, **kw)

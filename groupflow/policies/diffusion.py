@@ -74,6 +74,7 @@ def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -
         sde_window=d.sde_window.model_dump() if d.sde_window else None, ratio_norm=d.ratio_norm,
         objective=d.objective, nft=d.nft.model_dump(), adv_clip_max=adv_clip_max or 5.0,
         fsdp=d.fsdp, activation_checkpointing=d.activation_checkpointing, bf16=d.bf16,
+        cpu_offload=d.cpu_offload,
     )  # fmt: skip
 
 

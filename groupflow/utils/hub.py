@@ -73,9 +73,16 @@ def is_hub_id(value: str) -> bool:
     return bool(_ID.match(value)) and not Path(value).expanduser().exists()
 
 
-def resolve_repo(repo_id: str, revision: str | None, key: str, repo_type: str = "model") -> Path:
+def resolve_repo(
+    repo_id: str,
+    revision: str | None,
+    key: str,
+    repo_type: str = "model",
+    allow_patterns: list[str] | None = None,
+) -> Path:
     """The local snapshot directory of ``repo_id`` at ``revision`` (default branch when None),
-    downloaded only when offline mode is off and it is not cached."""
+    downloaded only when offline mode is off and it is not cached; ``allow_patterns`` limits a
+    download to the files matching them (e.g. a model's config and tokenizer, not its weights)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,
@@ -90,7 +97,7 @@ def resolve_repo(repo_id: str, revision: str | None, key: str, repo_type: str = 
     try:
         path = snapshot_download(
             repo_id, repo_type=repo_type, revision=revision, cache_dir=str(cache),
-            local_files_only=offline,
+            local_files_only=offline, allow_patterns=allow_patterns,
         )  # fmt: skip
     except RevisionNotFoundError:
         raise HubError(

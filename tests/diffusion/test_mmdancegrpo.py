@@ -3,8 +3,8 @@
 Only what a CPU cannot hold changes: the transformer (a random 1-layer WanTransformer3DModel
 with the real class and file layout), its text encoder and VAE (tiny random UMT5 and
 AutoencoderKLWan in the second test, none in the first), the latent size, the worker count, the step counts, and the
-reward (HPSv3 needs its own package; `brightness` on the same first frame with the same 0.1
-coefficient stands in for it). Every other key — DanceGRPO's SDE, shift, same noise per group,
+reward (a 7B HPSv3 does not fit a CPU test — its scorer is tested on tiny checkpoints in
+test_hpsv3.py; `brightness` on the same first frame with the same 0.1 coefficient stands in). Every other key — DanceGRPO's SDE, shift, same noise per group,
 every step trained, advantage clip, reward threshold, warm-up + cosine LR, ratio clip, gradient
 clip, micro-batches, LoRA on the attention projections, the online test — is the recipe's.
 """

@@ -1,7 +1,8 @@
 """Meta-device construction and sharded loading of a diffusers transformer (diffusion.sharding):
 FSDP2's row split, a meta-built model reading back exactly the saved weights (rotary buffers
-kept), each of 2 gloo ranks holding only its rows without ever loading the full model, and bad
-checkpoints refused with the offending file / tensor named."""
+kept), each of 2 gloo ranks holding only its rows without ever loading the full model (also with
+LoRA adapters and CPU offload, as a worker builds it), and bad checkpoints refused with the
+offending file / tensor named."""
 
 from __future__ import annotations
 
@@ -99,6 +100,14 @@ def _rank(rank: int, world: int, store_path: str, model: str) -> None:
         "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
     )
     try:
+        from groupflow.diffusion.build import lora_adapters
+
+        lora = {"rank": 2, "alpha": 4, "target_modules": ["to_q", "to_v"]}
+        whole = FlowModelSpec(
+            "wan", model, list(SHAPE)
+        ).build()  # before from_pretrained is refused
+        lora_adapters(whole, lora)
+        want_lora = {k: v.clone() for k, v in whole.state_dict().items()}
 
         def refuse(*_, **__):
             raise AssertionError("a rank loaded the full transformer")
@@ -121,8 +130,38 @@ def _rank(rank: int, world: int, store_path: str, model: str) -> None:
             key = name.removeprefix("transformer.")
             if key in saved:
                 assert torch.equal(t, saved[key]), name
+        _lora_and_offload(model, lora, want_lora)
     finally:
         dist.destroy_process_group()
+
+
+def _lora_and_offload(model: str, lora: dict, want: dict) -> None:
+    """A meta-built transformer with LoRA and CPU offload, as a worker builds it: every FSDP2
+    parameter marked for offload, and the shards all-gather into the whole model with peft's
+    adapters (``want``)."""
+    from groupflow.diffusion.build import build_worker_models
+    from groupflow.diffusion.settings import DiffusionSettings
+    from groupflow.distributed.parallel import full_model_state
+    from groupflow.policies.diffusion import FlowModelSpec
+
+    flow = FlowModelSpec("wan", model, list(SHAPE)).build(empty=True)
+    settings = DiffusionSettings(fsdp=True, cpu_offload=True, lora=lora)
+    held = build_worker_models(
+        flow, settings, kl_coef=0.1, device=torch.device("cpu"), weights=model
+    )
+    assert held.sharded and held.peft is not None and held.ref is None
+    # FSDP2's own record of the policy (private state, read only here to see the switch land)
+    groups = [
+        m._get_fsdp_state()._fsdp_param_group
+        for m in flow.modules()
+        if hasattr(m, "_get_fsdp_state")
+    ]
+    params = [fp for g in groups if g is not None for fp in g.fsdp_params]
+    assert params and all(fp.offload_to_cpu and not fp.pin_memory for fp in params)
+    got = full_model_state(flow)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 @pytest.mark.slow  # two processes importing torch and diffusers

@@ -87,6 +87,8 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"diffusion.activation_checkpointing": True}, "not 'tiny'"),
         ({"diffusion.bf16": True}, "diffusion.bf16 is FSDP2's mixed precision .*set diffusion.fsdp: true"),
         ({"diffusion.bf16": True, "diffusion.fsdp": True}, "run.num_workers=1"),
+        ({"diffusion.cpu_offload": True}, "diffusion.cpu_offload is FSDP2's CPUOffloadPolicy .*set diffusion.fsdp: true"),
+        ({"diffusion.cpu_offload": True, "diffusion.fsdp": True}, "diffusion.cpu_offload applies through FSDP2.*run.num_workers=1"),
         ({"diffusion.nft.old_decay_max": 1.0}, "'diffusion.nft.old_decay_max'"),
     ],
 )  # fmt: skip

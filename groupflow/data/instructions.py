@@ -5,7 +5,9 @@ some but not much success and where success is checked by code. GSM8K is out of 
 greedy); IFEval-style constraints are not (Tulu 3's RLVR trains on them): the model writes
 fluent text, and whether that text is lowercase, short, ends with a given phrase or is JSON is
 a literal check (``groupflow.rewards.instructions``). Each prompt is a writing request about a
-topic plus two constraints of different kinds, scored with partial credit (the fraction met).
+topic plus two constraints of different kinds, scored with partial credit (the fraction met),
+and only if the response answers the request (at least 8 words, not a repetition, about the
+row's ``topic``: ``groupflow.rewards.instructions.answers_request``).
 
 Held-out prompts use topics no training prompt uses (every fifth topic of the list), so the
 held-out split is disjoint from training by topic, not just by prompt text; both splits are
@@ -83,7 +85,7 @@ def _split_topics() -> tuple[list[str], list[str]]:
     return train, heldout
 
 
-def _draw(rng: np.random.Generator, topics: list[str]) -> tuple[str, list[dict[str, Any]]]:
+def _draw(rng: np.random.Generator, topics: list[str]) -> tuple[str, str, list[dict[str, Any]]]:
     topic = topics[rng.integers(len(topics))]
     request = REQUESTS[rng.integers(len(REQUESTS))].format(topic=topic)
     while True:
@@ -96,13 +98,13 @@ def _draw(rng: np.random.Generator, topics: list[str]) -> tuple[str, list[dict[s
         arg = None if choices is None else choices[rng.integers(len(choices))]
         constraints.append({"kind": kind, "arg": arg})
     text = " ".join([request] + [constraint_text(c["kind"], c["arg"]) for c in constraints])
-    return text, constraints
+    return text, topic, constraints
 
 
 def _rows(n: int, topics: list[str], rng: np.random.Generator, split: str) -> list[dict]:
     rows, seen, misses = [], set(), 0
     while len(rows) < n and misses < 10_000:  # distinct prompts, until the space runs dry
-        text, constraints = _draw(rng, topics)
+        text, topic, constraints = _draw(rng, topics)
         if text in seen:
             misses += 1
             continue
@@ -111,6 +113,7 @@ def _rows(n: int, topics: list[str], rng: np.random.Generator, split: str) -> li
         rows.append({
             "prompt": [{"role": "user", "content": text}],
             "constraints": constraints,
+            "topic": topic,  # the reward checks that a response is about it
             "data_source": DATA_SOURCE,
             "split": split,
         })  # fmt: skip

@@ -7,6 +7,13 @@ reward is the fraction of a prompt's constraints the response satisfies (partial
 weak policy a signal long before it satisfies every constraint), so ``val/*/acc`` (reward 1.0)
 is IFEval's strict prompt-level accuracy and ``val/*/reward`` its instruction-level accuracy.
 Checks are deliberately literal (no model, no fuzzy matching): they are what is being learned.
+
+A response must first *answer the request* (:func:`answers_request`): at least ``min_words``
+words, not a repetition of a few, and — when the row names its ``topic`` — about the topic. Else
+it scores 0 whatever it meets. Without this gate GRPO finds the degenerate optimum of IFEval-style
+rewards within 30 steps: "no commas" + "at most 25 words" are both met by a four-word fragment
+('"the swimsuitant sun"'), and a policy trained on them stops answering (measured on
+SmolLM2-135M: response length 42 → 14 tokens while strict accuracy rose 6 → 69 %).
 """
 
 from __future__ import annotations
@@ -16,7 +23,13 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["CHECKERS", "check_constraint", "instruction_score", "make_instructions_reward"]
+__all__ = [
+    "CHECKERS",
+    "answers_request",
+    "check_constraint",
+    "instruction_score",
+    "make_instructions_reward",
+]
 
 _WORD = re.compile(r"[A-Za-z0-9']+")
 _SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)")
@@ -25,6 +38,36 @@ _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 
 def _words(text: str) -> list[str]:
     return _WORD.findall(text)
+
+
+MIN_ANSWER_WORDS = 8
+MIN_DISTINCT = 0.5  # distinct words / words: 'today today today must preserve today' fails
+_FUNCTION_WORDS = frozenset("a an and at in of on the to your".split())
+
+
+def _stem(word: str) -> str:
+    """Crude and literal: the first four letters of a longer word ('bike' ~ 'bikes', 'learning'
+    ~ 'learn'), a short word whole."""
+    word = word.lower()
+    return word[:4] if len(word) > 4 else word
+
+
+def mentions_topic(text: str, topic: str) -> bool:
+    """Some content word of ``topic`` ('a busy train station': busy, train, station) appears,
+    compared by :func:`_stem`."""
+    wanted = {_stem(w) for w in _words(topic) if w.lower() not in _FUNCTION_WORDS}
+    if not wanted:
+        raise ValueError(f"instructions: topic {topic!r} has no content word")
+    return any(_stem(w) in wanted for w in _words(text))
+
+
+def answers_request(text: str, topic: str | None = None, min_words: int = MIN_ANSWER_WORDS) -> bool:
+    """The response is an answer, not a fragment: at least ``min_words`` words, at least half of
+    them distinct, and (given ``topic``) about it."""
+    words = [w.lower() for w in _words(text)]
+    if len(words) < min_words or len(set(words)) < MIN_DISTINCT * len(words):
+        return False
+    return topic is None or mentions_topic(text, topic)
 
 
 def has_keyword(text: str, word: str) -> bool:
@@ -109,17 +152,35 @@ def _text(completion: Any) -> str:
     return str(completion)
 
 
-def instruction_score(text: str, constraints: Sequence[Mapping[str, Any]]) -> float:
-    """Fraction of ``constraints`` satisfied (IFEval's instruction-level credit)."""
+def instruction_score(
+    text: str,
+    constraints: Sequence[Mapping[str, Any]],
+    topic: str | None = None,
+    min_words: int = MIN_ANSWER_WORDS,
+) -> float:
+    """Fraction of ``constraints`` satisfied (IFEval's instruction-level credit), or 0 for a
+    response that does not answer the request (:func:`answers_request`)."""
     if not constraints:
         raise ValueError("a row of the instructions task needs at least one constraint")
+    if not answers_request(text, topic, min_words):
+        return 0.0
     return sum(check_constraint(text, c) for c in constraints) / len(constraints)
 
 
-def make_instructions_reward() -> Callable[..., list[float]]:
-    """The reward of the built-in ``instructions`` task: reads the row field ``constraints``."""
+def make_instructions_reward(min_words: int = MIN_ANSWER_WORDS) -> Callable[..., list[float]]:
+    """The reward of the built-in ``instructions`` task: reads the row fields ``constraints`` and,
+    where present, ``topic``. ``min_words``: the shortest response that counts as an answer
+    (0 and no topic: the bare constraint checks)."""
+    if not isinstance(min_words, int) or isinstance(min_words, bool) or min_words < 0:
+        raise ValueError(f"instructions: min_words must be an integer >= 0, got {min_words!r}")
 
-    def instructions(completions: Sequence[Any], constraints: Sequence[Any]) -> list[float]:
-        return [instruction_score(_text(c), cs) for c, cs in zip(completions, constraints)]
+    def instructions(
+        completions: Sequence[Any], constraints: Sequence[Any], topic: Sequence[Any] | None = None
+    ) -> list[float]:
+        topics = topic if topic is not None else [None] * len(completions)
+        return [
+            instruction_score(_text(c), cs, t, min_words)
+            for c, cs, t in zip(completions, constraints, topics)
+        ]
 
     return instructions

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from groupflow.rewards import build_reward_runner, get_reward
-from groupflow.rewards.instructions import check_constraint, instruction_score
+from groupflow.rewards.instructions import (
+    answers_request,
+    check_constraint,
+    instruction_score,
+    make_instructions_reward,
+    mentions_topic,
+)
 
 
 @pytest.mark.parametrize(
@@ -40,22 +46,62 @@ def test_each_checker_on_hand_written_text(kind, arg, text, expected):
 
 def test_the_score_is_the_fraction_of_constraints_met():
     cs = [{"kind": "lowercase", "arg": None}, {"kind": "max_words", "arg": 4}]
-    assert instruction_score("tea is warm", cs) == 1.0
-    assert instruction_score("Tea is warm", cs) == 0.5
-    assert instruction_score("Tea is very warm today", cs) == 0.0
+    assert instruction_score("tea is warm", cs, min_words=0) == 1.0
+    assert instruction_score("Tea is warm", cs, min_words=0) == 0.5
+    assert instruction_score("Tea is very warm today", cs, min_words=0) == 0.0
+
+
+ANSWER = "Bees carry pollen from one flower to the next one."  # 10 words, 9 distinct
+
+
+@pytest.mark.parametrize(
+    "text, topic, expected",
+    [
+        (ANSWER, "bees and flowers", True),
+        (ANSWER, None, True),  # no topic: length and variety only
+        ("bee on a flower", "bees and flowers", False),  # a fragment (4 words)
+        ("Today today today today today must preserve the today", None, False),  # 4/9 distinct
+        (ANSWER, "the history of bread", False),  # not about the topic
+        ("Riding a bike takes practice and a little courage.", "learning to ride a bike", True),
+    ],
+)
+def test_a_response_must_answer_the_request(text, topic, expected):
+    assert answers_request(text, topic) is expected
+
+
+def test_the_topic_is_matched_by_its_content_words_stems():
+    assert mentions_topic("Two bikes.", "learning to ride a bike")  # 'bike' ~ 'bikes'
+    assert mentions_topic("I learned a lot.", "learning to ride a bike")  # 'lear'
+    assert not mentions_topic("The ride was long.", "the history of bread")
+    with pytest.raises(ValueError, match="no content word"):
+        mentions_topic("x", "the")
+
+
+def test_a_fragment_that_meets_every_constraint_scores_zero():
+    # what GRPO found on SmolLM2 without the gate: both constraints met, nothing answered
+    cs = [{"kind": "no_commas", "arg": None}, {"kind": "max_words", "arg": 25}]
+    assert instruction_score('"The Summer Festival in Green"', cs, "a summer festival") == 0.0
+    text = "A summer festival is a big party outside with music and games for everyone."
+    assert instruction_score(text, cs, "a summer festival") == 1.0
+    assert instruction_score(text.replace("big", "big, loud"), cs, "a summer festival") == 0.5
 
 
 def test_the_reward_reads_constraints_and_takes_chat_completions():
     fn = get_reward("instructions")
     cs = [{"kind": "no_commas", "arg": None}]
-    assert fn(["a, b", [{"role": "assistant", "content": "a b"}]], [cs, cs]) == [0.0, 1.0]
+    chat = [{"role": "assistant", "content": ANSWER}]
+    assert fn([ANSWER.replace("pollen", "pollen,"), chat], [cs, cs]) == [0.0, 1.0]
+    assert fn([ANSWER, ANSWER], [cs, cs], topic=["bees", "bread"]) == [1.0, 0.0]
+    assert get_reward("instructions", min_words=0)(["a b"], [cs]) == [1.0]
+    with pytest.raises(ValueError, match="min_words must be an integer >= 0"):
+        make_instructions_reward(min_words=-1)
 
 
 def test_the_task_data_source_picks_this_reward():
     runner = build_reward_runner(None)
     result = runner(
-        ["p"], ["hello"], constraints=[[{"kind": "lowercase", "arg": None}]],
-        data_source=["groupflow/instructions"],
+        ["p"], [ANSWER.lower()], constraints=[[{"kind": "lowercase", "arg": None}]],
+        topic=["honey bees"], data_source=["groupflow/instructions"],
     )  # fmt: skip
     assert result.total.tolist() == [1.0]
 

@@ -215,9 +215,15 @@ def _pretrain_diffusion(args) -> int:
 
 
 def _plot(args) -> int:
-    from groupflow.plotting import plot_run
+    from groupflow.plotting import plot_run, plot_runs
 
-    for p in plot_run(args.run_dir, out_dir=args.out):
+    if len(args.run_dirs) == 1:
+        paths = plot_run(args.run_dirs[0], out_dir=args.out, metrics=args.metrics)
+    elif args.out is None:
+        raise ValueError("groupflow plot with several runs compares them: give --out DIR")
+    else:
+        paths = plot_runs(args.run_dirs, out_dir=args.out, metrics=args.metrics)
+    for p in paths:
         print(p)
     return 0
 
@@ -285,9 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--labels", default=None, help="comma-separated colour names (default: all)")
     pd.set_defaults(func=_pretrain_diffusion)
 
-    pl = sub.add_parser("plot", help="PNG curves from a run's metrics.jsonl")
-    pl.add_argument("run_dir")
-    pl.add_argument("--out", default=None)
+    pl = sub.add_parser(
+        "plot", help="PNG curves from a run's metrics.jsonl; several runs: compared, one curve each"
+    )
+    pl.add_argument("run_dirs", nargs="+", metavar="run_dir")
+    pl.add_argument("--out", default=None, help="default: RUN_DIR/plots (required for several)")
+    pl.add_argument(
+        "--metrics", nargs="+", default=None,
+        help="glob patterns, one panel each (e.g. 'val/*acc*' reward/mean)",
+    )  # fmt: skip
     pl.set_defaults(func=_plot)
     return p
 

@@ -5,6 +5,10 @@ is drawn only if some logged key matches, so the same code plots LLM and diffusi
 with fewer metrics, and runs still in progress. Rendering uses matplotlib's object API on an Agg
 canvas rather than ``pyplot``, so no display is needed and the caller's global matplotlib backend is
 left untouched. Noisy RL curves get a trailing moving average over the faint raw curve.
+
+Several runs (seeds, a control, two algorithms) are compared with :func:`plot_runs`: one panel per
+metric, one colour per run, the runs' directory names as labels — the figure a results table
+cites, drawn from the same JSONL files.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 
 from groupflow.tracking import METRICS_FILE, read_metrics
 
-__all__ = ["PANELS", "Panel", "plot_run"]
+__all__ = ["COMPARE_METRICS", "PANELS", "Panel", "plot_run", "plot_runs"]
 
 # Below this many points a curve is drawn raw with markers; above it, raw (faint) plus smoothed.
 _SMOOTH_MIN_POINTS = 20
@@ -134,6 +138,18 @@ def _panels_for(metrics: Sequence[str] | None) -> tuple[Panel, ...]:
     )
 
 
+def _read_run(run_dir: Path) -> list[dict[str, float]]:
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {METRICS_FILE} in {run_dir}: is this a groupflow run directory?"
+        )
+    rows = read_metrics(path)
+    if not rows:
+        raise ValueError(f"{path} is empty: the run has not logged any step yet")
+    return rows
+
+
 def plot_run(
     run_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -146,13 +162,7 @@ def plot_run(
     """
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no {METRICS_FILE} in {run_dir}: is this a groupflow run directory?"
-        )
-    rows = read_metrics(path)
-    if not rows:
-        raise ValueError(f"{path} is empty: the run has not logged any step yet")
+    rows = _read_run(run_dir)
     available = sorted({key for row in rows for key in row} - {"step", "wall_time"})
     panels = [(panel, panel.keys(available)) for panel in _panels_for(metrics)]
     panels = [(panel, keys) for panel, keys in panels if keys]
@@ -179,3 +189,66 @@ def plot_run(
     written.append(out / "overview.png")
     fig.savefig(written[-1])
     return written
+
+
+# What a comparison of runs shows unless told otherwise: held-out and training success, length.
+COMPARE_METRICS = ("val/*acc*", "val/*mean@*", "reward/mean", "response_length/mean")
+
+
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path,
+    metrics: Sequence[str] | None = None,
+) -> list[Path]:
+    """Compare runs: one PNG per metric matching ``metrics`` (glob patterns, default
+    :data:`COMPARE_METRICS`) in any run, each run a curve labelled by its directory name, plus
+    ``overview.png``. Returns the written paths."""
+    dirs = [Path(d) for d in run_dirs]
+    if len(dirs) < 2:
+        raise ValueError("plot_runs compares two or more runs; plot_run draws one")
+    names = [d.name for d in dirs]
+    if len(set(names)) != len(names):
+        names = [str(d) for d in dirs]  # same names under different parents: full paths
+    runs = [_read_run(d) for d in dirs]
+    available = sorted({k for rows in runs for row in rows for k in row} - {"step", "wall_time"})
+    patterns = [metrics] if isinstance(metrics, str) else list(metrics or COMPARE_METRICS)
+    keys = Panel("compare", "", tuple(patterns)).keys(available)
+    if not keys:
+        raise ValueError(
+            f"no metric of the runs matches the patterns {patterns}; logged metrics: {available}"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key in keys:
+        fig = _new_figure(6.4, 4.0)
+        _draw_runs(fig.add_subplot(), runs, names, key)
+        written.append(out / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.png")
+        fig.savefig(written[-1])
+    ncols = min(3, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig = _new_figure(5.2 * ncols, 3.6 * nrows)
+    for i, key in enumerate(keys):
+        _draw_runs(fig.add_subplot(nrows, ncols, i + 1), runs, names, key)
+    fig.suptitle(", ".join(names), fontsize=11)
+    written.append(out / "overview.png")
+    fig.savefig(written[-1])
+    return written
+
+
+def _draw_runs(ax, runs: list[list[dict[str, float]]], names: list[str], key: str) -> None:
+    for i, (rows, name) in enumerate(zip(runs, names)):
+        steps, values = _series(rows, key)
+        if not steps:
+            continue  # this run did not log the metric
+        color = f"C{i % 10}"
+        if len(steps) >= _SMOOTH_MIN_POINTS:
+            ax.plot(steps, values, color=color, alpha=0.2, linewidth=1)
+            smooth = _trailing_mean(values, max(3, len(values) // 20))
+            ax.plot(steps, smooth, color=color, linewidth=2, label=name)
+        else:
+            ax.plot(steps, values, color=color, linewidth=1.5, marker="o", markersize=4, label=name)
+    ax.set_title(key, fontsize=11)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(True, alpha=0.3)

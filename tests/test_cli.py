@@ -144,6 +144,18 @@ def test_plot_writes_pngs(trained, tmp_path, capsys):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
 
 
+def test_plot_compares_several_runs(trained, tmp_path, capsys):
+    _, run_dir, _ = trained
+    out = tmp_path / "cmp"
+    argv = ["plot", str(run_dir), str(run_dir), "--out", str(out), "--metrics", "reward/mean"]
+    assert main(argv) == 0
+    assert [Path(p).name for p in capsys.readouterr().out.split()] == [
+        "reward_mean.png", "overview.png",
+    ]  # fmt: skip
+    assert main(["plot", str(run_dir), str(run_dir)]) == 2  # several runs need --out
+    assert "give --out DIR" in capsys.readouterr().err
+
+
 # ----- user errors ---------------------------------------------------------------------------------
 
 

@@ -5,7 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from groupflow.plotting import PANELS, Panel, _trailing_mean, plot_run
+from groupflow.plotting import (
+    PANELS,
+    Panel,
+    _draw_runs,
+    _new_figure,
+    _trailing_mean,
+    plot_run,
+    plot_runs,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -115,3 +123,37 @@ def test_trailing_mean_skips_nan():
     out = _trailing_mean([math.nan, 1.0, 3.0, math.nan, 5.0], window=2)
     assert math.isnan(out[0])
     assert out[1:] == [1.0, 2.0, 2.0, 4.0]
+
+
+def test_plot_runs_draws_one_curve_per_run_for_each_metric(tmp_path):
+    seed0, control = tmp_path / "seed0", tmp_path / "control"
+    _write_run(seed0, _rl_rows(10))
+    _write_run(control, [{"step": 1, "reward/mean": 0.2}, {"step": 2, "reward/mean": 0.1}])
+    paths = plot_runs([seed0, control], tmp_path / "cmp")
+    # val/acc (seed0 only), reward/mean (both), response_length/mean (seed0 only)
+    assert [p.name for p in paths] == [
+        "val_acc.png", "reward_mean.png", "response_length_mean.png", "overview.png",
+    ]  # fmt: skip
+    for p in paths:
+        _png_size(p)
+    ax = _new_figure(6, 4).add_subplot()
+    _draw_runs(
+        ax, [_rl_rows(10), [{"step": 1, "reward/mean": 0.2}]], ["seed0", "control"], "reward/mean"
+    )
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"seed0", "control"}
+    assert list(lines["seed0"].get_xdata()) == list(range(1, 11))
+    assert list(lines["control"].get_ydata()) == [0.2]
+
+
+def test_plot_runs_bad_input(tmp_path):
+    _write_run(tmp_path / "a", _rl_rows(3))
+    with pytest.raises(ValueError, match="compares two or more runs"):
+        plot_runs([tmp_path / "a"], tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl in .*missing"):
+        plot_runs([tmp_path / "a", tmp_path / "missing"], tmp_path / "out")
+    _write_run(tmp_path / "b", _rl_rows(3))
+    with pytest.raises(
+        ValueError, match=r"no metric of the runs matches the patterns \['nope/\*'\]"
+    ):
+        plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "out", metrics=["nope/*"])

@@ -18,11 +18,11 @@ speed path, never a requirement. Tests check tokens and log-probs against the HF
 
 Two parts of a step are computed differently from HF's forward, because a profile of SmolLM2-135M
 (16 rows, 128 new tokens, fp32 CPU; ``benchmarks/README.md``) showed them as the largest costs
-after the layer GEMMs: attention reads each key/value head once for the query heads that share it
-(``grouped_attention``: grouped-query attention as two batched matmuls — HF's eager formula —
-where SDPA's CPU kernel walks the cache once per query head), and the LM head runs on the faster
-CPU kernel where that is safe (``rollout/kernels.py``). Both change only the summation order, i.e.
-float rounding.
+after the layer GEMMs: on a CPU, attention reads each key/value head once for the query heads that
+share it (``grouped_attention``: grouped-query attention as two batched matmuls — HF's eager
+formula — where SDPA's CPU kernel walks the cache once per query head; other devices keep SDPA),
+and the LM head runs on the faster CPU kernel where that is safe (``rollout/kernels.py``). Both
+change only the summation order, i.e. float rounding.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from groupflow.models.causal_lm import full_attention_only
@@ -81,7 +82,8 @@ def grouped_attention(
     the Hq / Hkv query heads of a group form the rows of one matmul against their shared keys, so
     the cache is read once per key/value head (SDPA's CPU kernel reads it once per query head:
     3× the bytes for SmolLM2's 9/3 heads). The arithmetic is HF's eager attention: scores scaled
-    after the product, masked, softmax in the input dtype (fp32 here), times the values.
+    after the product, masked, softmax in float32 cast back to the values' dtype, times the
+    values.
     """
     rows, q_heads, _, dim = q.shape
     kv_heads = keys.shape[1]
@@ -89,7 +91,22 @@ def grouped_attention(
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
     if key_pad is not None:
         scores.masked_fill_(key_pad, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(rows, q_heads * dim)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values).reshape(rows, q_heads * dim)
+
+
+def _sdpa(q, keys, values, key_pad, scale) -> torch.Tensor:
+    """The same attention through SDPA, whose fused GPU kernels beat two matmuls there (the
+    grouped form was measured faster on CPUs only)."""
+    out = F.scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        attn_mask=None if key_pad is None else ~key_pad,
+        scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    return out.reshape(q.shape[0], -1)  # [B, Hq, 1, D] -> [B, Hq·D]
 
 
 def _rope_function(model: nn.Module):
@@ -105,6 +122,8 @@ class StaticDecoder:
         self.rope = _rope_function(model)
         # chosen per generation: the weights (and so the probe) change with every update
         self.head = head_kernel(model.lm_head)
+        device = next(model.parameters()).device
+        self.attend = grouped_attention if device.type == "cpu" else _sdpa
         self.keys, self.values = keys, values  # per layer [B, H_kv, prompt_len + new, D]
         # [B, 1, 1, L] over all columns, True at padding; None when no prompt is padded
         self.key_pad = key_pad
@@ -163,7 +182,7 @@ class StaticDecoder:
             q, k = self.rope(q, k, cos, sin)
             self.keys[i][:, :, col] = k[:, :, 0]
             self.values[i][:, :, col] = v[:, :, 0]
-            out = grouped_attention(
+            out = self.attend(
                 q, self.keys[i][:, :, : col + 1], self.values[i][:, :, : col + 1], pad, attn.scaling
             )
             x = x + attn.o_proj(out)

@@ -16,7 +16,12 @@ import torch
 from groupflow.models.causal_lm import build_tiny_llama, token_positions
 from groupflow.rollout.hf import SamplingParams, generate
 from groupflow.rollout.kernels import onednn_linear_available
-from groupflow.rollout.static_cache import StaticDecoder, grouped_attention, unsupported_reason
+from groupflow.rollout.static_cache import (
+    StaticDecoder,
+    _sdpa,
+    grouped_attention,
+    unsupported_reason,
+)
 
 VOCAB, PAD, EOS = 20, 0, 1
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]]
@@ -170,6 +175,8 @@ def test_grouped_attention_is_eager_attention_with_repeated_key_value_heads(
         key_pad = (torch.arange(length)[None, :] < torch.arange(rows)[:, None])[:, None, None]
     ours = grouped_attention(q, keys, values, key_pad, dim**-0.5)
     torch.testing.assert_close(ours, _eager_attention(q, keys, values, key_pad, dim**-0.5))
+    # the SDPA form other devices use computes the same
+    torch.testing.assert_close(_sdpa(q, keys, values, key_pad, dim**-0.5), ours)
     if padded:  # a padded key changes nothing, whatever it holds
         keys2 = keys.masked_fill(key_pad.transpose(-1, -2), 1e4)
         torch.testing.assert_close(grouped_attention(q, keys2, values, key_pad, dim**-0.5), ours)

@@ -16,6 +16,12 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _small_heads_qualify(monkeypatch):
+    """The tests' heads are small; the size threshold has its own test."""
+    monkeypatch.setattr(kernels, "MIN_HEAD_ELEMENTS", 0)
+
+
 def _head(vocab=300, hidden=48, bias=False, dtype=torch.float32) -> nn.Linear:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -81,6 +87,15 @@ def test_a_global_forward_hook_keeps_the_module():
         assert head_kernel(head) is head
     finally:
         handle.remove()
+
+
+def test_a_head_below_the_size_threshold_keeps_the_module(monkeypatch):
+    """oneDNN's per-call overhead loses on small heads (a demo model's few dozen tokens)."""
+    monkeypatch.setattr(kernels, "MIN_HEAD_ELEMENTS", 300 * 48 + 1)
+    head = _head()
+    assert head_kernel(head) is head
+    monkeypatch.setattr(kernels, "MIN_HEAD_ELEMENTS", 300 * 48)
+    assert (head_kernel(head) is head) is not onednn_linear_available()
 
 
 def test_without_the_op_the_module_is_used(monkeypatch):

@@ -379,15 +379,49 @@ def time_alternating(size: str, s: Settings) -> dict[str, Any]:
 # ----- the matrix-multiply floor ------------------------------------------------------------------
 
 
-def _matmul_s(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
-    """Median seconds of ``a @ b`` (after one warm-up: allocation, kernel selection)."""
-    a @ b
+# The floor's clock. Wall time by default; with one thread on a machine shared with other jobs,
+# time.process_time (this process's CPU time) is steadier — bench_generation.py switches to it
+# then, and compares it with the steps' CPU time.
+FLOOR_CLOCK: Callable[[], float] = time.perf_counter
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up: allocation, kernel selection
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
+        t0 = FLOOR_CLOCK()
+        fn()
+        times.append(FLOOR_CLOCK() - t0)
     return statistics.median(times)
+
+
+def _matmul_kernels(a: torch.Tensor, b: torch.Tensor) -> list[Callable[[], Any]]:
+    """``a @ b`` on each CPU GEMM kernel PyTorch ships: MKL (``matmul``) and oneDNN, which the
+    decode's LM head uses where it is faster (``groupflow/rollout/kernels.py``; 1.3-1.8x on
+    vocabulary-sized heads on our CPU)."""
+    kernels = [lambda: a @ b]
+    # (the check of groupflow.rollout.kernels.onednn_linear_available, inlined so that the floor
+    # also runs beside a groupflow from before that module: bench_generation.py --baseline)
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if a.device.type == "cpu" and onednn:
+        op, weight = torch.ops.mkldnn._linear_pointwise, b.t()  # a @ b = linear(a, b^T)
+        kernels.append(lambda: op(a, weight, None, "none", [], ""))
+    return kernels
+
+
+def _matmul_s(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
+    """Median seconds of ``a @ b`` on the faster kernel, operands hot in the caches."""
+    return min(_median_s(k, repeats) for k in _matmul_kernels(a, b))
+
+
+def _streamed_pass_s(products: list[tuple[torch.Tensor, torch.Tensor]], repeats: int = 3) -> float:
+    """Seconds for every ``a @ b`` of ``products`` once, in turn, each on its faster kernel — a
+    decode step's (or prefill's) GEMMs as they really run: each weight used once per pass, the
+    weights together larger than the CPU's caches, so they stream from memory. (Timing each
+    product on its own, repeated, keeps its weight in cache: for SmolLM2 at 16 rows that
+    understated a decode step's GEMMs by ~25%.)"""
+    fastest = [min(_matmul_kernels(a, b), key=lambda k: _median_s(k, repeats)) for a, b in products]
+    return _median_s(lambda: [k() for k in fastest], repeats)
 
 
 @torch.no_grad()
@@ -396,31 +430,46 @@ def gemm_floor(model, s: Settings, prompt_len: int) -> dict[str, float]:
     work, done by any framework that computes the full batch: generation (one shared prefill per
     prompt, then one token for all B·G rows per step) and the update (forward, input-gradient and
     weight-gradient GEMMs of every linear layer over B·G·(prompt + new) positions; LM head over
-    the response positions). Attention, norms, activations, sampling and the optimizer are left
-    out, so this is a strict lower bound on a step: no framework doing this work in fp32 on these
-    cores can be faster than TRL's step divided by it."""
+    the response positions), each on the faster of MKL and oneDNN; generation's GEMMs are timed
+    as whole passes over the weights, which then stream from memory as in a real decode step.
+    Attention, norms, activations, sampling and the optimizer are left out, so this is a strict
+    lower bound on a step: no framework doing this work in fp32 on these cores can be faster
+    than TRL's step divided by it."""
     torch.set_num_threads(s.threads)
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings().weight
+    # (weight, is it the LM head's)
+    linears = [
+        (m.weight.detach(), m.weight is head)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
     rows = s.prompts_per_step * s.samples_per_prompt
     train_m, resp_m = rows * (prompt_len + s.new_tokens), rows * s.new_tokens
 
-    def matmuls(m: int, head_m: int, backward: bool) -> float:
+    def forward_pass(m: int, head_m: int) -> float:
         # the LM head runs only where a token is predicted: the last prompt position in a
-        # prefill, every row in a decode step, the response positions in the update
+        # prefill, every row in a decode step
+        products = [
+            (torch.randn(head_m if is_head else m, w.shape[1]), w.t()) for w, is_head in linears
+        ]
+        return _streamed_pass_s(products)
+
+    def matmuls(m: int, head_m: int, backward: bool) -> float:
+        # the update: the LM head over the response positions
         total = 0.0
-        for w in weights:
+        for w, is_head in linears:
             n, k = w.shape
-            mm = head_m if w is head else m
-            x, dy, wt = torch.randn(mm, k), torch.randn(mm, n), w.detach().t()
-            total += _matmul_s(x, wt)  # nn.Linear's x @ W^T
+            mm = head_m if is_head else m
+            x, dy, wt = torch.randn(mm, k), torch.randn(mm, n), w.t()
+            # large, compute-bound products: one timed run after the warm-up is steady enough
+            total += _matmul_s(x, wt, repeats=1)  # nn.Linear's x @ W^T
             if backward:
-                total += _matmul_s(dy, w.detach())  # grad of the input
-                total += _matmul_s(dy.t(), x)  # grad of the weight
+                total += _matmul_s(dy, w, repeats=1)  # grad of the input
+                total += _matmul_s(dy.t(), x, repeats=1)  # grad of the weight
         return total
 
-    decode = matmuls(rows, rows, backward=False) * (s.new_tokens - 1)
-    prefill = matmuls(s.prompts_per_step * prompt_len, s.prompts_per_step, backward=False)
+    decode = forward_pass(rows, rows) * (s.new_tokens - 1)
+    prefill = forward_pass(s.prompts_per_step * prompt_len, s.prompts_per_step)
     update = matmuls(train_m, resp_m, backward=True)
     return {"generate_s": prefill + decode, "update_s": update, "step_s": prefill + decode + update}
 

@@ -1,5 +1,6 @@
 """Rollout and training-forward speed paths on one device: static vs dynamic KV cache, the
-sampler, and the shared-prompt forward — each timed against its alternative in one run.
+sampler, the decode's attention and LM-head kernels, and the shared-prompt forward — each timed
+against its alternative in one run.
 
 Methodology: every comparison runs both variants on the same model and inputs, alternating, and
 reports medians of 3 (5 for the sampler) after one warm-up; tokens and log-probs of the two
@@ -69,6 +70,57 @@ def sampler_case(vocab: int, rows: int, device: torch.device) -> None:
     print(f"[sampler] {rows} rows x {vocab} vocabulary: {1e3 * t:.2f} ms per decode step")
 
 
+def head_case(vocab: int, hidden: int, rows: int) -> None:
+    """The LM head of a decode step: F.linear (MKL on CPU) vs the kernel the decode picks."""
+    import torch.nn.functional as F
+
+    from groupflow.rollout.kernels import head_kernel
+
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    kernel = head_kernel(head)
+    x = torch.randn(rows, hidden)
+    with torch.inference_mode():
+        t_mkl, ref = timed(lambda: F.linear(x, head.weight), torch.device("cpu"), reps=5)
+        t_new, out = timed(lambda: kernel(x), torch.device("cpu"), reps=5)
+    name = "module (no faster kernel here)" if kernel is head else "oneDNN"
+    print(
+        f"[LM head {vocab}x{hidden}, {rows} rows] F.linear {1e3 * t_mkl:.1f} ms, {name} "
+        f"{1e3 * t_new:.1f} ms: {t_mkl / t_new:.2f}x; max |d| {(out - ref).abs().max().item():.1e}"
+    )
+
+
+def attention_case(rows: int, q_heads: int, kv_heads: int, length: int, layers: int = 30) -> None:
+    """One decode step's attention over ``layers`` caches (more bytes than the CPU's caches
+    hold, as in a real model): SDPA (what the static decode used) vs grouped_attention."""
+    import torch.nn.functional as F
+
+    from groupflow.rollout.static_cache import grouped_attention
+
+    dim, cpu = 64, torch.device("cpu")
+    keys = [torch.randn(rows, kv_heads, length, dim) for _ in range(layers)]
+    values = [torch.randn(rows, kv_heads, length, dim) for _ in range(layers)]
+    q = torch.randn(rows, q_heads, 1, dim)
+    gqa = q_heads != kv_heads
+    with torch.inference_mode():
+        t_sdpa, _ = timed(
+            lambda: [
+                F.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, enable_gqa=gqa)
+                for k, v in zip(keys, values)
+            ],
+            cpu,
+            reps=5,
+        )
+        t_grp, _ = timed(
+            lambda: [grouped_attention(q, k, v, None, dim**-0.5) for k, v in zip(keys, values)],
+            cpu,
+            reps=5,
+        )
+    print(
+        f"[attention {rows} rows, {q_heads}/{kv_heads} heads, {length} keys, {layers} layers] "
+        f"SDPA {1e3 * t_sdpa:.1f} ms, grouped {1e3 * t_grp:.1f} ms: {t_sdpa / t_grp:.2f}x"
+    )
+
+
 def shared_prompt_case(model, device, prompt_len, response_len, prompts, samples) -> None:
     from groupflow.models.logprobs import response_logprobs
 
@@ -116,6 +168,12 @@ def main() -> None:
     decode_case("medium 2.7M, 8x8x64", medium, prompts, 8, 64, device)
     for vocab in (49152, 151936):
         sampler_case(vocab, 128, device)
+    if device.type == "cpu":
+        for vocab, hidden in ((49152, 576), (151936, 896)):
+            for rows in (1, 16, 128):
+                head_case(vocab, hidden, rows)
+        for length in (40, 100, 166):
+            attention_case(16, 9, 3, length)
     qwen3 = transformers.AutoModelForCausalLM.from_config(
         transformers.Qwen3Config(
             vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

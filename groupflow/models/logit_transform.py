@@ -87,10 +87,13 @@ def logit_transform(model: nn.Module) -> Transform | None:
 
 
 def lm_logits(
-    model: nn.Module, hidden: torch.Tensor, head: nn.Module | None = None
+    model: nn.Module,
+    hidden: torch.Tensor,
+    head: nn.Module | Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The model's logits from final hidden states: its LM head (or ``head``, the same module
-    reached through a wrapper such as FSDP), then its final transform."""
+    reached through a wrapper such as FSDP, or a kernel computing it: ``rollout/kernels.py``),
+    then its final transform."""
     logits = (head if head is not None else model.get_output_embeddings())(hidden)
     transform = logit_transform(model)
     return logits if transform is None else transform(logits)

@@ -15,6 +15,14 @@ causal attention" are driven this way (``SUPPORTED_MODEL_TYPES``); anything else
 type, sliding-window layers that would matter, a PEFT wrapper, an unexpected module layout —
 makes ``StaticDecoder.build`` return None and the caller uses the plain HF forward, so this is a
 speed path, never a requirement. Tests check tokens and log-probs against the HF forward.
+
+Two parts of a step are computed differently from HF's forward, because a profile of SmolLM2-135M
+(16 rows, 128 new tokens, fp32 CPU; ``benchmarks/README.md``) showed them as the largest costs
+after the layer GEMMs: on a CPU, attention reads each key/value head once for the query heads that
+share it (``grouped_attention``: grouped-query attention as two batched matmuls — HF's eager
+formula — where SDPA's CPU kernel walks the cache once per query head; other devices keep SDPA),
+and the LM head runs on the faster CPU kernel where that is safe (``rollout/kernels.py``). Both
+change only the summation order, i.e. float rounding.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from torch import nn
 
 from groupflow.models.causal_lm import full_attention_only
 from groupflow.models.logit_transform import lm_logits
+from groupflow.rollout.kernels import head_kernel
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "StaticDecoder", "unsupported_reason"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "StaticDecoder", "grouped_attention", "unsupported_reason"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -59,6 +68,47 @@ def unsupported_reason(model: nn.Module, total_len: int) -> str | None:
     return None
 
 
+def grouped_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pad: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one new query per row over the cached keys: q [B, Hq, 1, D], keys/values
+    [B, Hkv, L, D], ``key_pad`` [B, 1, 1, L] True where a key is padding (or None) -> [B, Hq·D].
+
+    Query head j attends with key/value head j // (Hq / Hkv), as HF's ``repeat_kv`` pairs them;
+    the Hq / Hkv query heads of a group form the rows of one matmul against their shared keys, so
+    the cache is read once per key/value head (SDPA's CPU kernel reads it once per query head:
+    3× the bytes for SmolLM2's 9/3 heads). The arithmetic is HF's eager attention: scores scaled
+    after the product, masked, softmax in float32 cast back to the values' dtype, times the
+    values.
+    """
+    rows, q_heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(rows, kv_heads, q_heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
+    if key_pad is not None:
+        scores.masked_fill_(key_pad, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values).reshape(rows, q_heads * dim)
+
+
+def _sdpa(q, keys, values, key_pad, scale) -> torch.Tensor:
+    """The same attention through SDPA, whose fused GPU kernels beat two matmuls there (the
+    grouped form was measured faster on CPUs only)."""
+    out = F.scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        attn_mask=None if key_pad is None else ~key_pad,
+        scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
+    return out.reshape(q.shape[0], -1)  # [B, Hq, 1, D] -> [B, Hq·D]
+
+
 def _rope_function(model: nn.Module):
     # The model's own rotary application (same formula, same floating-point order).
     return getattr(inspect.getmodule(type(model)), "apply_rotary_pos_emb", None)
@@ -67,12 +117,16 @@ def _rope_function(model: nn.Module):
 class StaticDecoder:
     """Decodes one token per row per ``step``; K/V of the prompt are copied in once by ``build``."""
 
-    def __init__(self, model: nn.Module, keys, values, key_mask: torch.Tensor, prompt_len: int):
+    def __init__(self, model: nn.Module, keys, values, key_pad: torch.Tensor, prompt_len: int):
         self.model, self.inner = model, model.model
         self.rope = _rope_function(model)
+        # chosen per generation: the weights (and so the probe) change with every update
+        self.head = head_kernel(model.lm_head)
+        device = next(model.parameters()).device
+        self.attend = grouped_attention if device.type == "cpu" else _sdpa
         self.keys, self.values = keys, values  # per layer [B, H_kv, prompt_len + new, D]
-        # [B, 1, 1, L] over all columns; None when no prompt is padded (faster attention)
-        self.key_mask = key_mask
+        # [B, 1, 1, L] over all columns, True at padding; None when no prompt is padded
+        self.key_pad = key_pad
         self.prompt_len = prompt_len
 
     @classmethod
@@ -101,40 +155,36 @@ class StaticDecoder:
             v_buf[:, :, :prompt_len] = v.repeat_interleave(repeats, dim=0)
             keys.append(k_buf)
             values.append(v_buf)
-        key_mask = None
+        key_pad = None
         if not bool(prompt_mask.all()):
-            rows = prompt_mask.repeat_interleave(repeats, dim=0).bool()
-            new = torch.ones(rows.shape[0], max_new_tokens, dtype=torch.bool, device=rows.device)
-            key_mask = torch.cat([rows, new], dim=1)[:, None, None, :]
-        return cls(model, keys, values, key_mask, prompt_len)
+            pad = prompt_mask.repeat_interleave(repeats, dim=0) == 0
+            new = torch.zeros(pad.shape[0], max_new_tokens, dtype=torch.bool, device=pad.device)
+            key_pad = torch.cat([pad, new], dim=1)[:, None, None, :]
+        return cls(model, keys, values, key_pad, prompt_len)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
         """Logits [B, V] after feeding ``tokens`` [B] at ``positions`` [B] (the t-th new token)."""
         inner = self.inner
         col = self.prompt_len + t
-        x = inner.embed_tokens(tokens[:, None])  # [B, 1, H]
-        cos, sin = inner.rotary_emb(x, positions[:, None])
-        mask = None if self.key_mask is None else self.key_mask[..., : col + 1]
+        x = inner.embed_tokens(tokens)  # [B, H]: one position per row, so no length axis
+        cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, D]
+        pad = None if self.key_pad is None else self.key_pad[..., : col + 1]
         rows = x.shape[0]
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(rows, 1, -1, attn.head_dim)
-            k = attn.k_proj(h).view(rows, 1, -1, attn.head_dim)
-            v = attn.v_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+            # [B, heads, 1, D]: HF's [B, 1, heads, D].transpose(1, 2), without the transpose
+            q = attn.q_proj(h).view(rows, -1, 1, attn.head_dim)
+            k = attn.k_proj(h).view(rows, -1, 1, attn.head_dim)
+            v = attn.v_proj(h).view(rows, -1, 1, attn.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = self.rope(q, k, cos, sin)
             self.keys[i][:, :, col] = k[:, :, 0]
             self.values[i][:, :, col] = v[:, :, 0]
-            out = F.scaled_dot_product_attention(
-                q,
-                self.keys[i][:, :, : col + 1],
-                self.values[i][:, :, : col + 1],
-                attn_mask=mask,
-                scale=attn.scaling,
-                enable_gqa=q.shape[1] != k.shape[1],
+            out = self.attend(
+                q, self.keys[i][:, :, : col + 1], self.values[i][:, :, : col + 1], pad, attn.scaling
             )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, 1, -1))
+            x = x + attn.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return lm_logits(self.model, inner.norm(x), self.model.lm_head)[:, 0]
+        return lm_logits(self.model, inner.norm(x), self.head)

@@ -227,3 +227,18 @@ def test_sampling_log_probs_are_the_temperature_scaled_log_softmax():
         tokens, logp = _sample(logits, params, gens)
         ref = (logits / params.temperature).log_softmax(-1).gather(-1, tokens[:, None])
         torch.testing.assert_close(logp, ref.squeeze(-1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [8192, 8193])  # a whole number of 256-blocks, and one over
+def test_the_block_search_picks_the_inverse_cdf_token_with_and_without_padding(vocab):
+    """Every row's token is the first index whose cumulative probability exceeds u × total, for
+    a vocabulary that fills its blocks exactly (no padded copy is made) and one that does not."""
+    from groupflow.rollout.hf import _sample
+
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    gens = [torch.Generator().manual_seed(s) for s in range(6)]
+    tokens, _ = _sample(logits, SamplingParams(temperature=1.0), gens)
+    for row in range(6):
+        u = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(row))
+        cdf = logits[row].softmax(-1).double().cumsum(-1)
+        assert int(tokens[row]) == int((cdf <= u * cdf[-1]).sum())

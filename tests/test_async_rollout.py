@@ -81,56 +81,85 @@ def test_deterministic_schedule(tiny_config):
         assert not _same(k1[s], thread[s]), s
 
 
+class _FakeSide:
+    """A rollout side that records what it loads and collects; job 0 waits for ``gate``."""
+
+    def __init__(self):
+        self.gate, self.loaded, self.collected = threading.Event(), [], []
+        self.loader = type("L", (), {"state_dict": staticmethod(dict)})()
+
+    def load(self, weights):
+        self.loaded.append(int(weights["w"]))
+
+    def collect(self, step, version):
+        if step == 0:
+            self.gate.wait(10)
+        self.collected.append((step, version))
+        return (step, version), {}
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_eager_jobs_take_the_newest_snapshot_when_they_start(eager):
-    """k = 2 by hand: jobs 0, 1, 2 are submitted with version 0; version 1 appears while job 0
-    runs. Eager: jobs 1 and 2 take version 1 (pushed once); deterministic: all keep version 0."""
-    from groupflow.async_rollout import AsyncRollout
+    """k = 2 by hand through the side's own loop: jobs 0, 1, 2 are submitted with version 0;
+    version 1 is published while job 0 runs. Eager: jobs 1 and 2 take version 1 (loaded once);
+    deterministic: all keep version 0."""
+    import multiprocessing as mp
+    import pickle
 
-    newest = [(0, {"w": 0})]
-    gate, collected, pushes = threading.Event(), [], []
+    from groupflow.rollout_side import COLLECTING, serve
+    from groupflow.utils.weight_ring import WeightRing
 
-    def collect(step, version):
-        if step == 0:
-            gate.wait(10)
-        collected.append((step, version))
-        return step, version
-
-    rollouts = AsyncRollout(
-        collect, pushes.append, dict, timeout_s=10,
-        newest=(lambda: newest[0]) if eager else None,
-    )  # fmt: skip
+    side, ring = _FakeSide(), WeightRing({"w": torch.zeros(())}, slots=4, shared=False)
+    status = torch.zeros(3, dtype=torch.long)
+    trainer_end, side_end = mp.Pipe()
+    thread = threading.Thread(target=serve, args=(side_end, side, ring, status, eager))
+    thread.start()
+    ring.write(0, {"w": torch.tensor(0.0)})
+    trainer_end.send(("weights", 0))
     for step in range(3):
-        rollouts.submit(step, 0, {"w": 0} if step == 0 else None)
-    rollouts.loader_state_before(0)  # waits until job 0 has started (with version 0)
-    newest[0] = (1, {"w": 1})  # the trainer's update of step 0 (the thread is held in job 0)
-    gate.set()
-    results = [rollouts.result(step) for step in range(3)]
-    rollouts.close()
+        trainer_end.send(("job", step, 0))
+    while int(status[0]) != COLLECTING:  # job 0 has started (with version 0)
+        time.sleep(0.01)
+    ring.write(1, {"w": torch.tensor(1.0)})  # the trainer's update of step 0
+    trainer_end.send(("weights", 1))
+    side.gate.set()
+    replies = [pickle.loads(trainer_end.recv_bytes()) for _ in range(3)]
+    trainer_end.send(None)
+    thread.join(10)
+    results = [r[2] for r in replies]
     if eager:
         assert results == [(0, 0), (1, 1), (2, 1)]
-        assert pushes == [{"w": 0}, {"w": 1}]
+        assert side.loaded == [0, 1]
     else:
         assert results == [(0, 0), (1, 0), (2, 0)]
-        assert pushes == [{"w": 0}]
-    assert collected == results
+        assert side.loaded == [0]
+    assert side.collected == results
 
 
 def test_eager_mode_is_fresher_and_respects_the_bound(tiny_config, monkeypatch):
     """k = 2 with generation made the bottleneck: the batch of step s is only finished once the
     trainer reached step s, so the next batch starts when version s exists — eager takes it
     (staleness <= 1 < k), the deterministic schedule the scheduled max(0, s - 2)."""
-    original = Trainer.collect
+    from groupflow.rollout_side import RolloutSide
 
-    def slow_collect(self, step, version=None):
-        while self.step < step:  # generation "slower" than the update before it
+    original, trainers = RolloutSide.collect, []
+
+    def slow_collect(self, step, version):
+        while trainers[-1].step < step:  # generation "slower" than the update before it
             time.sleep(0.005)
         return original(self, step, version)
 
-    monkeypatch.setattr(Trainer, "collect", slow_collect)
-    common = dict(run__total_steps=5, rollout__max_staleness=2, rollout__async_worker="thread")
-    det = _run(tiny_config, run__name="det", **common)
-    eager = _run(tiny_config, run__name="eager", rollout__async_mode="eager", **common)
+    monkeypatch.setattr(RolloutSide, "collect", slow_collect)
+
+    def run(name, **overrides):
+        trainers.append(Trainer(tiny_config(run__name=name, run__total_steps=5,
+                                            rollout__max_staleness=2,
+                                            rollout__async_worker="thread", **overrides)))  # fmt: skip
+        trainers[-1].fit()
+        trainers[-1].shutdown()
+        return _rows(trainers[-1].run_dir)
+
+    det, eager = run("det"), run("eager", rollout__async_mode="eager")
     assert [det[s]["async/staleness"] for s in range(1, 6)] == [0.0, 1.0, 2.0, 2.0, 2.0]
     # the contract (version >= step - k) was checked in the loop; here: strictly fresher
     assert eager[1]["async/staleness"] == 0.0
@@ -275,27 +304,43 @@ def test_weight_sync_that_never_returns_times_out_naming_the_role(tiny_config, m
 
 
 @pytest.mark.slow
-def test_rollout_worker_killed_mid_generation_then_resume(tiny_config, monkeypatch):
-    from groupflow.workflows.single_turn import SingleTurnWorkflow
+def test_rollout_worker_killed_mid_generation_then_resume(tiny_config, monkeypatch,
+                                                          helpers_on_path, tmp_path):  # fmt: skip
+    from groupflow.async_rollout import AsyncRollout
+    from groupflow.rollout_side import COLLECTING
 
-    common = dict(run__total_steps=4, rollout__max_staleness=1, run__save_every=1)
+    pause = tmp_path / "pause"  # while it exists, the side's reward blocks (a known point)
+    reward = {"function": "reward_helpers:pausing_reverse_reward", "label": "reverse",
+              "kwargs": {"pause_if_exists": str(pause)}}  # fmt: skip
+    common = dict(run__total_steps=4, rollout__max_staleness=1, run__save_every=1,
+                  reward__functions=[reward])  # fmt: skip
     full = _run(tiny_config, run__name="full", **common)
-    original = SingleTurnWorkflow.collect
+    submit, result = AsyncRollout.submit, AsyncRollout.result
 
-    def kill_during_step_2(self, rows, step, round_, version):
+    def pause_at_step_2(self, step, version):
         if step == 2:
-            pid = self.policy.snapshot_worker._hosts[0].process.pid
-            threading.Timer(0.01, os.kill, (pid, signal.SIGKILL)).start()
-            time.sleep(0.02)
-        return original(self, rows, step, round_, version)
+            self.drain()  # the batch of step 1 is done: only step 2's will block
+            pause.touch()
+        return submit(self, step, version)
 
-    monkeypatch.setattr(SingleTurnWorkflow, "collect", kill_during_step_2)
+    def kill_while_collecting_step_2(self, step):
+        if step == 2:
+            while not (int(self.status[0]) == COLLECTING and int(self.status[1]) == 2):
+                time.sleep(0.01)
+            os.kill(self.process.pid, signal.SIGKILL)
+        return result(self, step)
+
+    monkeypatch.setattr(AsyncRollout, "submit", pause_at_step_2)
+    monkeypatch.setattr(AsyncRollout, "result", kill_while_collecting_step_2)
     trainer = Trainer(tiny_config(run__name="cut", **common))
-    with pytest.raises(WorkerError, match=r"InferenceWorker \(rollout role\) rank 0: generate\(\) "
-                       r"failed: the worker process \(pid \d+\) (died|could not be reached)"):  # fmt: skip
+    with pytest.raises(WorkerError, match=r"RolloutSide \(rollout role\) rank 0: collect\(\) "
+                       r"failed: the worker process \(pid \d+\) died, exit code -9 \(while "
+                       r"collecting the batch of step 2, policy version 1\)"):  # fmt: skip
         trainer.fit()
     trainer.shutdown()
-    monkeypatch.setattr(SingleTurnWorkflow, "collect", original)
+    pause.unlink()
+    monkeypatch.setattr(AsyncRollout, "submit", submit)
+    monkeypatch.setattr(AsyncRollout, "result", result)
     resumed = _run(tiny_config, run__name="cut", **common)  # run.resume=auto
     assert sorted(resumed) == [1, 2, 3, 4]
     for s in full:

@@ -222,6 +222,28 @@ def test_decoupled_correction_logs_gaps_and_weights(tiny_config):
 
 
 @pytest.mark.slow
+def test_decoupled_proximal_from_the_update_forward_matches_a_recompute(tiny_config, monkeypatch):
+    """One optimizer step per batch: the update's own forward runs on the proximal weights, so
+    decoupled PPO needs no separate pass (auto) — and trains as a recompute (always) does. (The
+    gap metric then covers the samples the update runs: all of them here, none skipped.)"""
+    from groupflow.workers.actor import ActorRolloutWorker
+
+    calls = []
+    original = ActorRolloutWorker.compute_logprobs
+    monkeypatch.setattr(ActorRolloutWorker, "compute_logprobs",
+                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))  # fmt: skip
+    common = dict(run__total_steps=3, rollout__max_staleness=1, actor__off_policy="decoupled",
+                  rollout__async_worker="thread", actor__skip_zero_advantage=False)  # fmt: skip
+    forward = _run(tiny_config, run__name="fwd", **common)
+    assert calls == []  # no proximal pass before the update
+    recompute = _run(tiny_config, run__name="rec", actor__recompute_old_logprobs="always", **common)
+    assert len(calls) == 3
+    for s in (1, 2, 3):
+        for k in (*KEYS, "actor/behav_weight_mean", "rollout/logprob_diff_mean"):
+            assert forward[s][k] == pytest.approx(recompute[s][k], rel=1e-4, abs=1e-5), (s, k)
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_refills_use_the_scheduled_version(tiny_config):
     rows = _run(tiny_config, run__total_steps=3, rollout__max_staleness=1,
                 algorithm__dynamic_sampling=True, algorithm__max_sampling_rounds=3)  # fmt: skip

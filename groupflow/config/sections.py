@@ -372,15 +372,18 @@ class ActorConfig(_Section):
     # saved. A switch only to rule it out when debugging; it falls back to one pass by itself.
     share_prompt_prefix: bool = True
     # auto: recompute when there are several optimizer steps per batch, or when the rollout
-    # engine is vLLM (its log-probs differ numerically from the training forward).
+    # engine is vLLM (its log-probs differ numerically from the training forward); with off_policy
+    # tis/decoupled and one optimizer step the update's own forward gives the proximal log-probs
+    # (the same weights: no extra pass; policies.llm.old_logprobs_source). always: a separate pass.
     recompute_old_logprobs: Literal["auto", "always", "never"] = "auto"
     # Truncated importance sampling: weight each token's loss by min(exp(old − rollout), tis_cap)
     # to correct for the rollout engine's numerics (groupflow.algorithms.correction). None: off.
     tis_cap: float | None = Field(None, gt=0)
     # Off-policy correction for stale or engine-sampled batches (groupflow.algorithms.correction):
     # none (naive PPO: the behaviour log-probs anchor the ratio unless recomputed), tis (needs
-    # tis_cap), decoupled (AReaL: recomputed proximal anchor, loss weighted by π_prox/π_behav,
-    # tokens above behav_weight_cap dropped). auto: tis when tis_cap is set, else none.
+    # tis_cap), decoupled (AReaL: the proximal policy — the weights before this update — anchors
+    # the ratio, loss weighted by π_prox/π_behav, tokens above behav_weight_cap dropped).
+    # auto: tis when tis_cap is set, else none.
     off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
     behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
     max_nonfinite_steps: int = Field(3, ge=1)

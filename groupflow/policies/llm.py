@@ -36,6 +36,7 @@ log = logging.getLogger("groupflow")
 __all__ = [
     "LLMPolicy",
     "RolloutPolicy",
+    "old_logprobs_source",
     "recompute_old_logprobs",
     "model_inputs",
     "sampling_params",
@@ -58,19 +59,34 @@ def model_inputs(batch: Batch) -> Batch:
     return batch.select(*[k for k in MODEL_KEYS if k in batch], meta=False)
 
 
-def recompute_old_logprobs(actor: ActorConfig, engine: str, num_samples: int) -> bool:
-    """Whether the old log-probs are recomputed by the training forward (``actor.recompute_old_logprobs``).
+def old_logprobs_source(actor: ActorConfig, engine: str, num_samples: int,
+                        kl_in_reward: bool = False) -> str:  # fmt: skip
+    """Where the PPO ratio's old (proximal) log-probs come from (``actor.recompute_old_logprobs``):
 
-    auto: yes when the batch takes several optimizer steps (the policy moves between them), or
-    when the rollout engine is not our own decode loop (vLLM's kernels give slightly different
-    log-probs, so its record is not the "old" policy of the PPO ratio), or when an off-policy
-    correction (``actor.off_policy``: tis, decoupled) needs the proximal log-probs.
+    - ``"recompute"``: a forward pass before the update — when the batch takes several optimizer
+      steps (the policy moves between them), or the rollout engine is not our own decode loop
+      (vLLM's kernels give slightly different log-probs, so its record is not the "old" policy);
+    - ``"forward"``: the update's own forward pass, detached — with an off-policy correction
+      (``actor.off_policy``: tis, decoupled) and a single optimizer step, the weights of that
+      forward *are* the proximal policy's, so a separate pass would compute the same numbers
+      (asynchronous rollout's decoupled PPO costs no extra forward); not when the credit stage
+      needs them before the update (``algorithm.kl_in_reward``);
+    - ``"rollout"``: the rollout's own log-probs — one step, our decode loop, no correction: the
+      sampling policy *is* the current policy, so the first ratio is exactly 1.
     """
     if actor.recompute_old_logprobs != "auto":
-        return actor.recompute_old_logprobs == "always"
+        return "recompute" if actor.recompute_old_logprobs == "always" else "rollout"
     several_steps = actor.ppo_epochs > 1 or (actor.mini_batch_samples or num_samples) < num_samples
-    corrected = actor.off_policy in ("tis", "decoupled")  # both weigh prox against behaviour
-    return several_steps or engine != "hf" or corrected
+    if several_steps:
+        return "recompute"
+    if actor.off_policy in ("tis", "decoupled"):  # both weigh the proximal against behaviour
+        return "recompute" if kl_in_reward else "forward"
+    return "recompute" if engine != "hf" else "rollout"
+
+
+def recompute_old_logprobs(actor: ActorConfig, engine: str, num_samples: int) -> bool:
+    """Whether a separate forward pass recomputes the old log-probs (``old_logprobs_source``)."""
+    return old_logprobs_source(actor, engine, num_samples) == "recompute"
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -151,8 +167,10 @@ class LLMPolicy:
         timer = timer or StageTimer()
         a = self.cfg.actor
         t = self.sampling.temperature
+        kl_in_reward = self.cfg.algorithm.kl_in_reward is not None
+        source = old_logprobs_source(a, self.cfg.rollout.engine, len(batch), kl_in_reward)
         with timer("old_logprobs"):
-            if recompute_old_logprobs(a, self.cfg.rollout.engine, len(batch)):
+            if source == "recompute":
                 batch["old_logprobs"] = self.actor.compute_logprobs(
                     model_inputs(batch), temperature=t
                 )["logprobs"]
@@ -166,10 +184,12 @@ class LLMPolicy:
                         "rollout/logprob_diff_mean": diff["mean"],
                     }
                 )
-            else:
+            elif source == "rollout":
                 # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the
                 # rollout's log-probs serve (same numerics; see tests/rollout): the first ratio is 1.
                 batch["old_logprobs"] = batch["rollout_logprobs"]
+            # "forward": no old_logprobs here; the update anchors the ratio at its own forward
+            # (detached) and logs the rollout/logprob_diff_* gap from it
             if self.reference is not None:
                 batch["ref_logprobs"] = self.reference.compute_logprobs(
                     model_inputs(batch), temperature=t, reference=True

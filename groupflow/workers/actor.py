@@ -29,7 +29,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from groupflow.algorithms import aggregate, importance_weighted_kl, kl_penalty, policy_loss
+from groupflow.algorithms import (
+    aggregate,
+    importance_weighted_kl,
+    kl_penalty,
+    logprob_mismatch,
+    policy_loss,
+)
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import PAD_KEY, register
@@ -329,7 +335,17 @@ class ActorRolloutWorker:
             mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
             temperature, cfg.logprob_chunk_tokens, True, bool(cfg.entropy_coef),
         )  # fmt: skip
-        old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+        # token weight of this micro-batch among the tokens the metrics cover
+        share = float(mask.sum()) / max(1, metric_denominators["num_tokens"])
+        gap = {}
+        if "old_logprobs" in mb:
+            old = mb["old_logprobs"]
+        else:  # one optimizer step on the current weights: this forward is the proximal policy
+            old = logp.detach()  # (policies.llm.old_logprobs_source "forward")
+            if "rollout_logprobs" in mb:  # the behaviour/proximal gap, as a recompute logs it
+                diff = logprob_mismatch(old, mb["rollout_logprobs"], mask)
+                gap = {"rollout/logprob_diff_max": (diff["max"], 1.0),
+                       "rollout/logprob_diff_mean": (diff["mean"], share)}  # fmt: skip
         tis = {}
         if cfg.tis_cap is not None:  # truncated IS against the rollout engine's log-probs
             tis = {"tis_cap": cfg.tis_cap, "rollout_logprobs": mb["rollout_logprobs"]}
@@ -340,12 +356,11 @@ class ActorRolloutWorker:
             logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
             **self.loss_options, **denominators, **tis,
         )  # fmt: skip
-        # token weight of this micro-batch among the tokens the metrics cover
-        share = float(mask.sum()) / max(1, metric_denominators["num_tokens"])
         ent = aggregate(entropy, mask, cfg.loss_agg, **metric_denominators)
         contrib = {
             "actor/pg_loss": (float(loss.detach()), 1.0),
             "actor/entropy": (float(ent.detach()), 1.0),
+            **gap,
         }
         if cfg.entropy_coef:  # never with skipped samples: the metric's denominators are the loss's
             loss = loss - cfg.entropy_coef * ent

@@ -32,6 +32,8 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -70,6 +72,61 @@ MODELS = {
 }
 
 
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """CPU time (user + system) of this process, or of process ``pid`` (Linux /proc; else None)."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Block:
+    """One timed block of a trainer: wall and CPU seconds over its steps."""
+
+    steps: int
+    wall: float
+    trainer_cpu: float  # this process (the trainer; for sync also its collect)
+    rollout_cpu: float | None  # the rollout side's child process (None: sync, or no /proc)
+    skipped: float  # mean fraction of samples the update left out (zero advantage): work per step
+
+    @property
+    def cores(self) -> float | None:
+        return (
+            None if self.rollout_cpu is None else (self.trainer_cpu + self.rollout_cpu) / self.wall
+        )
+
+    @property
+    def overlap(self) -> float | None:
+        """The share of the smaller side's CPU time that ran while the other side ran too."""
+        if self.rollout_cpu is None:
+            return None
+        both = self.trainer_cpu + self.rollout_cpu - self.wall
+        return min(1.0, max(0.0, both / max(1e-9, min(self.trainer_cpu, self.rollout_cpu))))
+
+
+def timed_block(trainer, n: int, stages: list | None) -> Block:
+    """``n`` steps; the first is not counted (its batch was generated ahead while idle)."""
+    trainer.train_step()
+    child = trainer.rollouts.process.pid if trainer.rollouts and trainer.rollouts.process else None
+    wall, cpu, rollout = time.perf_counter(), cpu_seconds(), cpu_seconds(child) if child else None
+    skipped = []
+    for _ in range(n - 1):
+        _, metrics = trainer.train_step()
+        skipped.append(metrics.get("actor/zero_adv_skipped", 0.0))
+        if stages is not None:
+            stages.append((metrics["time/rollout_and_reward"], metrics["time/step"]))
+    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
+    if rollout is not None:
+        rollout = cpu_seconds(child) - rollout
+    if trainer.rollouts is not None:
+        trainer.rollouts.drain()  # the batch generated ahead must not run during another's block
+    return Block(n - 1, wall, cpu, rollout, statistics.mean(skipped))
+
+
 def speed(args) -> None:
     steps = args.blocks * args.block + args.block
     extra = [
@@ -84,38 +141,61 @@ def speed(args) -> None:
             "k=1": build("k1", out, 1, extra, "none"),
             "k=1 dec": build("k1d", out, 1, extra, "decoupled"),
         }
-        times: dict[str, list[float]] = {n: [] for n in trainers}
+        blocks: dict[str, list[Block]] = {n: [] for n in trainers}
         stages: list[tuple[float, float]] = []  # the sync run's (rollout+reward, step) seconds
         try:
-            for block in range(args.blocks + 1):
+            for block in range(args.blocks + 1):  # the first block of each warms up
                 for name, trainer in trainers.items():
-                    per_step = []
-                    for _ in range(args.block):
-                        start = time.perf_counter()
-                        _, metrics = trainer.train_step()
-                        per_step.append(time.perf_counter() - start)
-                        if block and name == "sync":
-                            stages.append(
-                                (metrics["time/rollout_and_reward"], metrics["time/step"])
-                            )
-                    if trainer.rollouts is not None:
-                        # the batch generated ahead must not run during the other's block
-                        trainer.rollouts.drain()
-                    if block:  # the first block of each warms up
-                        # a block's first step found its batch ready (generated while idle)
-                        times[name].append(statistics.mean(per_step[1:]))
+                    timed = timed_block(
+                        trainer, args.block, stages if block and name == "sync" else None
+                    )
+                    if block:
+                        blocks[name].append(timed)
         finally:
             for trainer in trainers.values():
-                if trainer.rollouts is not None:
-                    trainer.rollouts.close()
+                trainer.stop_rollouts()
                 trainer.shutdown()
     print(f"after:  {load()}")
-    med = {n: statistics.median(t) for n, t in times.items()}
-    print(f"{'':8} {'s/step (median of blocks)':>26} {'steps/s':>9}  blocks")
-    for n, t in times.items():
-        print(f"{n:8} {med[n]:26.3f} {1 / med[n]:9.2f}  {' '.join(f'{x:.3f}' for x in t)}")
+    report(blocks, stages)
+
+
+def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) -> None:
+    """Wall-clock steps/s and their ratio (what the machine gave), and the CPU view: seconds of
+    CPU per step of each side, cores used, overlap — independent of other load on the machine."""
+
+    def per_step(name: str, attr: str) -> float | None:
+        values = [getattr(b, attr) for b in blocks[name]]
+        if any(v is None for v in values):
+            return None
+        return sum(values) / sum(b.steps for b in blocks[name])
+
+    def fmt(x: float | None, spec: str = ".3f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    med = {n: statistics.median(b.wall / b.steps for b in bl) for n, bl in blocks.items()}
+    print(f"{'':8} {'s/step':>7} {'steps/s':>8} {'ratio':>6} | {'CPU s/step: trainer':>20} "
+          f"{'rollout':>8} | {'cores':>5} {'overlap':>7} | {'skipped':>7}  s/step per block")  # fmt: skip
+    for n, bl in blocks.items():
+        cores = [b.cores for b in bl]
+        over = [b.overlap for b in bl]
+        print(
+            f"{n:8} {med[n]:7.3f} {1 / med[n]:8.2f} {med['sync'] / med[n]:6.2f} | "
+            f"{fmt(per_step(n, 'trainer_cpu')):>20} {fmt(per_step(n, 'rollout_cpu')):>8} | "
+            f"{fmt(None if None in cores else statistics.mean(cores), '.2f'):>5} "
+            f"{fmt(None if None in over else statistics.mean(over), '.2f'):>7} | "
+            f"{statistics.mean(b.skipped for b in bl):7.2f}  "
+            + " ".join(f"{b.wall / b.steps:.3f}" for b in bl)
+        )
     for n in ("k=1", "k=1 dec"):
-        print(f"speed-up {n} over sync: {med['sync'] / med[n]:.2f}x (steps/s ratio)")
+        print(f"speed-up {n} over sync: {med['sync'] / med[n]:.2f}x (steps/s ratio, wall clock)")
+    # The load-independent view: with a core each, a step takes as long as the busier side.
+    sync_cpu = per_step("sync", "trainer_cpu")
+    for n in ("k=1", "k=1 dec"):
+        trainer, rollout = per_step(n, "trainer_cpu"), per_step(n, "rollout_cpu")
+        if rollout is not None:
+            print(f"CPU view {n}: sync uses {sync_cpu:.3f} CPU-s per step; the trainer "
+                  f"{trainer:.3f} and the rollout side {rollout:.3f} -> with two idle cores "
+                  f"{sync_cpu / max(trainer, rollout):.2f}x")  # fmt: skip
     # What overlap could give with two idle cores: the sync step's rollout and the rest of it
     # run side by side, so the step takes the longer of the two (a bound, not a measurement).
     rollout = statistics.median(r for r, _ in stages)

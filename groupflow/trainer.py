@@ -169,7 +169,7 @@ class Trainer:
         """Start the rollout side, publish the weights the next k+1 batches need (after a resume:
         the checkpoint's snapshots) and submit those batches."""
         k, total, r = self.max_staleness, self.cfg.run.total_steps, self.cfg.rollout
-        weights = {**self.snapshots, self.step: self.policy.snapshot()}
+        weights = {**self.snapshots, self.step: self.policy.snapshot(copy=False)}  # ring copies
         jobs = {t: schedule_version(t, k) for t in range(self.step, min(self.step + k + 1, total))}
         for t, v in jobs.items():
             if v not in weights:
@@ -196,7 +196,7 @@ class Trainer:
         """After the update of step s (version s+1 now exists): publish it and submit the batch
         of step s+1+k with its scheduled version (s+1)."""
         k, version = self.max_staleness, self.step + 1
-        self.rollouts.publish(version, self.policy.snapshot())
+        self.rollouts.publish(version, self.policy.snapshot(copy=False))  # publish copies
         t = version + k
         if t < self.cfg.run.total_steps:
             self.rollouts.submit(t, schedule_version(t, k))

@@ -301,6 +301,83 @@ def test_diffusion_runs_asynchronously(tmp_path):
     assert [k1[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("how", ["lambda", "unimportable module"])
+def test_a_reward_the_child_cannot_receive_runs_the_side_in_a_thread(
+    tiny_config_data, helpers_on_path, caplog, monkeypatch, how
+):
+    """A reward given to groupflow.Run as a lambda cannot be pickled, and one from a module the
+    child process cannot import cannot be unpickled there: the rollout side then runs in a
+    thread of the trainer's process, with a warning — and trains exactly as in its own process."""
+    import sys
+    import types
+
+    from reward_helpers import pausing_reverse_reward
+
+    import groupflow
+
+    def run(name, reward):
+        data = tiny_config_data(run__name=name, run__total_steps=3, rollout__max_staleness=1)
+        r = groupflow.Run(data, rewards=[{"function": reward, "label": "reverse"}])
+        r.fit()
+        r.trainer.shutdown()
+        return _rows(r.run_dir)
+
+    process = run("process", pausing_reverse_reward)  # importable there: its own process
+    assert "runs in a thread" not in caplog.text
+    if how == "lambda":
+        reward = lambda prompts, completions, answer: pausing_reverse_reward(  # noqa: E731
+            prompts, completions, answer
+        )
+        reason = "cannot be pickled"
+    else:  # pickled by reference here, where the module exists; not in the child
+        module = types.ModuleType("groupflow_test_nowhere")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+        def reward(prompts, completions, answer):
+            return pausing_reverse_reward(prompts, completions, answer)
+
+        reward.__module__, reward.__qualname__ = module.__name__, "reward"
+        module.reward = reward
+        reason = "cannot be unpickled in the child process"
+    thread = run("thread", reward)
+    assert "runs in a thread of this process instead" in caplog.text
+    assert reason in caplog.text
+    assert sorted(thread) == [1, 2, 3]
+    for s in process:
+        assert not _same(process[s], thread[s]), (s, _same(process[s], thread[s]))
+
+
+def test_an_error_on_the_rollout_side_is_raised_in_the_trainer_as_itself(
+    tiny_config, helpers_on_path
+):
+    from groupflow.rewards.errors import RewardOutputError
+
+    trainer = Trainer(tiny_config(run__total_steps=2, rollout__max_staleness=1,
+                                  reward__functions=[{"function": "bad_rewards:wrong_length"}]))  # fmt: skip
+    with pytest.raises(RewardOutputError, match="returned 1 values for 16 completions") as info:
+        trainer.fit()
+    trainer.shutdown()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "in the rollout role's process, batch of step 0, policy version 0" in notes
+    assert "wrong_length" in notes  # the side's traceback
+
+
+def test_an_error_that_cannot_be_pickled_arrives_as_its_text():
+    from groupflow.async_rollout import AsyncRollout, RolloutError
+    from groupflow.rollout_side import error_payload
+
+    error = WorkerError("W", 0, "m", "detail")  # rebuilt from its args alone, it would not fit
+    payload = error_payload(error, "Traceback: ...")
+    assert payload[0] == "text" and "W rank 0: m() failed: detail" in payload[1]
+    rebuilt = AsyncRollout._error(_FakeRoute(), payload, step=3, version=2)
+    assert isinstance(rebuilt, RolloutError) and "WorkerError: W rank 0" in str(rebuilt)
+    assert "batch of step 3, policy version 2" in rebuilt.__notes__[0]
+
+
+class _FakeRoute:
+    role, _host = "rollout", None
+
+
 def test_weight_sync_that_never_returns_times_out_naming_the_role(tiny_config, monkeypatch):
     from groupflow.workers.inference import InferenceWorker
 

@@ -181,8 +181,9 @@ class DiffusionPolicy:
         keeps sampling with the actor's current ones."""
         return partial(DiffusionRolloutPolicy, self.cfg, self._worker_kwargs)
 
-    def snapshot(self) -> dict[str, Any]:
-        return self.actor.full_weights()
+    def snapshot(self, copy: bool = True) -> dict[str, Any]:
+        """The flow model's current weights (``copy=False``: possibly the live tensors)."""
+        return self.actor.full_weights(copy=copy)
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(state, writers): sharded, every rank writes its DCP shards (``shards``) and the

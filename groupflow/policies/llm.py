@@ -243,9 +243,10 @@ class LLMPolicy:
         self.rollout = self.actor
         return partial(RolloutPolicy, self.cfg, self.run_dir, self.spec, self.engine)
 
-    def snapshot(self) -> dict[str, Any]:
-        """The actor's current weights (a copy: later updates do not change it)."""
-        return self.actor.full_weights()
+    def snapshot(self, copy: bool = True) -> dict[str, Any]:
+        """The actor's current weights: a copy (later updates do not change it), or with
+        ``copy=False`` possibly the live tensors, for a caller that copies them at once."""
+        return self.actor.full_weights(copy=copy)
 
     # ----- checkpoints ------------------------------------------------------------------------
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -551,15 +551,15 @@ class ActorRolloutWorker:
             self.tokenizer.save_pretrained(out_dir)
 
     @register("rank0")
-    def full_weights(self) -> dict[str, torch.Tensor]:
+    def full_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The policy's full weights with plain HF names (LoRA merged), on rank 0 (a collective):
-        for a rollout or reference pool, or to initialise a critic."""
+        for a rollout or reference pool, or to initialise a critic. ``copy=False``: in-process,
+        CPU weights may come as the live tensors (for a caller that copies them at once)."""
         target = self._plain_model()
-        return (
-            {k: v.detach().cpu().clone() for k, v in target.state_dict().items()}
-            if self.rank == 0
-            else {}
-        )
+        if self.rank != 0:
+            return {}
+        weights = {k: v.detach().cpu() for k, v in target.state_dict().items()}
+        return {k: v.clone() for k, v in weights.items()} if copy else weights
 
     def _plain_model(self) -> nn.Module | None:
         """An unsharded model with the current weights (LoRA merged) on rank 0; a collective."""

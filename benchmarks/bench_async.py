@@ -132,8 +132,10 @@ def speed(args) -> None:
     extra = [
         f"run.total_steps={steps + 2}", f"data.prompts_per_step={args.prompts}",
         "validation.before_training=false", "sft.steps=0", f"model.tiny={MODELS[args.model]}",
+        *(["actor.skip_zero_advantage=false"] if args.all_samples else []),
     ]  # fmt: skip
-    print(f"model: {args.model} {MODELS[args.model]}")
+    print(f"model: {args.model} {MODELS[args.model]}"
+          + ("; every sample trained (actor.skip_zero_advantage=false)" if args.all_samples else ""))  # fmt: skip
     print(f"before: {load()}; {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as out:
         trainers = {
@@ -263,6 +265,9 @@ def main() -> None:
     p.add_argument("--block", type=int, default=6, help="steps per block")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--model", choices=sorted(MODELS), default="demo", help="speed part only")
+    p.add_argument("--all-samples", action="store_true",
+                   help="speed part: train every sample (no zero-advantage skipping), so every "
+                        "run does the same work per step")  # fmt: skip
     p.add_argument("--curves", action="store_true", help="also the demo's learning curves")
     p.add_argument("--plot", default=None, help="with --curves: write them to this PNG")
     p.add_argument("--val-every", type=int, default=None, help="with --curves: validation steps")

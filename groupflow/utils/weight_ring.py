@@ -51,6 +51,10 @@ class WeightRing:
             for b in self.buffers:
                 b.share_memory_()
             self.held.share_memory_()
+        self._slot_views: list[dict[str, torch.Tensor]] | None = None  # built on first use
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_slot_views": None}  # views are rebuilt on the other side
 
     @property
     def slots(self) -> int:
@@ -67,9 +71,8 @@ class WeightRing:
         slot = version % self.slots
         self.held[slot] = -1  # a reader never takes a half-written slot for a whole one
         views = self._views(slot)
-        with torch.no_grad():
-            for name, view in views.items():
-                view.copy_(weights[name].detach().reshape(view.shape))
+        with torch.no_grad():  # one call for all tensors: the copy is the whole cost
+            torch._foreach_copy_(list(views.values()), [weights[n].detach() for n in views])
         self.held[slot] = version
 
     def read(self, version: int) -> dict[str, torch.Tensor]:
@@ -82,14 +85,18 @@ class WeightRing:
                 f"{'nothing' if held < 0 else f'version {held}'}): a reader fell more than "
                 f"{self.slots} versions behind the writer"
             )
-        return self._views(slot)
+        return dict(self._views(slot))
 
     def versions(self) -> list[int]:
         return sorted(int(v) for v in self.held if v >= 0)
 
     def _views(self, slot: int) -> dict[str, torch.Tensor]:
-        buf = self.buffers[slot]
-        return {
-            e.name: buf[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
-            for e in self.entries
-        }
+        if self._slot_views is None:
+            self._slot_views = [
+                {
+                    e.name: b[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+                    for e in self.entries
+                }  # fmt: skip
+                for b in self.buffers
+            ]
+        return self._slot_views[slot]

@@ -1,28 +1,37 @@
 """Asynchronous rollout: steps per second of ``rollout.max_staleness: 1`` against the synchronous
 loop, measured side by side in one run; optionally the learning curves of both.
 
-Methodology: two trainers on the same config and seed (the CPU demo, ``examples/
-reverse_demo.yaml``, without its warm start for the speed part): ``sync`` (k = 0, rollout and
-training alternate in this process) and ``k=1`` (the rollout's weight snapshot in a child process
-with one torch thread, generating the next step's batch while this process trains with one
-thread) — once with no off-policy correction (``k=1``) and once with decoupled PPO (``k=1 dec``,
-which adds a forward pass to recompute the proximal log-probs). Both are built and warmed up first (the child's start is not timed), then timed in
-alternating blocks of ``--block`` steps (sync, k=1, sync, k=1, ...) so that both see the same
-machine load; the first block of each is discarded, and so is the first step of every block (the
-k=1 run's next batch is finished before the other's block starts, so that step found its batch
-ready). Printed: the median seconds per step of
-each, steps/s and their ratio, and the load average before and after. The machine may be shared:
-the ratio is the number to read, not the absolute times.
+Methodology: trainers on the same config and seed (the CPU demo, ``examples/reverse_demo.yaml``,
+without its warm start for the speed part): ``sync`` (k = 0, rollout and training alternate in
+this process) and k = 1 (the rollout side — workflow, rewards, prompt loader and a frozen model
+copy — in a child process with one torch thread, collecting the next step's batch while this
+process trains with one thread), once with no off-policy correction (``k=1``) and once with
+decoupled PPO (``k=1 dec``; with one optimizer step per batch its proximal log-probs come from the
+update's own forward, no extra pass). All are built and warmed up first (the child's start is not
+timed), then timed in alternating blocks of ``--block`` steps (sync, k=1, k=1 dec, sync, ...) so
+that all see the same machine load; the first block of each is discarded, and so is the first
+step of every block (the k=1 runs' next batch is finished before another block starts, so that
+step found its batch ready).
+
+Printed, per run: the median seconds per step, steps/s and the ratio to sync (wall clock: what
+the machine gave, low when it is shared); CPU seconds per step of the trainer process and of the
+rollout side's process (Linux /proc), cores used ((trainer + rollout CPU) / wall) and the overlap
+(the share of the smaller side's CPU time that ran while the other ran too); the fraction of
+samples the update skipped (zero advantage — runs on different trajectories do different work per
+step; ``--all-samples`` trains every sample so the work is equal). Then the load-independent
+estimate — sync's CPU per step over the busier side's, what two idle cores would give — and the
+bound from the sync run's own stage times (step / max(rollout, rest)). The load average is
+printed before and after.
 
 ``--curves``: then runs the whole demo (warm start included, ``run.total_steps``) once
-synchronously and once with k = 1 and prints held-out greedy accuracy at every validation side by
-side — does the stale, decoupled-PPO run learn as well in the same number of steps?
+synchronously and once with k = 1 (decoupled PPO) and prints held-out greedy accuracy at every
+validation side by side — does the stale run learn as well in the same number of steps?
 ``--plot PNG`` draws them (held-out accuracy and the training reward, both runs on each panel;
 ``--val-every`` validates more often than the demo's 40 steps); ``--no-speed`` skips the timing.
 
     .venv/bin/python benchmarks/bench_async.py [--blocks 4] [--block 6] [--prompts 32]
-        [--model demo|medium] [--curves [--plot docs/async_curves.png] [--val-every 20]]
-        [--no-speed]
+        [--model demo|medium] [--all-samples]
+        [--curves [--plot docs/async_curves.png] [--val-every 20]] [--no-speed]
 """
 
 from __future__ import annotations
@@ -81,6 +90,14 @@ def cpu_seconds(pid: int | None = None) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the rollout side, once stopped)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 @dataclass
@@ -217,13 +234,14 @@ def curves(args) -> None:
         for name, k in (("sync", 0), ("k=1", 1)):
             cfg = load_config("examples/reverse_demo.yaml", overrides(f"c{k}", out, k, extra))
             trainer = Trainer(cfg)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), run_cpu_seconds()
             trainer.fit()
             trainer.shutdown()
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, run_cpu_seconds() - cpu
             runs[name] = read_metrics(trainer.run_dir / "metrics.jsonl")
             rows[name] = {int(r["step"]): r.get("val/greedy/acc") for r in runs[name]}
-            print(f"{name}: {seconds:.0f} s for the whole run ({load()})")
+            print(f"{name}: {seconds:.0f} s for the whole run, {cpu:.0f} CPU-s with its rollout "
+                  f"process ({load()})")  # fmt: skip
     if args.plot:
         plot_curves(runs, args.plot)
         print(f"wrote {args.plot}")

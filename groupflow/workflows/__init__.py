@@ -17,7 +17,12 @@ denoising trajectory of an image generator:
 A workflow works with a *policy* — the roles that learn (``groupflow.policies``): it generates
 through the policy's ``rollout`` group, and the trainer hands its batches to the policy's
 ``prepare``/``update``. Every sample carries the ``version`` of the policy that generated it
-(the number of updates applied so far), contract-checked, for asynchronous rollout.
+(the number of updates applied so far), contract-checked, for asynchronous rollout. There a
+second instance of the workflow is built on the rollout side (``groupflow.rollout_side``, a
+child process by default) over the policy's ``RolloutPolicy`` — ``rollout``, ``tokenizer``,
+``sampling``, ``contracts``, ``reward_model``, no ``actor`` — with the same config and training
+rows, and only its ``collect`` is called there: a custom workflow's ``collect`` must use no more
+of the policy than that (its ``validate``/``warm_start`` run in the trainer as always).
 
 Built-in workflows (``rollout.workflow``): ``single_turn``, ``multi_turn`` (tools or an
 environment; chosen automatically when ``rollout.max_turns > 1``, ``rollout.tools`` or

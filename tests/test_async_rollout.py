@@ -2,11 +2,14 @@
 
 What is checked against a second run or by hand: the deterministic schedule (the batch of step s
 comes from version max(0, s - k): step 0 equals the synchronous run's, later steps do not, two runs
-are identical, process and thread workers agree), the staleness contract in the loop, exact resume
-after SIGKILL with batches in flight, a rollout worker killed mid-run (clear error naming the
-role, then resume), a weight sync that never returns (timeout naming the role), the off-policy
-corrections and every built-in workflow (single-turn, multi-turn with tools, diffusion) plus
-dynamic sampling, the vLLM engine (in .venv-vllm), and eager mode (fresher, still within k).
+are identical, the rollout side in a process and in a thread agree), the staleness contract in the
+loop, exact resume after SIGKILL with batches in flight, a rollout process killed mid-collect
+(clear error naming the role, step and version, then resume), a weight load that never returns
+(timeout naming the role), errors on the rollout side arriving as themselves, the thread fallback
+for rewards a child process cannot receive, the off-policy corrections (decoupled PPO without a
+separate proximal pass) and every built-in workflow (single-turn, multi-turn with tools,
+diffusion) plus dynamic sampling, the vLLM engine (in .venv-vllm), and eager mode (fresher, still
+within k).
 """
 
 from __future__ import annotations
@@ -479,7 +482,7 @@ def test_sigkill_with_batches_in_flight_then_resume_is_bit_identical(
     full.fit()
     full.shutdown()
 
-    # Run B in a subprocess: the rollout thread blocks in the reward once the step-4 checkpoint
+    # Run B in a subprocess: the rollout side blocks in the reward once the step-4 checkpoint
     # exists (batches of steps 5 and 6 are then in flight or pending), and the run is killed.
     run_b = tmp_path / "b"
     marker = run_b / "checkpoints" / "step_4" / "manifest.json"
@@ -513,7 +516,7 @@ def test_sigkill_with_batches_in_flight_then_resume_is_bit_identical(
     reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh)",
 )
 def test_vllm_engine_runs_asynchronously_and_deterministically(tmp_path):
-    """k = 1 on vLLM: the snapshot worker's own engine generates every batch with its scheduled
+    """k = 1 on vLLM: the rollout side's own engine generates every batch with its scheduled
     weights (pushed through the engine's load_weights). Step 0's batch (version 0) equals the
     synchronous run's — generated there by the actor's engine — to the bit; two runs give the same
     metrics; the training forward's log-probs of step 0's samples match vLLM's (fp32)."""

@@ -239,12 +239,14 @@ class RolloutConfig(_Section):
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
     max_staleness: int = Field(0, ge=0)
-    # local backend, k >= 1: the rollout's own weight snapshot runs in a child process with one
-    # torch thread ("process": generation and training on two cores) or in a thread of this
-    # process ("thread": no second process, but the decode loop shares the GIL with training).
+    # local backend, k >= 1: the rollout side (the whole collect stage: workflow, rewards, prompt
+    # loader, a frozen model copy) runs in a child process with one torch thread ("process":
+    # collect and training on two cores) or in a thread of this process ("thread": no second
+    # process, but its Python shares the GIL with training; also the fallback when the rollout
+    # side cannot be pickled, e.g. a lambda reward given to groupflow.Run).
     async_worker: Literal["process", "thread"] = "process"
     # deterministic: the batch of step s always comes from version max(0, s - k) (reproducible,
-    # exact resume). eager: from the newest version when the rollout thread starts the batch
+    # exact resume). eager: from the newest version when the rollout side starts the batch
     # (never staler than k; fresher when generation is the bottleneck), at the price of
     # reproducibility: which version that is depends on timing.
     async_mode: Literal["deterministic", "eager"] = "deterministic"

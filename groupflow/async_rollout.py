@@ -171,8 +171,8 @@ class AsyncRollout:
             self._host.close()
             self._host = None
         if self._thread is not None:
+            self._conn.close()  # a reply nobody will read must not block the thread's send
             self._thread.join(timeout=self.timeout_s)
-            self._conn.close()
             self._thread = None
         if self._side is not None:
             self._side.close()

@@ -33,7 +33,7 @@ import threading
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ class RolloutRecipe:
     train_rows: list  # the trainer's workflow's training rows, in its order
     loader_state: dict  # the trainer's prompt loader when the rollout side starts
     rewards: tuple = ()  # reward functions given as Python objects (groupflow.Run)
-    threads: int = field(default=1)  # torch threads of a child process
+    threads: int = 1  # torch threads of a child process
 
 
 class RolloutSide:
@@ -133,7 +133,10 @@ def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool) -> N
             failed = failed or e
             reply = ("error", step, error_payload(failed, traceback.format_exc()))
         status[0] = IDLE
-        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the trainer closed its end (it stopped us): nobody to answer
+            return
 
 
 def error_payload(error: BaseException, text: str) -> tuple:

@@ -1,28 +1,37 @@
 """Asynchronous rollout: steps per second of ``rollout.max_staleness: 1`` against the synchronous
 loop, measured side by side in one run; optionally the learning curves of both.
 
-Methodology: two trainers on the same config and seed (the CPU demo, ``examples/
-reverse_demo.yaml``, without its warm start for the speed part): ``sync`` (k = 0, rollout and
-training alternate in this process) and ``k=1`` (the rollout's weight snapshot in a child process
-with one torch thread, generating the next step's batch while this process trains with one
-thread) — once with no off-policy correction (``k=1``) and once with decoupled PPO (``k=1 dec``,
-which adds a forward pass to recompute the proximal log-probs). Both are built and warmed up first (the child's start is not timed), then timed in
-alternating blocks of ``--block`` steps (sync, k=1, sync, k=1, ...) so that both see the same
-machine load; the first block of each is discarded, and so is the first step of every block (the
-k=1 run's next batch is finished before the other's block starts, so that step found its batch
-ready). Printed: the median seconds per step of
-each, steps/s and their ratio, and the load average before and after. The machine may be shared:
-the ratio is the number to read, not the absolute times.
+Methodology: trainers on the same config and seed (the CPU demo, ``examples/reverse_demo.yaml``,
+without its warm start for the speed part): ``sync`` (k = 0, rollout and training alternate in
+this process) and k = 1 (the rollout side — workflow, rewards, prompt loader and a frozen model
+copy — in a child process with one torch thread, collecting the next step's batch while this
+process trains with one thread), once with no off-policy correction (``k=1``) and once with
+decoupled PPO (``k=1 dec``; with one optimizer step per batch its proximal log-probs come from the
+update's own forward, no extra pass). All are built and warmed up first (the child's start is not
+timed), then timed in alternating blocks of ``--block`` steps (sync, k=1, k=1 dec, sync, ...) so
+that all see the same machine load; the first block of each is discarded, and so is the first
+step of every block (the k=1 runs' next batch is finished before another block starts, so that
+step found its batch ready).
+
+Printed, per run: the median seconds per step, steps/s and the ratio to sync (wall clock: what
+the machine gave, low when it is shared); CPU seconds per step of the trainer process and of the
+rollout side's process (Linux /proc), cores used ((trainer + rollout CPU) / wall) and the overlap
+(the share of the smaller side's CPU time that ran while the other ran too); the fraction of
+samples the update skipped (zero advantage — runs on different trajectories do different work per
+step; ``--all-samples`` trains every sample so the work is equal). Then the load-independent
+estimate — sync's CPU per step over the busier side's, what two idle cores would give — and the
+bound from the sync run's own stage times (step / max(rollout, rest)). The load average is
+printed before and after.
 
 ``--curves``: then runs the whole demo (warm start included, ``run.total_steps``) once
-synchronously and once with k = 1 and prints held-out greedy accuracy at every validation side by
-side — does the stale, decoupled-PPO run learn as well in the same number of steps?
+synchronously and once with k = 1 (decoupled PPO) and prints held-out greedy accuracy at every
+validation side by side — does the stale run learn as well in the same number of steps?
 ``--plot PNG`` draws them (held-out accuracy and the training reward, both runs on each panel;
 ``--val-every`` validates more often than the demo's 40 steps); ``--no-speed`` skips the timing.
 
     .venv/bin/python benchmarks/bench_async.py [--blocks 4] [--block 6] [--prompts 32]
-        [--model demo|medium] [--curves [--plot docs/async_curves.png] [--val-every 20]]
-        [--no-speed]
+        [--model demo|medium] [--all-samples]
+        [--curves [--plot docs/async_curves.png] [--val-every 20]] [--no-speed]
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -70,13 +81,78 @@ MODELS = {
 }
 
 
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """CPU time (user + system) of this process, or of process ``pid`` (Linux /proc; else None)."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the rollout side, once stopped)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+@dataclass
+class Block:
+    """One timed block of a trainer: wall and CPU seconds over its steps."""
+
+    steps: int
+    wall: float
+    trainer_cpu: float  # this process (the trainer; for sync also its collect)
+    rollout_cpu: float | None  # the rollout side's child process (None: sync, or no /proc)
+    skipped: float  # mean fraction of samples the update left out (zero advantage): work per step
+
+    @property
+    def cores(self) -> float | None:
+        return (
+            None if self.rollout_cpu is None else (self.trainer_cpu + self.rollout_cpu) / self.wall
+        )
+
+    @property
+    def overlap(self) -> float | None:
+        """The share of the smaller side's CPU time that ran while the other side ran too."""
+        if self.rollout_cpu is None:
+            return None
+        both = self.trainer_cpu + self.rollout_cpu - self.wall
+        return min(1.0, max(0.0, both / max(1e-9, min(self.trainer_cpu, self.rollout_cpu))))
+
+
+def timed_block(trainer, n: int, stages: list | None) -> Block:
+    """``n`` steps; the first is not counted (its batch was generated ahead while idle)."""
+    trainer.train_step()
+    child = trainer.rollouts.process.pid if trainer.rollouts and trainer.rollouts.process else None
+    wall, cpu, rollout = time.perf_counter(), cpu_seconds(), cpu_seconds(child) if child else None
+    skipped = []
+    for _ in range(n - 1):
+        _, metrics = trainer.train_step()
+        skipped.append(metrics.get("actor/zero_adv_skipped", 0.0))
+        if stages is not None:
+            stages.append((metrics["time/rollout_and_reward"], metrics["time/step"]))
+    wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
+    if rollout is not None:
+        rollout = cpu_seconds(child) - rollout
+    if trainer.rollouts is not None:
+        trainer.rollouts.drain()  # the batch generated ahead must not run during another's block
+    return Block(n - 1, wall, cpu, rollout, statistics.mean(skipped))
+
+
 def speed(args) -> None:
     steps = args.blocks * args.block + args.block
     extra = [
         f"run.total_steps={steps + 2}", f"data.prompts_per_step={args.prompts}",
         "validation.before_training=false", "sft.steps=0", f"model.tiny={MODELS[args.model]}",
+        *(["actor.skip_zero_advantage=false"] if args.all_samples else []),
     ]  # fmt: skip
-    print(f"model: {args.model} {MODELS[args.model]}")
+    print(f"model: {args.model} {MODELS[args.model]}"
+          + ("; every sample trained (actor.skip_zero_advantage=false)" if args.all_samples else ""))  # fmt: skip
     print(f"before: {load()}; {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as out:
         trainers = {
@@ -84,38 +160,61 @@ def speed(args) -> None:
             "k=1": build("k1", out, 1, extra, "none"),
             "k=1 dec": build("k1d", out, 1, extra, "decoupled"),
         }
-        times: dict[str, list[float]] = {n: [] for n in trainers}
+        blocks: dict[str, list[Block]] = {n: [] for n in trainers}
         stages: list[tuple[float, float]] = []  # the sync run's (rollout+reward, step) seconds
         try:
-            for block in range(args.blocks + 1):
+            for block in range(args.blocks + 1):  # the first block of each warms up
                 for name, trainer in trainers.items():
-                    per_step = []
-                    for _ in range(args.block):
-                        start = time.perf_counter()
-                        _, metrics = trainer.train_step()
-                        per_step.append(time.perf_counter() - start)
-                        if block and name == "sync":
-                            stages.append(
-                                (metrics["time/rollout_and_reward"], metrics["time/step"])
-                            )
-                    if trainer.rollouts is not None:
-                        # the batch generated ahead must not run during the other's block
-                        trainer.rollouts.drain()
-                    if block:  # the first block of each warms up
-                        # a block's first step found its batch ready (generated while idle)
-                        times[name].append(statistics.mean(per_step[1:]))
+                    timed = timed_block(
+                        trainer, args.block, stages if block and name == "sync" else None
+                    )
+                    if block:
+                        blocks[name].append(timed)
         finally:
             for trainer in trainers.values():
-                if trainer.rollouts is not None:
-                    trainer.rollouts.close()
+                trainer.stop_rollouts()
                 trainer.shutdown()
     print(f"after:  {load()}")
-    med = {n: statistics.median(t) for n, t in times.items()}
-    print(f"{'':8} {'s/step (median of blocks)':>26} {'steps/s':>9}  blocks")
-    for n, t in times.items():
-        print(f"{n:8} {med[n]:26.3f} {1 / med[n]:9.2f}  {' '.join(f'{x:.3f}' for x in t)}")
+    report(blocks, stages)
+
+
+def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) -> None:
+    """Wall-clock steps/s and their ratio (what the machine gave), and the CPU view: seconds of
+    CPU per step of each side, cores used, overlap — independent of other load on the machine."""
+
+    def per_step(name: str, attr: str) -> float | None:
+        values = [getattr(b, attr) for b in blocks[name]]
+        if any(v is None for v in values):
+            return None
+        return sum(values) / sum(b.steps for b in blocks[name])
+
+    def fmt(x: float | None, spec: str = ".3f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    med = {n: statistics.median(b.wall / b.steps for b in bl) for n, bl in blocks.items()}
+    print(f"{'':8} {'s/step':>7} {'steps/s':>8} {'ratio':>6} | {'CPU s/step: trainer':>20} "
+          f"{'rollout':>8} | {'cores':>5} {'overlap':>7} | {'skipped':>7}  s/step per block")  # fmt: skip
+    for n, bl in blocks.items():
+        cores = [b.cores for b in bl]
+        over = [b.overlap for b in bl]
+        print(
+            f"{n:8} {med[n]:7.3f} {1 / med[n]:8.2f} {med['sync'] / med[n]:6.2f} | "
+            f"{fmt(per_step(n, 'trainer_cpu')):>20} {fmt(per_step(n, 'rollout_cpu')):>8} | "
+            f"{fmt(None if None in cores else statistics.mean(cores), '.2f'):>5} "
+            f"{fmt(None if None in over else statistics.mean(over), '.2f'):>7} | "
+            f"{statistics.mean(b.skipped for b in bl):7.2f}  "
+            + " ".join(f"{b.wall / b.steps:.3f}" for b in bl)
+        )
     for n in ("k=1", "k=1 dec"):
-        print(f"speed-up {n} over sync: {med['sync'] / med[n]:.2f}x (steps/s ratio)")
+        print(f"speed-up {n} over sync: {med['sync'] / med[n]:.2f}x (steps/s ratio, wall clock)")
+    # The load-independent view: with a core each, a step takes as long as the busier side.
+    sync_cpu = per_step("sync", "trainer_cpu")
+    for n in ("k=1", "k=1 dec"):
+        trainer, rollout = per_step(n, "trainer_cpu"), per_step(n, "rollout_cpu")
+        if rollout is not None:
+            print(f"CPU view {n}: sync uses {sync_cpu:.3f} CPU-s per step; the trainer "
+                  f"{trainer:.3f} and the rollout side {rollout:.3f} -> with two idle cores "
+                  f"{sync_cpu / max(trainer, rollout):.2f}x")  # fmt: skip
     # What overlap could give with two idle cores: the sync step's rollout and the rest of it
     # run side by side, so the step takes the longer of the two (a bound, not a measurement).
     rollout = statistics.median(r for r, _ in stages)
@@ -135,13 +234,14 @@ def curves(args) -> None:
         for name, k in (("sync", 0), ("k=1", 1)):
             cfg = load_config("examples/reverse_demo.yaml", overrides(f"c{k}", out, k, extra))
             trainer = Trainer(cfg)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), run_cpu_seconds()
             trainer.fit()
             trainer.shutdown()
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, run_cpu_seconds() - cpu
             runs[name] = read_metrics(trainer.run_dir / "metrics.jsonl")
             rows[name] = {int(r["step"]): r.get("val/greedy/acc") for r in runs[name]}
-            print(f"{name}: {seconds:.0f} s for the whole run ({load()})")
+            print(f"{name}: {seconds:.0f} s for the whole run, {cpu:.0f} CPU-s with its rollout "
+                  f"process ({load()})")  # fmt: skip
     if args.plot:
         plot_curves(runs, args.plot)
         print(f"wrote {args.plot}")
@@ -183,6 +283,9 @@ def main() -> None:
     p.add_argument("--block", type=int, default=6, help="steps per block")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--model", choices=sorted(MODELS), default="demo", help="speed part only")
+    p.add_argument("--all-samples", action="store_true",
+                   help="speed part: train every sample (no zero-advantage skipping), so every "
+                        "run does the same work per step")  # fmt: skip
     p.add_argument("--curves", action="store_true", help="also the demo's learning curves")
     p.add_argument("--plot", default=None, help="with --curves: write them to this PNG")
     p.add_argument("--val-every", type=int, default=None, help="with --curves: validation steps")

@@ -1,35 +1,62 @@
-"""Asynchronous rollout: the batches of later steps are generated while the trainer updates.
+"""Asynchronous rollout: the batches of later steps are collected while the trainer updates.
 
 Design decision (verl's one-step-off policy generalised to k steps; AReaL's staleness bound):
 with ``rollout.max_staleness: k`` the batch trained at step s is *always* generated with the
 weights of version max(0, s − k) — never "whatever is newest" — so a run is reproducible, and a
 resume can regenerate the batches that were in flight from the weight snapshots the checkpoint
-keeps. One background thread consumes jobs in step order; a job first loads its weight snapshot
-into the rollout worker (a separate model: a child process with one torch thread by default, so
-decoding and training really run on two cores), then calls the trainer's ``collect`` (rollout,
-rewards, dynamic-sampling refills: all of them with the job's version, so refills count against
-the bound). Loader draws happen only in that thread, in step order, so the prompts of step s are
-the same as in a synchronous run. Every wait has a timeout, and a failure in the thread (a dead
-rollout process, a weight push that does not return) is raised in the trainer naming the role.
+keeps.
 
-``rollout.async_mode: eager`` trades that reproducibility for freshness: a job takes the newest
-snapshot at the moment the thread *starts* it (at submission the newest version is the scheduled
-one, so only a start that lags behind — generation slower than training, k >= 2 — can see a newer
-one). The version it takes is at least the scheduled one, so the bound still holds, and the batch
-records the version it really came from.
+Where the work happens (profiled: ``benchmarks/README.md``): the *whole* collect stage — loader
+draws, generation, rewards, batch assembly, dynamic-sampling refills — runs on the rollout side
+(``groupflow.rollout_side``), by default a spawned child process with one torch thread, so that
+nothing but the update competes for the trainer's core or its GIL. The trainer talks to it with
+three calls: ``publish(version, weights)`` copies a version into a shared ``WeightRing`` (one
+memcpy: the whole cost of a weight push to the trainer), ``submit(step, version)`` sends a tiny
+message, ``result(step)`` receives the finished, contract-checked batch. The side's prompt loader
+replicates the trainer's, so prompts are those of a synchronous run; each result carries the
+loader state after it (``loader_state``, what a checkpoint saves).
+
+``rollout.async_worker: thread`` runs the same side in a thread of this process (no pickling of
+the recipe, slower: one GIL); it is also the fallback, with a warning, when the recipe cannot be
+pickled or unpickled in a child — e.g. a reward function given to ``groupflow.Run`` as a lambda or
+defined in a notebook.
+
+Every wait has a timeout; a dead child, a hung weight load or collect, or an error on the side is
+raised in the trainer naming the role, the step and the policy version.
+
+``rollout.async_mode: eager`` trades reproducibility for freshness: a job takes the newest version
+published when the side *starts* it (at submission the newest version is the scheduled one, so
+only a start that lags behind — generation slower than training, k >= 2 — can see a newer one).
+That version is at least the scheduled one, so the bound still holds, and the batch records the
+version it really came from.
 """
 
 from __future__ import annotations
 
-import queue
+import logging
+import multiprocessing as mp
+import pickle
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+import time
 
-__all__ = ["AsyncRollout", "ThreadRoute", "schedule_version", "RolloutTimeoutError"]
+import torch
 
-_route = threading.local()  # .background: this thread is the rollout thread
+from groupflow.distributed import WorkerError
+from groupflow.distributed.process import ChildStartError, ProcessHost
+from groupflow.rollout_side import (
+    COLLECTING,
+    LOADING,
+    RECIPE_UNPICKLABLE,
+    RolloutRecipe,
+    RolloutSide,
+    process_main,
+    serve,
+)
+from groupflow.utils.weight_ring import WeightRing
+
+log = logging.getLogger("groupflow")
+
+__all__ = ["AsyncRollout", "schedule_version", "RolloutTimeoutError", "RolloutError"]
 
 
 def schedule_version(step: int, max_staleness: int) -> int:
@@ -37,136 +64,205 @@ def schedule_version(step: int, max_staleness: int) -> int:
     return max(0, step - max_staleness)
 
 
+def ring_slots(max_staleness: int) -> int:
+    """Weight versions the ring holds: version v is overwritten by v + k + 2 only after the batch
+    of step v + k + 1 — whose version is v + 1 — was delivered, i.e. once no job can need v."""
+    return max_staleness + 2
+
+
 class RolloutTimeoutError(RuntimeError):
-    """The rollout role did not deliver a batch (or accept weights) within its timeout."""
+    """The rollout role did not deliver a batch (or load weights) within its timeout."""
 
 
-class ThreadRoute:
-    """``policy.rollout`` as each thread sees it: the background rollout thread generates with the
-    snapshot worker (stale weights, by design); every other thread — validation, ``groupflow
-    generate`` — with the actor (the current weights)."""
-
-    def __init__(self, foreground, background):
-        self.foreground, self.background = foreground, background
-
-    def __getattr__(self, name: str) -> Any:
-        target = self.background if getattr(_route, "background", False) else self.foreground
-        return getattr(target, name)
-
-
-@dataclass
-class _Job:
-    step: int
-    version: int
-    weights: dict | None  # None: the worker already holds this version
-    started: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    loader_state: dict | None = None  # the loader before this job drew (for checkpoints)
-    result: tuple | None = None
-    error: BaseException | None = None
+class RolloutError(RuntimeError):
+    """The rollout side failed with an exception that could not be sent back as itself."""
 
 
 class AsyncRollout:
-    """Jobs ``submit(step, version, weights)`` run in order in one background thread.
+    """The trainer's handle on the rollout side: ``publish`` weights, ``submit`` jobs (in step
+    order), take each ``result`` in step order."""
 
-    ``collect(step, version)`` → (batch, metrics) is the trainer's collect; ``push(weights)``
-    loads a snapshot into the rollout worker; ``loader_state()`` captures the prompt loader;
-    ``newest()`` → (version, weights), given in eager mode only, is the newest snapshot."""
-
-    def __init__(self, collect: Callable[[int, int], tuple], push: Callable[[dict], None],
-                 loader_state: Callable[[], dict], timeout_s: float, role: str = "rollout",
-                 newest: Callable[[], tuple[int, dict]] | None = None):  # fmt: skip
-        self._collect, self._push, self._loader_state = collect, push, loader_state
-        self._newest = newest
+    def __init__(self, recipe: RolloutRecipe, template: dict[str, torch.Tensor], *,
+                 max_staleness: int, process: bool, timeout_s: float, eager: bool = False,
+                 role: str = "rollout"):  # fmt: skip
         self.timeout_s, self.role = timeout_s, role
-        self._jobs: dict[int, _Job] = {}
-        self._pushing: int | None = None  # the version being loaded into the worker, if any
-        self._held: int | None = None  # the version the worker holds
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="groupflow-rollout", daemon=True)
-        self._thread.start()
+        self.loader_state = recipe.loader_state  # the loader after the last delivered batch
+        self._jobs: dict[int, int] = {}  # submitted, not yet taken: step -> scheduled version
+        self._ready: dict[int, tuple] = {}  # received, not yet taken: step -> reply
+        self._host = self._thread = self._side = None
+        data = _pickled(recipe) if process else None  # None: stays in this process (warned)
+        self.ring = WeightRing(template, ring_slots(max_staleness), shared=data is not None)
+        self.status = torch.zeros(3, dtype=torch.long)  # phase, step, version (rollout_side)
+        if data is not None:
+            self.status.share_memory_()
+            self._host = self._start_process(data, eager)
+        if self._host is None:
+            self._side = RolloutSide(recipe)  # built here: a failure surfaces at once
+            self._conn, child = mp.Pipe()
+            self._thread = threading.Thread(
+                target=serve, args=(child, self._side, self.ring, self.status, eager),
+                name="groupflow-rollout", daemon=True,
+            )  # fmt: skip
+            self._thread.start()
 
-    # ----- the trainer's side -------------------------------------------------------------------
-    def submit(self, step: int, version: int, weights: dict | None) -> None:
+    def _start_process(self, data: bytes, eager: bool) -> ProcessHost | None:
+        args = (data, self.ring, self.status, eager)
+        try:
+            host = ProcessHost(process_main, args, startup_timeout_s=max(300.0, self.timeout_s))
+        except ChildStartError as e:
+            if str(e.value).startswith(RECIPE_UNPICKLABLE):  # e.g. a reward defined in a notebook
+                _warn_thread_route(f"{RECIPE_UNPICKLABLE} ({str(e.value).splitlines()[-1]})")
+                return None
+            raise WorkerError(self._name(), 0, "__init__", str(e)) from None
+        except (ChildProcessError, TimeoutError) as e:
+            raise WorkerError(self._name(), 0, "__init__", str(e)) from None
+        self._conn = host.conn
+        return host
+
+    @property
+    def process(self):
+        """The child process (None in the thread route)."""
+        return self._host.process if self._host is not None else None
+
+    # ----- the trainer's calls ------------------------------------------------------------------
+    def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Make ``version``'s weights available to the side (a copy into the ring)."""
+        self.ring.write(version, weights)
+        self._send(("weights", version))
+
+    def submit(self, step: int, version: int) -> None:
         if step in self._jobs:
             raise RuntimeError(f"the batch of step {step} was already submitted")
-        job = _Job(step, version, weights)
-        self._jobs[step] = job
-        self._queue.put(job)
+        self._jobs[step] = version
+        self._send(("job", step, version))
 
     def in_flight(self) -> list[int]:
         return sorted(self._jobs)
 
     def result(self, step: int) -> tuple:
         """The (batch, metrics) of ``step``, waiting for it at most ``timeout_s``."""
-        job = self._wait(step, "done", "deliver the batch of")
-        del self._jobs[step]
-        if job.error is not None:
-            raise job.error
-        return job.result
-
-    def loader_state_before(self, step: int) -> dict:
-        """The prompt loader as it was before ``step``'s batch drew from it (what a checkpoint
-        saved before that step must restore)."""
-        job = self._wait(step, "started", "start the batch of")
-        return job.loader_state
+        if step not in self._jobs:
+            raise RuntimeError(f"no rollout job for step {step} (in flight: {self.in_flight()})")
+        while step not in self._ready:
+            self._receive(step)
+        reply = self._ready.pop(step)
+        version = self._jobs.pop(step)
+        if reply[0] == "error":
+            raise self._error(reply[2], step, version)
+        _, _, batch, metrics, self.loader_state = reply
+        return batch, metrics
 
     def drain(self) -> None:
-        """Wait until every submitted job has finished (results stay to be collected)."""
-        for step in list(self._jobs):
-            self._wait(step, "done", "deliver the batch of")
+        """Wait until every submitted job has been answered (results stay to be taken)."""
+        for step in self.in_flight():
+            while step not in self._ready:
+                self._receive(step)
 
     def close(self) -> None:
-        """Stop the thread after the job it is running (abandoned jobs are not waited for)."""
-        for job in self._jobs.values():
-            job.weights = None
+        """Stop the side after the job it is running (abandoned jobs are not waited for)."""
         self._jobs.clear()
-        self._queue.put(None)
-        self._thread.join(timeout=self.timeout_s)
+        self._ready.clear()
+        try:
+            self._conn.send(None)
+        except (OSError, ValueError):
+            pass  # already gone (a dead child, a closed pipe): nothing to stop
+        if self._host is not None:
+            self._host.process.join(timeout=5.0)
+            self._host.close()
+            self._host = None
+        if self._thread is not None:
+            self._conn.close()  # a reply nobody will read must not block the thread's send
+            self._thread.join(timeout=self.timeout_s)
+            self._thread = None
+        if self._side is not None:
+            self._side.close()
+            self._side = None
 
-    def _wait(self, step: int, event: str, what: str) -> _Job:
-        job = self._jobs.get(step)
-        if job is None:
-            raise RuntimeError(f"no rollout job for step {step} (in flight: {self.in_flight()})")
-        if not getattr(job, event).wait(self.timeout_s):
-            pushing = self._pushing
-            if pushing is not None:
-                what = f"load the weights of policy version {pushing} (weight sync) before"
-            raise RolloutTimeoutError(
-                f"the {self.role} role did not {what} step {step} (policy version {job.version}) "
-                f"within {self.timeout_s:g} s (run.worker_timeout_s); it is hung or far too slow"
-            )
-        return job
+    # ----- plumbing -------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, OSError) as e:
+            detail = self._death(f"could not be reached ({e})")
+            raise WorkerError(self._name(), 0, "submit", detail) from None
 
-    # ----- the background thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        _route.background = True
-        failed: BaseException | None = None
-        while (job := self._queue.get()) is not None:
-            try:
-                if failed is not None:  # a later job must not run on a broken worker
-                    raise failed
-                if self._newest is not None:  # eager: fresher weights, if there are any
-                    version, weights = self._newest()
-                    if version > job.version:
-                        job.version, job.weights = version, weights
-                if job.weights is not None and job.version != self._held:
-                    self._pushing = job.version
-                    self._push(job.weights)
-                    self._pushing = None
-                    self._held = job.version
-                job.weights = None  # the snapshot now lives in the worker
-                job.loader_state = self._loader_state()
-                job.started.set()
-                job.result = self._collect(job.step, job.version)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the trainer's thread
-                if failed is None:
-                    e.add_note(
-                        f"(in the {self.role} role's background thread, batch of step "
-                        f"{job.step}, policy version {job.version})"
-                    )
-                    failed = e
-                job.error = failed
-            finally:
-                job.started.set()
-                job.done.set()
+    def _receive(self, step: int) -> None:
+        """Wait for the next reply (for at most ``timeout_s``) and file it under its step."""
+        try:
+            self._wait()
+            reply = pickle.loads(self._conn.recv_bytes())
+        except TimeoutError:
+            raise RolloutTimeoutError(self._timeout_message(step)) from None
+        except ChildProcessError as e:
+            raise WorkerError(self._name(), 0, "collect", f"{e}{self._doing()}") from None
+        except (EOFError, OSError):
+            raise WorkerError(self._name(), 0, "collect", self._death("died")) from None
+        self._ready[reply[1]] = reply
+
+    def _wait(self) -> None:
+        if self._host is not None:
+            self._host.wait(self.timeout_s)  # also reports a child that died
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not self._conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if not self._thread.is_alive():
+                raise ChildProcessError("the rollout thread stopped")
+            if time.monotonic() >= deadline:
+                raise TimeoutError
+
+    def _timeout_message(self, step: int) -> str:
+        phase, doing_step, version = (int(x) for x in self.status)
+        what = "deliver the batch of"
+        if phase == LOADING:
+            what = f"load the weights of policy version {version} (weight sync) before"
+            step = doing_step
+        return (
+            f"the {self.role} role did not {what} step {step} (policy version "
+            f"{self._jobs.get(step, version)}) within {self.timeout_s:g} s "
+            "(run.worker_timeout_s); it is hung or far too slow"
+        )
+
+    def _doing(self) -> str:
+        """What the side was doing, from its status (for an error message)."""
+        phase, step, version = (int(x) for x in self.status)
+        if phase == LOADING:
+            return f" (while loading the weights of policy version {version} for step {step})"
+        if phase == COLLECTING:
+            return f" (while collecting the batch of step {step}, policy version {version})"
+        return ""
+
+    def _death(self, what: str) -> str:
+        if self._host is None:
+            return f"the rollout thread {what}"
+        p = self._host.process
+        p.join(timeout=1.0)
+        return f"the worker process (pid {p.pid}) {what}, exit code {p.exitcode}{self._doing()}"
+
+    def _error(self, payload: tuple, step: int, version: int) -> BaseException:
+        kind, body, text = payload
+        where = "process" if self._host is not None else "thread"
+        note = (f"(in the {self.role} role's {where}, batch of step {step}, policy version "
+                f"{version}); its traceback:\n{text}")  # fmt: skip
+        error = pickle.loads(body) if kind == "exception" else RolloutError(body)
+        error.add_note(note)
+        return error
+
+    def _name(self) -> str:
+        return f"RolloutSide ({self.role} role)"
+
+
+def _pickled(recipe: RolloutRecipe) -> bytes | None:
+    try:
+        return pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - e.g. a lambda given as a reward
+        _warn_thread_route(f"the rollout recipe cannot be pickled ({type(e).__name__}: {e})")
+        return None
+
+
+def _warn_thread_route(reason: str) -> None:
+    log.warning(
+        "rollout.async_worker=process: %s; the rollout side runs in a thread of this process "
+        "instead (slower: it shares the trainer's GIL). Reward functions given to groupflow.Run "
+        "keep it in a process of its own when defined at the top level of an importable module.",
+        reason,
+    )

@@ -433,12 +433,13 @@ def role_group(config: Config, role: str, worker_cls, /, **kwargs) -> WorkerGrou
     )  # fmt: skip
 
 
-def snapshot_group(config: Config, worker_cls, /, **kwargs) -> WorkerGroup:
-    """The asynchronous rollout's own copy of the policy on the local backend (one worker): a
-    child process with one torch thread (``rollout.async_worker: process``) or in this process."""
-    backend = "process" if config.rollout.async_worker == "process" else "local"
+def snapshot_group(
+    config: Config, worker_cls, /, role_name: str = "rollout", **kwargs
+) -> WorkerGroup:
+    """One worker of the asynchronous rollout side, in that side's own process (a child process,
+    or this one for ``rollout.async_worker: thread``): a frozen copy the side loads weights into."""
     return WorkerGroup(
-        worker_cls, 1, backend=backend, timeout_s=config.run.worker_timeout_s, role_name="rollout",
+        worker_cls, 1, backend="local", timeout_s=config.run.worker_timeout_s, role_name=role_name,
         **kwargs,
     )  # fmt: skip
 

@@ -113,7 +113,9 @@ _ROLLOUT = (
 _REWARDED = _ROLLOUT + (FieldSpec("rewards", "float"),)
 _ADVANTAGED = _REWARDED + (FieldSpec("advantages", "float", (("B",), ("B", "T"))),)
 _TRAIN_READY = _ADVANTAGED + (
-    FieldSpec("old_logprobs", "float", (("B", "T"),), max_value=_LOGP_MAX),
+    # absent: the update's own forward (detached) anchors the ratio — one optimizer step on the
+    # current weights with an off-policy correction (policies.llm.old_logprobs_source)
+    FieldSpec("old_logprobs", "float", (("B", "T"),), optional=True, max_value=_LOGP_MAX),
     FieldSpec("ref_logprobs", "float", (("B", "T"),), optional=True, max_value=_LOGP_MAX),
 )
 

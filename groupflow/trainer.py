@@ -7,8 +7,9 @@ diffusion — ``groupflow.workflows``), training goes to a *policy* (its worker 
 batch is validated against the stage contract at each boundary, so a broken reward function,
 environment or custom estimator is reported where it happened. This file decides only *what
 happens in which order*, plus validation, logging and checkpoints. With ``rollout.max_staleness``
-the collect stage runs ahead in the background (``groupflow.async_rollout``) on the deterministic
-schedule; the loop is otherwise the same.
+the collect stage runs ahead on the rollout side (``groupflow.async_rollout``: by default a child
+process that holds the workflow, the prompt loader and a frozen model copy) on the deterministic
+schedule; the loop is otherwise the same: it takes finished batches and publishes weights.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from groupflow.checkpoint import (
 from groupflow.config import Config
 from groupflow.contracts import check_staleness, validate
 from groupflow.credit import CreditAssignment
-from groupflow.data import PromptLoader
 from groupflow.health import CollapseMonitor
+from groupflow.rollout_side import RolloutRecipe
 from groupflow.rundir import plain_config, prepare_run_dir
 from groupflow.tracking import Tracker
 from groupflow.utils.seeds import sample_seed
 from groupflow.utils.timing import StageTimer
 from groupflow.workflows import build_run, check_paths
+from groupflow.workflows.collect import Sampling, collect_step, prompt_loader
 
 log = logging.getLogger("groupflow")
 
@@ -68,22 +70,19 @@ class Trainer:
         self.step = 0
         self.tracker: Tracker | None = None
         self.policy, self.workflow, self.data_stats = build_run(built_cfg, self.run_dir, inputs)
+        self.built_cfg, self.inputs = built_cfg, inputs  # what an asynchronous rollout side needs
         self.contracts = self.workflow.contracts
         self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed)
         # warns once if the policy dies (e.g. a far too high actor.lr)
         self.collapse = CollapseMonitor(cfg.actor.lr, getattr(self.policy, "max_entropy", None))
-        self.loader = PromptLoader(
-            self.workflow.train_rows, cfg.data.prompts_per_step, seed=cfg.run.seed,
-            shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last,
-        )  # fmt: skip
+        self.loader = prompt_loader(cfg, self.workflow.train_rows)
         # Asynchronous rollout (rollout.max_staleness = k >= 1): the batches of the next k steps
-        # are generated in the background, each with the weights of its scheduled version.
+        # are collected on the rollout side, each with the weights of its scheduled version.
         self.max_staleness = cfg.rollout.max_staleness
         self.rollouts: AsyncRollout | None = None
-        self.snapshots: dict[int, dict] = {}  # version -> weights, while a batch in flight needs it
-        # rollout.async_mode=eager: (version, weights) of the newest snapshot, read by the rollout
-        # thread (one attribute, replaced whole: no lock needed)
-        self.newest_snapshot: tuple[int, dict] | None = None
+        # version -> weights that batches to come need, while no rollout side holds them (from a
+        # checkpoint, or kept when one stopped)
+        self.snapshots: dict[int, dict] = {}
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -124,9 +123,7 @@ class Trainer:
                 ):
                     self.save()
         finally:
-            if self.rollouts is not None:
-                self.rollouts.close()
-                self.rollouts = None
+            self.stop_rollouts()
             self.tracker.close()
         return last
 
@@ -162,70 +159,67 @@ class Trainer:
 
     def collect(self, step: int, version: int | None = None) -> tuple[Batch, dict[str, float]]:
         """Rollout + reward for one step with the weights of ``version`` (default ``step``: the
-        policy has taken ``step`` updates); with dynamic sampling, refill zero-signal groups (DAPO)
-        — with the same weights, so refills count against the staleness bound."""
-        cfg = self.cfg
+        policy has taken ``step`` updates), dynamic-sampling refills included."""
         version = step if version is None else version
-        batch = self.workflow.collect(self.loader.next_batch(), step, 0, version)
-        if not cfg.algorithm.dynamic_sampling:
-            return batch, {}
-        kept, dropped, rounds = [], 0, 0
-        while True:
-            informative = informative_groups(batch)
-            dropped += int(batch["group_ids"].unique().numel()) - len(informative)
-            kept.append(batch.index(torch.isin(batch["group_ids"], torch.tensor(informative))))
-            rounds += 1
-            have = sum(int(b["group_ids"].unique().numel()) for b in kept)
-            if have >= cfg.data.prompts_per_step or rounds >= cfg.algorithm.max_sampling_rounds:
-                break
-            rows = self.loader.take(cfg.data.prompts_per_step - have)
-            batch = self.workflow.collect(rows, step, rounds, version)
-        batch = Batch.concat([b for b in kept if len(b)] or [batch])
-        batch = first_groups(batch, cfg.data.prompts_per_step)
-        return batch, {
-            "sampling/rounds": rounds,
-            "sampling/dropped_groups": dropped,
-            "sampling/kept_groups": int(batch["group_ids"].unique().numel()),
-        }
+        sampling = Sampling.from_config(self.cfg)
+        return collect_step(self.workflow, self.loader, sampling, step, version)
 
     # ----- asynchronous rollout ------------------------------------------------------------------
     def start_rollouts(self) -> None:
-        """Start the background rollout and submit the batches of steps step..step+k (after a
-        resume: regenerated from the checkpoint's weight snapshots)."""
-        k, total = self.max_staleness, self.cfg.run.total_steps
-        self.policy.start_async()
-        self.snapshots[self.step] = self.policy.snapshot()
-        self.newest_snapshot = (self.step, self.snapshots[self.step])
-        eager = self.cfg.rollout.async_mode == "eager"
-        self.rollouts = AsyncRollout(
-            self.collect, self.policy.push_snapshot, self.loader.state_dict,
-            timeout_s=self.cfg.run.worker_timeout_s,
-            newest=(lambda: self.newest_snapshot) if eager else None,
-        )  # fmt: skip
-        previous = None
-        for t in range(self.step, min(self.step + k + 1, total)):
-            v = schedule_version(t, k)
-            if v not in self.snapshots:
+        """Start the rollout side, publish the weights the next k+1 batches need (after a resume:
+        the checkpoint's snapshots) and submit those batches."""
+        k, total, r = self.max_staleness, self.cfg.run.total_steps, self.cfg.rollout
+        weights = {**self.snapshots, self.step: self.policy.snapshot(copy=False)}  # ring copies
+        jobs = {t: schedule_version(t, k) for t in range(self.step, min(self.step + k + 1, total))}
+        for t, v in jobs.items():
+            if v not in weights:
                 raise RuntimeError(
                     f"no weights of policy version {v} to generate the batch of step {t} "
                     f"(rollout.max_staleness={k}): the checkpoint resumed from keeps the "
                     "snapshots of the staleness it was written with; resume with that value"
                 )
-            self.rollouts.submit(t, v, self.snapshots[v] if v != previous else None)
-            previous = v
+        recipe = RolloutRecipe(
+            self.built_cfg, self.run_dir, self.policy.start_async(), list(self.workflow.train_rows),
+            self.loader.state_dict(), tuple(self.inputs.rewards if self.inputs else ()),
+        )  # fmt: skip
+        self.rollouts = AsyncRollout(
+            recipe, weights[self.step], max_staleness=k, process=r.async_worker == "process",
+            timeout_s=self.cfg.run.worker_timeout_s, eager=r.async_mode == "eager",
+        )  # fmt: skip
+        for v in sorted(self._needed_versions() & weights.keys()):
+            self.rollouts.publish(v, weights[v])
+        for t, v in jobs.items():
+            self.rollouts.submit(t, v)
+        self.snapshots = {}  # the rollout side's ring holds them now
 
     def submit_next(self) -> None:
-        """After the update of step s (version s+1 now exists): snapshot it and submit the batch
+        """After the update of step s (version s+1 now exists): publish it and submit the batch
         of step s+1+k with its scheduled version (s+1)."""
         k, version = self.max_staleness, self.step + 1
-        self.snapshots[version] = self.policy.snapshot()
-        self.newest_snapshot = (version, self.snapshots[version])
-        for v in [v for v in self.snapshots if v < schedule_version(version, k)]:
-            del self.snapshots[v]  # no batch in flight needs it
+        self.rollouts.publish(version, self.policy.snapshot(copy=False))  # publish copies
         t = version + k
         if t < self.cfg.run.total_steps:
-            v = schedule_version(t, k)
-            self.rollouts.submit(t, v, self.snapshots[v])
+            self.rollouts.submit(t, schedule_version(t, k))
+
+    def stop_rollouts(self) -> None:
+        """Stop the rollout side; the loader and the snapshots that batches to come need stay
+        with the trainer (a later ``fit`` or ``save`` continues from them)."""
+        if self.rollouts is None:
+            return
+        rollouts, self.rollouts = self.rollouts, None
+        try:
+            self.loader.load_state_dict(rollouts.loader_state)
+            held = set(rollouts.ring.versions())
+            self.snapshots = {v: {n: t.clone() for n, t in rollouts.ring.read(v).items()}
+                              for v in self._needed_versions() & held}  # fmt: skip
+        finally:
+            rollouts.close()
+
+    def _needed_versions(self) -> set[int]:
+        """The versions the batches of steps step..step+k are scheduled with (a checkpoint keeps
+        all but the current one, ``step``, which is the policy itself)."""
+        k = self.max_staleness
+        return {schedule_version(t, k) for t in range(self.step, self.step + k + 1)}
 
     def before_training(self) -> dict[str, float]:
         """Data statistics, the optional warm start, and the baseline validation."""
@@ -257,17 +251,21 @@ class Trainer:
         state, writers = self.policy.state()
         state.update(self.credit.state_dict())
         state["loader"] = self.loader.state_dict()
-        if self.max_staleness and self.snapshots:
-            # A resume draws the next k+1 batches again (in flight now, or not yet submitted at
-            # the last step: a resume may raise run.total_steps), each with its version's
+        if self.max_staleness:
+            # A resume collects the next k+1 batches again (in flight now, or not yet submitted
+            # at the last step: a resume may raise run.total_steps), each with its version's
             # weights, kept here; the loader as the next step's batch found it.
-            if self.rollouts is not None and self.step in self.rollouts.in_flight():
-                state["loader"] = self.rollouts.loader_state_before(self.step)
-            k = self.max_staleness
-            versions = sorted({schedule_version(t, k) for t in range(self.step, self.step + k + 1)}
-                              - {self.step})  # fmt: skip
-            state["async_rollout"] = {"versions": versions}
-            state.update({f"rollout_weights_v{v}": self.snapshots[v] for v in versions})
+            versions = self._needed_versions() - {self.step}
+            if self.rollouts is not None:
+                state["loader"] = self.rollouts.loader_state
+                held = versions & set(self.rollouts.ring.versions())
+                weights = {v: self.rollouts.ring.read(v) for v in sorted(held)}
+            else:
+                weights = {v: self.snapshots[v] for v in sorted(versions & self.snapshots.keys())}
+            state["async_rollout"] = {"versions": sorted(weights)}
+            # copies: ring slots are views of one buffer, which safetensors refuses to write
+            state.update({f"rollout_weights_v{v}": {n: t.clone() for n, t in w.items()}
+                          for v, w in weights.items()})  # fmt: skip
         state["rng"] = capture_rng_state()
         state["trainer_state"] = {"step": self.step}
         state["config"] = plain_config(self.cfg)  # what a resume compares its config with
@@ -297,22 +295,3 @@ class Trainer:
         self.snapshots = {int(v): state[f"rollout_weights_v{v}"] for v in versions}
         log.info("resumed from %s at step %d", path, self.step)
         return True
-
-
-# ----- dynamic sampling helpers (pure) --------------------------------------------------------------
-
-
-def informative_groups(batch: Batch) -> list[int]:
-    """Groups whose rewards are not all equal (the rest carry no GRPO signal)."""
-    gids, rewards = batch["group_ids"], batch["rewards"]
-    out = []
-    for g in gids.unique().tolist():
-        r = rewards[gids == g]
-        if r.numel() > 1 and float(r.max() - r.min()) > 0:
-            out.append(g)
-    return out
-
-
-def first_groups(batch: Batch, k: int) -> Batch:
-    order = list(dict.fromkeys(batch["group_ids"].tolist()))[:k]
-    return batch.index(torch.isin(batch["group_ids"], torch.tensor(order)))

@@ -2,11 +2,14 @@
 
 What is checked against a second run or by hand: the deterministic schedule (the batch of step s
 comes from version max(0, s - k): step 0 equals the synchronous run's, later steps do not, two runs
-are identical, process and thread workers agree), the staleness contract in the loop, exact resume
-after SIGKILL with batches in flight, a rollout worker killed mid-run (clear error naming the
-role, then resume), a weight sync that never returns (timeout naming the role), the off-policy
-corrections and every built-in workflow (single-turn, multi-turn with tools, diffusion) plus
-dynamic sampling, the vLLM engine (in .venv-vllm), and eager mode (fresher, still within k).
+are identical, the rollout side in a process and in a thread agree), the staleness contract in the
+loop, exact resume after SIGKILL with batches in flight, a rollout process killed mid-collect
+(clear error naming the role, step and version, then resume), a weight load that never returns
+(timeout naming the role), errors on the rollout side arriving as themselves, the thread fallback
+for rewards a child process cannot receive, the off-policy corrections (decoupled PPO without a
+separate proximal pass) and every built-in workflow (single-turn, multi-turn with tools,
+diffusion) plus dynamic sampling, the vLLM engine (in .venv-vllm), and eager mode (fresher, still
+within k).
 """
 
 from __future__ import annotations
@@ -81,56 +84,85 @@ def test_deterministic_schedule(tiny_config):
         assert not _same(k1[s], thread[s]), s
 
 
+class _FakeSide:
+    """A rollout side that records what it loads and collects; job 0 waits for ``gate``."""
+
+    def __init__(self):
+        self.gate, self.loaded, self.collected = threading.Event(), [], []
+        self.loader = type("L", (), {"state_dict": staticmethod(dict)})()
+
+    def load(self, weights):
+        self.loaded.append(int(weights["w"]))
+
+    def collect(self, step, version):
+        if step == 0:
+            self.gate.wait(10)
+        self.collected.append((step, version))
+        return (step, version), {}
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_eager_jobs_take_the_newest_snapshot_when_they_start(eager):
-    """k = 2 by hand: jobs 0, 1, 2 are submitted with version 0; version 1 appears while job 0
-    runs. Eager: jobs 1 and 2 take version 1 (pushed once); deterministic: all keep version 0."""
-    from groupflow.async_rollout import AsyncRollout
+    """k = 2 by hand through the side's own loop: jobs 0, 1, 2 are submitted with version 0;
+    version 1 is published while job 0 runs. Eager: jobs 1 and 2 take version 1 (loaded once);
+    deterministic: all keep version 0."""
+    import multiprocessing as mp
+    import pickle
 
-    newest = [(0, {"w": 0})]
-    gate, collected, pushes = threading.Event(), [], []
+    from groupflow.rollout_side import COLLECTING, serve
+    from groupflow.utils.weight_ring import WeightRing
 
-    def collect(step, version):
-        if step == 0:
-            gate.wait(10)
-        collected.append((step, version))
-        return step, version
-
-    rollouts = AsyncRollout(
-        collect, pushes.append, dict, timeout_s=10,
-        newest=(lambda: newest[0]) if eager else None,
-    )  # fmt: skip
+    side, ring = _FakeSide(), WeightRing({"w": torch.zeros(())}, slots=4, shared=False)
+    status = torch.zeros(3, dtype=torch.long)
+    trainer_end, side_end = mp.Pipe()
+    thread = threading.Thread(target=serve, args=(side_end, side, ring, status, eager))
+    thread.start()
+    ring.write(0, {"w": torch.tensor(0.0)})
+    trainer_end.send(("weights", 0))
     for step in range(3):
-        rollouts.submit(step, 0, {"w": 0} if step == 0 else None)
-    rollouts.loader_state_before(0)  # waits until job 0 has started (with version 0)
-    newest[0] = (1, {"w": 1})  # the trainer's update of step 0 (the thread is held in job 0)
-    gate.set()
-    results = [rollouts.result(step) for step in range(3)]
-    rollouts.close()
+        trainer_end.send(("job", step, 0))
+    while int(status[0]) != COLLECTING:  # job 0 has started (with version 0)
+        time.sleep(0.01)
+    ring.write(1, {"w": torch.tensor(1.0)})  # the trainer's update of step 0
+    trainer_end.send(("weights", 1))
+    side.gate.set()
+    replies = [pickle.loads(trainer_end.recv_bytes()) for _ in range(3)]
+    trainer_end.send(None)
+    thread.join(10)
+    results = [r[2] for r in replies]
     if eager:
         assert results == [(0, 0), (1, 1), (2, 1)]
-        assert pushes == [{"w": 0}, {"w": 1}]
+        assert side.loaded == [0, 1]
     else:
         assert results == [(0, 0), (1, 0), (2, 0)]
-        assert pushes == [{"w": 0}]
-    assert collected == results
+        assert side.loaded == [0]
+    assert side.collected == results
 
 
 def test_eager_mode_is_fresher_and_respects_the_bound(tiny_config, monkeypatch):
     """k = 2 with generation made the bottleneck: the batch of step s is only finished once the
     trainer reached step s, so the next batch starts when version s exists — eager takes it
     (staleness <= 1 < k), the deterministic schedule the scheduled max(0, s - 2)."""
-    original = Trainer.collect
+    from groupflow.rollout_side import RolloutSide
 
-    def slow_collect(self, step, version=None):
-        while self.step < step:  # generation "slower" than the update before it
+    original, trainers = RolloutSide.collect, []
+
+    def slow_collect(self, step, version):
+        while trainers[-1].step < step:  # generation "slower" than the update before it
             time.sleep(0.005)
         return original(self, step, version)
 
-    monkeypatch.setattr(Trainer, "collect", slow_collect)
-    common = dict(run__total_steps=5, rollout__max_staleness=2, rollout__async_worker="thread")
-    det = _run(tiny_config, run__name="det", **common)
-    eager = _run(tiny_config, run__name="eager", rollout__async_mode="eager", **common)
+    monkeypatch.setattr(RolloutSide, "collect", slow_collect)
+
+    def run(name, **overrides):
+        trainers.append(Trainer(tiny_config(run__name=name, run__total_steps=5,
+                                            rollout__max_staleness=2,
+                                            rollout__async_worker="thread", **overrides)))  # fmt: skip
+        trainers[-1].fit()
+        trainers[-1].shutdown()
+        return _rows(trainers[-1].run_dir)
+
+    det, eager = run("det"), run("eager", rollout__async_mode="eager")
     assert [det[s]["async/staleness"] for s in range(1, 6)] == [0.0, 1.0, 2.0, 2.0, 2.0]
     # the contract (version >= step - k) was checked in the loop; here: strictly fresher
     assert eager[1]["async/staleness"] == 0.0
@@ -193,6 +225,28 @@ def test_decoupled_correction_logs_gaps_and_weights(tiny_config):
 
 
 @pytest.mark.slow
+def test_decoupled_proximal_from_the_update_forward_matches_a_recompute(tiny_config, monkeypatch):
+    """One optimizer step per batch: the update's own forward runs on the proximal weights, so
+    decoupled PPO needs no separate pass (auto) — and trains as a recompute (always) does. (The
+    gap metric then covers the samples the update runs: all of them here, none skipped.)"""
+    from groupflow.workers.actor import ActorRolloutWorker
+
+    calls = []
+    original = ActorRolloutWorker.compute_logprobs
+    monkeypatch.setattr(ActorRolloutWorker, "compute_logprobs",
+                        lambda self, *a, **k: calls.append(1) or original(self, *a, **k))  # fmt: skip
+    common = dict(run__total_steps=3, rollout__max_staleness=1, actor__off_policy="decoupled",
+                  rollout__async_worker="thread", actor__skip_zero_advantage=False)  # fmt: skip
+    forward = _run(tiny_config, run__name="fwd", **common)
+    assert calls == []  # no proximal pass before the update
+    recompute = _run(tiny_config, run__name="rec", actor__recompute_old_logprobs="always", **common)
+    assert len(calls) == 3
+    for s in (1, 2, 3):
+        for k in (*KEYS, "actor/behav_weight_mean", "rollout/logprob_diff_mean"):
+            assert forward[s][k] == pytest.approx(recompute[s][k], rel=1e-4, abs=1e-5), (s, k)
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_refills_use_the_scheduled_version(tiny_config):
     rows = _run(tiny_config, run__total_steps=3, rollout__max_staleness=1,
                 algorithm__dynamic_sampling=True, algorithm__max_sampling_rounds=3)  # fmt: skip
@@ -250,6 +304,83 @@ def test_diffusion_runs_asynchronously(tmp_path):
     assert [k1[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("how", ["lambda", "unimportable module"])
+def test_a_reward_the_child_cannot_receive_runs_the_side_in_a_thread(
+    tiny_config_data, helpers_on_path, caplog, monkeypatch, how
+):
+    """A reward given to groupflow.Run as a lambda cannot be pickled, and one from a module the
+    child process cannot import cannot be unpickled there: the rollout side then runs in a
+    thread of the trainer's process, with a warning — and trains exactly as in its own process."""
+    import sys
+    import types
+
+    from reward_helpers import pausing_reverse_reward
+
+    import groupflow
+
+    def run(name, reward):
+        data = tiny_config_data(run__name=name, run__total_steps=3, rollout__max_staleness=1)
+        r = groupflow.Run(data, rewards=[{"function": reward, "label": "reverse"}])
+        r.fit()
+        r.trainer.shutdown()
+        return _rows(r.run_dir)
+
+    process = run("process", pausing_reverse_reward)  # importable there: its own process
+    assert "runs in a thread" not in caplog.text
+    if how == "lambda":
+        reward = lambda prompts, completions, answer: pausing_reverse_reward(  # noqa: E731
+            prompts, completions, answer
+        )
+        reason = "cannot be pickled"
+    else:  # pickled by reference here, where the module exists; not in the child
+        module = types.ModuleType("groupflow_test_nowhere")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+        def reward(prompts, completions, answer):
+            return pausing_reverse_reward(prompts, completions, answer)
+
+        reward.__module__, reward.__qualname__ = module.__name__, "reward"
+        module.reward = reward
+        reason = "cannot be unpickled in the child process"
+    thread = run("thread", reward)
+    assert "runs in a thread of this process instead" in caplog.text
+    assert reason in caplog.text
+    assert sorted(thread) == [1, 2, 3]
+    for s in process:
+        assert not _same(process[s], thread[s]), (s, _same(process[s], thread[s]))
+
+
+def test_an_error_on_the_rollout_side_is_raised_in_the_trainer_as_itself(
+    tiny_config, helpers_on_path
+):
+    from groupflow.rewards.errors import RewardOutputError
+
+    trainer = Trainer(tiny_config(run__total_steps=2, rollout__max_staleness=1,
+                                  reward__functions=[{"function": "bad_rewards:wrong_length"}]))  # fmt: skip
+    with pytest.raises(RewardOutputError, match="returned 1 values for 16 completions") as info:
+        trainer.fit()
+    trainer.shutdown()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "in the rollout role's process, batch of step 0, policy version 0" in notes
+    assert "wrong_length" in notes  # the side's traceback
+
+
+def test_an_error_that_cannot_be_pickled_arrives_as_its_text():
+    from groupflow.async_rollout import AsyncRollout, RolloutError
+    from groupflow.rollout_side import error_payload
+
+    error = WorkerError("W", 0, "m", "detail")  # rebuilt from its args alone, it would not fit
+    payload = error_payload(error, "Traceback: ...")
+    assert payload[0] == "text" and "W rank 0: m() failed: detail" in payload[1]
+    rebuilt = AsyncRollout._error(_FakeRoute(), payload, step=3, version=2)
+    assert isinstance(rebuilt, RolloutError) and "WorkerError: W rank 0" in str(rebuilt)
+    assert "batch of step 3, policy version 2" in rebuilt.__notes__[0]
+
+
+class _FakeRoute:
+    role, _host = "rollout", None
+
+
 def test_weight_sync_that_never_returns_times_out_naming_the_role(tiny_config, monkeypatch):
     from groupflow.workers.inference import InferenceWorker
 
@@ -275,27 +406,43 @@ def test_weight_sync_that_never_returns_times_out_naming_the_role(tiny_config, m
 
 
 @pytest.mark.slow
-def test_rollout_worker_killed_mid_generation_then_resume(tiny_config, monkeypatch):
-    from groupflow.workflows.single_turn import SingleTurnWorkflow
+def test_rollout_worker_killed_mid_generation_then_resume(tiny_config, monkeypatch,
+                                                          helpers_on_path, tmp_path):  # fmt: skip
+    from groupflow.async_rollout import AsyncRollout
+    from groupflow.rollout_side import COLLECTING
 
-    common = dict(run__total_steps=4, rollout__max_staleness=1, run__save_every=1)
+    pause = tmp_path / "pause"  # while it exists, the side's reward blocks (a known point)
+    reward = {"function": "reward_helpers:pausing_reverse_reward", "label": "reverse",
+              "kwargs": {"pause_if_exists": str(pause)}}  # fmt: skip
+    common = dict(run__total_steps=4, rollout__max_staleness=1, run__save_every=1,
+                  reward__functions=[reward])  # fmt: skip
     full = _run(tiny_config, run__name="full", **common)
-    original = SingleTurnWorkflow.collect
+    submit, result = AsyncRollout.submit, AsyncRollout.result
 
-    def kill_during_step_2(self, rows, step, round_, version):
+    def pause_at_step_2(self, step, version):
         if step == 2:
-            pid = self.policy.snapshot_worker._hosts[0].process.pid
-            threading.Timer(0.01, os.kill, (pid, signal.SIGKILL)).start()
-            time.sleep(0.02)
-        return original(self, rows, step, round_, version)
+            self.drain()  # the batch of step 1 is done: only step 2's will block
+            pause.touch()
+        return submit(self, step, version)
 
-    monkeypatch.setattr(SingleTurnWorkflow, "collect", kill_during_step_2)
+    def kill_while_collecting_step_2(self, step):
+        if step == 2:
+            while not (int(self.status[0]) == COLLECTING and int(self.status[1]) == 2):
+                time.sleep(0.01)
+            os.kill(self.process.pid, signal.SIGKILL)
+        return result(self, step)
+
+    monkeypatch.setattr(AsyncRollout, "submit", pause_at_step_2)
+    monkeypatch.setattr(AsyncRollout, "result", kill_while_collecting_step_2)
     trainer = Trainer(tiny_config(run__name="cut", **common))
-    with pytest.raises(WorkerError, match=r"InferenceWorker \(rollout role\) rank 0: generate\(\) "
-                       r"failed: the worker process \(pid \d+\) (died|could not be reached)"):  # fmt: skip
+    with pytest.raises(WorkerError, match=r"RolloutSide \(rollout role\) rank 0: collect\(\) "
+                       r"failed: the worker process \(pid \d+\) died, exit code -9 \(while "
+                       r"collecting the batch of step 2, policy version 1\)"):  # fmt: skip
         trainer.fit()
     trainer.shutdown()
-    monkeypatch.setattr(SingleTurnWorkflow, "collect", original)
+    pause.unlink()
+    monkeypatch.setattr(AsyncRollout, "submit", submit)
+    monkeypatch.setattr(AsyncRollout, "result", result)
     resumed = _run(tiny_config, run__name="cut", **common)  # run.resume=auto
     assert sorted(resumed) == [1, 2, 3, 4]
     for s in full:
@@ -335,7 +482,7 @@ def test_sigkill_with_batches_in_flight_then_resume_is_bit_identical(
     full.fit()
     full.shutdown()
 
-    # Run B in a subprocess: the rollout thread blocks in the reward once the step-4 checkpoint
+    # Run B in a subprocess: the rollout side blocks in the reward once the step-4 checkpoint
     # exists (batches of steps 5 and 6 are then in flight or pending), and the run is killed.
     run_b = tmp_path / "b"
     marker = run_b / "checkpoints" / "step_4" / "manifest.json"
@@ -369,7 +516,7 @@ def test_sigkill_with_batches_in_flight_then_resume_is_bit_identical(
     reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh)",
 )
 def test_vllm_engine_runs_asynchronously_and_deterministically(tmp_path):
-    """k = 1 on vLLM: the snapshot worker's own engine generates every batch with its scheduled
+    """k = 1 on vLLM: the rollout side's own engine generates every batch with its scheduled
     weights (pushed through the engine's load_weights). Step 0's batch (version 0) equals the
     synchronous run's — generated there by the actor's engine — to the bit; two runs give the same
     metrics; the training forward's log-probs of step 0's samples match vLLM's (fp32)."""

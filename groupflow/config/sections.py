@@ -239,12 +239,14 @@ class RolloutConfig(_Section):
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
     max_staleness: int = Field(0, ge=0)
-    # local backend, k >= 1: the rollout's own weight snapshot runs in a child process with one
-    # torch thread ("process": generation and training on two cores) or in a thread of this
-    # process ("thread": no second process, but the decode loop shares the GIL with training).
+    # local backend, k >= 1: the rollout side (the whole collect stage: workflow, rewards, prompt
+    # loader, a frozen model copy) runs in a child process with one torch thread ("process":
+    # collect and training on two cores) or in a thread of this process ("thread": no second
+    # process, but its Python shares the GIL with training; also the fallback when the rollout
+    # side cannot be pickled, e.g. a lambda reward given to groupflow.Run).
     async_worker: Literal["process", "thread"] = "process"
     # deterministic: the batch of step s always comes from version max(0, s - k) (reproducible,
-    # exact resume). eager: from the newest version when the rollout thread starts the batch
+    # exact resume). eager: from the newest version when the rollout side starts the batch
     # (never staler than k; fresher when generation is the bottleneck), at the price of
     # reproducibility: which version that is depends on timing.
     async_mode: Literal["deterministic", "eager"] = "deterministic"
@@ -372,15 +374,18 @@ class ActorConfig(_Section):
     # saved. A switch only to rule it out when debugging; it falls back to one pass by itself.
     share_prompt_prefix: bool = True
     # auto: recompute when there are several optimizer steps per batch, or when the rollout
-    # engine is vLLM (its log-probs differ numerically from the training forward).
+    # engine is vLLM (its log-probs differ numerically from the training forward); with off_policy
+    # tis/decoupled and one optimizer step the update's own forward gives the proximal log-probs
+    # (the same weights: no extra pass; policies.llm.old_logprobs_source). always: a separate pass.
     recompute_old_logprobs: Literal["auto", "always", "never"] = "auto"
     # Truncated importance sampling: weight each token's loss by min(exp(old − rollout), tis_cap)
     # to correct for the rollout engine's numerics (groupflow.algorithms.correction). None: off.
     tis_cap: float | None = Field(None, gt=0)
     # Off-policy correction for stale or engine-sampled batches (groupflow.algorithms.correction):
     # none (naive PPO: the behaviour log-probs anchor the ratio unless recomputed), tis (needs
-    # tis_cap), decoupled (AReaL: recomputed proximal anchor, loss weighted by π_prox/π_behav,
-    # tokens above behav_weight_cap dropped). auto: tis when tis_cap is set, else none.
+    # tis_cap), decoupled (AReaL: the proximal policy — the weights before this update — anchors
+    # the ratio, loss weighted by π_prox/π_behav, tokens above behav_weight_cap dropped).
+    # auto: tis when tis_cap is set, else none.
     off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
     behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
     max_nonfinite_steps: int = Field(3, ge=1)

@@ -583,10 +583,12 @@ class DiffusionWorker:
         }  # fmt: skip
 
     @register("rank0")
-    def full_weights(self) -> dict:
+    def full_weights(self, copy: bool = True) -> dict:
         """The flow model's weights (LoRA layers included), a copy: the asynchronous rollout's
-        snapshot of one policy version."""
-        return {k: v.detach().clone().cpu() for k, v in self.flow.state_dict().items()}
+        snapshot of one policy version (``copy=False``: in-process, CPU weights may come as the
+        live tensors, for a caller that copies them at once)."""
+        weights = {k: v.detach().cpu() for k, v in self.flow.state_dict().items()}
+        return {k: v.clone() for k, v in weights.items()} if copy else weights
 
     @register("all")
     def load_weights(self, weights: dict) -> None:

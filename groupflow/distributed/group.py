@@ -20,7 +20,7 @@ from typing import Any
 
 from groupflow.distributed.dispatch import collect, dispatch_mode, split_args
 from groupflow.distributed.placement import PoolSpec, RayPool
-from groupflow.distributed.process import ProcessHost
+from groupflow.distributed.process import ProcessHost, serve_worker
 
 __all__ = ["WorkerGroup", "WorkerError", "RayOptions"]
 
@@ -155,8 +155,8 @@ class WorkerGroup:
             self._hosts = []
             try:
                 for r in range(world_size):
-                    self._hosts.append(ProcessHost(_Host, factory, r, world_size, env, kwargs,
-                                                   self.startup_timeout_s))  # fmt: skip
+                    target = serve_worker(_Host, factory, r, world_size, env, kwargs)
+                    self._hosts.append(ProcessHost(*target, self.startup_timeout_s))
             except (ChildProcessError, TimeoutError) as e:
                 self.shutdown()
                 raise WorkerError(self.name, len(self._hosts), "__init__", str(e)) from None

@@ -8,6 +8,10 @@ process with one torch thread while the trainer keeps its own. The protocol is a
 backend uses — and every call waits at most ``timeout_s``: a hung child is killed and reported, a
 dead one is reported as dead, always as a ``WorkerError`` naming the worker, its role and the
 method. Tensors cross the pipe through torch's shared-memory pickling (no copy of the payload).
+
+``ProcessHost`` itself only spawns a child running ``target(conn, *args)``, waits for its
+``(ok, value)`` start-up answer and watches it (``wait``: the next message or a clear death);
+the asynchronous rollout's child (``groupflow.rollout_side``) speaks its own protocol over it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ProcessHost"]
+__all__ = ["ProcessHost", "ChildStartError", "serve_worker"]
 
 
 def _serve(conn, host_cls, factory, rank: int, world_size: int, env: dict[str, str],
@@ -41,21 +45,31 @@ def _serve(conn, host_cls, factory, rank: int, world_size: int, env: dict[str, s
         conn.send(host.call(method, args, kw))
 
 
-class ProcessHost:
-    """One worker in a spawned child process; ``call`` returns ``(ok, value)`` like ``_Host.call``
-    or raises ``TimeoutError`` / ``ChildProcessError`` (the group turns them into WorkerErrors)."""
+class ChildStartError(ChildProcessError):
+    """The child's target answered ``(False, value)`` at start-up (``value``: its traceback)."""
 
-    def __init__(self, host_cls: type, factory: Callable[..., Any], rank: int, world_size: int,
-                 env: dict[str, str], kwargs: dict, startup_timeout_s: float):  # fmt: skip
+    def __init__(self, value: Any):
+        self.value = value
+        super().__init__(f"its constructor raised; traceback:\n{value}")
+
+
+def serve_worker(host_cls: type, factory: Callable[..., Any], rank: int, world_size: int,
+                 env: dict[str, str], kwargs: dict) -> tuple[Callable, tuple]:  # fmt: skip
+    """``(target, args)`` of a worker group's child: a ``_Host`` answering method calls."""
+    return _serve, (host_cls, factory, rank, world_size, env, kwargs)
+
+
+class ProcessHost:
+    """A spawned child process running ``target(conn, *args)``, which answers ``(ok, value)`` once
+    started. ``call`` (worker groups) returns ``(ok, value)`` like ``_Host.call`` or raises
+    ``TimeoutError`` / ``ChildProcessError`` (the group turns them into WorkerErrors)."""
+
+    def __init__(self, target: Callable[..., Any], args: tuple, startup_timeout_s: float):
         import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor pickling
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_serve,
-            args=(child, host_cls, factory, rank, world_size, env, kwargs),
-            daemon=True,
-        )
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.process.start()
         child.close()
         try:
@@ -68,7 +82,7 @@ class ProcessHost:
             ) from None
         if not ok:
             self.close()
-            raise ChildProcessError(f"its constructor raised; traceback:\n{value}")
+            raise ChildStartError(value)
 
     def call(self, method: str, args: tuple, kwargs: dict, timeout_s: float) -> tuple[bool, Any]:
         try:
@@ -77,10 +91,17 @@ class ProcessHost:
             raise ChildProcessError(self._death(f"could not be reached ({e})")) from None
         return self._receive(timeout_s)
 
-    def _receive(self, timeout_s: float) -> tuple[bool, Any]:
-        # poll in short slices so that a child that dies is reported at once, not at the timeout
+    @property
+    def conn(self):
+        """The parent's end of the pipe (for a target with a protocol of its own)."""
+        return self._conn
+
+    def wait(self, timeout_s: float) -> None:
+        """Return once a message can be read; a dead child raises ``ChildProcessError``, no
+        message within ``timeout_s`` kills it and raises ``TimeoutError``."""
         import time
 
+        # poll in short slices so that a child that dies is reported at once, not at the timeout
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
             if not self.process.is_alive():
@@ -88,6 +109,9 @@ class ProcessHost:
             if time.monotonic() >= deadline:
                 self.close()  # its state is unknown: a later call must not read a stale answer
                 raise TimeoutError(f"no answer within {timeout_s:g} s (timeout); process killed")
+
+    def _receive(self, timeout_s: float) -> tuple[bool, Any]:
+        self.wait(timeout_s)
         try:
             return self._conn.recv()
         except (EOFError, OSError):

@@ -11,11 +11,11 @@ Rollout, rewards and the online test are the diffusion *workflow*'s
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from groupflow import builders
-from groupflow.async_rollout import ThreadRoute
 from groupflow.batch import Batch
 from groupflow.config import Config, DiffusionConfig
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
@@ -25,7 +25,13 @@ from groupflow.utils.timing import StageTimer
 
 log = logging.getLogger("groupflow")
 
-__all__ = ["DiffusionPolicy", "FlowModelSpec", "settings_from_config", "ensure_tiny_model"]
+__all__ = [
+    "DiffusionPolicy",
+    "DiffusionRolloutPolicy",
+    "FlowModelSpec",
+    "settings_from_config",
+    "ensure_tiny_model",
+]
 
 _MODEL_KEYS = (
     "latents", "next_latents", "sigmas", "sigmas_next", "response_mask", "advantages", "old_logprobs",
@@ -134,7 +140,6 @@ class DiffusionPolicy:
             pg_timeout_s=cfg.run.worker_timeout_s,
         )  # fmt: skip
         self.rollout = self.actor
-        self.snapshot_worker = None  # asynchronous rollout's own weights (start_async)
 
     def prepare(self, batch: Batch, timer: StageTimer | None = None) -> Batch:
         """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's."""
@@ -171,20 +176,15 @@ class DiffusionPolicy:
     def begin(self, warm_started: bool) -> None:
         """No reference or critic to initialise."""
 
-    def start_async(self) -> None:
-        """A second flow model that samples with the scheduled (older) weights in the background
-        rollout thread; validation keeps sampling with the actor's current ones."""
-        if self.snapshot_worker is None:
-            self.snapshot_worker = builders.snapshot_group(
-                self.cfg, DiffusionWorker, **self._worker_kwargs
-            )
-            self.rollout = ThreadRoute(self.actor, self.snapshot_worker)
+    def start_async(self) -> partial:
+        """How the asynchronous rollout side builds its ``DiffusionRolloutPolicy`` (picklable):
+        a second flow model that samples with the scheduled (older) weights; validation here
+        keeps sampling with the actor's current ones."""
+        return partial(DiffusionRolloutPolicy, self.cfg, self._worker_kwargs)
 
-    def snapshot(self) -> dict[str, Any]:
-        return self.actor.full_weights()
-
-    def push_snapshot(self, weights: dict[str, Any]) -> None:
-        self.snapshot_worker.load_weights(weights)
+    def snapshot(self, copy: bool = True) -> dict[str, Any]:
+        """The flow model's current weights (``copy=False``: possibly the live tensors)."""
+        return self.actor.full_weights(copy=copy)
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(state, writers): sharded, every rank writes its DCP shards (``shards``) and the
@@ -203,8 +203,25 @@ class DiffusionPolicy:
 
     def shutdown(self) -> None:
         self.actor.shutdown()
-        if self.snapshot_worker is not None:
-            self.snapshot_worker.shutdown()
+
+
+class DiffusionRolloutPolicy:
+    """The diffusion policy as the asynchronous rollout side sees it (``groupflow.rollout_side``):
+    a flow model of its own that samples with the weights of a scheduled version, and the
+    contracts; nothing here trains."""
+
+    contracts = DIFFUSION_CONTRACTS
+    pretrain_stats: dict[str, float] = {}
+
+    def __init__(self, cfg: Config, worker_kwargs: dict):
+        self.cfg = cfg
+        self.rollout = builders.snapshot_group(cfg, DiffusionWorker, **worker_kwargs)
+
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        self.rollout.load_weights(weights)
+
+    def shutdown(self) -> None:
+        self.rollout.shutdown()
 
 
 def model_inputs(batch: Batch) -> Batch:

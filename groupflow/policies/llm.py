@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from groupflow import builders
 from groupflow.algorithms import logprob_mismatch
-from groupflow.async_rollout import ThreadRoute
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config
 from groupflow.contracts import CONTRACTS
@@ -33,7 +33,14 @@ from groupflow.workers.reward_model import RewardModelWorker, check_reward_model
 
 log = logging.getLogger("groupflow")
 
-__all__ = ["LLMPolicy", "recompute_old_logprobs", "model_inputs", "sampling_params"]
+__all__ = [
+    "LLMPolicy",
+    "RolloutPolicy",
+    "old_logprobs_source",
+    "recompute_old_logprobs",
+    "model_inputs",
+    "sampling_params",
+]
 
 MODEL_KEYS = (
     "prompt_ids",
@@ -52,19 +59,34 @@ def model_inputs(batch: Batch) -> Batch:
     return batch.select(*[k for k in MODEL_KEYS if k in batch], meta=False)
 
 
-def recompute_old_logprobs(actor: ActorConfig, engine: str, num_samples: int) -> bool:
-    """Whether the old log-probs are recomputed by the training forward (``actor.recompute_old_logprobs``).
+def old_logprobs_source(actor: ActorConfig, engine: str, num_samples: int,
+                        kl_in_reward: bool = False) -> str:  # fmt: skip
+    """Where the PPO ratio's old (proximal) log-probs come from (``actor.recompute_old_logprobs``):
 
-    auto: yes when the batch takes several optimizer steps (the policy moves between them), or
-    when the rollout engine is not our own decode loop (vLLM's kernels give slightly different
-    log-probs, so its record is not the "old" policy of the PPO ratio), or when an off-policy
-    correction (``actor.off_policy``: tis, decoupled) needs the proximal log-probs.
+    - ``"recompute"``: a forward pass before the update — when the batch takes several optimizer
+      steps (the policy moves between them), or the rollout engine is not our own decode loop
+      (vLLM's kernels give slightly different log-probs, so its record is not the "old" policy);
+    - ``"forward"``: the update's own forward pass, detached — with an off-policy correction
+      (``actor.off_policy``: tis, decoupled) and a single optimizer step, the weights of that
+      forward *are* the proximal policy's, so a separate pass would compute the same numbers
+      (asynchronous rollout's decoupled PPO costs no extra forward); not when the credit stage
+      needs them before the update (``algorithm.kl_in_reward``);
+    - ``"rollout"``: the rollout's own log-probs — one step, our decode loop, no correction: the
+      sampling policy *is* the current policy, so the first ratio is exactly 1.
     """
     if actor.recompute_old_logprobs != "auto":
-        return actor.recompute_old_logprobs == "always"
+        return "recompute" if actor.recompute_old_logprobs == "always" else "rollout"
     several_steps = actor.ppo_epochs > 1 or (actor.mini_batch_samples or num_samples) < num_samples
-    corrected = actor.off_policy in ("tis", "decoupled")  # both weigh prox against behaviour
-    return several_steps or engine != "hf" or corrected
+    if several_steps:
+        return "recompute"
+    if actor.off_policy in ("tis", "decoupled"):  # both weigh the proximal against behaviour
+        return "recompute" if kl_in_reward else "forward"
+    return "recompute" if engine != "hf" else "rollout"
+
+
+def recompute_old_logprobs(actor: ActorConfig, engine: str, num_samples: int) -> bool:
+    """Whether a separate forward pass recomputes the old log-probs (``old_logprobs_source``)."""
+    return old_logprobs_source(actor, engine, num_samples) == "recompute"
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -107,17 +129,16 @@ class LLMPolicy:
         # Workers build their own models in their own processes (local: this one). Rollout and
         # reference live inside the actor worker unless placement gives them pools of their own.
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed)
-        self.spec, self.engine = spec, engine
-        self.snapshot_worker = None  # asynchronous rollout's own weights (start_async)
+        self.spec, self.engine, self.run_dir = spec, engine, run_dir
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
         self.actor = builders.role_group(
             cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
             pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated", engine=engine,
         )  # fmt: skip
-        self.rollout = self.actor
+        self.rollout = self.rollout_pool = self.actor
         if pl.rollout != "colocated":
-            self.rollout = builders.role_group(
+            self.rollout = self.rollout_pool = builders.role_group(
                 cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout"
             )
         self.reference = None
@@ -146,8 +167,10 @@ class LLMPolicy:
         timer = timer or StageTimer()
         a = self.cfg.actor
         t = self.sampling.temperature
+        kl_in_reward = self.cfg.algorithm.kl_in_reward is not None
+        source = old_logprobs_source(a, self.cfg.rollout.engine, len(batch), kl_in_reward)
         with timer("old_logprobs"):
-            if recompute_old_logprobs(a, self.cfg.rollout.engine, len(batch)):
+            if source == "recompute":
                 batch["old_logprobs"] = self.actor.compute_logprobs(
                     model_inputs(batch), temperature=t
                 )["logprobs"]
@@ -161,10 +184,12 @@ class LLMPolicy:
                         "rollout/logprob_diff_mean": diff["mean"],
                     }
                 )
-            else:
+            elif source == "rollout":
                 # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the
                 # rollout's log-probs serve (same numerics; see tests/rollout): the first ratio is 1.
                 batch["old_logprobs"] = batch["rollout_logprobs"]
+            # "forward": no old_logprobs here; the update anchors the ratio at its own forward
+            # (detached) and logs the rollout/logprob_diff_* gap from it
             if self.reference is not None:
                 batch["ref_logprobs"] = self.reference.compute_logprobs(
                     model_inputs(batch), temperature=t, reference=True
@@ -193,8 +218,8 @@ class LLMPolicy:
 
     def sync(self) -> None:
         """Push the actor's current weights into a separately placed rollout pool (no-op colocated;
-        with asynchronous rollout the schedule pushes them instead: ``push_snapshot``)."""
-        if self.snapshot_worker is None and self.rollout is not self.actor:
+        with asynchronous rollout the rollout side gets versions from the trainer instead)."""
+        if self.rollout is not self.actor:
             self.rollout.load_weights(self.actor.full_weights())
 
     def begin(self, warm_started: bool) -> None:
@@ -211,28 +236,17 @@ class LLMPolicy:
             self.critic.load_backbone(self.actor.full_weights())
 
     # ----- asynchronous rollout (groupflow.async_rollout) -------------------------------------
-    def start_async(self) -> None:
-        """Give the rollout weights of its own: the background rollout thread generates with a
-        snapshot worker (a separately placed rollout pool, else ``builders.snapshot_group``, with a
-        vLLM engine of its own when the actor has one), every other thread (validation) with the
-        actor's current weights."""
-        if self.snapshot_worker is not None:
-            return
-        background = self.rollout
-        if background is self.actor:
-            background = builders.snapshot_group(
-                self.cfg, InferenceWorker, spec=self.spec, cfg=self.cfg.actor, role="rollout",
-                engine=self.engine,
-            )  # fmt: skip
-        self.snapshot_worker = background
-        self.rollout = ThreadRoute(self.actor, background)
+    def start_async(self) -> partial:
+        """How the asynchronous rollout side builds its ``RolloutPolicy`` (picklable). From now on
+        this process generates (validation, ``groupflow generate``) with the actor, i.e. the
+        current weights; a separately placed rollout pool is no longer used."""
+        self.rollout = self.actor
+        return partial(RolloutPolicy, self.cfg, self.run_dir, self.spec, self.engine)
 
-    def snapshot(self) -> dict[str, Any]:
-        """The actor's current weights (a copy: later updates do not change it)."""
-        return self.actor.full_weights()
-
-    def push_snapshot(self, weights: dict[str, Any]) -> None:
-        self.snapshot_worker.load_weights(weights)
+    def snapshot(self, copy: bool = True) -> dict[str, Any]:
+        """The actor's current weights: a copy (later updates do not change it), or with
+        ``copy=False`` possibly the live tensors, for a caller that copies them at once."""
+        return self.actor.full_weights(copy=copy)
 
     # ----- checkpoints ------------------------------------------------------------------------
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -272,10 +286,42 @@ class LLMPolicy:
 
     def shutdown(self) -> None:
         """Stop every role's worker group (Ray actors and their resource pools)."""
-        rollout = self.snapshot_worker or self.rollout
-        roles = (self.actor, rollout, self.reference, self.critic, self.reward_model)
+        roles = (self.actor, self.rollout_pool, self.reference, self.critic, self.reward_model)
         for group in dict.fromkeys(g for g in roles if g is not None):
             group.shutdown()
+
+
+class RolloutPolicy:
+    """The policy as the asynchronous rollout side sees it (``groupflow.rollout_side``): a frozen
+    copy of the model in that side's own process (weights arrive by version through
+    ``load_weights``), the tokenizer, the sampling parameters, the contracts and — when configured
+    — a reward model of its own (frozen: the same weights as the trainer's). Nothing here trains;
+    a workflow's ``collect`` finds everything it uses (``rollout``, ``tokenizer``, ``sampling``,
+    ``contracts``, ``reward_model``)."""
+
+    contracts = CONTRACTS
+
+    def __init__(self, cfg: Config, run_dir: Path, spec: ModelSpec, engine=None):
+        self.cfg = cfg
+        self.tokenizer = builders.build_tokenizer(cfg, Path(run_dir))  # the run's saved one
+        self.sampling = sampling_params(cfg)
+        self.rollout = builders.snapshot_group(
+            cfg, InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout", engine=engine
+        )
+        self.reward_model = None
+        if cfg.reward_model is not None:
+            self.reward_model = builders.snapshot_group(
+                cfg, RewardModelWorker, role_name="reward_model", cfg=cfg.reward_model,
+                pg_timeout_s=cfg.run.worker_timeout_s,
+            )  # fmt: skip
+
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        self.rollout.load_weights(weights)
+
+    def shutdown(self) -> None:
+        for group in (self.rollout, self.reward_model):
+            if group is not None:
+                group.shutdown()
 
 
 def load_actor_state(actor, state: dict, num_workers: int) -> None:

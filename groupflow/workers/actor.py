@@ -29,7 +29,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from groupflow.algorithms import aggregate, importance_weighted_kl, kl_penalty, policy_loss
+from groupflow.algorithms import (
+    aggregate,
+    importance_weighted_kl,
+    kl_penalty,
+    logprob_mismatch,
+    policy_loss,
+)
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import PAD_KEY, register
@@ -329,7 +335,17 @@ class ActorRolloutWorker:
             mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
             temperature, cfg.logprob_chunk_tokens, True, bool(cfg.entropy_coef),
         )  # fmt: skip
-        old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+        # token weight of this micro-batch among the tokens the metrics cover
+        share = float(mask.sum()) / max(1, metric_denominators["num_tokens"])
+        gap = {}
+        if "old_logprobs" in mb:
+            old = mb["old_logprobs"]
+        else:  # one optimizer step on the current weights: this forward is the proximal policy
+            old = logp.detach()  # (policies.llm.old_logprobs_source "forward")
+            if "rollout_logprobs" in mb:  # the behaviour/proximal gap, as a recompute logs it
+                diff = logprob_mismatch(old, mb["rollout_logprobs"], mask)
+                gap = {"rollout/logprob_diff_max": (diff["max"], 1.0),
+                       "rollout/logprob_diff_mean": (diff["mean"], share)}  # fmt: skip
         tis = {}
         if cfg.tis_cap is not None:  # truncated IS against the rollout engine's log-probs
             tis = {"tis_cap": cfg.tis_cap, "rollout_logprobs": mb["rollout_logprobs"]}
@@ -340,12 +356,11 @@ class ActorRolloutWorker:
             logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
             **self.loss_options, **denominators, **tis,
         )  # fmt: skip
-        # token weight of this micro-batch among the tokens the metrics cover
-        share = float(mask.sum()) / max(1, metric_denominators["num_tokens"])
         ent = aggregate(entropy, mask, cfg.loss_agg, **metric_denominators)
         contrib = {
             "actor/pg_loss": (float(loss.detach()), 1.0),
             "actor/entropy": (float(ent.detach()), 1.0),
+            **gap,
         }
         if cfg.entropy_coef:  # never with skipped samples: the metric's denominators are the loss's
             loss = loss - cfg.entropy_coef * ent
@@ -536,15 +551,15 @@ class ActorRolloutWorker:
             self.tokenizer.save_pretrained(out_dir)
 
     @register("rank0")
-    def full_weights(self) -> dict[str, torch.Tensor]:
+    def full_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The policy's full weights with plain HF names (LoRA merged), on rank 0 (a collective):
-        for a rollout or reference pool, or to initialise a critic."""
+        for a rollout or reference pool, or to initialise a critic. ``copy=False``: in-process,
+        CPU weights may come as the live tensors (for a caller that copies them at once)."""
         target = self._plain_model()
-        return (
-            {k: v.detach().cpu().clone() for k, v in target.state_dict().items()}
-            if self.rank == 0
-            else {}
-        )
+        if self.rank != 0:
+            return {}
+        weights = {k: v.detach().cpu() for k, v in target.state_dict().items()}
+        return {k: v.clone() for k, v in weights.items()} if copy else weights
 
     def _plain_model(self) -> nn.Module | None:
         """An unsharded model with the current weights (LoRA merged) on rank 0; a collective."""

@@ -9,11 +9,12 @@ each other; each takes its share of the batch). The driver pushes weights into i
 reference — so its methods have the same names and outputs as the actor's and the driver's calls
 do not change with placement.
 
-The asynchronous rollout's snapshot worker (``rollout.max_staleness`` >= 1) is this worker too;
-with ``rollout.engine=vllm`` it builds a vLLM engine of its own (``engine``) that generates, and
-every pushed snapshot reaches it through the engine's ``load_weights`` — the path the actor's
-colocated engine takes after each update — so stale batches come from the same engine code as
-synchronous ones. The torch model is kept beside it for ``compute_logprobs``.
+The asynchronous rollout side's frozen copy (``rollout.max_staleness`` >= 1, ``RolloutPolicy``)
+is this worker too; with ``rollout.engine=vllm`` it builds a vLLM engine of its own (``engine``)
+that generates, and every published version reaches it through the engine's ``load_weights`` —
+the path the actor's colocated engine takes after each update — so stale batches come from the
+same engine code as synchronous ones. The torch model is kept beside it for
+``compute_logprobs``.
 """
 
 from __future__ import annotations

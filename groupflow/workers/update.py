@@ -79,8 +79,8 @@ def micro_batches(
 
 # Metrics that are extremes combine by max/min; the rest are sums of micro-batch contributions
 # (losses with global denominators, token-weighted means) and means over optimizer steps.
-EXTREMES = {"actor/ratio_max": max, "actor/ratio_min": min}
-REDUCE_OP = {"actor/ratio_max": "max", "actor/ratio_min": "min"}
+EXTREMES = {"actor/ratio_max": max, "actor/ratio_min": min, "rollout/logprob_diff_max": max}
+REDUCE_OP = {"actor/ratio_max": "max", "actor/ratio_min": "min", "rollout/logprob_diff_max": "max"}
 
 
 def accumulate(stats: dict[str, float], key: str, value: float, weight: float = 1.0) -> None:

@@ -17,7 +17,12 @@ denoising trajectory of an image generator:
 A workflow works with a *policy* — the roles that learn (``groupflow.policies``): it generates
 through the policy's ``rollout`` group, and the trainer hands its batches to the policy's
 ``prepare``/``update``. Every sample carries the ``version`` of the policy that generated it
-(the number of updates applied so far), contract-checked, for asynchronous rollout.
+(the number of updates applied so far), contract-checked, for asynchronous rollout. There a
+second instance of the workflow is built on the rollout side (``groupflow.rollout_side``, a
+child process by default) over the policy's ``RolloutPolicy`` — ``rollout``, ``tokenizer``,
+``sampling``, ``contracts``, ``reward_model``, no ``actor`` — with the same config and training
+rows, and only its ``collect`` is called there: a custom workflow's ``collect`` must use no more
+of the policy than that (its ``validate``/``warm_start`` run in the trainer as always).
 
 Built-in workflows (``rollout.workflow``): ``single_turn``, ``multi_turn`` (tools or an
 environment; chosen automatically when ``rollout.max_turns > 1``, ``rollout.tools`` or
@@ -38,7 +43,15 @@ from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.data import PromptRow
 
-__all__ = ["Workflow", "workflow_name", "workflow_class", "build_run", "check_paths"]
+__all__ = [
+    "Workflow",
+    "workflow_name",
+    "workflow_class",
+    "build_run",
+    "build_workflow",
+    "rule_rewards",
+    "check_paths",
+]
 
 
 class Workflow(Protocol):
@@ -95,6 +108,30 @@ def workflow_class(cfg: Config) -> type:
     return resolve_import_path(name, "rollout.workflow")
 
 
+def rule_rewards(cfg: Config, functions: tuple = ()):
+    """The rule-based reward runner (config functions, then ``functions`` given as Python
+    objects), or None when a reward model alone scores."""
+    from groupflow import builders
+
+    rm_only = cfg.reward_model is not None and cfg.reward_model.only
+    if rm_only and functions:
+        raise ValueError(
+            "reward_model.only=true: the reward model is the whole reward, so the rewards "
+            "given to groupflow.Run would be ignored; drop them or set reward_model.only=false"
+        )
+    return None if rm_only else builders.build_reward(cfg, functions)
+
+
+def build_workflow(cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
+                   rewards, run_dir: Path):  # fmt: skip
+    """The configured workflow over ``policy`` (the trainer's, or the asynchronous rollout side's
+    ``RolloutPolicy``)."""
+    cls = workflow_class(cfg)
+    if cfg.diffusion is not None:
+        return cls(cfg, policy, train_rows, val_rows, rewards, run_dir)
+    return cls(cfg, policy, train_rows, val_rows, rewards)
+
+
 def build_run(cfg: Config, run_dir: Path, inputs=None):
     """(policy, workflow, data statistics): the rule-based rewards, the data (each row checked
     for the fields its reward needs, except those the workflow supplies while scoring), the
@@ -104,13 +141,7 @@ def build_run(cfg: Config, run_dir: Path, inputs=None):
 
     inputs = inputs or builders.PythonInputs()
     cls = workflow_class(cfg)
-    rm_only = cfg.reward_model is not None and cfg.reward_model.only
-    if rm_only and inputs.rewards:
-        raise ValueError(
-            "reward_model.only=true: the reward model is the whole reward, so the rewards "
-            "given to groupflow.Run would be ignored; drop them or set reward_model.only=false"
-        )
-    rewards = None if rm_only else builders.build_reward(cfg, inputs.rewards)
+    rewards = rule_rewards(cfg, inputs.rewards)
     provided = tuple(getattr(cls, "provided_fields", ()))
     train_rows, val_rows, stats = builders.build_data(
         cfg, rewards, provided=provided, inputs=inputs
@@ -120,14 +151,14 @@ def build_run(cfg: Config, run_dir: Path, inputs=None):
         from groupflow.policies.diffusion import DiffusionPolicy
 
         policy = DiffusionPolicy(cfg, run_dir, corpus)
-        return policy, cls(cfg, policy, train_rows, val_rows, rewards, run_dir), stats
+        return policy, build_workflow(cfg, policy, train_rows, val_rows, rewards, run_dir), stats
     from groupflow.policies.llm import LLMPolicy
 
     # a tiny model's character tokenizer must also spell what the workflow appends (observations)
     extra = list(cls.tokenizer_texts(cfg)) if hasattr(cls, "tokenizer_texts") else []
     policy = LLMPolicy(cfg, run_dir, corpus, extra)
     try:
-        workflow = cls(cfg, policy, train_rows, val_rows, rewards)
+        workflow = build_workflow(cfg, policy, train_rows, val_rows, rewards, run_dir)
     except BaseException:
         policy.shutdown()  # its worker groups (Ray actors) must not outlive a failed start
         raise

@@ -12,7 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from groupflow.models.causal_lm import _unique_prompts, build_tiny_llama, response_hidden_states
+from groupflow.models.causal_lm import (
+    _to_rows,
+    _unique_prompts,
+    build_tiny_llama,
+    response_hidden_states,
+)
 from groupflow.models.logprobs import response_logprobs
 
 VOCAB, PAD = 40, 0
@@ -99,6 +104,18 @@ def test_unique_prompts_maps_every_row_to_its_prompt():
     assert inverse[0] == inverse[2] == inverse[3] != inverse[1] == inverse[4]
 
 
+def test_to_rows_expands_runs_and_selects_otherwise():
+    x = torch.arange(6.0).reshape(3, 2).requires_grad_()
+    # runs of equal length in any prompt order (expanded); uneven or split runs (selected)
+    for inverse in ([0, 0, 1, 1, 2, 2], [1, 1, 2, 2, 0, 0], [0, 0, 0, 1, 2, 2], [0, 1, 0, 1, 2, 2]):
+        index = torch.tensor(inverse)
+        out = _to_rows(x, index)
+        torch.testing.assert_close(out, x.detach().index_select(0, index))
+        (grad,) = torch.autograd.grad((out * torch.arange(12.0).reshape(6, 2)).sum(), x)
+        want = torch.zeros(3, 2).index_add_(0, index, torch.arange(12.0).reshape(6, 2))
+        torch.testing.assert_close(grad, want)
+
+
 def test_unique_prompts_tells_equal_ids_with_different_masks_apart():
     ids = torch.tensor([[0, 5], [0, 5]])
     mask = torch.tensor([[0, 1], [1, 1]])
@@ -148,6 +165,25 @@ def test_shared_prompt_gradients_match_single_pass():
     prompt_only = set(batch[0][batch[1].bool()].tolist()) - set(batch[2].flatten().tolist())
     assert prompt_only
     assert all(shared["model.embed_tokens.weight"][t].abs().sum() > 0 for t in prompt_only)
+
+
+def test_shared_prompt_gradients_match_single_pass_with_contiguous_equal_groups():
+    """GRPO's layout as the update orders it (each prompt's G rows consecutive): the K/V are
+    expanded instead of index-selected; the gradients are still the single pass's."""
+    model = tiny_llama().train()
+    prompts, masks, responses, response_mask = make_batch()
+    rows = torch.tensor([0, 0, 0, 4, 4, 4, 1, 1, 1])  # three prompts, G = 3
+    batch = (prompts[rows], masks[rows], responses[:9], response_mask[:9])
+    runs = _unique_prompts(batch[0], batch[1])[2].view(3, 3)
+    assert (runs == runs[:, :1]).all() and len(set(runs[:, 0].tolist())) == 3  # the expand path
+    grads = []
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        lp, _ = response_logprobs(model, *batch, temperature=0.7, share_prompt=share)
+        (lp * batch[3]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("version", [2, 3])

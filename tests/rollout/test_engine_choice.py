@@ -4,7 +4,7 @@ import pytest
 
 from groupflow import builders
 from groupflow.config import ActorConfig, ConfigError
-from groupflow.policies.llm import recompute_old_logprobs
+from groupflow.policies.llm import old_logprobs_source, recompute_old_logprobs
 from groupflow.rollout import vllm_engine
 from groupflow.trainer import Trainer
 
@@ -93,6 +93,27 @@ def test_tis_cap_must_be_positive_and_needs_recomputed_old_logprobs(tiny_config)
 def test_recompute_old_logprobs_rule(mode, engine, epochs, mini, expected):
     actor = ActorConfig(recompute_old_logprobs=mode, ppo_epochs=epochs, mini_batch_samples=mini)
     assert recompute_old_logprobs(actor, engine, num_samples=16) is expected
+
+
+@pytest.mark.parametrize(
+    "off_policy, engine, epochs, kl_in_reward, mode, expected",
+    [
+        # one optimizer step: the update's forward runs on the proximal weights, no extra pass
+        ("decoupled", "hf", 1, False, "auto", "forward"),
+        ("decoupled", "vllm", 1, False, "auto", "forward"),
+        ("tis", "hf", 1, False, "auto", "forward"),
+        ("decoupled", "hf", 2, False, "auto", "recompute"),  # the policy moves between steps
+        ("decoupled", "hf", 1, True, "auto", "recompute"),  # the credit stage needs them first
+        ("decoupled", "hf", 1, False, "always", "recompute"),
+        ("none", "hf", 1, False, "auto", "rollout"),
+        ("none", "vllm", 1, False, "auto", "recompute"),
+    ],
+)
+def test_old_logprobs_source_rule(off_policy, engine, epochs, kl_in_reward, mode, expected):
+    tis = {"tis_cap": 2.0} if off_policy == "tis" else {}
+    actor = ActorConfig(off_policy=off_policy, ppo_epochs=epochs, recompute_old_logprobs=mode,
+                        **tis)  # fmt: skip
+    assert old_logprobs_source(actor, engine, 16, kl_in_reward=kl_in_reward) == expected
 
 
 def test_sleep_mode_without_a_gpu_is_refused(monkeypatch):

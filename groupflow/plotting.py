@@ -87,16 +87,19 @@ def _trailing_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _curve(ax, steps: list[float], values: list[float], color: str, label: str) -> None:
+    """A short series raw with markers; a long one faint, under its trailing mean."""
+    if len(steps) >= _SMOOTH_MIN_POINTS:
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+        smooth = _trailing_mean(values, max(3, len(values) // 20))
+        ax.plot(steps, smooth, color=color, linewidth=2, label=label)
+    else:
+        ax.plot(steps, values, color=color, linewidth=1.5, marker="o", markersize=3, label=label)
+
+
 def _draw(ax, rows: list[dict[str, float]], keys: list[str], title: str) -> None:
     for i, key in enumerate(keys):
-        steps, values = _series(rows, key)
-        color = f"C{i % 10}"
-        if len(steps) >= _SMOOTH_MIN_POINTS:
-            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
-            smooth = _trailing_mean(values, max(3, len(values) // 20))
-            ax.plot(steps, smooth, color=color, linewidth=2, label=key)
-        else:
-            ax.plot(steps, values, color=color, linewidth=1.5, marker="o", markersize=3, label=key)
+        _curve(ax, *_series(rows, key), color=f"C{i % 10}", label=key)
     if keys and keys[0] == "reward/mean":
         _draw_std_band(ax, rows)
     ax.set_title(title, fontsize=11)
@@ -239,15 +242,8 @@ def plot_runs(
 def _draw_runs(ax, runs: list[list[dict[str, float]]], names: list[str], key: str) -> None:
     for i, (rows, name) in enumerate(zip(runs, names)):
         steps, values = _series(rows, key)
-        if not steps:
-            continue  # this run did not log the metric
-        color = f"C{i % 10}"
-        if len(steps) >= _SMOOTH_MIN_POINTS:
-            ax.plot(steps, values, color=color, alpha=0.2, linewidth=1)
-            smooth = _trailing_mean(values, max(3, len(values) // 20))
-            ax.plot(steps, smooth, color=color, linewidth=2, label=name)
-        else:
-            ax.plot(steps, values, color=color, linewidth=1.5, marker="o", markersize=4, label=name)
+        if steps:  # else this run did not log the metric
+            _curve(ax, steps, values, color=f"C{i % 10}", label=name)
     ax.set_title(key, fontsize=11)
     ax.set_xlabel("step")
     ax.legend(fontsize=8, loc="best")

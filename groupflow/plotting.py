@@ -215,7 +215,7 @@ def plot_runs(
     runs = [_read_run(d) for d in dirs]
     available = sorted({k for rows in runs for row in rows for k in row} - {"step", "wall_time"})
     patterns = [metrics] if isinstance(metrics, str) else list(metrics or COMPARE_METRICS)
-    keys = Panel("compare", "", tuple(patterns)).keys(available)
+    keys = _drop_repeated_breakdowns(Panel("compare", "", tuple(patterns)).keys(available), runs)
     if not keys:
         raise ValueError(
             f"no metric of the runs matches the patterns {patterns}; logged metrics: {available}"
@@ -237,6 +237,21 @@ def plot_runs(
     written.append(out / "overview.png")
     fig.savefig(written[-1])
     return written
+
+
+def _drop_repeated_breakdowns(keys: list[str], runs: list[list[dict[str, float]]]) -> list[str]:
+    """Leave out ``X/<part>`` where every run logged exactly ``X``'s curve under it: with one data
+    source the per-source breakdown repeats the total, and a panel that repeats another hides
+    nothing but takes a sixth of the overview."""
+
+    def repeats(key: str, parent: str) -> bool:
+        return all(_series(rows, key) == _series(rows, parent) for rows in runs)
+
+    return [
+        k
+        for k in keys
+        if not any(k.startswith(p + "/") and repeats(k, p) for p in keys if p != k)
+    ]
 
 
 def _draw_runs(ax, runs: list[list[dict[str, float]]], names: list[str], key: str) -> None:

@@ -146,6 +146,20 @@ def test_plot_runs_draws_one_curve_per_run_for_each_metric(tmp_path):
     assert list(lines["control"].get_ydata()) == [0.2]
 
 
+def test_plot_runs_leaves_out_a_breakdown_that_repeats_its_total(tmp_path):
+    def rows(per_source_b):
+        return [
+            {"step": s, "val/acc": a, "val/acc/src_a": a, "val/acc/src_b": b}
+            for s, a, b in ((0, 0.1, per_source_b[0]), (20, 0.5, per_source_b[1]))
+        ]
+
+    # one run's src_b differs from the total: it stays; src_a repeats it in both runs: left out
+    _write_run(tmp_path / "a", rows((0.1, 0.5)))
+    _write_run(tmp_path / "b", rows((0.1, 0.4)))
+    names = [p.name for p in plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")]
+    assert names == ["val_acc.png", "val_acc_src_b.png", "overview.png"]
+
+
 def test_plot_runs_bad_input(tmp_path):
     _write_run(tmp_path / "a", _rl_rows(3))
     with pytest.raises(ValueError, match="compares two or more runs"):

@@ -248,9 +248,7 @@ def _drop_repeated_breakdowns(keys: list[str], runs: list[list[dict[str, float]]
         return all(_series(rows, key) == _series(rows, parent) for rows in runs)
 
     return [
-        k
-        for k in keys
-        if not any(k.startswith(p + "/") and repeats(k, p) for p in keys if p != k)
+        k for k in keys if not any(k.startswith(p + "/") and repeats(k, p) for p in keys if p != k)
     ]
 
 

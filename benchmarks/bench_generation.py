@@ -115,16 +115,7 @@ def step_worker(a: argparse.Namespace) -> dict:
         trainer = bench_trl.build_groupflow(bench_trl.MODEL_DIR_SIZE, s, Path(tmp))
         worker_ = bench_trl.actor_worker(trainer)
         bench_trl._timed_method(worker_, "generate", generate_s)
-        inner = worker_.generate
-
-        def generate_cpu_timed(*args, **kwargs):
-            c0 = time.process_time()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                generate_cpu_s.append(time.process_time() - c0)
-
-        worker_.generate = generate_cpu_timed
+        bench_trl._timed_method(worker_, "generate", generate_cpu_s, clock=time.process_time)
         for _ in range(a.step + 1):
             t0, c0 = time.perf_counter(), time.process_time()
             bench_trl.groupflow_step(trainer, seen)

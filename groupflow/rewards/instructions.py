@@ -55,6 +55,8 @@ def _stem(word: str) -> str:
 def mentions_topic(text: str, topic: str) -> bool:
     """Some content word of ``topic`` ('a busy train station': busy, train, station) appears,
     compared by :func:`_stem`."""
+    if not isinstance(topic, str):
+        raise ValueError(f"instructions: a row's topic must be a string, got {topic!r}")
     wanted = {_stem(w) for w in _words(topic) if w.lower() not in _FUNCTION_WORDS}
     if not wanted:
         raise ValueError(f"instructions: topic {topic!r} has no content word")

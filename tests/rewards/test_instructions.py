@@ -75,6 +75,8 @@ def test_the_topic_is_matched_by_its_content_words_stems():
     assert not mentions_topic("The ride was long.", "the history of bread")
     with pytest.raises(ValueError, match="no content word"):
         mentions_topic("x", "the")
+    with pytest.raises(ValueError, match="topic must be a string, got 7"):
+        answers_request("one two three four five six seven eight", 7)
 
 
 def test_a_fragment_that_meets_every_constraint_scores_zero():

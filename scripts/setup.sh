@@ -15,6 +15,16 @@ pip_install() {
   fi
   rm -f "$log"
 }
+# The code sandbox (python tool, code rewards) isolates model-written code with bubblewrap.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) ||
+      echo "setup: could not install bubblewrap; the code sandbox will refuse to start" >&2
+  else
+    echo "setup: bubblewrap (bwrap) is missing: install it (apt-get install bubblewrap) for the code sandbox" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip_install torch==2.13.0
 pip_install -e ".[test,math,loggers,ray,gguf,diffusion,lora,hub]"

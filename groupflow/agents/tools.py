@@ -184,6 +184,10 @@ def build_tools(specs: Sequence[Any], default_timeout_s: float | None = None) ->
             fn = _builtin_factory(entry["name"])(**kwargs)
         except TypeError as exc:
             raise ToolConfigError(f"{where}: bad kwargs for {entry['name']!r}: {exc}") from exc
+        except (ValueError, RuntimeError) as exc:
+            # A bad limit, or no isolating code sandbox on this machine (the message says what
+            # to install).
+            raise ToolConfigError(f"{where}: built-in tool {entry['name']!r}: {exc}") from None
         tools.append(make_tool(fn, entry.get("label") or entry["name"], None, timeout))
     names = [t.name for t in tools]
     dupes = sorted({n for n in names if names.count(n) > 1})

@@ -26,12 +26,18 @@ or the field named by the ``field`` option), in one of three shapes:
    passes (APPS/TACO wrap them so).
 3. **stdin/stdout pairs**: a list of ``{"input": ..., "output": ...}`` dicts, as in shape 2.
 
-Results travel back from the harness tagged with a random token the program never sees (it
-arrives on stdin, which is closed before the solution loads), so printing "pass" or calling
-``sys.exit(0)`` early does not pass a test, and call-based return values are serialised to JSON
-in the child and compared in the parent, so an object whose ``__eq__`` always says True fails.
-Assert tests compare inside the child and cannot rule that trick out; the sandbox module's
-docstring says what the guard does not stop.
+Expected outputs never enter the sandbox, because the solution runs in the same interpreter as
+the harness and can reach anything in it (frames, ``gc``, the harness's report function). The
+child only *computes*: call tests return each call's value (JSON), stdin/stdout tests their
+stdout, and an assert statement of the shape ``assert EXPR == LITERAL`` (or ``LITERAL == EXPR``,
+``!=``, ``is``/``is not`` None/True/False) is split: the child evaluates ``EXPR`` and returns its
+``repr``, and the parent compares it with the literal (``ast.literal_eval``). A solution that
+forges reports (it can find the random token that tags them) therefore still has to produce the
+right values without knowing them, i.e. solve the problem; a case reported twice fails. Assert
+statements of any other shape (``assert f(x) > 3``, several statements, a call of a helper) can
+only run inside the child, where a determined solution can fake their outcome: they guard
+against wrong code, not against a policy that learns to attack the harness. Prefer call or
+stdin/stdout tests, or asserts against literals, for RL rewards.
 """
 
 from __future__ import annotations
@@ -47,7 +53,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupflow.rewards.base import RewardConfigError
-from groupflow.tools.sandbox import SandboxLimits, run_python
+from groupflow.tools.sandbox import (
+    SandboxLimits,
+    SandboxUnavailable,
+    resolve_sandbox,
+    run_python,
+)
 
 KINDS = ("assert", "stdio", "call")
 
@@ -210,12 +221,19 @@ def _expected(value: Any, where: str) -> Any:
 # The harness for assert and call tests, run as main.py with the solution in solution.py. Its
 # instructions (and the token that tags its reports) arrive on stdin, which it closes before
 # loading the solution; reports go to a duplicate of stdout, so the solution's own prints (or a
-# closed sys.stdout) do not mix with them.
+# closed sys.stdout) do not mix with them. It holds no expected value: "expr" cases return the
+# repr of a value and "call" cases its JSON, for the parent to compare.
 HARNESS = r"""
 import json, os, sys
 
 def _describe(exc):
     return f"{type(exc).__name__}: {exc}"[:300]
+
+def _plain(value):
+    # numpy scalars print as np.int64(3); the parent reads literals
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
 
 def _main():
     spec = json.loads(sys.stdin.readline())
@@ -234,13 +252,16 @@ def _main():
         report(-1, "error", "loading the solution: " + _describe(exc))
         return
     if spec["kind"] == "assert":
-        for i, statement in enumerate(spec["cases"]):
+        for i, (how, source) in enumerate(spec["cases"]):
             try:
-                exec(compile(statement, f"<test {i}>", "exec"), namespace)
+                if how == "expr":
+                    value = repr(_plain(eval(compile(source, f"<test {i}>", "eval"), namespace)))
+                else:
+                    exec(compile(source, f"<test {i}>", "exec"), namespace)
             except BaseException as exc:
                 report(i, "fail", _describe(exc))
             else:
-                report(i, "pass")
+                report(i, "value", value) if how == "expr" else report(i, "pass")
         return
     name = spec["fn_name"]
     target = namespace.get("Solution")
@@ -251,7 +272,7 @@ def _main():
         return
     for i, args in enumerate(spec["cases"]):
         try:
-            value = json.dumps(fn(*args))
+            value = json.dumps(_plain(fn(*args)))
         except BaseException as exc:
             report(i, "fail", _describe(exc))
         else:
@@ -259,6 +280,54 @@ def _main():
 
 _main()
 """
+
+_LITERAL_OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is", ast.IsNot: "is not"}
+
+
+@dataclass(frozen=True)
+class SplitAssert:
+    """``assert EXPR OP LITERAL`` taken apart: the child evaluates ``expr``, the parent compares."""
+
+    expr: str
+    op: str
+    expected: Any
+
+    def holds(self, value: Any) -> bool:
+        if self.op == "==":
+            return bool(value == self.expected)
+        if self.op == "!=":
+            return bool(value != self.expected)
+        same = value is self.expected
+        return same if self.op == "is" else not same
+
+
+def split_assert(statement: str) -> SplitAssert | None:
+    """The parts of a single ``assert EXPR OP LITERAL`` (either side literal), else None.
+
+    ``is``/``is not`` are split only against None, True or False (identity of other literals
+    does not survive a round trip through ``repr``).
+    """
+    try:
+        tree = ast.parse(statement)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return None
+    test = tree.body[0].test
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return None
+    op = _LITERAL_OPS.get(type(test.ops[0]))
+    if op is None:
+        return None
+    for expr, literal in ((test.left, test.comparators[0]), (test.comparators[0], test.left)):
+        try:
+            expected = ast.literal_eval(literal)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if op in ("is", "is not") and not (expected is None or isinstance(expected, bool)):
+            return None
+        return SplitAssert(ast.unparse(expr), op, expected)
+    return None
 
 
 @dataclass(frozen=True)
@@ -281,8 +350,10 @@ def _normalize_stdout(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n")
 
 
-def _stdio_case(code: str, stdin: str, expected: str, limits: SandboxLimits) -> tuple[bool, str]:
-    result = run_python(code, stdin=stdin, **limits.as_kwargs())
+def _stdio_case(
+    code: str, stdin: str, expected: str, limits: SandboxLimits, sandbox: Any
+) -> tuple[bool, str]:
+    result = run_python(code, stdin=stdin, sandbox=sandbox, **limits.as_kwargs())
     if not result.ok:
         return False, result.error_line or f"exit code {result.exit_code}, limit {result.limit}"
     if _normalize_stdout(result.stdout) != _normalize_stdout(expected):
@@ -291,41 +362,89 @@ def _stdio_case(code: str, stdin: str, expected: str, limits: SandboxLimits) -> 
 
 
 def _call_passed(value_json: str, expected: Any) -> bool:
-    value = json.loads(value_json)
+    try:
+        value = json.loads(value_json)
+    except (ValueError, TypeError):
+        return False
     if value == expected:
         return True
     return isinstance(expected, list) and len(expected) == 1 and value == expected[0]
 
 
-def _harness_run(code: str, tests: CodeTests, limits: SandboxLimits) -> CodeReport:
+def _assert_passed(value_repr: str, split: SplitAssert) -> bool:
+    try:
+        value = ast.literal_eval(value_repr)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False  # not a plain value (an object whose __eq__ might say anything)
+    return split.holds(value)
+
+
+def _case_outcome(
+    tests: CodeTests, splits: list[SplitAssert | None], index: int, status: str, detail: Any
+) -> tuple[bool, str]:
+    """Whether case ``index`` passed, judged here from what the child computed."""
+    if status == "fail":
+        return False, f"case {index}: {str(detail)[:200]}"
+    if tests.kind == "call":
+        if status == "value" and isinstance(detail, str):
+            if _call_passed(detail, tests.cases[index][1]):
+                return True, ""
+            return False, f"case {index}: returned {detail[:80]}"
+        return False, f"case {index}: no value reported ({status!r})"
+    split = splits[index]
+    if split is not None:
+        if status == "value" and isinstance(detail, str) and _assert_passed(detail, split):
+            return True, ""
+        return (
+            False,
+            f"case {index}: got {str(detail)[:80]}, expected {split.op} {split.expected!r}",
+        )
+    return status == "pass", "" if status == "pass" else f"case {index}: {status!r}"
+
+
+def _harness_run(code: str, tests: CodeTests, limits: SandboxLimits, sandbox: Any) -> CodeReport:
     """Assert or call tests: one sandbox run for all cases of the sample."""
     token = secrets.token_hex(16)
-    spec = {
-        "token": token,
-        "kind": tests.kind,
-        "cases": list(tests.cases),
-        "fn_name": tests.fn_name,
-    }
+    splits: list[SplitAssert | None] = []
     if tests.kind == "call":
-        spec["cases"] = [args for args, _ in tests.cases]
+        cases: list[Any] = [args for args, _ in tests.cases]
+    else:
+        splits = [split_assert(statement) for statement in tests.cases]
+        cases = [
+            ("expr", split.expr) if split is not None else ("stmt", statement)
+            for split, statement in zip(splits, tests.cases)
+        ]
+    spec = {"token": token, "kind": tests.kind, "cases": cases, "fn_name": tests.fn_name}
     result = run_python(
-        HARNESS, stdin=json.dumps(spec) + "\n", files={"solution.py": code}, **limits.as_kwargs()
+        HARNESS,
+        stdin=json.dumps(spec) + "\n",
+        files={"solution.py": code},
+        sandbox=sandbox,
+        **limits.as_kwargs(),
     )
     outcomes: dict[int, bool] = {}
+    reported: set[int] = set()
     first_error = ""
-    prefix = json.dumps(token)
+    prefix = "[" + json.dumps(token)
     for line in result.stdout.splitlines():
-        if not line.startswith("[" + prefix):
+        if not line.startswith(prefix):
             continue
-        _, index, status, detail = json.loads(line)
-        if tests.kind == "call" and status == "value":
-            passed = _call_passed(detail, tests.cases[index][1])
-            detail = "" if passed else f"case {index}: returned {detail[:80]}"
-        else:
-            passed = status == "pass"
-        if index >= 0:
-            outcomes[index] = passed
-        first_error = first_error or detail
+        try:
+            _, index, status, detail = json.loads(line)
+        except (ValueError, TypeError):
+            continue
+        if index == -1:
+            first_error = first_error or str(detail)
+            continue
+        if not isinstance(index, int) or not 0 <= index < len(tests.cases):
+            continue
+        if index in reported:  # only a solution that forges reports says a case twice
+            outcomes[index] = False
+            first_error = first_error or f"case {index}: reported twice"
+            continue
+        reported.add(index)
+        outcomes[index], error = _case_outcome(tests, splits, index, status, detail)
+        first_error = first_error or error
     if len(outcomes) < len(tests.cases) and not first_error:
         first_error = result.error_line or f"stopped: {result.limit or result.exit_code}"
     return CodeReport(sum(outcomes.values()), len(tests.cases), first_error)
@@ -336,8 +455,12 @@ def run_code_tests(
     tests: Sequence[CodeTests],
     limits: SandboxLimits,
     max_workers: int = 2,
+    sandbox: Any = None,
 ) -> list[CodeReport]:
-    """Run each program against its tests, in parallel on ``max_workers`` threads."""
+    """Run each program against its tests, in parallel on ``max_workers`` threads.
+
+    A sandbox that fails (a remote service that does not answer) raises SandboxError: the
+    reward runner counts it as the failure of that sample's reward."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
         pending: list[Any] = []
         for code, suite in zip(codes, tests):
@@ -345,10 +468,10 @@ def run_code_tests(
                 pending.append(CodeReport(0, len(suite.cases), "no code in the completion"))
             elif suite.kind == "stdio":
                 pending.append(
-                    [pool.submit(_stdio_case, code, x, y, limits) for x, y in suite.cases]
+                    [pool.submit(_stdio_case, code, x, y, limits, sandbox) for x, y in suite.cases]
                 )
             else:
-                pending.append(pool.submit(_harness_run, code, suite, limits))
+                pending.append(pool.submit(_harness_run, code, suite, limits, sandbox))
         return [_collect(item) for item in pending]
 
 
@@ -381,6 +504,7 @@ def make_code_tests_reward(
     max_tests: int | None = None,
     max_workers: int | None = None,
     field: str | None = None,
+    sandbox: Any = None,
 ) -> Callable[..., list[float]]:
     """Pass fraction of the row's tests (``partial_credit=False``: 1.0 only if all pass).
 
@@ -388,7 +512,9 @@ def make_code_tests_reward(
     per case for stdin/stdout tests, per sample for assert and call tests (one run holds all of
     them; cases reported before a timeout still count). ``max_tests`` keeps each row's first N
     cases; ``max_workers`` defaults to :func:`default_workers`; ``field`` names the test-case
-    field (default: ``tests``, else ``ground_truth``).
+    field (default: ``tests``, else ``ground_truth``); ``sandbox`` picks the backend (see
+    :func:`groupflow.tools.sandbox.resolve_sandbox`), resolved now: without an isolating sandbox
+    the reward refuses to build, saying what to install.
     """
     try:
         limits = SandboxLimits(timeout_s, cpu_time_s, memory_mb, max_output_bytes)
@@ -406,6 +532,10 @@ def make_code_tests_reward(
     if field is not None and (not isinstance(field, str) or not field):
         raise RewardConfigError(f"code_tests: field must be a field name, got {field!r}")
     workers = max_workers or default_workers()
+    try:
+        backend = resolve_sandbox(sandbox)
+    except (ValueError, SandboxUnavailable) as exc:
+        raise RewardConfigError(f"code_tests: {exc}") from None
 
     def code_tests(completions: list[str], **fields: Any) -> list[float]:
         name = _tests_field(fields, field)
@@ -417,7 +547,7 @@ def make_code_tests_reward(
                 raise ValueError(f"{exc} (sample {i})") from None
             suites.append(CodeTests(suite.kind, suite.cases[:max_tests], suite.fn_name))
         codes = [extract_code(c) for c in completions]
-        reports = run_code_tests(codes, suites, limits, workers)
+        reports = run_code_tests(codes, suites, limits, workers, backend)
         return [report.score(partial_credit) for report in reports]
 
     return code_tests

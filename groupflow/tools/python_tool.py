@@ -17,7 +17,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from groupflow.tools.sandbox import MAIN_FILE, SandboxLimits, SandboxResult, run_python
+from groupflow.tools.sandbox import (
+    MAIN_FILE,
+    SandboxError,
+    SandboxLimits,
+    SandboxResult,
+    resolve_sandbox,
+    run_python,
+)
 
 DEFAULT_MAX_CHARS = 2000
 NO_OUTPUT = "(no output; print() what you want to see)"
@@ -55,19 +62,30 @@ def _status_line(result: SandboxResult, limits: SandboxLimits) -> str:
     return ""
 
 
-def python_tool(*, max_chars: int = DEFAULT_MAX_CHARS, **limits: Any) -> Callable[[str], str]:
+def python_tool(
+    *,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    sandbox: Any = None,
+    _resolve_now: bool = True,
+    **limits: Any,
+) -> Callable[[str], str]:
     """A ``python(code) -> str`` tool with the given sandbox limits.
 
     ``limits`` are :class:`SandboxLimits` fields (``timeout_s``, ``cpu_time_s``, ``memory_mb``,
-    ``max_output_bytes``, ``max_file_mb``, ``max_open_files``); they are checked here, when the
-    tool is built. ``max_chars`` bounds the reply the model reads (``max_output_bytes`` bounds
-    what the program may print before it is stopped).
+    ``max_output_bytes``, ``max_file_mb``, ``max_open_files``, ``max_disk_mb``,
+    ``max_processes``); they are checked here, when the tool is built. ``max_chars`` bounds the
+    reply the model reads (``max_output_bytes`` bounds what the program may print before it is
+    stopped). ``sandbox`` picks the backend (see :func:`groupflow.tools.sandbox.resolve_sandbox`);
+    it is resolved here too, so a machine where no isolating sandbox works refuses to build the
+    tool (SandboxUnavailable says what to install).
     """
     valid = [f.name for f in dataclasses.fields(SandboxLimits)]
     unknown = sorted(set(limits) - set(valid))
     if unknown:
         raise ValueError(f"python_tool: unknown option {unknown[0]!r}; valid options: {valid}")
     checked = SandboxLimits(**limits)
+    if _resolve_now:
+        sandbox = resolve_sandbox(sandbox)
     if isinstance(max_chars, bool) or not isinstance(max_chars, int) or max_chars < 1:
         raise ValueError(f"python_tool: max_chars must be a positive integer, got {max_chars!r}")
 
@@ -81,10 +99,17 @@ def python_tool(*, max_chars: int = DEFAULT_MAX_CHARS, **limits: Any) -> Callabl
         Args:
             code: The complete Python program to run, e.g. "print(123 * 456)".
         """
-        result = run_python(code, echo_last_expression=True, **checked.as_kwargs())
+        try:
+            result = run_python(
+                code, echo_last_expression=True, sandbox=sandbox, **checked.as_kwargs()
+            )
+        except SandboxError as exc:
+            return f"Error: the sandbox failed ({exc})"
         return format_result(result, checked, max_chars)
 
     return python
 
 
-python = python_tool()
+# The ready-made tool resolves its sandbox on first call, so importing this module never fails
+# on a machine without one; configs build tools through the factory, which resolves at once.
+python = python_tool(_resolve_now=False)

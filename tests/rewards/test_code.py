@@ -6,9 +6,11 @@ import pytest
 from groupflow.rewards import RewardConfigError, build_reward_runner
 from groupflow.rewards.code import (
     CodeTests,
+    SplitAssert,
     extract_code,
     make_code_tests_reward,
     parse_tests,
+    split_assert,
 )
 
 
@@ -212,3 +214,90 @@ def test_missing_field_is_a_configuration_error():
 def test_bad_options_fail_at_build(options, message):
     with pytest.raises(RewardConfigError, match=message):
         build_reward_runner([{"name": "code_tests", "kwargs": options}])
+
+
+# --------------------------------------------------------------------------------------------
+# A solution that attacks the harness (it shares the harness's interpreter)
+
+# Reach the harness's frame, call its report function for every case, leave before the tests.
+FRAME_HACK = """
+import sys, os
+f = sys._getframe(1)
+rep, spec = f.f_locals['report'], f.f_locals['spec']
+for i in range(len(spec['cases'])):
+    rep(i, 'pass')
+os._exit(0)
+"""
+# Find the harness's instructions through gc, and report for each case the values it can find
+# anywhere in the process: if an expected value were in the sandbox, this would pass.
+GC_HACK = """
+import gc, json, os
+spec = next(o for o in gc.get_objects() if isinstance(o, dict) and 'token' in o and 'cases' in o)
+seen = {repr(o) for o in gc.get_objects() if isinstance(o, int) and o > 100000}
+for text in json.dumps(spec).replace('"', ' ').replace(',', ' ').split():
+    seen.add(text)
+for i in range(len(spec['cases'])):
+    for value in seen:
+        for status, detail in (('value', json.dumps(value)), ('value', value), ('pass', '')):
+            print('\\n' + json.dumps([spec['token'], i, status, detail]), flush=True)
+os._exit(0)
+"""
+# Make failing asserts look like passing ones and comparisons always true, then define a wrong add.
+PATCH_HACK = """
+import builtins
+class Never(Exception):
+    pass
+builtins.AssertionError = Never
+class Anything(int):
+    def __eq__(self, other):
+        return True
+    __hash__ = int.__hash__
+def add(a, b):
+    return Anything(0)
+"""
+EARLY_EXIT = "import os\nos._exit(0)"
+FAKE_MARKERS = (
+    "import json\nfor i in range(3):\n"
+    "    print(json.dumps(['0' * 32, i, 'pass', '']))\n    print(json.dumps([i, 'pass']))"
+)
+UNGUESSABLE = ["assert add(400000, 87654) == 487654", "assert add(5, 5) == 10"]
+CALL_ROW = json.dumps(
+    {"fn_name": "add", "inputs": [[400000, 87654], [5, 5]], "outputs": [487654, 10]}
+)
+
+
+@pytest.mark.parametrize(
+    "hack",
+    [FRAME_HACK, GC_HACK, PATCH_HACK, EARLY_EXIT, FAKE_MARKERS],
+    ids=["frame-report", "gc-forge", "patch-assert-and-eq", "os._exit-early", "fake-markers"],
+)
+@pytest.mark.parametrize("tests", [UNGUESSABLE, CALL_ROW], ids=["assert-literal", "call"])
+def test_attacks_on_the_harness_score_zero(hack, tests):
+    assert reward()(completions=[fenced(hack)], tests=[tests]) == [0.0]
+    # The same rows still give full marks to an honest solution.
+    assert reward()(completions=[fenced(ADD)], tests=[tests]) == [1.0]
+
+
+def test_asserts_against_literals_are_judged_in_the_parent():
+    assert split_assert("assert add(1, 2) == 3") == SplitAssert("add(1, 2)", "==", 3)
+    assert split_assert("assert [1, 2] == f(x)") == SplitAssert("f(x)", "==", [1, 2])
+    assert split_assert("assert f() is None") == SplitAssert("f()", "is", None)
+    assert split_assert("assert f() != (1, 'a')") == SplitAssert("f()", "!=", (1, "a"))
+    # Other shapes can only run in the child (documented: a solution can fake them).
+    for statement in (
+        "assert f(x) > 3",
+        "assert f(1) == g(1)",
+        "x = f()\nassert x == 1",
+        "assert f() is 3",
+        "assert f(1) == 2 == 2",
+    ):
+        assert split_assert(statement) is None, statement
+    tuples = ["assert pair() == (1, 2)", "assert pair() != [1, 2]", "assert empty() is None"]
+    good = "def pair():\n    return (1, 2)\ndef empty():\n    return None"
+    lists = "def pair():\n    return [1, 2]\ndef empty():\n    return 0"
+    assert reward()(completions=[fenced(good), fenced(lists)], tests=[tuples] * 2) == [
+        1.0,
+        0.0,
+    ]
+    numpy_scalar = "import numpy as np\ndef add(a, b):\n    return np.int64(a) + b"
+    assert reward()(completions=[fenced(numpy_scalar)], tests=[UNGUESSABLE]) == [1.0]

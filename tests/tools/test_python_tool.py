@@ -38,7 +38,8 @@ def test_error_is_the_last_line_after_what_was_printed():
     )
     assert python("x = 1\nif x\n    pass") == "SyntaxError: expected ':' (line 2)"
     assert python("import sys\nsys.exit(4)") == "Error: exit code 4"
-    refused = python("import os\nos.fork()")
+    # The opt-in guard refuses with a message of its own; the OS sandbox has nothing to refuse.
+    refused = python_tool(sandbox="guard")("import os\nos.fork()")
     assert refused == (
         "PermissionError: sandbox: os.fork is not allowed (model code may not start processes)"
         " (line 2)"
@@ -84,3 +85,22 @@ def test_bad_limits_fail_when_the_tool_is_built(kwargs, message):
 def test_unknown_option_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown option 'timeout'; valid options: \['timeout_s'"):
         python_tool(timeout=1)
+
+
+def test_the_default_tool_runs_in_the_os_sandbox():
+    assert python("open('/usr/x', 'w')") == (
+        "OSError: [Errno 30] Read-only file system: '/usr/x' (line 1)"
+    )
+    assert python("import os\nsorted(os.listdir('/proc'))[:2]") == "['1', '2']"  # its own PIDs
+
+
+def test_no_isolating_sandbox_refuses_to_build_the_tool(monkeypatch):
+    from groupflow.tools import sandbox
+    from groupflow.tools.sandbox import bwrap
+
+    monkeypatch.setattr(bwrap, "bwrap_path", lambda: None)
+    monkeypatch.setattr(sandbox, "_resolved", {})
+    monkeypatch.delenv("GROUPFLOW_SANDBOX", raising=False)
+    with pytest.raises(sandbox.SandboxUnavailable, match="apt-get install bubblewrap"):
+        python_tool()
+    assert python_tool(sandbox="guard")("print(1)") == "1"  # an explicit opt-in still works

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from groupflow.tools import SandboxLimits, run_python
-from groupflow.tools.sandbox import child_environment
+from groupflow.tools.sandbox import child_environment, resolve_sandbox
 
 # Generous bound on the time a killed run may take past its limit on a loaded 2-core machine.
 SLACK_S = 2.0
@@ -16,6 +16,16 @@ SLACK_S = 2.0
 def run(code, **kwargs):
     kwargs.setdefault("timeout_s", 5.0)
     return run_python(code, **kwargs)
+
+
+def guarded(code, **kwargs):
+    """Run under the opt-in audit-hook guard (not a security boundary)."""
+    return run(code, sandbox="guard", **kwargs)
+
+
+def test_the_default_backend_is_the_os_sandbox():
+    assert resolve_sandbox().name == "bwrap"
+    assert run("print(1)").backend == "bwrap" and guarded("print(1)").backend == "guard"
 
 
 def processes_in_group(pgid: int) -> list[int]:
@@ -173,32 +183,72 @@ def test_limits_are_set_in_the_child():
     )
     result = run(code, timeout_s=3, memory_mb=256, max_file_mb=2, max_open_files=32)
     limits = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    nproc = "16 16" if os.geteuid() == 0 else "unlimited"  # the sandbox's own user, when root
+    limits["NPROC"] = nproc if limits["NPROC"] == nproc else limits["NPROC"]
     assert limits == {
         "CPU": "3 4",  # soft = the CPU seconds (defaults to the timeout), hard one more
         "AS": f"{256 * 2**20} {256 * 2**20}",
         "FSIZE": f"{2 * 2**20} {2 * 2**20}",
         "NOFILE": "32 32",
         "CORE": "0 0",
-        "NPROC": "0 0",  # no new processes for non-root users (root is exempt: see the guard)
+        "NPROC": nproc,
     }
+    guard = guarded(code, timeout_s=3).stdout.splitlines()
+    assert "NPROC 0 0" in guard  # binds non-root users only: the guard's hook holds for root
 
 
 def test_the_code_cannot_raise_its_limits():
     code = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))"
-    result = run(code)
+    # The OS sandbox's user has no capability left, so the kernel refuses.
+    assert run(code).error_line == "ValueError: not allowed to raise maximum limit"
+    result = guarded(code)
     assert result.limit == "guard"
     assert result.error_line.startswith("PermissionError: sandbox: resource.setrlimit")
 
 
 # --------------------------------------------------------------------------------------------
-# No new processes (the fork-bomb guard works as root, where RLIMIT_NPROC does not apply)
+# Processes: capped by RLIMIT_NPROC for the OS sandbox's own user, refused by the guard
 
 
 FORK_BOMB = "import os\nprint(os.getpid(), flush=True)\nwhile True:\n    os.fork()"
 
 
-def test_fork_bomb_is_refused_and_leaves_no_process():
-    result = run(FORK_BOMB, timeout_s=2)
+def host_processes_with(marker: str) -> list[int]:
+    """Pids on this host whose command line contains ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_until_gone(marker: str, seconds: float = 3.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := host_processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def test_fork_bomb_is_capped_and_leaves_no_process():
+    # Each child becomes "sleep 3141.5926" so the test can look for survivors on the host.
+    code = (
+        "import os\nn = 0\n"
+        "try:\n    while True:\n"
+        "        if os.fork() == 0:\n            os.execv('/bin/sleep', ['sleep', '3141.5926'])\n"
+        "        n += 1\n"
+        "except OSError as exc:\n    print(n, exc.errno, flush=True)\n"
+    )
+    result = run(code, timeout_s=5, max_processes=8)
+    count, errno = map(int, result.stdout.split())
+    assert errno == 11 and count < 8  # EAGAIN: RLIMIT_NPROC, counted for the sandbox's user
+    assert wait_until_gone("3141.5926") == []
+
+
+def test_fork_bomb_is_refused_by_the_guard_and_leaves_no_process():
+    result = guarded(FORK_BOMB, timeout_s=2)
     assert result.limit == "guard" and result.exit_code == 1
     assert result.error_line == (
         "PermissionError: sandbox: os.fork is not allowed (model code may not start processes)"
@@ -238,69 +288,82 @@ def test_fork_bomb_is_refused_and_leaves_no_process():
         "reimport-posix",
     ],
 )
-def test_every_way_to_start_a_process_is_refused(code):
-    result = run(code)
+def test_every_way_to_start_a_process_is_refused_by_the_guard(code):
+    result = guarded(code)
     assert result.limit == "guard", result.stderr
     assert result.error_line.startswith("PermissionError: sandbox: ")
 
 
-def test_signals_only_to_itself():
-    result = run("import os\nos.kill(os.getppid(), 0)")
+def test_signals_only_to_itself_under_the_guard():
+    result = guarded("import os\nos.kill(os.getppid(), 0)")
     assert result.limit == "guard" and "os.kill" in result.error_line
-    assert run("import os, signal\nos.kill(os.getpid(), 0)\nprint('ok')").stdout == "ok\n"
+    assert guarded("import os, signal\nos.kill(os.getpid(), 0)\nprint('ok')").stdout == "ok\n"
 
 
-def test_native_calls_are_unavailable():
-    result = run("import ctypes")
+def test_native_calls_are_unavailable_under_the_guard():
+    result = guarded("import ctypes")
     assert result.limit == "guard"
     assert result.error_line.startswith("ImportError: sandbox: ctypes is not available")
 
 
-def test_no_network():
+def test_no_network_under_the_guard():
     code = "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)"
-    result = run(code)
+    result = guarded(code)
     assert result.limit == "guard" and "model code has no network" in result.error_line
-    # Local socket pairs (asyncio's event loop needs one) still work.
-    assert run("import asyncio\nasyncio.run(asyncio.sleep(0))\nprint('ok')").stdout == "ok\n"
+    # Local socket pairs (asyncio's event loop needs one) still work, in both backends.
+    code = "import asyncio\nasyncio.run(asyncio.sleep(0))\nprint('ok')"
+    assert guarded(code).stdout == run(code).stdout == "ok\n"
 
 
 # --------------------------------------------------------------------------------------------
 # Environment, working directory, files
 
 
-def test_environment_is_built_from_scratch(monkeypatch):
+@pytest.mark.parametrize("backend", ["bwrap", "guard"])
+def test_environment_is_built_from_scratch(monkeypatch, backend):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-a-real-key")
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     code = "import os\nprint(sorted(os.environ))\nprint(os.environ.get('OPENAI_API_KEY'))"
-    result = run(code)
+    result = run(code, sandbox=backend)
     names, key = result.stdout.splitlines()
-    assert names == str(sorted(child_environment("/x")))
+    expected = set(child_environment("/x")) | ({"PWD"} if backend == "bwrap" else set())
+    assert names == str(sorted(expected))  # bubblewrap adds PWD for its --chdir
     assert key == "None"
-    assert "sk-test" not in run("import os\nprint(open('/proc/self/environ').read())").stdout
+    code = "import os\nprint(open('/proc/self/environ').read())"
+    assert "sk-test" not in run(code, sandbox=backend).stdout
 
 
 def test_parent_environment_is_unreadable_through_proc(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-not-a-real-key")
-    result = run(f"print(open('/proc/{os.getpid()}/environ').read())")
+    code = f"print(open('/proc/{os.getpid()}/environ').read())"
+    result = run(code)  # the trainer is not in the sandbox's PID namespace
+    assert result.error_line.startswith("FileNotFoundError") and "sk-test" not in result.stdout
+    result = guarded(code)
     assert result.limit == "guard" and "sk-test" not in result.stdout
     assert result.error_line.startswith(f"PermissionError: sandbox: reading '/proc/{os.getpid()}")
 
 
-def test_working_directory_is_fresh_private_and_removed():
-    code = "import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))\nopen('out.txt', 'w')"
-    first, second = run(code), run(code)
-    cwd_1, listing = first.stdout.splitlines()
-    cwd_2 = second.stdout.splitlines()[0]
-    assert cwd_1 != cwd_2
-    assert listing == "['main.py']"  # nothing of an earlier run, nothing of the parent's
-    assert not os.path.exists(cwd_1) and not os.path.exists(cwd_2)
+def test_working_directory_is_fresh_and_private():
+    code = "import os\nprint(sorted(os.listdir('.')))\nopen('out.txt', 'w').write('x')"
+    assert run(code).stdout == run(code).stdout == "['main.py']\n"
     home = run(
         "import os, tempfile\nprint(os.environ['HOME'] == tempfile.gettempdir() == os.getcwd())"
     )
     assert home.stdout == "True\n"
 
 
-def test_writing_inside_the_working_directory_works():
+def test_the_guards_working_directory_is_removed():
+    code = "import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))\nopen('out.txt', 'w')"
+    first, second = guarded(code), guarded(code)
+    cwd_1, listing = first.stdout.splitlines()
+    cwd_2 = second.stdout.splitlines()[0]
+    assert cwd_1 != cwd_2
+    assert listing == "['main.py']"  # nothing of an earlier run, nothing of the parent's
+    assert not os.path.exists(cwd_1) and not os.path.exists(cwd_2)
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "guard"])
+def test_writing_inside_the_working_directory_works(backend):
     code = (
         "import os, shutil, tempfile\n"
         "os.mkdir('d')\n"
@@ -311,7 +374,7 @@ def test_writing_inside_the_working_directory_works():
         "shutil.rmtree('d')\n"
         "print(os.listdir('.'))"
     )
-    assert run(code).stdout == "['main.py']\n"
+    assert run(code, sandbox=backend).stdout == "['main.py']\n"
 
 
 @pytest.mark.parametrize(
@@ -337,26 +400,35 @@ def test_writing_inside_the_working_directory_works():
         "import os\nos.mkdir('a')\nos.chdir('a')\nopen('../../new.txt', 'w')",
     ],
 )
-def test_writes_outside_the_working_directory_are_refused(tmp_path, action):
+@pytest.mark.parametrize("backend", ["bwrap", "guard"])
+def test_writes_outside_the_working_directory_are_refused(tmp_path, action, backend):
     existing = tmp_path / "keep.txt"
     existing.write_text("precious")
     outside = tmp_path / "new.txt"
     code = action.format(outside=str(outside), existing=str(existing), folder=str(tmp_path))
-    result = run(code, readable_paths=(str(tmp_path),))  # readable is not writable
-    assert result.limit == "guard", result.stderr
+    tmp_path.chmod(0o755)  # readable by the OS sandbox's own user too
+    result = run(code, readable_paths=(str(tmp_path),), sandbox=backend)  # readable, not writable
+    # The guard refuses each action; in the OS sandbox the folder is a read-only mount, and
+    # what the code may still do (a symlink, a plain file from mknod) stays in its tmpfs.
+    assert backend == "bwrap" or result.limit == "guard", result.stderr
     assert existing.read_text() == "precious" and not outside.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
 
 
-def test_reads_outside_the_allowed_folders_are_refused(tmp_path):
+@pytest.mark.parametrize("backend", ["bwrap", "guard"])
+def test_reads_outside_the_allowed_folders_are_refused(tmp_path, backend):
     secret = tmp_path / ".env"
     secret.write_text("OPENAI_API_KEY=sk-test")
     code = f"print(open({str(secret)!r}).read())"
-    result = run(code)
-    assert result.limit == "guard" and "sk-test" not in result.stdout
-    assert run(code, readable_paths=(str(tmp_path),)).stdout == "OPENAI_API_KEY=sk-test\n"
+    result = run(code, sandbox=backend)
+    assert result.exit_code == 1 and "sk-test" not in result.stdout
+    assert result.limit == ("guard" if backend == "guard" else None)
+    tmp_path.chmod(0o755)  # the OS sandbox's own user reads with "other" permissions
+    allowed = run(code, readable_paths=(str(tmp_path),), sandbox=backend)
+    assert allowed.stdout == "OPENAI_API_KEY=sk-test\n"
     # The standard library and installed packages stay importable.
-    assert run("import json, decimal, numpy\nprint(numpy.arange(3).sum())").stdout == "3\n"
+    code = "import json, decimal, numpy\nprint(numpy.arange(3).sum())"
+    assert run(code, sandbox=backend).stdout == "3\n"
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,6 +446,13 @@ def test_reads_outside_the_allowed_folders_are_refused(tmp_path):
         ({"max_output_bytes": 0}, "max_output_bytes must be an integer >= 1"),
         ({"max_file_mb": -1}, "max_file_mb must be an integer >= 0"),
         ({"max_open_files": True}, "max_open_files must be an integer >= 16"),
+        ({"max_disk_mb": 0}, "max_disk_mb must be an integer >= 1"),
+        ({"max_processes": 0}, "max_processes must be an integer >= 1"),
+        ({"sandbox": "docker"}, r"sandbox backend must be one of \['auto', 'bwrap', 'remote'"),
+        ({"sandbox": {"backend": "remote"}}, "sandbox backend 'remote' needs a 'url'"),
+        ({"sandbox": {"backend": "guard", "x": 1}}, "sandbox backend 'guard' takes no options"),
+        ({"sandbox": 5}, "sandbox must be one of"),
+        ({"readable_paths": ("/no/such/path",)}, "readable_paths: '/no/such/path' does not"),
         ({"stdin": 5}, "stdin must be str or bytes"),
         ({"files": {"../x": "a"}}, "'../x' is not a plain file name"),
         ({"files": {"main.py": "a"}}, "'main.py' is not a plain file name"),

@@ -1,18 +1,22 @@
-"""The first code that runs inside a sandbox subprocess: limits, then the guard, then user code.
+"""The first code that runs inside a sandbox subprocess: limits, then user code.
 
 Design decision: everything that must hold before model-written code runs happens here, in the
-child, in a fixed order: resource limits (``setrlimit``), then an audit hook (PEP 578) that refuses
-what rlimits cannot stop (new processes as root, network, writes outside the working directory,
-reads outside an allow-list, raising the limits again), then the user's ``main.py`` as
-``__main__``. Applying limits here rather than in a ``preexec_fn`` keeps the parent's spawn
-fork-safe (no Python runs between fork and exec in the trainer process). The file is run as a
-script by :mod:`groupflow.tools.sandbox` and imports only the standard library; it is not part of
-the groupflow import graph.
+child, in a fixed order. Two modes, one per local backend:
 
-The guard stops accidents and a small policy's reward hacking; it is not a security boundary.
-Native code (a C extension already installed) bypasses audit hooks, and Python offers ways to
-reach a frame's locals or undo monkey-patches that a determined attacker can find. Containers,
-nsjail or gVisor are the boundary for untrusted code from people.
+- ``isolated`` (bubblewrap): this script starts inside the new namespaces as root with only
+  CAP_SETUID/CAP_SETGID. It forks; the child drops to the sandbox's own unprivileged user (no
+  capabilities left, so RLIMIT_NPROC now binds), sets the resource limits and runs ``main.py``.
+  The parent stays behind as a supervisor the code cannot signal (another user): it waits and
+  writes the exit status and CPU time to a pipe the code never holds, since bubblewrap reports
+  neither faithfully.
+- ``guard`` (opt-in, not a security boundary): resource limits, then an audit hook (PEP 578) that
+  refuses what rlimits cannot stop for root (new processes, network, writes outside the working
+  directory, reads outside an allow-list, raising the limits again). It stops accidents only:
+  native code and introspection bypass it.
+
+Applying limits here rather than in a ``preexec_fn`` keeps the parent's spawn fork-safe (no
+Python runs between fork and exec in the trainer process). The file is run as a script and
+imports only the standard library; it is not part of the groupflow import graph.
 """
 
 from __future__ import annotations
@@ -83,9 +87,9 @@ def apply_limits(config: dict) -> None:
     """``setrlimit`` for CPU seconds, address space, file size, open files, core dumps, processes.
 
     The hard CPU limit is one second above the soft one: the soft limit sends SIGXCPU (which
-    ends Python), the hard one SIGKILL if the code ignores SIGXCPU. RLIMIT_NPROC is set to 0 so
-    that, for non-root users, the kernel refuses every new process (and thread: Linux counts
-    threads as processes); root is exempt, which is why the audit hook exists.
+    ends Python), the hard one SIGKILL if the code ignores SIGXCPU. RLIMIT_NPROC counts the
+    processes and threads of the code's user; root is exempt, which is why the isolated mode
+    drops to a user of its own and the guard mode refuses new processes in its audit hook.
     """
     cpu = int(config["cpu_time_s"])
     memory = int(config["memory_bytes"])
@@ -96,8 +100,9 @@ def apply_limits(config: dict) -> None:
         (resource.RLIMIT_NOFILE, (int(config["open_files"]),) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
     ]
-    if hasattr(resource, "RLIMIT_NPROC"):
-        limits.append((resource.RLIMIT_NPROC, (0, 0)))
+    if hasattr(resource, "RLIMIT_NPROC") and config.get("processes") is not None:
+        processes = int(config["processes"])
+        limits.append((resource.RLIMIT_NPROC, (processes, processes)))
     for which, value in limits:
         resource.setrlimit(which, value)
 
@@ -253,12 +258,49 @@ def run_user_code(filename: str, echo_last_expression: bool) -> None:
         sys.exit(1)
 
 
+def _become_sandbox_user(uid: int) -> None:
+    """Drop to ``uid`` (and a group of the same number) with no supplementary groups; changing
+    every user id from 0 clears all capabilities."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+def _supervise(pid: int, status_fd: int) -> None:
+    """Wait for the code's process, write its exit status and CPU time, exit the same way."""
+    while True:
+        try:
+            _, status, usage = os.wait4(pid, 0)
+            break
+        except ChildProcessError:
+            os._exit(1)
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(status)
+    report = {"exit_code": code, "cpu_s": usage.ru_utime + usage.ru_stime}
+    os.write(status_fd, json.dumps(report).encode())
+    os._exit(code if code >= 0 else 128 - code)
+
+
 def main() -> None:
     config = json.loads(sys.argv[1])
     # Run like ``python main.py`` in the working directory: its folder first on sys.path, never
     # this file's folder (``-I``/``-P`` would drop it, but they also drop PYTHONHASHSEED).
     sys.path[0] = os.getcwd()
     sys.argv = [config["filename"]]
+    if config["mode"] == "isolated":
+        status_fd = int(config["status_fd"])
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid:
+            _supervise(pid, status_fd)
+        os.close(status_fd)  # the code must not be able to forge its own status
+        if config.get("uid") is not None:
+            _become_sandbox_user(int(config["uid"]))
+        sys.stdout.reconfigure(line_buffering=True)
+        apply_limits(config)
+        run_user_code(config["filename"], config["echo_last_expression"])
+        return
     # Line-buffered: what was printed before a timeout kill still reaches the parent.
     sys.stdout.reconfigure(line_buffering=True)
     apply_limits(config)

@@ -22,7 +22,7 @@ DRY=0
 for arg in "$@"; do [ "$arg" = --dry-run ] && DRY=1; done
 
 {
-  echo "gpu_check.sh: $(date -u +%FT%TZ) on $(hostname); python: $(command -v "$PYTHON")"
+  echo "gpu_check.sh: $(date -u +%FT%TZ) on $(uname -n); python: $(command -v "$PYTHON")"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
   if [ "$DRY" = 1 ]; then

@@ -53,6 +53,8 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path, gpu_check):
     report = json.loads((out / "gpu_check.json").read_text())
     parts = report["parts"]
     assert report["dry_run"] is True and report["device"] == "cpu"
+    # what the GPU machine lacks was unimportable here too, and no part needed it
+    assert report["blocked_imports"] == list(gpu_check.ABSENT_ON_GPU)
     assert list(parts) == list(gpu_check.PARTS)
     assert {n: p["status"] for n, p in parts.items() if p["status"] != "ok"}.keys() <= {
         "lm_vs_trl", "weight_transfer",
@@ -61,6 +63,7 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path, gpu_check):
     env_part = parts["environment"]
     assert env_part["cuda_available"] is False
     assert env_part["packages"]["pydantic"][0].isdigit()  # a version, not "missing: ..."
+    assert env_part["packages"]["ray"].startswith("missing: ModuleNotFoundError")
     assert env_part["install"] == {"wheels": "not installed (dry run)"}
     assert env_part["groupflow_from"] == str(ROOT / "groupflow")
 

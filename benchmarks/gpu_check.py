@@ -62,11 +62,32 @@ import torch  # noqa: E402
 
 # Parts in the order they run: the bounded, most wanted ones first; the demo (its 160 steps are the
 # least predictable in time) last.
-PARTS = ("environment", "lm_groupflow", "lm_vs_trl", "weight_transfer", "diffusion", "gpu_tests",
-         "demo")  # fmt: skip
-OPTIONAL_PACKAGES = ("pydantic", "pydantic_core", "yaml", "safetensors", "pyarrow", "transformers",
-                     "tokenizers", "accelerate", "peft", "diffusers", "datasets", "trl", "ray",
-                     "vllm", "pytest")  # fmt: skip
+PARTS = (
+    "environment",
+    "lm_groupflow",
+    "lm_vs_trl",
+    "weight_transfer",
+    "diffusion",
+    "gpu_tests",
+    "demo",
+)
+OPTIONAL_PACKAGES = (
+    "pydantic",
+    "pydantic_core",
+    "yaml",
+    "safetensors",
+    "pyarrow",
+    "transformers",
+    "tokenizers",
+    "accelerate",
+    "peft",
+    "diffusers",
+    "datasets",
+    "trl",
+    "ray",
+    "vllm",
+    "pytest",
+)
 # Packages the GPU image lacks and nobody carries there (too large, or not on the checked path):
 # the dry run makes them unimportable in its own process, so a core-path import of one fails here.
 ABSENT_ON_GPU = ("ray", "vllm", "mlflow", "wandb", "math_verify", "gguf")
@@ -75,21 +96,49 @@ MIB = 2**20
 
 # Qwen2.5-0.5B's config (hidden 896, 24 layers, 14 query / 2 key-value heads, vocabulary 151,936,
 # tied embeddings: 494M parameters).
-QWEN25_05B = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
-              "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-              "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": True}  # fmt: skip
+QWEN25_05B = {
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
 # Wan2.1-T2V-1.3B's transformer blocks (width 1536, 12 heads, FFN 8960, UMT5 text width 4096),
 # 2 of its 30 blocks.
-WAN_13B = {"patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128,
-           "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256,
-           "ffn_dim": 8960, "num_layers": 2, "cross_attn_norm": True,
-           "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}  # fmt: skip
+WAN_13B = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 12,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 8960,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
 # SD3-medium's transformer blocks (width 1536, 24 heads; T5 4096 / pooled CLIP 2048), 2 of its 24.
-SD3_MEDIUM = {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 2,
-              "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
-              "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "out_channels": 16,
-              "pos_embed_max_size": 192}  # fmt: skip
+SD3_MEDIUM = {
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "num_layers": 2,
+    "attention_head_dim": 64,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048,
+    "out_channels": 16,
+    "pos_embed_max_size": 192,
+}
 
 
 @dataclass(frozen=True)
@@ -112,31 +161,81 @@ class Shapes:
 
 
 GPU = Shapes(
-    lm=QWEN25_05B, prompts_per_step=8, samples_per_prompt=8, new_tokens=128, steps=3,
-    wan=WAN_13B, wan_latent=(16, 5, 32, 32), sd3=SD3_MEDIUM, sd3_latent=(16, 64, 64),
+    lm=QWEN25_05B,
+    prompts_per_step=8,
+    samples_per_prompt=8,
+    new_tokens=128,
+    steps=3,
+    wan=WAN_13B,
+    wan_latent=(16, 5, 32, 32),
+    sd3=SD3_MEDIUM,
+    sd3_latent=(16, 64, 64),
     diffusion_steps=8,
-    estimates_s={"lm_groupflow": 60, "lm_vs_trl": 90, "diffusion": 60, "demo": 120,
-                 "gpu_tests": 40},
-)  # fmt: skip
+    estimates_s={
+        "lm_groupflow": 60,
+        "lm_vs_trl": 90,
+        "diffusion": 60,
+        "demo": 120,
+        "gpu_tests": 40,
+    },
+)
 DRY = Shapes(
-    lm={"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
-    prompts_per_step=2, samples_per_prompt=2, new_tokens=4, steps=1,
-    wan={**WAN_13B, "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4,
-         "out_channels": 4, "text_dim": 16, "freq_dim": 16, "ffn_dim": 16, "num_layers": 1,
-         "rope_max_seq_len": 32},
+    lm={
+        "vocab_size": 512,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
+    prompts_per_step=2,
+    samples_per_prompt=2,
+    new_tokens=4,
+    steps=1,
+    wan={
+        **WAN_13B,
+        "num_attention_heads": 2,
+        "attention_head_dim": 8,
+        "in_channels": 4,
+        "out_channels": 4,
+        "text_dim": 16,
+        "freq_dim": 16,
+        "ffn_dim": 16,
+        "num_layers": 1,
+        "rope_max_seq_len": 32,
+    },
     wan_latent=(4, 2, 4, 4),
-    sd3={**SD3_MEDIUM, "sample_size": 8, "in_channels": 4, "num_layers": 1,
-         "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 16,
-         "caption_projection_dim": 16, "pooled_projection_dim": 8, "out_channels": 4,
-         "pos_embed_max_size": 8},
-    sd3_latent=(4, 8, 8), diffusion_steps=2,
-    demo_overrides=("run.total_steps=2", "sft.steps=2", "sft.check_every=1",
-                    "data.task.num_train=200", "data.task.num_val=8", "validation.every_steps=0",
-                    "validation.samples_per_prompt=1", "data.prompts_per_step=4",
-                    "rollout.samples_per_prompt=2"),
-)  # fmt: skip
+    sd3={
+        **SD3_MEDIUM,
+        "sample_size": 8,
+        "in_channels": 4,
+        "num_layers": 1,
+        "attention_head_dim": 8,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 16,
+        "caption_projection_dim": 16,
+        "pooled_projection_dim": 8,
+        "out_channels": 4,
+        "pos_embed_max_size": 8,
+    },
+    sd3_latent=(4, 8, 8),
+    diffusion_steps=2,
+    demo_overrides=(
+        "run.total_steps=2",
+        "sft.steps=2",
+        "sft.check_every=1",
+        "data.task.num_train=200",
+        "data.task.num_val=8",
+        "validation.every_steps=0",
+        "validation.samples_per_prompt=1",
+        "data.prompts_per_step=4",
+        "rollout.samples_per_prompt=2",
+    ),
+)
 
 
 @dataclass
@@ -242,8 +341,12 @@ def qwen_shaped_model_dir(ctx: Context) -> Path:
 
     path = ctx.work / "qwen2-shaped"
     tok = padded_char_tokenizer(ctx.shapes.lm["vocab_size"], path)
-    config = Qwen2Config(**ctx.shapes.lm, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    config = Qwen2Config(
+        **ctx.shapes.lm,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     with torch.device(ctx.device):  # random initialisation on the GPU: seconds, not a minute
         model = Qwen2ForCausalLM(config)
@@ -258,18 +361,32 @@ def lm_config(ctx: Context, name: str, model_dir: Path):
     from groupflow.config import config_from_dict
 
     s = ctx.shapes
-    return config_from_dict({
-        "run": {"name": name, "output_dir": str(ctx.work / "runs"), "seed": 0,
-                "total_steps": 10**6, "resume": "never", "loggers": [], "samples_every": 0,
-                "num_threads": 1 if ctx.dry_run else 8},
-        "model": {"path": str(model_dir), "dtype": "bfloat16"},
-        "data": {"task": {"name": "reverse", "digits": 6, "num_train": 2000, "num_val": 1},
-                 "prompts_per_step": s.prompts_per_step},
-        "rollout": {"samples_per_prompt": s.samples_per_prompt, "max_new_tokens": s.new_tokens,
-                    "temperature": 1.0},
-        "validation": {"before_training": False},
-        "actor": {"lr": 1e-6, "loss_agg": "token_mean", "grad_clip": 1.0},
-    })  # fmt: skip
+    return config_from_dict(
+        {
+            "run": {
+                "name": name,
+                "output_dir": str(ctx.work / "runs"),
+                "seed": 0,
+                "total_steps": 10**6,
+                "resume": "never",
+                "loggers": [],
+                "samples_every": 0,
+                "num_threads": 1 if ctx.dry_run else 8,
+            },
+            "model": {"path": str(model_dir), "dtype": "bfloat16"},
+            "data": {
+                "task": {"name": "reverse", "digits": 6, "num_train": 2000, "num_val": 1},
+                "prompts_per_step": s.prompts_per_step,
+            },
+            "rollout": {
+                "samples_per_prompt": s.samples_per_prompt,
+                "max_new_tokens": s.new_tokens,
+                "temperature": 1.0,
+            },
+            "validation": {"before_training": False},
+            "actor": {"lr": 1e-6, "loss_agg": "token_mean", "grad_clip": 1.0},
+        }
+    )
 
 
 def build_lm_trainer(ctx: Context, name: str):
@@ -380,7 +497,7 @@ def part_lm_groupflow(ctx: Context) -> dict[str, Any]:
             "samples_per_prompt": s.samples_per_prompt,
             "new_tokens": s.new_tokens,
             "timed_steps": s.steps,
-        },  # fmt: skip
+        },
         "build_s": build_s,
         "step_s": steps[1:],
         "median_step_s": _median(steps[1:]),
@@ -394,7 +511,7 @@ def part_lm_groupflow(ctx: Context) -> dict[str, Any]:
             k: last[k]
             for k in sorted(last)
             if k.split("/")[0] in ("actor", "reward", "time", "response")
-        },  # fmt: skip
+        },
     }
     _finite("actor/grad_norm", last.get("actor/grad_norm"))
     if skipped > 0.5:
@@ -439,15 +556,26 @@ def part_lm_vs_trl(ctx: Context) -> dict[str, Any]:
         record("groupflow")
         start()
 
-    settings = bench_trl.Settings(prompts_per_step=s.prompts_per_step,
-                                  samples_per_prompt=s.samples_per_prompt,
-                                  new_tokens=s.new_tokens, steps=s.steps, lr=1e-6)  # fmt: skip
+    settings = bench_trl.Settings(
+        prompts_per_step=s.prompts_per_step,
+        samples_per_prompt=s.samples_per_prompt,
+        new_tokens=s.new_tokens,
+        steps=s.steps,
+        lr=1e-6,
+    )
     try:
         trainer = bench_trl.build_trl(
-            trl_model, gf.policy.tokenizer, gf.workflow.train_rows, settings, ctx.work,
-            max_steps=s.steps + 1, callbacks=[bench_trl._step_callback(after_trl_step)],
-            reward_funcs=[text_hash_reward], use_cpu=not ctx.cuda, bf16=ctx.cuda,
-        )  # fmt: skip
+            trl_model,
+            gf.policy.tokenizer,
+            gf.workflow.train_rows,
+            settings,
+            ctx.work,
+            max_steps=s.steps + 1,
+            callbacks=[bench_trl._step_callback(after_trl_step)],
+            reward_funcs=[text_hash_reward],
+            use_cpu=not ctx.cuda,
+            bf16=ctx.cuda,
+        )
         bench_trl._timed_method(trainer, "_generate_single_turn", gen["trl"])
         start()
         trainer.train()
@@ -467,7 +595,7 @@ def part_lm_vs_trl(ctx: Context) -> dict[str, Any]:
         "generate_tokens_per_s": {fw: tokens / gmed[fw] for fw in gmed},
         "step_extra_peak_mib": {
             fw: (max(v[1:]) if v[1] is not None else None) for fw, v in peak.items()
-        },  # fmt: skip
+        },
         "speedup_vs_trl": med["trl"] / med["groupflow"],
         "generate_speedup_vs_trl": gmed["trl"] / gmed["groupflow"],
     }
@@ -495,19 +623,33 @@ def _diffusion_trainer_step(ctx: Context, kind: str, model: Path, latent: tuple[
 
     prompts = ctx.work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
-    cfg = config_from_dict({
-        "run": {"name": f"diffusion-{kind}", "output_dir": str(ctx.work / "runs"), "seed": 0,
-                "total_steps": 10**6, "resume": "never", "loggers": [], "samples_every": 0,
-                "num_threads": 1 if ctx.dry_run else 8, "save_final": False},
-        "diffusion": {"model": {"kind": kind, "path": str(model), "latent_shape": list(latent)},
-                      "num_steps": ctx.shapes.diffusion_steps, "timestep_fraction": 0.5,
-                      "eval_samples_per_prompt": 1, "save_images": False},
-        "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
-        "rollout": {"samples_per_prompt": 2},
-        "validation": {"before_training": False},
-        "actor": {"lr": 1e-5},
-        "reward": {"functions": [{"name": "brightness"}]},
-    })  # fmt: skip
+    cfg = config_from_dict(
+        {
+            "run": {
+                "name": f"diffusion-{kind}",
+                "output_dir": str(ctx.work / "runs"),
+                "seed": 0,
+                "total_steps": 10**6,
+                "resume": "never",
+                "loggers": [],
+                "samples_every": 0,
+                "num_threads": 1 if ctx.dry_run else 8,
+                "save_final": False,
+            },
+            "diffusion": {
+                "model": {"kind": kind, "path": str(model), "latent_shape": list(latent)},
+                "num_steps": ctx.shapes.diffusion_steps,
+                "timestep_fraction": 0.5,
+                "eval_samples_per_prompt": 1,
+                "save_images": False,
+            },
+            "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
+            "rollout": {"samples_per_prompt": 2},
+            "validation": {"before_training": False},
+            "actor": {"lr": 1e-5},
+            "reward": {"functions": [{"name": "brightness"}]},
+        }
+    )
     trainer = Trainer(cfg)
     times, last = [], {}
     try:
@@ -521,9 +663,13 @@ def _diffusion_trainer_step(ctx: Context, kind: str, model: Path, latent: tuple[
     finally:
         trainer.shutdown()
     _finite(f"{kind} actor/grad_norm", last.get("actor/grad_norm"))
-    return {"step_s": times[-1], "warmup_step_s": times[0],
-            "peak_mib": gpu_memory_mib()["peak_mib"],
-            "grad_norm": last.get("actor/grad_norm"), "reward_mean": last.get("reward/mean")}  # fmt: skip
+    return {
+        "step_s": times[-1],
+        "warmup_step_s": times[0],
+        "peak_mib": gpu_memory_mib()["peak_mib"],
+        "grad_norm": last.get("actor/grad_norm"),
+        "reward_mean": last.get("reward/mean"),
+    }
 
 
 def _bf16_denoising_step(ctx: Context, kind: str, model: Path, latent: tuple[int, ...]):
@@ -551,9 +697,14 @@ def _bf16_denoising_step(ctx: Context, kind: str, model: Path, latent: tuple[int
     grad = torch.sqrt(
         sum((p.grad.float() ** 2).sum() for p in flow.parameters() if p.grad is not None)
     )
-    out = {"velocity_dtype": str(v.dtype), "loss": loss.item(), "grad_norm": grad.item(),
-           "forward_backward_s": seconds, "peak_mib": gpu_memory_mib()["peak_mib"],
-           "params": sum(p.numel() for p in flow.parameters())}  # fmt: skip
+    out = {
+        "velocity_dtype": str(v.dtype),
+        "loss": loss.item(),
+        "grad_norm": grad.item(),
+        "forward_backward_s": seconds,
+        "peak_mib": gpu_memory_mib()["peak_mib"],
+        "params": sum(p.numel() for p in flow.parameters()),
+    }
     _finite(f"{kind} bf16 loss", out["loss"])
     _finite(f"{kind} bf16 grad norm", out["grad_norm"])
     return out
@@ -563,17 +714,24 @@ def part_diffusion(ctx: Context) -> dict[str, Any]:
     """Wan- and SD3-shaped transformers: one groupflow GRPO step each, and one bf16 denoising step."""
     out: dict[str, Any] = {}
     errors = []
-    for kind, build, latent in (("wan", _wan_dir, ctx.shapes.wan_latent),
-                                ("sd3", _sd3_dir, ctx.shapes.sd3_latent)):  # fmt: skip
+    for kind, build, latent in (
+        ("wan", _wan_dir, ctx.shapes.wan_latent),
+        ("sd3", _sd3_dir, ctx.shapes.sd3_latent),
+    ):
         free_memory()
         try:
             model = build(ctx, ctx.work / kind)
-            out[kind] = {"latent_shape": list(latent),
-                         "grpo_step": _diffusion_trainer_step(ctx, kind, model, latent),
-                         "bf16_denoising_step": _bf16_denoising_step(ctx, kind, model, latent)}  # fmt: skip
+            out[kind] = {
+                "latent_shape": list(latent),
+                "grpo_step": _diffusion_trainer_step(ctx, kind, model, latent),
+                "bf16_denoising_step": _bf16_denoising_step(ctx, kind, model, latent),
+            }
         except Exception as err:  # noqa: BLE001 — one model failing must not hide the other
-            out[kind] = {"status": "failed", "error": f"{type(err).__name__}: {err}",
-                         "traceback": traceback.format_exc()}  # fmt: skip
+            out[kind] = {
+                "status": "failed",
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc(),
+            }
             errors.append(kind)
     if errors:
         out["status"] = "failed"
@@ -589,9 +747,14 @@ def part_demo(ctx: Context) -> dict[str, Any]:
 
     cfg = load_config(
         str(DEMO_CONFIG),
-        [f"run.output_dir={ctx.work / 'runs'}", "run.name=demo", "run.loggers=[]",
-         "run.overwrite=true", *ctx.shapes.demo_overrides],
-    )  # fmt: skip
+        [
+            f"run.output_dir={ctx.work / 'runs'}",
+            "run.name=demo",
+            "run.loggers=[]",
+            "run.overwrite=true",
+            *ctx.shapes.demo_overrides,
+        ],
+    )
     t = time.perf_counter()
     trainer = Trainer(cfg)
     try:
@@ -630,8 +793,11 @@ def part_weight_transfer(ctx: Context) -> dict[str, Any]:
     Fill in here: build the LM trainer (``build_lm_trainer``) with the rollout pool on the new
     transport, time one ``after_update(version)`` sync (bytes moved, seconds, peak extra GPU
     memory), and return those numbers; ``format_report`` prints whatever this returns."""
-    return {"status": "skipped", "reason": "not implemented yet: issue 21 item 9 (the new "
-            "weight-transfer path) fills this part in"}  # fmt: skip
+    return {
+        "status": "skipped",
+        "reason": "not implemented yet: issue 21 item 9 (the new "
+        "weight-transfer path) fills this part in",
+    }
 
 
 def gpu_test_files() -> list[str]:
@@ -647,15 +813,36 @@ def gpu_test_files() -> list[str]:
 def part_gpu_tests(ctx: Context) -> dict[str, Any]:
     """The suite's tests marked ``gpu`` (pytest -m gpu), in a subprocess."""
     files = list(ctx.gpu_tests) or gpu_test_files()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
-           "--continue-on-collection-errors", *files]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "--continue-on-collection-errors",
+        *files,
+    ]
     t = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     text = done.stdout + done.stderr
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)",
-                                               text.splitlines()[-1] if text.strip() else "")}  # fmt: skip
-    out = {"files": files, "returncode": done.returncode, "counts": counts,
-           "seconds": time.perf_counter() - t, "output_tail": text[-4000:]}  # fmt: skip
+    counts = {
+        k: int(n)
+        for n, k in re.findall(
+            r"(\d+) (passed|failed|skipped|errors?|deselected)",
+            text.splitlines()[-1] if text.strip() else "",
+        )
+    }
+    out = {
+        "files": files,
+        "returncode": done.returncode,
+        "counts": counts,
+        "seconds": time.perf_counter() - t,
+        "output_tail": text[-4000:],
+    }
     # 0: passed; 5: no test selected (none collected). Anything else is a failure.
     if done.returncode not in (0, 5):
         raise CheckFailed(f"pytest -m gpu exited {done.returncode}: {counts}")
@@ -694,8 +881,11 @@ def run_part(name: str, ctx: Context) -> dict[str, Any]:
     except CheckFailed as err:
         result = {"status": "check_failed", "error": str(err), "traceback": traceback.format_exc()}
     except Exception as err:  # noqa: BLE001 — recorded, and the next part still runs
-        result = {"status": "failed", "error": f"{type(err).__name__}: {err}",
-                  "traceback": traceback.format_exc()}  # fmt: skip
+        result = {
+            "status": "failed",
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(),
+        }
     result["seconds"] = time.perf_counter() - t
     free_memory()
     return result
@@ -783,8 +973,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="output folder (default: $OUT, else runs/gpu_check)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--budget-s", type=float, default=450.0, help="no part starts after this")
-    p.add_argument("--gpu-tests", nargs="+", default=[],
-                   help="paths for pytest -m gpu (default: every test file that marks one gpu)")  # fmt: skip
+    p.add_argument(
+        "--gpu-tests",
+        nargs="+",
+        default=[],
+        help="paths for pytest -m gpu (default: every test file that marks one gpu)",
+    )
     p.add_argument("--install-log", type=Path, help="scripts/gpu_check.sh's record of the wheels")
     return p.parse_args(argv)
 
@@ -804,15 +998,25 @@ def main(argv: list[str] | None = None) -> int:
         # the dry run is CPU-only even where a GPU exists: groupflow's workers pick CUDA if they see it
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         blocked = block_imports(ABSENT_ON_GPU)
-    report: dict[str, Any] = {"dry_run": a.dry_run, "device": str(device), "parts": {},
-                              "error": "no CUDA device" if no_gpu else None,
-                              "blocked_imports": blocked,
-                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "total_s": 0.0}  # fmt: skip
+    report: dict[str, Any] = {
+        "dry_run": a.dry_run,
+        "device": str(device),
+        "parts": {},
+        "error": "no CUDA device" if no_gpu else None,
+        "blocked_imports": blocked,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "total_s": 0.0,
+    }
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        ctx = Context(dry_run=a.dry_run, shapes=DRY if a.dry_run else GPU, device=device,
-                      work=Path(tmp), deadline=start + a.budget_s, gpu_tests=tuple(a.gpu_tests),
-                      install_log=a.install_log)  # fmt: skip
+        ctx = Context(
+            dry_run=a.dry_run,
+            shapes=DRY if a.dry_run else GPU,
+            device=device,
+            work=Path(tmp),
+            deadline=start + a.budget_s,
+            gpu_tests=tuple(a.gpu_tests),
+            install_log=a.install_log,
+        )
         report["shapes"] = asdict(ctx.shapes)
         for name in a.parts:
             print(f"gpu_check: {name} ...", flush=True)

@@ -40,16 +40,29 @@ def gpu_check():
 
 @pytest.mark.slow  # ~30 s: every part, the diffusers import and a pytest subprocess included
 def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path, gpu_check):
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
-           "GPU_CHECK_TIMEOUT_S": "300", "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "GPU_CHECK_TIMEOUT_S": "300",
+        "PYTHONPATH": str(ROOT),
+    }
     done = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--dry-run"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log",
-                                                     "gpu_check.txt"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_check.json",
+        "gpu_check.log",
+        "gpu_check.txt",
+    ]
     report = json.loads((out / "gpu_check.json").read_text())
     parts = report["parts"]
     assert report["dry_run"] is True and report["device"] == "cpu"
@@ -57,8 +70,9 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path, gpu_check):
     assert report["blocked_imports"] == list(gpu_check.ABSENT_ON_GPU)
     assert list(parts) == list(gpu_check.PARTS)
     assert {n: p["status"] for n, p in parts.items() if p["status"] != "ok"}.keys() <= {
-        "lm_vs_trl", "weight_transfer",
-    }, {n: p.get("error") for n, p in parts.items()}  # fmt: skip
+        "lm_vs_trl",
+        "weight_transfer",
+    }, {n: p.get("error") for n, p in parts.items()}
 
     env_part = parts["environment"]
     assert env_part["cuda_available"] is False
@@ -137,9 +151,15 @@ def _ctx(gpu_check, tmp_path, deadline_in_s: float):
 
     import torch
 
-    return gpu_check.Context(dry_run=True, shapes=gpu_check.DRY, device=torch.device("cpu"),
-                             work=tmp_path, deadline=time.monotonic() + deadline_in_s,
-                             gpu_tests=(), install_log=None)  # fmt: skip
+    return gpu_check.Context(
+        dry_run=True,
+        shapes=gpu_check.DRY,
+        device=torch.device("cpu"),
+        work=tmp_path,
+        deadline=time.monotonic() + deadline_in_s,
+        gpu_tests=(),
+        install_log=None,
+    )
 
 
 def test_a_failing_part_is_recorded_with_its_traceback(gpu_check, tmp_path, monkeypatch):
@@ -158,8 +178,12 @@ def test_a_failing_part_is_recorded_with_its_traceback(gpu_check, tmp_path, monk
     assert "in broken" in failed["traceback"] and failed["seconds"] >= 0
     checked = gpu_check.run_part("lm_groupflow", ctx)
     assert checked["status"] == "check_failed" and checked["error"] == "the demo did not learn"
-    report = {"dry_run": True, "device": "cpu", "total_s": 1.0,
-              "parts": {"demo": failed, "lm_groupflow": checked}}  # fmt: skip
+    report = {
+        "dry_run": True,
+        "device": "cpu",
+        "total_s": 1.0,
+        "parts": {"demo": failed, "lm_groupflow": checked},
+    }
     text = gpu_check.format_report(report)
     assert "[demo] failed" in text and "CUDA error: out of memory" in text
     assert "[lm_groupflow] check_failed" in text
@@ -187,7 +211,8 @@ def test_without_a_gpu_the_full_check_records_the_environment_and_stops(
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["error"] == "no CUDA device" and list(report["parts"]) == ["environment"]
     assert report["parts"]["environment"]["install"] == {
-        "pydantic-2.whl": "installed", "pydantic_core-2.whl": "FAILED: not supported",
-    }  # fmt: skip
+        "pydantic-2.whl": "installed",
+        "pydantic_core-2.whl": "FAILED: not supported",
+    }
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "ERROR: no CUDA device" in text and "did not install: pydantic_core-2.whl" in text

@@ -179,8 +179,23 @@ def instrument_update(worker, sinks: dict[str, list[float]]) -> None:
 # ----- TRL side ----------------------------------------------------------------------------------
 
 
-def build_trl(model, tokenizer, rows, s: Settings, out_dir: Path, max_steps: int, callbacks):
-    """A TRL GRPOTrainer doing exactly one generation of B×G samples + one optimizer step per step."""
+def build_trl(
+    model,
+    tokenizer,
+    rows,
+    s: Settings,
+    out_dir: Path,
+    max_steps: int,
+    callbacks,
+    *,
+    reward_funcs: list[Callable[..., list[float]]] | None = None,
+    use_cpu: bool = True,
+    bf16: bool = False,
+):
+    """A TRL GRPOTrainer doing exactly one generation of B×G samples + one optimizer step per step.
+
+    ``reward_funcs``: default the synthetic task's answer check (groupflow's, on both sides);
+    ``use_cpu=False, bf16=True``: on the GPU in bf16 (``gpu_check.py``)."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -190,8 +205,8 @@ def build_trl(model, tokenizer, rows, s: Settings, out_dir: Path, max_steps: int
     samples = s.prompts_per_step * s.samples_per_prompt
     args = GRPOConfig(
         output_dir=str(out_dir / "trl"),
-        use_cpu=True,
-        bf16=False,
+        use_cpu=use_cpu,
+        bf16=bf16,
         fp16=False,
         report_to="none",
         logging_strategy="no",
@@ -229,7 +244,7 @@ def build_trl(model, tokenizer, rows, s: Settings, out_dir: Path, max_steps: int
     dataset = Dataset.from_list([{"prompt": r.prompt, "answer": r.fields["answer"]} for r in rows])
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[answer_match_reward],
+        reward_funcs=reward_funcs or [answer_match_reward],
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -169,3 +169,17 @@ def train_until_sigkill(helpers_on_path):
             proc.stderr.close()
 
     return run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip where no CUDA device is visible, so marking a test is enough."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs in scripts/gpu_check.sh)")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -406,5 +406,16 @@ def test_cuda_state_without_cuda_warns(monkeypatch):
         restore_rng_state({**state, "cuda": [torch.zeros(8, dtype=torch.uint8)]})
 
 
+@pytest.mark.gpu
+def test_cuda_rng_state_round_trips_through_a_saved_file(tmp_path):
+    torch.zeros(1, device="cuda")  # initialise CUDA: only then is its state captured
+    state = capture_rng_state()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    torch.save(state, tmp_path / "rng.pt")
+    first = torch.rand(4, device="cuda")
+    restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=False))
+    assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
 def test_module_exports_are_defined():
     assert all(hasattr(ckpt, name) for name in ckpt.__all__)

@@ -36,9 +36,8 @@ def test_a_cpu_group_reduces_cpu_tensors(tmp_path):
     assert _reduce_in_group(process_group_backend(False), tmp_path, "cpu") == (2.5, 1.5)
 
 
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA and nccl"
-)
+@pytest.mark.gpu
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="needs nccl")
 def test_a_gpu_group_reduces_cpu_and_cuda_tensors(tmp_path):
     torch.cuda.set_device(0)
     assert _reduce_in_group(process_group_backend(True), tmp_path, "cuda") == (2.5, 1.5)

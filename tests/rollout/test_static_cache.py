@@ -94,6 +94,17 @@ def test_static_cache_decode_matches_the_hf_forward(kind, params):
     assert static.finish_reasons == dynamic.finish_reasons
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_static_cache_decode_matches_the_hf_forward_on_cuda(kind):
+    """The same comparison on a CUDA device in fp32 (no oneDNN head there: the module's own)."""
+    model = _model(kind).to("cuda")
+    dynamic, static = _both(model, SamplingParams(temperature=0.8, max_new_tokens=12, n=3))
+    assert torch.equal(static.responses.cpu(), dynamic.responses.cpu())
+    assert torch.equal(static.response_mask.cpu(), dynamic.response_mask.cpu())
+    torch.testing.assert_close(static.logprobs.cpu(), dynamic.logprobs.cpu(), rtol=0, atol=1e-4)
+
+
 def test_the_comparison_sees_early_stops_and_padding():
     """Guard against a vacuous comparison: some samples stop at EOS, prompts are padded."""
     model = _model("llama")

@@ -3,7 +3,8 @@
 Design decision: a tool is a plain Python function with type hints and a Google-style docstring
 (``Args:``), so ``transformers.utils.get_json_schema`` describes it to a chat template's
 ``tools=`` without any groupflow wrapper. Tools that run model-written code do so through
-:func:`run_python`, a subprocess sandbox with kernel limits and an audit-hook guard. Nothing here
+:func:`run_python`, a sandbox behind one interface (bubblewrap OS isolation by default, a remote
+SandboxFusion service, or an opt-in audit-hook guard that is not a security boundary). Nothing here
 imports the trainer, workers or rewards: rewards (``groupflow.rewards.code``) build on this layer.
 """
 

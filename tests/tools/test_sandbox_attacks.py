@@ -231,3 +231,11 @@ def test_attack_fails_in_the_os_sandbox(host, monkeypatch, name, code, holds):
     assert result.backend == "bwrap"
     assert holds(host, result), (result.stdout, result.stderr)
     assert alive(host.victim) and host.untouched()
+
+
+def test_the_opt_in_guard_is_not_a_boundary(host):
+    """Why the guard is opt-in only: a standard-library module written in C reads past it."""
+    code = f"import readline\nreadline.read_history_file({str(host.env_file)!r})\n"
+    code += "print(readline.get_history_item(1))"
+    assert SECRET in run(code, sandbox="guard").stdout
+    assert SECRET not in run(code).stdout

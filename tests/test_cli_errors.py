@@ -191,6 +191,18 @@ def test_full_disk_in_safetensors_is_the_disk_full_error(
     assert f"(SafetensorError: {SAFETENSORS_FULL})" in msg
 
 
+def test_an_environment_whose_constructor_raises(
+    tmp_path, capsys, tiny_config_data, helpers_on_path
+):
+    env = {"class": "agent_helpers:UnbuildableEnv", "kwargs": {"host": "sim:9"}}
+    config = _config(tmp_path, tiny_config_data, rollout__max_turns=2, rollout__environment=env,
+                     rollout__observation_template="{content}")  # fmt: skip
+    msg = _fails(capsys, ["train", config])
+    assert "rollout.environment: agent_helpers:UnbuildableEnv(**{'host': 'sim:9'}) raised " in msg
+    assert "ConnectionError: cannot reach the simulator at sim:9" in msg
+    assert "fix the class or rollout.environment.kwargs" in msg
+
+
 def test_run_dir_below_a_file(tmp_path, capsys, tiny_config_data):
     (tmp_path / "afile").write_text("")
     config = _config(tmp_path, tiny_config_data, run__output_dir=str(tmp_path / "afile" / "runs"))

@@ -191,7 +191,14 @@ class ToolEnvironment:
         except Exception as exc:  # a tool's failure is the model's observation, not ours
             self.stats["tool_errors"] += 1
             return f"Error: {type(exc).__name__}: {exc}"
-        return tool_result_text(value, self.max_result_chars)
+        try:
+            return tool_result_text(value, self.max_result_chars)
+        except Exception as exc:  # the value's own __str__ raised: the tool's failure too
+            self.stats["tool_errors"] += 1
+            return (
+                f"Error: {call.name} returned a {type(value).__name__} that cannot be shown as "
+                f"text ({type(exc).__name__})"
+            )
 
 
 def environment_factory(

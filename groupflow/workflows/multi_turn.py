@@ -111,6 +111,7 @@ class MultiTurnWorkflow:
             max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
             max_response_tokens=r.max_response_tokens or r.max_new_tokens * r.max_turns,
             max_observation_tokens=r.max_observation_tokens, env_timeout_s=r.env_timeout_s,
+            max_observation_chars=r.max_observation_chars,
         )  # fmt: skip
         self.reward_fn = build_rewards(
             cfg, policy, rewards, [self.train.encoded] + ([self.val] if self.val else [])

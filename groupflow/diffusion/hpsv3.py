@@ -256,18 +256,21 @@ class _ReferenceVisionRotary(nn.Module):
 def round_rotary_like_reference(backbone: nn.Module, dtype: torch.dtype) -> None:
     """Give ``backbone`` (a ``Qwen2VLModel``) the rotary tables HPSv3's reference computes after
     ``model.to(dtype)`` (module docstring); nothing changes in fp32."""
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLVisionRotaryEmbedding
-
     if dtype == torch.float32:
         return
     for name, module in list(backbone.named_modules()):
-        if isinstance(module, Qwen2VLVisionRotaryEmbedding):
+        if not isinstance(getattr(module, "inv_freq", None), Tensor):
+            continue
+        if name.startswith("visual.") and hasattr(module, "recomposition_frequencies"):
+            # transformers >= 5 computes the vision angles in fp32 whatever the buffer's dtype
             parent, _, attr = name.rpartition(".")
             setattr(backbone.get_submodule(parent), attr, _ReferenceVisionRotary(module, dtype))
-        elif isinstance(getattr(module, "inv_freq", None), Tensor):  # the language model's
-            module.inv_freq = module.inv_freq.to(dtype)
-            if isinstance(getattr(module, "original_inv_freq", None), Tensor):
-                module.original_inv_freq = module.original_inv_freq.to(dtype)
+            continue
+        # the language model's (and an older transformers' vision rotary, which computes in the
+        # buffer's dtype as 4.45 did)
+        module.inv_freq = module.inv_freq.to(dtype)
+        if isinstance(getattr(module, "original_inv_freq", None), Tensor):
+            module.original_inv_freq = module.original_inv_freq.to(dtype)
 
 
 class HPSv3Scorer:

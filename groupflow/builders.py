@@ -265,9 +265,9 @@ def _load_split(d, files: list, python_rows: list | None, split: str):
     from groupflow.utils.hub import load_hub_rows, parse_hub_dataset
 
     mapper = row_mapper(d.columns, d.prompt_template, d.data_source)
-    if python_rows is not None:
-        name = f"{split}_dataset"
-        return load_prompt_rows(python_rows, on_bad_row=d.bad_rows, name=name, prepare=mapper)
+    if python_rows is not None:  # rows, never file paths (a list of strings is bad rows)
+        rows = NamedRows(f"{split}_dataset", python_rows)
+        return load_prompt_rows(rows, on_bad_row=d.bad_rows, prepare=mapper)
     key = f"data.{split}_files"
     sources: list = []
     for i, entry in enumerate(files):

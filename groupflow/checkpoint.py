@@ -42,6 +42,7 @@ from groupflow.utils.safe_state import (
     UnsafeStateError,
     load_torch_weights_only,
     load_tree,
+    os_error_in_text,
     safetensors_ready,
     save_tree,
 )
@@ -164,12 +165,20 @@ def _component_format(value: Any) -> str:
 def _write_component(directory: Path, name: str, value: Any) -> dict[str, Any]:
     fmt = _component_format(value)
     path = directory / f"{name}{_EXTENSIONS[fmt]}"
-    if fmt == "safetensors":
-        _save_safetensors(safetensors_ready(value), str(path))
-    elif fmt == "json":
-        path.write_text(json.dumps(value, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    else:
-        save_tree(value, path, where=f"checkpoint component {name!r}")
+    try:
+        if fmt == "safetensors":
+            _save_safetensors(safetensors_ready(value), str(path))
+        elif fmt == "json":
+            path.write_text(json.dumps(value, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        else:
+            save_tree(value, path, where=f"checkpoint component {name!r}")
+    except Exception as exc:
+        # safetensors reports a full disk as its own error with the OS error in the text only:
+        # raised as the OSError it is (naming the file), so the CLI explains it as one.
+        os_error = os_error_in_text(exc, str(path))
+        if os_error is None:
+            raise
+        raise os_error from exc
     _fsync(path)
     return {"file": path.name, "format": fmt, "bytes": path.stat().st_size}
 

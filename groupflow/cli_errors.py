@@ -85,12 +85,17 @@ def _classify(cls: type[BaseException], message: str) -> Explained | None:
 
 
 def _causes(exc: BaseException):
-    """``exc`` and the exceptions it was raised from or while handling, outermost first."""
+    """``exc`` and the exceptions it was raised from or while handling, outermost first; the
+    chain ends where ``raise … from None`` cut it (what was being handled there is not the
+    cause: a rollout's wait that timed out is a hang, not a file error)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         yield exc
-        exc = exc.__cause__ or exc.__context__
+        if exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            exc = None if exc.__suppress_context__ else exc.__context__
 
 
 def _os_error(top: BaseException, err: OSError) -> Explained:
@@ -159,13 +164,28 @@ def _worker_error(exc) -> Explained:
     )
 
 
+def _hang(message: str) -> Explained:
+    return Explained(
+        _join(
+            message,
+            "Raise run.worker_timeout_s if it is legitimately that slow (big batches on a CPU); "
+            f"otherwise it hangs (a tool, environment or reward that never returns?); {_RESUME}",
+        ),
+        1,
+    )
+
+
 def explain(exc: BaseException) -> Explained | None:
     """The paragraph and exit code for ``exc``, or None when it is not anticipated (a bug: the
     CLI then lets the traceback through)."""
+    from groupflow.async_rollout import RolloutTimeoutError
     from groupflow.distributed.group import WorkerError
+    from groupflow.utils.safe_state import os_error_in_text
 
     if isinstance(exc, WorkerError):
         return _worker_error(exc)
+    if isinstance(exc, RolloutTimeoutError):
+        return _hang(str(exc))
     message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
     known = _classify(type(exc), str(message))
     if known is not None:
@@ -173,4 +193,7 @@ def explain(exc: BaseException) -> Explained | None:
     for cause in _causes(exc):
         if isinstance(cause, OSError):
             return _os_error(exc, cause)
+        hidden = os_error_in_text(cause)  # e.g. safetensors' "… (os error 28)"
+        if hidden is not None:
+            return _os_error(exc, hidden)
     return None

@@ -21,6 +21,7 @@ from groupflow.utils.metric_names import MLFLOW, WANDB, NameMap
 
 __all__ = [
     "BackendContext",
+    "BackendSetupError",
     "LoggerBackend",
     "MissingBackendPackageError",
     "MlflowBackend",
@@ -37,6 +38,10 @@ _MLFLOW_MAX_PARAM_LEN = 6000
 
 class MissingBackendPackageError(ImportError):
     """A logger backend was requested whose third-party package is not installed."""
+
+
+class BackendSetupError(ValueError):
+    """A logger backend's settings (its environment variables) cannot work as given."""
 
 
 @runtime_checkable
@@ -134,12 +139,30 @@ class MlflowBackend:
             # MLflow 3 refuses file stores unless opted in; a local, dependency-free store is the
             # point of this default (a sqlite store would need SQLAlchemy, i.e. full mlflow).
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        from mlflow.entities import Metric, Param
-        from mlflow.tracking import MlflowClient
+        from mlflow.entities import Metric
 
         self._metric_cls = Metric
-        self._client = MlflowClient(tracking_uri=uri)
         self._names = NameMap(MLFLOW)  # MLflow rejects a batch with one name it does not accept
+        try:
+            self._start(ctx, uri)
+        except Exception as exc:
+            # MLflow >= 3.17 refuses a file store the user named unless opted in; its exception
+            # (a long traceback through the store registry) says so only in passing.
+            if "MLFLOW_ALLOW_FILE_STORE" not in str(exc):
+                raise
+            raise BackendSetupError(
+                f"MLFLOW_TRACKING_URI={uri!r} is a file store, which this MLflow refuses unless "
+                "MLFLOW_ALLOW_FILE_STORE=true is set: set it (the file store still works, in "
+                "maintenance mode), or point MLFLOW_TRACKING_URI at a database "
+                "(e.g. sqlite:///mlflow.db) or a tracking server; unset, groupflow logs to "
+                "<run dir>/mlruns"
+            ) from None
+
+    def _start(self, ctx: BackendContext, uri: str) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=uri)
         id_file = ctx.run_dir / self.ID_FILE
         if ctx.resume_step is not None and id_file.exists():
             self._run_id = id_file.read_text(encoding="utf-8").strip()

@@ -37,6 +37,20 @@ def failing_tool(x: str) -> str:
     raise RuntimeError(f"cannot handle {x}")
 
 
+class _Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text for this")
+
+
+def unprintable_tool(x: str):
+    """Returns a value that cannot be turned into text.
+
+    Args:
+        x: anything.
+    """
+    return _Unprintable()
+
+
 class CountdownEnv:
     """Answers every turn with the number of turns left; done after ``turns`` steps; reward 1 for
     each turn whose text contains the row's ``target`` string."""
@@ -71,6 +85,11 @@ class RaisingEnv:
 
     def step(self, text):
         raise KeyError("the simulator crashed")
+
+
+class UnbuildableEnv:
+    def __init__(self, host: str = "sim.local"):
+        raise ConnectionError(f"cannot reach the simulator at {host}")
 
 
 class HangingEnv:

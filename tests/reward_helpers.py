@@ -9,6 +9,8 @@ prefix); tests make it importable with the ``helpers_on_path`` fixture or ``PYTH
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -54,6 +56,14 @@ def pausing_reverse_reward(prompts, completions, answer, pause_if_exists: str = 
     known point so a test can kill it there. An empty path never pauses."""
     while pause_if_exists and Path(pause_if_exists).exists():
         time.sleep(0.05)
+    return answer_match_reward(prompts, completions, answer)
+
+
+def stops_its_process_unless(prompts, completions, answer, parent_pid: int = 0):
+    """The reverse reward, except in any process other than ``parent_pid``: there it stops the
+    process (SIGSTOP), as a rollout child that stops answering."""
+    if os.getpid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGSTOP)
     return answer_match_reward(prompts, completions, answer)
 
 

@@ -111,6 +111,15 @@ def test_config_errors_name_the_key_as_the_cli_does(tiny_config_data):
         groupflow.Run(_config(tiny_config_data), overrides=["actor.lr"], train_dataset=train)
 
 
+@pytest.mark.parametrize("dataset", [["a", "b"], ("a",), [{"prompt": "ok"}, "b"]])
+def test_strings_given_as_rows_are_bad_rows_not_file_paths(tiny_config_data, dataset):
+    bad = next(i for i, r in enumerate(dataset) if isinstance(r, str))
+    with pytest.raises(
+        DataError, match=rf"train_dataset, row {bad}: row must be a .*dict, got str"
+    ):
+        groupflow.Run(_config(tiny_config_data), rewards=[reversed_digits], train_dataset=dataset)
+
+
 def test_a_bad_in_memory_row_is_named_by_dataset_row_and_field(tiny_config_data):
     train, _ = _rows()
     train[3] = {"answer": "1"}

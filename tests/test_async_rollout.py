@@ -197,6 +197,7 @@ def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
         ({"rollout.max_staleness": 1, "run.backend": "ray"}, "rollout pool of its own"),
         ({"rollout.async_worker": "fork"}, "rollout.async_worker"),
         ({"rollout.async_mode": "eager"}, "async_mode=eager needs rollout.max_staleness"),
+        ({"rollout.async_worker": "thread"}, "async_worker=thread .*max_staleness=0 runs none"),
         ({"rollout.async_mode": "newest", "rollout.max_staleness": 1}, "rollout.async_mode"),
         ({"actor.off_policy": "tis"}, "needs actor.tis_cap"),
         ({"actor.off_policy": "decoupled", "actor.tis_cap": 2.0}, "exclusive|unset tis_cap"),

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from groupflow import checkpoint as ckpt_module
+from groupflow.async_rollout import RolloutTimeoutError
 from groupflow.cli import main
 from groupflow.distributed.group import WorkerError
 from groupflow.trainer import Trainer
@@ -121,6 +122,40 @@ def test_worker_errors(tmp_path, capsys, tiny_config_data, monkeypatch, detail, 
         assert expected in msg and "run.resume=auto" in msg
 
 
+HUNG_ROLLOUT = (
+    "the rollout role did not deliver the batch of step 2 (policy version 1) within 15 s "
+    "(run.worker_timeout_s); it is hung or far too slow"
+)
+
+
+def test_a_rollout_timeout_is_a_hang_not_the_timeout_it_was_raised_from(
+    tmp_path, capsys, tiny_config_data, monkeypatch
+):
+    def fit(self):  # what AsyncRollout._receive does when the child's answer does not come
+        try:
+            raise TimeoutError("no answer within 15 s (timeout); process killed")
+        except TimeoutError:
+            raise RolloutTimeoutError(HUNG_ROLLOUT) from None
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    msg = _fails(capsys, ["train", _config(tmp_path, tiny_config_data)], code=1)
+    assert msg.startswith(f"groupflow train: error: {HUNG_ROLLOUT}. Raise run.worker_timeout_s")
+    assert "run.output_dir" not in msg and "run.resume=auto" in msg
+
+
+@pytest.mark.slow  # a spawned rollout child
+def test_a_stopped_rollout_child_is_reported_as_a_hang(
+    tmp_path, capsys, tiny_config_data, helpers_on_path
+):
+    reward = {"function": "reward_helpers:stops_its_process_unless", "label": "reverse",
+              "kwargs": {"parent_pid": os.getpid()}}  # SIGSTOPs the rollout child  # fmt: skip
+    config = _config(tmp_path, tiny_config_data, rollout__max_staleness=1,
+                     run__worker_timeout_s=3, reward__functions=[reward])  # fmt: skip
+    msg = _fails(capsys, ["train", config], code=1)
+    assert "the rollout role did not deliver the batch of step 0 (policy version 0)" in msg
+    assert "within 3 s (run.worker_timeout_s)" in msg and "Raise run.worker_timeout_s" in msg
+
+
 def test_full_disk_found_in_the_chained_exception(tmp_path, capsys, tiny_config_data, monkeypatch):
     def full_disk(directory, name, value):
         try:
@@ -132,6 +167,40 @@ def test_full_disk_found_in_the_chained_exception(tmp_path, capsys, tiny_config_
     msg = _fails(capsys, ["train", _config(tmp_path, tiny_config_data)])
     assert "no space left on the disk holding" in msg and "PytorchStreamWriter" in msg
     assert "set run.output_dir to a disk with room" in msg and "run.resume=auto" in msg
+
+
+SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+def test_full_disk_in_safetensors_is_the_disk_full_error(
+    tmp_path, capsys, tiny_config_data, monkeypatch
+):
+    from safetensors import SafetensorError  # what safetensors raises (not an OSError)
+
+    def full_disk(tensors, path):
+        raise SafetensorError(SAFETENSORS_FULL)
+
+    monkeypatch.setattr(ckpt_module, "_save_safetensors", full_disk)
+    msg = _fails(capsys, ["train", _config(tmp_path, tiny_config_data)])
+    assert "no space left on the disk holding " in msg and ".safetensors" in msg
+    assert "set run.output_dir to a disk with room" in msg and "run.resume=auto" in msg
+    # raised elsewhere (no file known), its text still gives it away
+    _raise_in_fit(monkeypatch, SafetensorError(SAFETENSORS_FULL))
+    msg = _fails(capsys, ["train", _config(tmp_path, tiny_config_data, run__name="again")])
+    assert msg.startswith("groupflow train: error: no space left on the disk holding a file of")
+    assert f"(SafetensorError: {SAFETENSORS_FULL})" in msg
+
+
+def test_an_environment_whose_constructor_raises(
+    tmp_path, capsys, tiny_config_data, helpers_on_path
+):
+    env = {"class": "agent_helpers:UnbuildableEnv", "kwargs": {"host": "sim:9"}}
+    config = _config(tmp_path, tiny_config_data, rollout__max_turns=2, rollout__environment=env,
+                     rollout__observation_template="{content}")  # fmt: skip
+    msg = _fails(capsys, ["train", config])
+    assert "rollout.environment: agent_helpers:UnbuildableEnv(**{'host': 'sim:9'}) raised " in msg
+    assert "ConnectionError: cannot reach the simulator at sim:9" in msg
+    assert "fix the class or rollout.environment.kwargs" in msg
 
 
 def test_run_dir_below_a_file(tmp_path, capsys, tiny_config_data):

@@ -371,6 +371,31 @@ def test_mlflow_local_file_store(tmp_path, monkeypatch):
     assert (run_dir / "params/reward.judge_api_key").read_text() == "<redacted>"
 
 
+def test_mlflow_file_store_refused_by_mlflow_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    mlflow = pytest.importorskip("mlflow")
+    from packaging.version import Version
+
+    if Version(mlflow.__version__) < Version("3.17"):
+        pytest.skip("MLflow < 3.17 accepts file stores without MLFLOW_ALLOW_FILE_STORE")
+    from groupflow.cli import main
+    from groupflow.tracking_backends import BackendSetupError
+
+    uri = (tmp_path / "store").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(BackendSetupError, match="set it .* or point MLFLOW_TRACKING_URI at a data"):
+        Tracker(tmp_path / "run", ("mlflow",), project="gf-test", config={})
+    # through the CLI: one paragraph, exit 2
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {tiny: {hidden_size: 16, num_layers: 1, num_heads: 2}}\n"
+                      "data: {task: {name: reverse, num_train: 16, num_val: 4}, prompts_per_step: 2}\n"
+                      f"run: {{output_dir: {tmp_path}, loggers: [mlflow], total_steps: 1}}\n")  # fmt: skip
+    assert main(["train", str(config), "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"MLFLOW_TRACKING_URI='{uri}' is a file store" in err
+    assert "MLFLOW_ALLOW_FILE_STORE=true" in err and "sqlite:///" in err
+
+
 # ----- every backend with every name the demos log ------------------------------------------------
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -19,6 +19,7 @@ and turns into an ended sample.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +34,7 @@ log = logging.getLogger("groupflow")
 
 __all__ = [
     "Environment",
+    "EnvironmentConfigError",
     "ToolEnvironment",
     "StepResult",
     "reset_env",
@@ -189,7 +191,14 @@ class ToolEnvironment:
         except Exception as exc:  # a tool's failure is the model's observation, not ours
             self.stats["tool_errors"] += 1
             return f"Error: {type(exc).__name__}: {exc}"
-        return tool_result_text(value, self.max_result_chars)
+        try:
+            return tool_result_text(value, self.max_result_chars)
+        except Exception as exc:  # the value's own __str__ raised: the tool's failure too
+            self.stats["tool_errors"] += 1
+            return (
+                f"Error: {call.name} returned a {type(value).__name__} that cannot be shown as "
+                f"text ({type(exc).__name__})"
+            )
 
 
 def environment_factory(
@@ -202,4 +211,21 @@ def environment_factory(
             raise ValueError("a tool environment needs a tool-call parser")
         return lambda: ToolEnvironment(tools, parser, **tool_options)
     cls, kwargs = spec
-    return lambda: cls(**kwargs)
+    return functools.partial(_construct, cls, kwargs)
+
+
+class EnvironmentConfigError(ValueError):
+    """The configured environment class cannot be constructed with its kwargs."""
+
+
+def _construct(cls: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
+    """``cls(**kwargs)``; a constructor that raises is a configuration error naming the class
+    (every sample would fail alike, so it stops the run instead of being counted per sample)."""
+    try:
+        return cls(**kwargs)
+    except Exception as exc:
+        name = f"{getattr(cls, '__module__', '?')}:{getattr(cls, '__qualname__', cls)}"
+        raise EnvironmentConfigError(
+            f"rollout.environment: {name}(**{dict(kwargs)!r:.200}) raised "
+            f"{type(exc).__name__}: {exc}; fix the class or rollout.environment.kwargs"
+        ) from exc

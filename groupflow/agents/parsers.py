@@ -63,6 +63,9 @@ class HermesParser:
             except json.JSONDecodeError as exc:
                 out.errors.append(f"the tool call is not valid JSON ({exc.msg})")
                 continue
+            except RecursionError:  # e.g. 100 000 '[': a malformed call, like any other
+                out.errors.append("the tool call is not valid JSON (nested too deeply)")
+                continue
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 out.errors.append('a tool call must be {"name": ..., "arguments": {...}}')
                 continue
@@ -70,7 +73,7 @@ class HermesParser:
             if isinstance(args, str):  # some models write the arguments as a JSON string
                 try:
                     args = json.loads(args)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     out.errors.append(f"the arguments of {obj['name']!r} are not a JSON object")
                     continue
             if not isinstance(args, dict):

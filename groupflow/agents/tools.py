@@ -167,7 +167,10 @@ def build_tools(specs: Sequence[Any], default_timeout_s: float | None = None) ->
         if "function" in entry:
             fn = resolve_import_path(entry["function"], f"{where} function", ToolConfigError)
             name = entry.get("label") or entry.get("name") or getattr(fn, "__name__", None)
-            tools.append(make_tool(fn, name, kwargs, timeout))
+            try:
+                tools.append(make_tool(fn, name, kwargs, timeout))
+            except ToolConfigError as exc:
+                raise ToolConfigError(f"{where}: {exc}") from None
             continue
         if "name" not in entry:
             raise ToolConfigError(f"{where}: needs 'name' (one of {tool_names()}) or 'function'")
@@ -182,11 +185,11 @@ def build_tools(specs: Sequence[Any], default_timeout_s: float | None = None) ->
             )
         try:
             fn = _builtin_factory(entry["name"])(**kwargs)
-        except TypeError as exc:
-            raise ToolConfigError(f"{where}: bad kwargs for {entry['name']!r}: {exc}") from exc
-        except (ValueError, RuntimeError) as exc:
-            # A bad limit, or no isolating code sandbox on this machine (the message says what
-            # to install).
+        except (TypeError, ValueError) as exc:  # a factory checks its options (python: limits)
+            raise ToolConfigError(
+                f"{where}.kwargs: bad kwargs for the {entry['name']!r} tool: {exc}"
+            ) from exc
+        except RuntimeError as exc:  # no isolating code sandbox here: the message says what to do
             raise ToolConfigError(f"{where}: built-in tool {entry['name']!r}: {exc}") from None
         tools.append(make_tool(fn, entry.get("label") or entry["name"], None, timeout))
     names = [t.name for t in tools]

@@ -116,6 +116,12 @@ class Config(_Section):
                     "rollout.async_mode=eager needs rollout.max_staleness >= 1 (with 0 every batch "
                     "is generated with the current weights already)"
                 )
+            if self.rollout.async_worker == "thread":
+                raise ValueError(
+                    "rollout.async_worker=thread chooses where the asynchronous rollout side "
+                    "runs, but rollout.max_staleness=0 runs none (it would do nothing): set "
+                    "rollout.max_staleness >= 1 or drop rollout.async_worker"
+                )
             return self
         k = self.rollout.max_staleness
         if self.rollout.engine == "vllm" and self.rollout.async_worker == "thread":
@@ -242,6 +248,15 @@ class Config(_Section):
                 "rollout.workflow=single_turn with rollout.max_turns > 1, tools or an environment: "
                 "use multi_turn (or auto)"
             )
+        # a custom workflow (an import path) may read them; the built-in ones only when multi-turn
+        observations = multi or name == "multi_turn" or ":" in name
+        for key in ("max_observation_tokens", "max_observation_chars"):
+            if getattr(r, key) is not None and not observations:
+                raise ValueError(
+                    f"rollout.{key}={getattr(r, key)}: only a multi-turn rollout (rollout.tools "
+                    "or rollout.environment) has observations, so here it would do nothing; "
+                    f"drop rollout.{key}"
+                )
         return self
 
     @model_validator(mode="after")

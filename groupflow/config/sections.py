@@ -225,6 +225,9 @@ class RolloutConfig(_Section):
         None, ge=1
     )  # model + observation tokens; None: max_new_tokens × max_turns
     max_observation_tokens: int | None = Field(None, ge=1)  # one observation's tokens (cut to fit)
+    # One observation's text is cut beyond this many characters before it is tokenized; None:
+    # 16 per token of its budget (max_observation_tokens, else max_response_tokens).
+    max_observation_chars: int | None = Field(None, ge=1)
     tools: list[ToolConfig] = Field(default_factory=list)
     tool_parser: Literal["hermes", "tag"] = "hermes"
     tool_timeout_s: float = Field(10.0, gt=0)  # per call; a tool's own timeout_s wins

@@ -27,6 +27,16 @@ to mean anything, each pinned by a test against a re-implementation of its forwa
 - **Positions**: 0, 1, 2, … on all three M-RoPE axes. HPSv3's forward hands the language model
   ``inputs_embeds`` without position ids, so it was trained and is evaluated without Qwen2-VL's
   3-D image positions; letting transformers compute those would move every score.
+- **Rotary tables in bf16** (the release's dtype): HPSv3 runs on transformers 4.45 after
+  ``model.to(torch.bfloat16)``, which casts the rotary ``inv_freq`` buffers too, in the language
+  model and in the vision tower, and it was trained that way. A checkpoint in a half-precision
+  dtype therefore gets the same tables here (:func:`round_rotary_like_reference`): the language
+  model's inverse frequencies rounded to that dtype (its angles and cos/sin are then computed in
+  fp32, as 4.45 does), and the vision tower's computed as 4.45's vision rotary does in that dtype
+  — positions, angles (``torch.outer`` of the rounded positions and frequencies) and cos/sin all
+  in it. Keeping the fp32 frequencies of a fresh transformers model moved scores by up to 1.7 %
+  on a tiny model and the 7B's rotary angles by up to 0.8 rad at position 700. An fp32
+  checkpoint keeps fp32 tables (4.45 in fp32 computes them so).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ __all__ = [
     "ranknet_head",
     "read_checkpoint",
     "module_key",
+    "round_rotary_like_reference",
 ]
 
 PIXELS = 256 * 28 * 28  # HPSv3 fixes min_pixels = max_pixels: ~256 image tokens per image
@@ -225,6 +236,43 @@ def _check_tensors(model: nn.Module, state: dict[str, Tensor], file: Path, base:
             )
 
 
+class _ReferenceVisionRotary(nn.Module):
+    """Qwen2-VL's vision rotary as transformers 4.45 computes it in ``dtype``: ``torch.outer`` of
+    the positions and the inverse frequencies, both in ``dtype`` (so the angles are rounded to
+    it), then cos and sin in ``dtype``; laid out as transformers' own module lays them out."""
+
+    def __init__(self, rope: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.rope, self.dtype = rope, dtype
+        rope.inv_freq = rope.inv_freq.to(dtype)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = position_ids[..., None].to(self.dtype) * self.rope.inv_freq.to(x.device)
+        cos = self.rope.recomposition_frequencies(freqs.cos())
+        sin = self.rope.recomposition_frequencies(freqs.sin())
+        return cos, sin  # the attention casts them to fp32, as 4.45's did
+
+
+def round_rotary_like_reference(backbone: nn.Module, dtype: torch.dtype) -> None:
+    """Give ``backbone`` (a ``Qwen2VLModel``) the rotary tables HPSv3's reference computes after
+    ``model.to(dtype)`` (module docstring); nothing changes in fp32."""
+    if dtype == torch.float32:
+        return
+    for name, module in list(backbone.named_modules()):
+        if not isinstance(getattr(module, "inv_freq", None), Tensor):
+            continue
+        if name.startswith("visual.") and hasattr(module, "recomposition_frequencies"):
+            # transformers >= 5 computes the vision angles in fp32 whatever the buffer's dtype
+            parent, _, attr = name.rpartition(".")
+            setattr(backbone.get_submodule(parent), attr, _ReferenceVisionRotary(module, dtype))
+            continue
+        # the language model's (and an older transformers' vision rotary, which computes in the
+        # buffer's dtype as 4.45 did)
+        module.inv_freq = module.inv_freq.to(dtype)
+        if isinstance(getattr(module, "original_inv_freq", None), Tensor):
+            module.original_inv_freq = module.original_inv_freq.to(dtype)
+
+
 class HPSv3Scorer:
     """HPSv3's μ for [n, 3, H, W] images in [0, 1] against one prompt each.
 
@@ -263,6 +311,8 @@ class HPSv3Scorer:
             model = _RewardModel(Qwen2VLModel(config), config.text_config.hidden_size)
         _check_tensors(model, state, file, base)
         model.load_state_dict(state, strict=True, assign=True)
+        dtype = model.backbone.get_input_embeddings().weight.dtype  # the checkpoint's
+        round_rotary_like_reference(model.backbone, dtype)
         model.head.float()  # fp32 head, as HPSv3 keeps it
         self.model = model.eval().to(device)
         self.device = device

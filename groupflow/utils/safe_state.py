@@ -23,7 +23,9 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import pickle
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ __all__ = [
     "encode_tree",
     "load_torch_weights_only",
     "load_tree",
+    "os_error_in_text",
     "safetensors_ready",
     "save_tree",
 ]
@@ -51,6 +54,23 @@ _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 class UnsafeStateError(ValueError):
     """A state file would need code to run (unpickling arbitrary objects) to be loaded."""
+
+
+# How Rust's std::io::Error prints the OS error it wraps (safetensors' SafetensorError is no
+# OSError: "Error while serializing: I/O error: No space left on device (os error 28)").
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_in_text(exc: BaseException, filename: str | None = None) -> OSError | None:
+    """The OS error that a native library's exception carries only in its message, as an
+    :class:`OSError` (``errno``, ``strerror``, ``filename``), or None when it names none."""
+    if isinstance(exc, OSError):
+        return None
+    match = _OS_ERROR_TEXT.search(str(exc))
+    if match is None:
+        return None
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code), filename)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,11 +16,17 @@ sample's trajectory depends on nothing but its prompt, seed and environment.
 
 Limits: ``max_turns`` model turns, ``max_new_tokens`` per turn, ``max_response_tokens`` for
 everything after the prompt (model and observation tokens), ``max_observation_tokens`` per
-observation (the observation's text is cut, marked, and rendered again). An episode ends when its
-environment says done (a tool environment: a turn without a tool call), when a model turn is cut
-by a limit (``length``), at the turn limit (``max_turns``), or when its environment fails
-(``env_failure``: raised, timed out or returned garbage — counted, and the sample later gets
-``reward.failure_value``).
+observation (the observation's text is cut, marked, and rendered again), and
+``max_observation_chars`` per step observation, applied to its text *before* it is tokenized: a
+1 MB observation would otherwise be tokenized whole (seconds per step) only to be cut by the
+token limits. Its default, :data:`CHARS_PER_TOKEN_BOUND` characters per token of the
+observation's budget (BPE tokens average about 4), drops in practice only text the token limits
+would drop anyway.
+
+An episode ends when its environment says done (a tool environment: a turn without a tool call),
+when a model turn is cut by a limit (``length``), at the turn limit (``max_turns``), or when its
+environment fails (``env_failure``: raised, timed out or returned garbage — counted, and the
+sample later gets ``reward.failure_value``).
 """
 
 from __future__ import annotations
@@ -43,9 +49,19 @@ from groupflow.rollout.hf import SamplingParams
 
 log = logging.getLogger("groupflow")
 
-__all__ = ["EpisodeLimits", "Episode", "run_episodes", "episodes_batch", "turn_seed"]
+__all__ = [
+    "CHARS_PER_TOKEN_BOUND",
+    "EpisodeLimits",
+    "Episode",
+    "cap_chars",
+    "run_episodes",
+    "episodes_batch",
+    "turn_seed",
+]
 
 _TRUNCATED = " …[cut]"
+# The default character cap of an observation, per token of its budget.
+CHARS_PER_TOKEN_BOUND = 16
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,15 @@ class EpisodeLimits:
     max_response_tokens: int  # model + observation tokens after the prompt
     max_observation_tokens: int | None = None
     env_timeout_s: float | None = 30.0
+    max_observation_chars: int | None = None  # None: CHARS_PER_TOKEN_BOUND × its token budget
+
+    @property
+    def observation_chars(self) -> int:
+        """Characters of one observation's text kept before it is tokenized."""
+        if self.max_observation_chars is not None:
+            return self.max_observation_chars
+        budget = self.max_observation_tokens or self.max_response_tokens
+        return CHARS_PER_TOKEN_BOUND * budget
 
 
 @dataclass
@@ -255,8 +280,9 @@ def _apply(e: Episode, r: StepResult, turn: int, fmt: TurnFormat, tokenizer,
         e.finish = "max_turns"
         return
     last = e.ids[-1] if e.ids else None
+    observation = cap_chars(r.observation, limits.observation_chars)
     try:
-        messages, ids = _observation(fmt, r.observation, last, limits.max_observation_tokens)
+        messages, ids = _observation(fmt, observation, last, limits.max_observation_tokens)
     except ValueError as exc:  # the environment's observation cannot be rendered
         e.fail(
             StepResult(None, failure=f"{type(e.env).__qualname__}: {exc}", failure_kind="invalid")
@@ -266,6 +292,20 @@ def _apply(e: Episode, r: StepResult, turn: int, fmt: TurnFormat, tokenizer,
         e.finish = "length"
         return
     e.add_observation(ids, messages)
+
+
+def cap_chars(messages: list[dict], max_chars: int) -> list[dict]:
+    """``messages`` with at most ``max_chars`` characters of content in all, in order; a cut
+    message is marked (a message past the cap keeps only the mark)."""
+    left = max_chars
+    out = []
+    for m in messages:
+        text = m["content"]
+        if len(text) > left:
+            m = {**m, "content": text[:left] + _TRUNCATED}
+        left = max(0, left - len(text))
+        out.append(m)
+    return out
 
 
 def _observation(fmt: TurnFormat, messages: list[dict], last: int | None,

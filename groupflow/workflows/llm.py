@@ -28,6 +28,7 @@ from groupflow.sft import warm_start
 from groupflow.workers.reward_model import ModelRewardRunner
 
 __all__ = [
+    "LLM_FIELDS",
     "row_fields",
     "with_prompt_info",
     "llm_step_metrics",
@@ -35,6 +36,12 @@ __all__ = [
     "add_rewards",
     "PromptTable",
 ]
+
+
+# Per-sample fields every LLM workflow hands the reward functions besides the dataset's (the
+# response's token count, for the length rewards); declared as the workflows' ``provided_fields``
+# so a reward asking for one is not refused at load for the data lacking it.
+LLM_FIELDS = ("completion_lengths",)
 
 
 def row_fields(rows: Sequence[PromptRow]) -> dict[str, list]:

@@ -40,6 +40,7 @@ from groupflow.utils.imports import resolve_import_path
 from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.episodes import Episode, EpisodeLimits, episodes_batch, run_episodes
 from groupflow.workflows.llm import (
+    LLM_FIELDS,
     PromptTable,
     build_rewards,
     llm_step_metrics,
@@ -60,7 +61,8 @@ TRAJECTORY_FIELDS = ("trajectory", "messages", "turns", "tool_calls", "env_rewar
 class MultiTurnWorkflow:
     """Prompt → G conversations of up to ``rollout.max_turns`` model turns → rewards."""
 
-    provided_fields = TRAJECTORY_FIELDS  # handed to the reward functions with each sample
+    # handed to the reward functions with each sample
+    provided_fields = (*LLM_FIELDS, *TRAJECTORY_FIELDS)
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                  rewards=None):  # fmt: skip
@@ -109,6 +111,7 @@ class MultiTurnWorkflow:
             max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
             max_response_tokens=r.max_response_tokens or r.max_new_tokens * r.max_turns,
             max_observation_tokens=r.max_observation_tokens, env_timeout_s=r.env_timeout_s,
+            max_observation_chars=r.max_observation_chars,
         )  # fmt: skip
         self.reward_fn = build_rewards(
             cfg, policy, rewards, [self.train.encoded] + ([self.val] if self.val else [])

@@ -20,6 +20,7 @@ from groupflow.rollout.batching import prompts_batch
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.llm import (
+    LLM_FIELDS,
     PromptTable,
     add_rewards,
     build_rewards,
@@ -35,6 +36,8 @@ __all__ = ["SingleTurnWorkflow"]
 
 class SingleTurnWorkflow:
     """Prompt → G completions → rewards (``rollout.max_turns: 1``, no tools or environment)."""
+
+    provided_fields = LLM_FIELDS  # handed to the reward functions with each sample
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                  rewards=None):  # fmt: skip

@@ -68,6 +68,20 @@ def test_tool_timeout_error_and_bad_calls_are_observations(helpers):
     assert "unknown argument(s) ['expr']" in obs[0]["content"]
 
 
+def test_an_unprintable_result_and_a_call_nested_too_deeply_are_the_tools_failures(helpers):
+    tools = build_tools([{"function": "agent_helpers:unprintable_tool"}])
+    env = ToolEnvironment(tools, build_parser("hermes"))
+    text = _call("unprintable_tool", x="a") + "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    result = asyncio.run(step_env(env, text, timeout_s=5))
+    assert result.failure is None and not result.done  # the sample goes on
+    assert [m["content"] for m in result.observation] == [
+        "Error: the tool call is not valid JSON (nested too deeply)",
+        "Error: unprintable_tool returned a _Unprintable that cannot be shown as text "
+        "(RuntimeError)",
+    ]
+    assert env.stats == {"tool_calls": 1, "tool_errors": 1, "tool_timeouts": 0, "bad_calls": 1}
+
+
 def test_user_environment_async_and_sync(helpers):
     env = helpers.AsyncEchoEnv()
     r = asyncio.run(reset_env(env, {"prompt": "p"}, 1.0))

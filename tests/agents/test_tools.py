@@ -104,6 +104,22 @@ def test_build_tools_errors(helpers_on_path):
         build_tools([{"kwargs": {}}])
     with pytest.raises(ToolConfigError, match="must be unique"):
         build_tools([{"name": "calculator"}, {"name": "calculator"}])
+    with pytest.raises(ToolConfigError, match=r"rollout.tools\[1\]: tool 'lookup'.*\['citty'\]"):
+        build_tools([{"name": "calculator"}, {"function": "agent_helpers:lookup",
+                                               "kwargs": {"citty": "x"}}])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"timeout": 2}, "'timeout'"),  # python_tool's own check (a ValueError)
+        ({"timeout_s": -1}, "timeout_s"),  # the sandbox limits' check
+        ({"max_chars": 0}, "max_chars"),
+    ],
+)
+def test_bad_python_tool_kwargs_name_the_key(kwargs, message):
+    with pytest.raises(ToolConfigError, match=r"^rollout.tools\[0\].kwargs: .*" + message):
+        build_tools([{"name": "python", "kwargs": kwargs}])
 
 
 def test_result_text():

@@ -357,3 +357,56 @@ def test_hub_ids_resolve_through_the_cache_and_the_base_defaults_to_qwen2_vl(
     images = list(_frames(2, 5))
     want = HPSv3Scorer(file, processor_path=base)(torch.stack(images), ["a", "b"])
     assert reward(["a", "b"], images) == pytest.approx(want.tolist(), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_bf16_rotary_tables_are_those_of_the_reference_after_model_to_bf16(hpsv3, tmp_path):
+    """HPSv3 runs on transformers 4.45 after model.to(torch.bfloat16): its rotary inv_freq buffers
+    are bf16. The language model then computes its angles in fp32 from the rounded frequencies;
+    the vision tower computes torch.outer(arange(n, dtype=bf16), inv_freq) and its cos/sin in
+    bf16 (transformers 4.45.2, qwen2_vl: Qwen2VLRotaryEmbedding, VisionRotaryEmbedding and
+    apply_rotary_pos_emb_vision)."""
+    from safetensors.torch import save_file
+
+    from groupflow.diffusion.hpsv3 import HPSv3Scorer
+
+    file, base, ref = hpsv3
+    bf16 = torch.bfloat16
+    state = {k: v.to(bf16) for k, v in ref.release_state().items()}
+    save_file(state, str(tmp_path / "HPSv3.safetensors"))
+    scorer = HPSv3Scorer(tmp_path / "HPSv3.safetensors", processor_path=base)
+    backbone, config = scorer.model.backbone, scorer.model.backbone.config
+
+    def inverse(dim):  # a fresh model's fp32 inv_freq (rope_theta 10000)
+        return 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+    # language model: positions 0..2999 on all three M-RoPE axes, as the scorer passes them
+    inv = inverse(config.text_config.hidden_size // config.text_config.num_attention_heads)
+    pos = torch.arange(3000)[None]
+
+    def lm_tables(inv_freq):
+        freqs = pos[..., None].float() * inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(bf16), emb.sin().to(bf16)
+
+    cos, sin = backbone.language_model.rotary_emb(torch.zeros(1, dtype=bf16), pos)
+    want_cos, want_sin = lm_tables(inv.to(bf16))
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert not torch.equal(cos, lm_tables(inv)[0])  # fp32 frequencies: other tables
+
+    # vision tower: (h, w) patch positions, beyond 256 where bf16 rounds the positions too
+    v = config.vision_config
+    vinv = inverse(v.embed_dim // v.num_heads // 2)
+    hw = torch.stack([torch.arange(300), torch.arange(300).flip(0)], dim=-1)  # [N, 2]
+
+    def vision_tables(inv_freq, dtype):  # 4.45: rot_pos_emb, then apply_rotary_pos_emb_vision
+        full = torch.outer(torch.arange(300, dtype=dtype), inv_freq.to(dtype))
+        freqs = full[hw].flatten(1)
+        return freqs.cos().repeat(1, 2).float(), freqs.sin().repeat(1, 2).float()
+
+    cos, sin = backbone.visual.rotary_pos_emb(torch.zeros(1), hw)
+    want_cos, want_sin = vision_tables(vinv, bf16)
+    assert torch.equal(cos.float(), want_cos) and torch.equal(sin.float(), want_sin)
+    assert not torch.equal(cos.float(), vision_tables(vinv, torch.float32)[0])
+    # and the scorer runs on them
+    assert torch.isfinite(scorer(_frames(2, 3), ["a red fox", "sky"])).all()

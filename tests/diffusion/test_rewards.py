@@ -182,3 +182,42 @@ def test_pickscore_layout_batching_frames_and_an_isolated_failing_sample(tmp_pat
         make_image_scorer_reward(path=str(model), processor_path=str(processor), batch_size=0)
     with pytest.raises(RewardConfigError, match="processor_path .* does not exist"):
         make_image_scorer_reward(path=str(model), processor_path=str(tmp_path / "nope"))
+
+
+@pytest.mark.slow  # a tiny CLIP and a one-step diffusion run (tests/test_builtin_rewards_e2e.py)
+def test_every_image_builtin_in_a_one_step_diffusion_run(tmp_path):
+    import json
+
+    import yaml
+
+    from groupflow.cli import main
+    from groupflow.diffusion.models import TinyFlowModel, save_tiny_model
+    from groupflow.diffusion.pretrain import COLORS
+
+    torch.manual_seed(0)
+    save_tiny_model(TinyFlowModel(list(COLORS), image_size=8, width=8), tmp_path / "flow")
+    _tiny_clip(tmp_path / "clip")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "red"}\n{"prompt": "blue"}\n')
+    rewards = [
+        {"name": "target_color", "kwargs": {"color": [1.0, 0.0, 0.0]}},
+        {"name": "brightness"},
+        {"name": "compressibility", "kwargs": {"min_pixels": 16}},  # 8x8 images
+        {"name": "image_scorer", "kwargs": {"path": str(tmp_path / "clip"), "kind": "clip"}},
+    ]
+    config = {
+        "run": {"name": "img", "output_dir": str(tmp_path), "total_steps": 1, "loggers": [],
+                "num_threads": 1},
+        "diffusion": {"model": {"kind": "tiny", "path": str(tmp_path / "flow")}, "num_steps": 2},
+        "data": {"train_files": [str(tmp_path / "p.jsonl")], "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 2},
+        "validation": {"every_steps": 0, "before_training": False},
+        "reward": {"functions": rewards},
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(tmp_path / "c.yaml"), "--no-plot"]) == 0
+    lines = (tmp_path / "img" / "metrics.jsonl").read_text().splitlines()
+    metrics = json.loads(lines[-1])
+    for spec in rewards:
+        assert math.isfinite(metrics[f"reward/{spec['name']}/mean"]), spec["name"]
+        assert metrics[f"reward/{spec['name']}/failures"] == 0.0, spec["name"]
+    assert 0.0 <= metrics["reward/brightness/mean"] <= 1.0

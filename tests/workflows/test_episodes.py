@@ -5,6 +5,7 @@ every limit and failure ends a sample the documented way."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -163,6 +164,43 @@ def test_long_observations_are_cut_and_marked(lm):
     assert all(
         m["content"].endswith("…[cut]") for e in cut for m in e.messages if m["role"] == "user"
     )
+
+
+def test_a_huge_observation_is_cut_before_it_is_tokenized(lm, monkeypatch):
+    class Flood:
+        def reset(self, row):
+            return None
+
+        def step(self, text):
+            return ("y" * 1_000_000, 0.0, False)
+
+    seen = []  # the longest text each tokenization of an observation got
+    real = PlainFormat.observation_ids
+
+    def observation_ids(self, messages, last):
+        seen.append(max(len(m["content"]) for m in messages))
+        return real(self, messages, last)
+
+    monkeypatch.setattr(PlainFormat, "observation_ids", observation_ids)
+    default = EpisodeLimits(max_turns=2, max_new_tokens=10, max_response_tokens=60)
+    episodes, _ = _run(lm, Flood, default, n=2)
+    assert seen and max(seen) == 16 * 60 + len(" …[cut]")  # 16 characters per token of budget
+    seen.clear()
+    capped = replace(default, max_observation_tokens=20, max_observation_chars=100)
+    episodes, _ = _run(lm, Flood, capped, n=2)
+    assert seen[0] == 100 + len(" …[cut]") and max(seen) <= seen[0]
+    stepped = [e for e in episodes if e.observation_tokens]
+    assert stepped and all(e.observation_tokens <= 20 for e in stepped)
+
+
+def test_cap_chars_shares_the_cap_between_messages():
+    from groupflow.workflows.episodes import cap_chars
+
+    msgs = [{"role": "tool", "content": "abcdef"}, {"role": "tool", "content": "ghij"}]
+    assert cap_chars(msgs, 10) == msgs
+    assert [m["content"] for m in cap_chars(msgs, 8)] == ["abcdef", "gh …[cut]"]
+    assert [m["content"] for m in cap_chars(msgs, 4)] == ["abcd …[cut]", " …[cut]"]
+    assert cap_chars(msgs, 4)[1]["role"] == "tool"
 
 
 @pytest.mark.parametrize("env, kind", [("RaisingEnv", "error"), ("HangingEnv", "timeout"),

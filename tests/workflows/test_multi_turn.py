@@ -166,6 +166,10 @@ def test_sft_demonstrations_mask_the_observation(tiny_config):
         ({"rollout__max_turns": 2, "rollout__tools": [{"name": "calculator"}],
           "data__use_chat_template": False}, "observation_template"),
         ({"rollout__max_turns": 2}, "nothing answers the model"),
+        ({"rollout__max_observation_tokens": 8}, "rollout.max_observation_tokens=8: only a multi"),
+        ({"rollout__max_observation_chars": 80}, "max_observation_chars=80: .* do nothing"),
+        ({"rollout__tools": [{"name": "calculator"}], "rollout__max_observation_chars": 0},
+         "rollout.max_observation_chars"),
     ],
 )  # fmt: skip
 def test_config_errors(tiny_config, overrides, message):

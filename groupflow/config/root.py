@@ -176,6 +176,8 @@ class Config(_Section):
             llm_only = [k for k in ("critic", "reward_model") if getattr(self, k) is not None]
             # the diffusion KL is exact per step (algorithms.md §7), not a sampled estimate
             llm_only += ["actor.kl_bias_correction"] if self.actor.kl_bias_correction else []
+            # the diffusion worker offloads through diffusion.cpu_offload
+            llm_only += ["actor.cpu_offload"] if self.actor.cpu_offload else []
             llm_only += [
                 f"placement.{k}" for k in ("rollout", "reference")
                 if getattr(self.placement, k) != "colocated"
@@ -184,6 +186,11 @@ class Config(_Section):
                 raise ValueError(
                     f"{', '.join(llm_only)}: for LLM policies only, not with a 'diffusion' policy"
                 )
+        if self.actor.cpu_offload and self.run.num_workers < 2:
+            raise ValueError(
+                "actor.cpu_offload applies through FSDP2, which shards over run.num_workers >= 2 "
+                f"workers; run.num_workers={self.run.num_workers}"
+            )
         if self.diffusion is not None and self.sft.steps:
             raise ValueError(
                 "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"

@@ -396,6 +396,11 @@ class ActorConfig(_Section):
     # loss_agg); the actor/* ratio, clip and entropy metrics then cover the updated samples.
     skip_zero_advantage: bool = True
     lora: LoraConfig | None = None  # None: full fine-tuning
+    # FSDP2 CPUOffloadPolicy for the policy: parameter shards, their gradients and AdamW's state
+    # in (pinned) CPU memory, a layer's shards copied to the device for its all-gather, the
+    # optimizer step on the CPU (verl's param_offload + optimizer_offload); needs FSDP, i.e.
+    # run.num_workers >= 2 (diffusion policies: diffusion.cpu_offload)
+    cpu_offload: bool = False
 
     @field_validator("loss_fn")
     @classmethod

@@ -42,6 +42,7 @@ from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import (
     all_reduce,
     clip_grad_norm,
+    cpu_offload_policy,
     full_model_state,
     init_process_group,
     load_sharded_state,
@@ -162,9 +163,11 @@ class ActorRolloutWorker:
         )
         self.weight_sync_s = 0.0
         self.model = model
+        # actor.cpu_offload: shards, gradients and AdamW state in CPU memory (config: FSDP only)
         self.policy = shard(
             _PolicyForward(model, cfg.share_prompt_prefix, sharded=self.world_size > 1),
             list(decoder_layers(model)),
+            offload_policy=cpu_offload_policy(cfg.cpu_offload and world_size > 1),
         )
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(

@@ -1,0 +1,37 @@
+"""Config rules of the parallel features: FSDP2 CPU offload for the LLM actor (and, below,
+sequence parallelism) — each refused with an error naming its key where it cannot apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from groupflow.config import ConfigError, config_from_dict, load_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _base(**over) -> dict:
+    return {"model": {"tiny": {}}, "data": {"task": {"name": "reverse"}}, **over}
+
+
+def _error(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, "test.yaml")
+    return str(info.value)
+
+
+def test_actor_cpu_offload_needs_fsdp_on_two_workers():
+    msg = _error(_base(actor={"cpu_offload": True}))
+    assert "actor.cpu_offload" in msg and "run.num_workers=1" in msg
+    cfg = config_from_dict(
+        _base(actor={"cpu_offload": True}, run={"backend": "ray", "num_workers": 2})
+    )
+    assert cfg.actor.cpu_offload
+
+
+def test_actor_cpu_offload_is_for_llm_policies():
+    over = ["actor.cpu_offload=true", "run.backend=ray", "run.num_workers=2"]
+    with pytest.raises(ConfigError, match="actor.cpu_offload"):
+        load_config(EXAMPLES / "diffusion_demo.yaml", over)

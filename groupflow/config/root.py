@@ -21,6 +21,7 @@ from groupflow.config.sections import (
     CriticConfig,
     DataConfig,
     ModelConfig,
+    ParallelConfig,
     PlacementConfig,
     RewardConfig,
     RewardModelConfig,
@@ -48,6 +49,7 @@ class Config(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     critic: CriticConfig | None = None  # PPO's value model (needs algorithm.estimator=gae)
     reward_model: RewardModelConfig | None = None
@@ -101,6 +103,29 @@ class Config(_Section):
                     f"placement.{role}: the local backend runs one in-process worker per role; "
                     "use run.backend=ray for more"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self):
+        n = self.parallel.sequence_parallel
+        if n == 1:
+            return self
+        if self.diffusion is not None:
+            raise ValueError(
+                "parallel.sequence_parallel is implemented for LLM policies (the actor worker), "
+                "not yet for a 'diffusion' policy"
+            )
+        if self.run.num_workers % n:
+            raise ValueError(
+                f"parallel.sequence_parallel={n} must divide run.num_workers="
+                f"{self.run.num_workers} (the actor's workers form groups of {n})"
+            )
+        tiny = self.model.tiny if self.model is not None else None
+        if tiny is not None and tiny.num_heads % n:
+            raise ValueError(
+                f"parallel.sequence_parallel={n} must divide model.tiny.num_heads={tiny.num_heads} "
+                "(each rank attends with 1/N of the heads)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -561,6 +561,17 @@ class RunConfig(_Section):
         return self
 
 
+class ParallelConfig(_Section):
+    """How the actor's workers split the work beyond data parallelism."""
+
+    # Ulysses sequence parallelism: the actor's run.num_workers workers form groups of this many
+    # consecutive ranks; a group trains on the same samples, each rank holding 1/N of every
+    # sequence (rows padded to a multiple of N) and 1/N of the heads inside attention. Data
+    # parallelism runs across groups (num_workers / N replicas) and FSDP2 over all workers.
+    # 1: off. Must divide run.num_workers and the model's attention heads.
+    sequence_parallel: int = Field(1, ge=1)
+
+
 class PoolConfig(_Section):
     """Where one role's workers run with run.backend=ray: ``nodes × workers_per_node`` Ray actors,
     each reserving these CPUs/GPUs (a node's workers are packed onto one machine)."""

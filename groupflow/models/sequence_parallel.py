@@ -77,11 +77,12 @@ def ulysses_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    ulysses: tuple[SequenceGroup, torch.Tensor] | None = None,
+    ulysses: tuple[SequenceGroup, torch.Tensor | None] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention-interface function. With ``ulysses`` (the group and the [B, 1, S, S] boolean
-    mask of the whole rows, passed down by :func:`sequence_parallel_logprobs`): ``query``
+    mask of the whole rows, None for a plain causal one; passed down by
+    :func:`sequence_parallel_logprobs`): ``query``
     [B, Hq, S/N, D], ``key``/``value`` [B, Hkv, S/N, D] of this rank's slice → output
     [B, S/N, Hq, D], and ``attention_mask`` (HF's, for the slice alone) is ignored. Without it:
     plain SDPA attention (generation, or any other forward of the same model)."""
@@ -99,7 +100,9 @@ def ulysses_attention(
     q, k, v = (all_to_all(t, sp, scatter_dim=1, gather_dim=2) for t in (query, key, value))
     # head chunks stay aligned: query heads j·Hq/N… use K/V heads j·Hkv/N… (Hq/Hkv per K/V head)
     k, v = _repeat_heads(k, q.shape[1] // k.shape[1]), _repeat_heads(v, q.shape[1] // v.shape[1])
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None
+    )
     out = all_to_all(out, sp, scatter_dim=2, gather_dim=1)  # back to [B, H, S/N, D]
     return out.transpose(1, 2).contiguous(), None
 
@@ -123,10 +126,14 @@ def use_ulysses_attention(model: nn.Module) -> None:
     model.config._attn_implementation = ATTENTION_NAME
 
 
-def whole_rows_mask(attention: torch.Tensor) -> torch.Tensor:
+def whole_rows_mask(attention: torch.Tensor) -> torch.Tensor | None:
     """[B, 1, S, S] boolean attention of whole rows ``attention`` [B, S]: causal, no padded key,
     and each position sees itself (so a padded query row is not empty: its output is never used,
-    but must be finite for backward)."""
+    but must be finite for backward). None when plain causal attention is the same for every real
+    token — no row has padding before a real token (padding on the right is never attended by a
+    real token) — so that a long single row never materialises an S × S mask."""
+    if not bool((attention[:, 1:] > attention[:, :-1]).any()):
+        return None
     s = attention.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=attention.device).tril()
     mask = causal & attention.bool()[:, None, :]

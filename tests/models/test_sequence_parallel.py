@@ -25,6 +25,7 @@ VARIANTS = {
     "qwen2_gqa": {"kind": "qwen2", "kv": 2},
     "llama_checkpointed": {"kind": "llama", "kv": 2, "checkpointing": True},
 }
+FULL_PROMPTS = "llama_gqa_causal"  # the same model on rows without left padding: no mask built
 
 
 def _model(kind: str, kv: int, checkpointing: bool = False):
@@ -44,11 +45,11 @@ def _model(kind: str, kv: int, checkpointing: bool = False):
     return model.train()
 
 
-def _rows():
-    """4 rows: prompts of 2-5 tokens left-padded to 5, responses of 1-6 tokens in width 6, one
-    response with a gap (an observation token, mask 0, between actions)."""
+def _rows(full_prompts: bool = False):
+    """4 rows: prompts of 2-5 tokens left-padded to 5 (or all of 5), responses of 1-6 tokens in
+    width 6, one response with a gap (an observation token, mask 0, between actions)."""
     g = torch.Generator().manual_seed(1)
-    p_len, r_len = [5, 2, 3, 4], [6, 1, 4, 3]
+    p_len, r_len = [5] * 4 if full_prompts else [5, 2, 3, 4], [6, 1, 4, 3]
     prompt_ids = torch.randint(2, VOCAB, (4, 5), generator=g)
     prompt_mask = torch.zeros(4, 5, dtype=torch.long)
     responses = torch.randint(2, VOCAB, (4, 6), generator=g)
@@ -95,6 +96,10 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
             for g in r["grads"].values():  # the members' gradients add up (FSDP2 does it there)
                 dist.all_reduce(g)
             results[name] = r
+        r = _forward(_model(**VARIANTS["llama_gqa"]), _rows(full_prompts=True), sp)
+        for g in r["grads"].values():
+            dist.all_reduce(g)
+        results[FULL_PROMPTS] = r
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -106,8 +111,9 @@ def test_two_sequence_parallel_ranks_equal_one_process(tmp_path):
     out = tmp_path / "results.pt"
     mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
     got = torch.load(out, weights_only=False)
-    for name, kw in VARIANTS.items():
-        want = _forward(_model(**kw), _rows())
+    cases = [(name, kw, False) for name, kw in VARIANTS.items()]
+    for name, kw, full in [*cases, (FULL_PROMPTS, VARIANTS["llama_gqa"], True)]:
+        want = _forward(_model(**kw), _rows(full_prompts=full))
         g = got[name]
         assert torch.allclose(g["logp"], want["logp"], rtol=1e-5, atol=1e-6), name
         assert torch.allclose(g["entropy"], want["entropy"], rtol=1e-5, atol=1e-6), name

@@ -1,0 +1,99 @@
+"""Ulysses sequence parallelism of a tiny Wan video transformer on two gloo ranks
+(torch.multiprocessing, one torch thread each): the velocity, a loss and every parameter gradient
+equal the single-process transformer's, with and without activation checkpointing; and the
+inputs it cannot split are refused with the key named.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from groupflow.distributed.ulysses import SequenceGroup, sequence_groups
+
+pytest.importorskip("diffusers")
+
+VARIANTS = {"plain": False, "checkpointed": True}
+
+
+def _wan(checkpointing: bool = False):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=24, num_layers=2, rope_max_seq_len=32,
+    )  # fmt: skip
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    return model.train()
+
+
+def _inputs():
+    """Two video latents [4, 3, 8, 8] (3 × 4 × 4 = 48 tokens), timesteps, text embeddings."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 3, 8, 8, generator=g)
+    text = torch.randn(2, 5, 16, generator=g)
+    weights = torch.randn(2, 4, 3, 8, 8, generator=g)
+    return x, torch.tensor([250.0, 700.0]), text, weights
+
+
+def _step(model) -> dict:
+    x, t, text, weights = _inputs()
+    out = model(x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    loss = (out * weights).mean()
+    loss.backward()
+    return {"out": out.detach(), "loss": float(loss.detach()),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}  # fmt: skip
+
+
+def _rank(rank: int, world: int, store: str, out: str) -> None:
+    from groupflow.diffusion.sequence_parallel import enable_ulysses
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        sp = sequence_groups(rank, world, world)
+        results = {}
+        for name, checkpointing in VARIANTS.items():
+            r = _step(enable_ulysses(_wan(checkpointing), sp))
+            for g in r["grads"].values():  # the members' shares add up (FSDP2 does it there)
+                dist.all_reduce(g)
+            results[name] = r
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes importing torch and diffusers
+def test_two_sequence_parallel_ranks_equal_one_wan_transformer(tmp_path):
+    out = tmp_path / "results.pt"
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
+    got = torch.load(out, weights_only=False)
+    for name, checkpointing in VARIANTS.items():
+        want, g = _step(_wan(checkpointing)), got[name]
+        assert torch.allclose(g["out"], want["out"], rtol=1e-5, atol=1e-6), name
+        assert g["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-8), name
+        assert g["grads"].keys() == want["grads"].keys()
+        for k, v in want["grads"].items():
+            assert torch.allclose(g["grads"][k], v, rtol=1e-4, atol=1e-7), (name, k)
+        moved = [k for k, v in want["grads"].items() if v.abs().sum() > 0]
+        assert len(moved) > len(want["grads"]) // 2  # a real gradient, not zeros everywhere
+
+
+def test_a_token_count_or_heads_that_do_not_split_are_refused():
+    from groupflow.diffusion.sequence_parallel import enable_ulysses
+
+    three = SequenceGroup(group=None, size=3, rank=0)  # nothing is exchanged before the checks
+    with pytest.raises(ValueError, match="must divide the transformer's 2 heads"):
+        enable_ulysses(_wan(), three)
+    two = SequenceGroup(group=None, size=2, rank=0)
+    model = enable_ulysses(_wan(), two)
+    x = torch.randn(1, 4, 3, 6, 6)  # 3 × 3 × 3 = 27 tokens
+    with pytest.raises(ValueError, match="27 tokens .* do not split evenly over 2 ranks"):
+        model(x, timestep=torch.tensor([1.0]), encoder_hidden_states=torch.randn(1, 5, 16))
+    with pytest.raises(ValueError, match="implemented for the Wan transformer"):
+        enable_ulysses(torch.nn.Linear(2, 2), two)

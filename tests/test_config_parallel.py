@@ -51,7 +51,9 @@ def test_sequence_parallel_defaults_off_and_needs_a_divisor_of_workers_and_heads
     assert "parallel.sequence_parallel" in _error(_base(parallel={"sequence_parallel": 0}))
 
 
-def test_sequence_parallel_is_for_llm_policies_for_now():
+def test_sequence_parallel_is_for_llm_policies_and_wan_transformers():
     over = ["parallel.sequence_parallel=2", "run.backend=ray", "run.num_workers=2"]
-    with pytest.raises(ConfigError, match="parallel.sequence_parallel is implemented for LLM"):
+    with pytest.raises(ConfigError, match="not diffusion.model.kind 'tiny'"):
         load_config(EXAMPLES / "diffusion_demo.yaml", over)
+    cfg = load_config(EXAMPLES / "mmdancegrpo_wan.yaml", ["parallel.sequence_parallel=2"])
+    assert cfg.parallel.sequence_parallel == 2

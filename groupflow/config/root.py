@@ -110,10 +110,11 @@ class Config(_Section):
         n = self.parallel.sequence_parallel
         if n == 1:
             return self
-        if self.diffusion is not None:
+        if self.diffusion is not None and self.diffusion.model.kind != "wan":
             raise ValueError(
-                "parallel.sequence_parallel is implemented for LLM policies (the actor worker), "
-                "not yet for a 'diffusion' policy"
+                f"parallel.sequence_parallel is implemented for LLM policies and the Wan video "
+                f"transformer (diffusion.model.kind wan), not diffusion.model.kind "
+                f"{self.diffusion.model.kind!r}"
             )
         if self.run.num_workers % n:
             raise ValueError(

@@ -43,6 +43,9 @@ class SequenceGroup:
     size: int
     rank: int
 
+    def __deepcopy__(self, memo):  # a process group is shared, not copied (model copies hold it)
+        return self
+
 
 def sequence_groups(rank: int, world_size: int, size: int) -> SequenceGroup | None:
     """Split the ranks into groups of ``size`` consecutive ranks; this rank's group (None when

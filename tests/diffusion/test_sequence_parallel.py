@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism of a tiny Wan video transformer on two gloo ranks
 (torch.multiprocessing, one torch thread each): the velocity, a loss and every parameter gradient
-equal the single-process transformer's, with and without activation checkpointing; and the
-inputs it cannot split are refused with the key named.
+equal the single-process transformer's, with and without activation checkpointing; the inputs it
+cannot split are refused with the key named; and through the whole driver on Ray, 2 workers as one
+sequence-parallel group of 2 (FSDP2-sharded, with a KL to the reference) train like 1 worker.
 """
 
 from __future__ import annotations
@@ -97,3 +98,38 @@ def test_a_token_count_or_heads_that_do_not_split_are_refused():
         model(x, timestep=torch.tensor([1.0]), encoder_hidden_states=torch.randn(1, 5, 16))
     with pytest.raises(ValueError, match="implemented for the Wan transformer"):
         enable_ulysses(torch.nn.Linear(2, 2), two)
+
+
+@pytest.fixture(scope="module")
+def wan_setup(tmp_path_factory):
+    import json
+
+    from tests.diffusion.test_mmdancegrpo import _tiny_wan
+
+    root = tmp_path_factory.mktemp("sp")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
+    return _tiny_wan(root / "wan"), prompts
+
+
+@pytest.mark.slow  # Ray start-up and diffusers' import dominate; the model is tiny
+def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(wan_setup, tmp_path):
+    pytest.importorskip("ray")
+    from groupflow.tracking import read_metrics
+    from tests.diffusion.test_fsdp import _cfg, _fit
+
+    model, prompts = wan_setup
+    kl = {"actor.kl_coef": 0.01}
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **kl))
+    sp = {"run.name": "sp", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True,
+          "parallel.sequence_parallel": 2}  # fmt: skip
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **kl, **sp))
+    a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
+    assert len(a) == len(b) > 1
+    for ra, rb in zip(a[1:], b[1:], strict=True):
+        assert rb["reward/mean"] == pytest.approx(ra["reward/mean"], rel=1e-5)  # same samples
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/loss"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert b[-1]["actor/grad_norm"] > 0
+    for k in s1["model"]:
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k

@@ -74,19 +74,34 @@ def _batch(n: int = 8, seed: int = 0) -> Batch:
     )
 
 
+def _sft_rows(n: int = 4) -> Batch:
+    """Supervised warm-start rows: prompts of 2-3 tokens, targets of 2-5 tokens."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, VOCAB, (2 + i % 2,), generator=g).tolist() for i in range(n)]
+    targets = [torch.randint(2, VOCAB, (2 + i,), generator=g).tolist() for i in range(n)]
+    return Batch({"sft_row": torch.arange(n)}, {"prompt_token_ids": prompts, "target_ids": targets})
+
+
 def run_variant(rank: int, world: int, model_kw: dict, cfg: dict, worker_kw: dict) -> dict:
-    """Two updates of one worker on this rank's share of the batch; the metrics and the full
-    (gathered) weights after them, and the log-probs of the batch before them."""
-    worker = ActorRolloutWorker(
-        _model(**model_kw), None, ActorConfig(**{**CFG, **cfg}), total_steps=10, pad_id=PAD,
-        eos_ids=[EOS], rank=rank, world_size=world, **worker_kw,
-    )  # fmt: skip
+    """Two updates of one worker on this rank's share of the batch: the metrics and the full
+    (gathered) weights after them, the log-probs of the batch before them; and the losses of two
+    supervised warm-start steps of another such worker."""
+
+    def worker():
+        return ActorRolloutWorker(
+            _model(**model_kw), None, ActorConfig(**{**CFG, **cfg}), total_steps=10, pad_id=PAD,
+            eos_ids=[EOS], rank=rank, world_size=world, **worker_kw,
+        )  # fmt: skip
+
+    sft, sft_worker = split_args("dp", world, (_sft_rows(),), {})[0][rank][0][0], worker()
+    sft_loss = [sft_worker.sft_step(sft, lr=1e-3) for _ in range(2)]
+    worker = worker()
     batch = _batch()
     share = split_args("dp", world, (batch,), {})[0][rank][0][0]
     logprobs = worker.compute_logprobs(share, temperature=1.0)["logprobs"]
     metrics = [worker.update(share, temperature=1.0, shuffle_seed=s) for s in (0, 1)]
     weights = {k.removeprefix("lm."): v.clone() for k, v in full_model_state(worker.policy).items()}
-    return {"metrics": metrics, "weights": weights, "logprobs": logprobs}
+    return {"metrics": metrics, "weights": weights, "logprobs": logprobs, "sft_loss": sft_loss}
 
 
 def _rank(rank: int, world: int, store: str, out: str, variants: dict) -> None:
@@ -111,6 +126,7 @@ def spawn(tmp_path, world: int, variants: dict) -> dict:
 
 
 def assert_same_run(got: dict, want: dict, rel: float = 1e-5, abs_: float = 1e-6) -> None:
+    assert got["sft_loss"] == pytest.approx(want["sft_loss"], rel=1e-4)
     assert torch.allclose(got["logprobs"], want["logprobs"], rtol=rel, atol=abs_)
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"])):
         for k in KEYS:

@@ -110,10 +110,10 @@ class Config(_Section):
         n = self.parallel.sequence_parallel
         if n == 1:
             return self
-        if self.diffusion is not None and self.diffusion.model.kind != "wan":
+        if self.diffusion is not None and self.diffusion.model.kind not in ("wan", "sd3"):
             raise ValueError(
-                f"parallel.sequence_parallel is implemented for LLM policies and the Wan video "
-                f"transformer (diffusion.model.kind wan), not diffusion.model.kind "
+                f"parallel.sequence_parallel is implemented for LLM policies and the diffusers "
+                f"transformers (diffusion.model.kind wan or sd3), not diffusion.model.kind "
                 f"{self.diffusion.model.kind!r}"
             )
         if self.run.num_workers % n:

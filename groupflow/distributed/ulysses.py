@@ -30,6 +30,7 @@ __all__ = [
     "sequence_groups",
     "all_to_all",
     "gather_sequence",
+    "gather_heads",
     "gather_rows",
     "padded_length",
 ]
@@ -125,6 +126,31 @@ def gather_sequence(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.T
     this member's slice of the gradient — valid because every member uses the gathered tensor
     in the same way (the same loss)."""
     return _GatherSequence.apply(x, sp.group, sp.size, sp.rank, dim)
+
+
+class _GatherHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank, dim):
+        ctx.args = (group, size, rank, dim)
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, size, rank, dim = ctx.args
+        # every member uses the gathered tensor in its own way: this slice's gradient is the sum
+        # of the members' gradients for it
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return grad.chunk(size, dim=dim)[rank].contiguous(), None, None, None, None
+
+
+def gather_heads(x: torch.Tensor, sp: SequenceGroup, dim: int) -> torch.Tensor:
+    """Concatenate the members' parts along ``dim`` (member order) on every member, for a
+    tensor each member then uses differently (e.g. SD3's text tokens, whose heads were attended
+    on different members); backward sums the members' gradients of each part."""
+    return _GatherHeads.apply(x, sp.group, sp.size, sp.rank, dim)
 
 
 def gather_rows(batch: Batch, sp: SequenceGroup) -> tuple[Batch, slice]:

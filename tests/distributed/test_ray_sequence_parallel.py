@@ -2,8 +2,9 @@
 (1 data-parallel replica × 2 sequence-parallel ranks) train like 1 worker, and a checkpoint they
 write resumes as 2 plain data-parallel workers (another sequence-parallel size).
 
-A KL term makes the reference log-probs part of every step (the worker's ``compute_logprobs``
-under sequence parallelism). Slow (Ray start-up, worker processes); one torch thread each.
+A KL term and recomputed old log-probs make ``compute_logprobs`` under sequence parallelism part
+of every step, on the reference and on the generation copy (which then generates the next step's
+samples with its attention switched to the Ulysses function: plain SDPA outside it). Slow (Ray start-up, worker processes); one torch thread each.
 """
 
 import json
@@ -29,6 +30,7 @@ BASE = [
     "validation.every_steps=0",
     "actor.lr=1e-3",
     "actor.kl_coef=0.05",
+    "actor.recompute_old_logprobs=always",
 ]
 KEYS = ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy",
         "response_length/mean")  # fmt: skip

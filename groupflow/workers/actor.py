@@ -16,7 +16,12 @@ reach to each response's last action (``groupflow.algorithms.masks``); that book
 ``groupflow.workers.update``'s. With several ranks the policy is sharded with FSDP2 (its reducer
 averages gradients, so each rank's loss is scaled by the world size), and generation runs on a full, unsharded copy that is
 refreshed after every update — ranks then generate independently, without collectives inside a
-decode loop whose length differs per rank.
+decode loop whose length differs per rank. ``actor.cpu_offload`` keeps the FSDP2 shards, their
+gradients and AdamW's state in CPU memory. With ``parallel.sequence_parallel`` N, groups of N
+ranks pool their rows for the update, log-probs and the warm start and split every sequence
+(``groupflow.models.sequence_parallel``): the data-parallel replicas are then world_size / N, and
+sums over ranks count each row N times (denominators and metrics divide by N); generation stays
+per rank.
 """
 
 from __future__ import annotations

@@ -101,7 +101,18 @@ def run_variant(rank: int, world: int, model_kw: dict, cfg: dict, worker_kw: dic
     logprobs = worker.compute_logprobs(share, temperature=1.0)["logprobs"]
     metrics = [worker.update(share, temperature=1.0, shuffle_seed=s) for s in (0, 1)]
     weights = {k.removeprefix("lm."): v.clone() for k, v in full_model_state(worker.policy).items()}
-    return {"metrics": metrics, "weights": weights, "logprobs": logprobs, "sft_loss": sft_loss}
+    # FSDP2's own record of offloading (private state, read only here to see the switch land)
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in worker.policy.modules()
+              if hasattr(m, "_get_fsdp_state")]  # fmt: skip
+    params = [fp for g in groups if g is not None for fp in g.fsdp_params]
+    offloaded = [fp.offload_to_cpu for fp in params]
+    return {
+        "offloaded": offloaded,
+        "metrics": metrics,
+        "weights": weights,
+        "logprobs": logprobs,
+        "sft_loss": sft_loss,
+    }
 
 
 def _rank(rank: int, world: int, store: str, out: str, variants: dict) -> None:
@@ -144,6 +155,8 @@ def test_an_update_with_cpu_offload_equals_one_without_and_one_worker(tmp_path):
         "offload": ({}, {"cpu_offload": True}, {}),
     })  # fmt: skip
     # offload moves where shards live, not a number: the same as without, to float tolerance
+    assert two["offload"]["offloaded"] and all(two["offload"]["offloaded"])
+    assert two["plain"]["offloaded"] and not any(two["plain"]["offloaded"])
     assert_same_run(two["offload"], two["plain"], rel=1e-6, abs_=1e-7)
     assert_same_run(two["plain"], single)
     # the update moved the weights (the comparison is not between two untrained models)
@@ -172,6 +185,7 @@ def test_two_workers_as_one_sequence_parallel_group_equal_one_worker(two_ranks):
     single = run_variant(0, 1, GQA, SP_CFG, {})
     assert_same_run(two_ranks["sp"], single)
     assert_same_run(two_ranks["sp_offload"], single)
+    assert all(two_ranks["sp_offload"]["offloaded"])
     # the plain 2-rank run shuffles each rank's half on its own: its mini-batches differ, so
     # its numbers do (the comparison above could tell the two apart)
     assert two_ranks["dp"]["metrics"][0]["actor/pg_loss"] != pytest.approx(

@@ -100,6 +100,7 @@ SAFE_TO_CHANGE = (
     "run.ray_address",
     "run.worker_timeout_s",
     "placement",
+    "parallel.sequence_parallel",
     "model.gradient_checkpointing",
     "diffusion.fsdp",
     "diffusion.activation_checkpointing",

@@ -21,6 +21,7 @@ from groupflow.config.sections import (
     CriticConfig,
     DataConfig,
     ModelConfig,
+    ParallelConfig,
     PlacementConfig,
     RewardConfig,
     RewardModelConfig,
@@ -48,6 +49,7 @@ class Config(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     critic: CriticConfig | None = None  # PPO's value model (needs algorithm.estimator=gae)
     reward_model: RewardModelConfig | None = None
@@ -101,6 +103,30 @@ class Config(_Section):
                     f"placement.{role}: the local backend runs one in-process worker per role; "
                     "use run.backend=ray for more"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self):
+        n = self.parallel.sequence_parallel
+        if n == 1:
+            return self
+        if self.diffusion is not None and self.diffusion.model.kind not in ("wan", "sd3"):
+            raise ValueError(
+                f"parallel.sequence_parallel is implemented for LLM policies and the diffusers "
+                f"transformers (diffusion.model.kind wan or sd3), not diffusion.model.kind "
+                f"{self.diffusion.model.kind!r}"
+            )
+        if self.run.num_workers % n:
+            raise ValueError(
+                f"parallel.sequence_parallel={n} must divide run.num_workers="
+                f"{self.run.num_workers} (the actor's workers form groups of {n})"
+            )
+        tiny = self.model.tiny if self.model is not None else None
+        if tiny is not None and tiny.num_heads % n:
+            raise ValueError(
+                f"parallel.sequence_parallel={n} must divide model.tiny.num_heads={tiny.num_heads} "
+                "(each rank attends with 1/N of the heads)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -182,6 +208,8 @@ class Config(_Section):
             llm_only = [k for k in ("critic", "reward_model") if getattr(self, k) is not None]
             # the diffusion KL is exact per step (algorithms.md §7), not a sampled estimate
             llm_only += ["actor.kl_bias_correction"] if self.actor.kl_bias_correction else []
+            # the diffusion worker offloads through diffusion.cpu_offload
+            llm_only += ["actor.cpu_offload"] if self.actor.cpu_offload else []
             llm_only += [
                 f"placement.{k}" for k in ("rollout", "reference")
                 if getattr(self.placement, k) != "colocated"
@@ -190,6 +218,11 @@ class Config(_Section):
                 raise ValueError(
                     f"{', '.join(llm_only)}: for LLM policies only, not with a 'diffusion' policy"
                 )
+        if self.actor.cpu_offload and self.run.num_workers < 2:
+            raise ValueError(
+                "actor.cpu_offload applies through FSDP2, which shards over run.num_workers >= 2 "
+                f"workers; run.num_workers={self.run.num_workers}"
+            )
         if self.diffusion is not None and self.sft.steps:
             raise ValueError(
                 "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"

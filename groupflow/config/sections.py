@@ -399,6 +399,11 @@ class ActorConfig(_Section):
     # loss_agg); the actor/* ratio, clip and entropy metrics then cover the updated samples.
     skip_zero_advantage: bool = True
     lora: LoraConfig | None = None  # None: full fine-tuning
+    # FSDP2 CPUOffloadPolicy for the policy: parameter shards, their gradients and AdamW's state
+    # in (pinned) CPU memory, a layer's shards copied to the device for its all-gather, the
+    # optimizer step on the CPU (verl's param_offload + optimizer_offload); needs FSDP, i.e.
+    # run.num_workers >= 2 (diffusion policies: diffusion.cpu_offload)
+    cpu_offload: bool = False
 
     @field_validator("loss_fn")
     @classmethod
@@ -557,6 +562,17 @@ class RunConfig(_Section):
                 "the local backend runs one in-process worker; use run.backend=ray for num_workers > 1"
             )
         return self
+
+
+class ParallelConfig(_Section):
+    """How the actor's workers split the work beyond data parallelism."""
+
+    # Ulysses sequence parallelism: the actor's run.num_workers workers form groups of this many
+    # consecutive ranks; a group trains on the same samples, each rank holding 1/N of every
+    # sequence (rows padded to a multiple of N) and 1/N of the heads inside attention. Data
+    # parallelism runs across groups (num_workers / N replicas) and FSDP2 over all workers.
+    # 1: off. Must divide run.num_workers and the model's attention heads.
+    sequence_parallel: int = Field(1, ge=1)
 
 
 class PoolConfig(_Section):

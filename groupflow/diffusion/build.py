@@ -37,7 +37,7 @@ from groupflow.diffusion.sharding import (
     flow_layers,
     materialise_shards,
 )
-from groupflow.distributed.parallel import is_distributed, shard
+from groupflow.distributed.parallel import cpu_offload_policy, is_distributed, shard
 
 __all__ = [
     "LORA_INIT_SEED",
@@ -119,11 +119,7 @@ def _replay_adapter_init(model: nn.Module) -> None:
 
 def offload_policy(settings: DiffusionSettings):
     """FSDP2's CPU offload (pinned host memory when there is a GPU to copy to), or None."""
-    if not settings.cpu_offload:
-        return None
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return cpu_offload_policy(settings.cpu_offload)
 
 
 def build_worker_models(

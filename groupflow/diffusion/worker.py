@@ -50,6 +50,7 @@ from groupflow.diffusion.samplers import (
     sde_window,
 )
 from groupflow.diffusion.schedule import sigma_schedule
+from groupflow.diffusion.sequence_parallel import enable_ulysses
 from groupflow.diffusion.settings import (
     COND_PREFIX,
     DiffusionSettings,
@@ -76,6 +77,7 @@ from groupflow.distributed.parallel import (
     init_process_group,
     is_distributed,
 )
+from groupflow.distributed.ulysses import gather_rows, sequence_groups
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import NonFiniteLossError, loss_options, lr_lambda, worker_device
 from groupflow.workers.update import global_denominators
@@ -96,10 +98,19 @@ class DiffusionWorker:
         rank: int = 0,
         world_size: int = 1,
         weights: str | None = None,
+        sequence_parallel: int = 1,
     ):
         """``weights``: ``model`` was built with meta parameters (``empty_parameters``); after
-        sharding, each rank reads its shards from this diffusers directory."""
+        sharding, each rank reads its shards from this diffusers directory.
+        ``sequence_parallel``: Ulysses groups of that many ranks over the Wan transformer's
+        latent tokens; a group pools its rows (``gather_rows``) for every call, so each sample
+        is held by that many ranks (sums over ranks are divided by it)."""
         self.rank, self.world_size = rank, world_size
+        self.sp = sequence_groups(rank, world_size, sequence_parallel)
+        self.sp_size = sequence_parallel
+        self.dp_size, self.dp_rank = world_size // sequence_parallel, rank // sequence_parallel
+        if self.sp is not None:  # before the copies (reference, NFT old): they run it alike
+            enable_ulysses(getattr(model, "transformer", model), self.sp)
         self.settings, self.cfg = settings, cfg
         self.device = worker_device(rank) if weights else next(model.parameters()).device
         self.meta_built = weights is not None
@@ -137,16 +148,26 @@ class DiffusionWorker:
         cfg: ActorConfig,
         total_steps: int,
         pg_timeout_s: float = 600.0,
+        sequence_parallel: int = 1,
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
         if meta_init(spec, settings, world_size):  # no rank ever holds the full transformer
             return cls(
                 spec.build(empty=True), settings, cfg, total_steps=total_steps, rank=rank,
-                world_size=world_size, weights=spec.path,
+                world_size=world_size, weights=spec.path, sequence_parallel=sequence_parallel,
             )  # fmt: skip
         model = spec.build().to(worker_device(rank))
-        return cls(model, settings, cfg, total_steps=total_steps, rank=rank, world_size=world_size)
+        return cls(model, settings, cfg, total_steps=total_steps, rank=rank, world_size=world_size,
+                   sequence_parallel=sequence_parallel)  # fmt: skip
+
+    def _pool(self, batch: Batch) -> tuple[Batch, slice | None]:
+        """Sequence parallelism: the group's rows on every member, and where this rank's sit."""
+        return (batch, None) if self.sp is None else gather_rows(batch, self.sp)
+
+    @staticmethod
+    def _own(out: Batch, mine: slice | None) -> Batch:
+        return out if mine is None else out.index(mine)
 
     # ----- model calls ------------------------------------------------------------------------
     def _velocity(
@@ -209,6 +230,9 @@ class DiffusionWorker:
         in [0, 1], cond.* (the condition tensors, reused by training), group_ids.
         """
         self._train_mode(False)
+        prompts, mine = self._pool(prompts)
+        if mine is not None:  # this rank's samples: n per own prompt row
+            mine = slice(mine.start * n, mine.stop * n)
         texts = [p for p in prompts["prompt"] for _ in range(n)]
         seeds = [s for row in prompts["seeds"] for s in row]
         if len(seeds) != len(texts):
@@ -256,13 +280,14 @@ class DiffusionWorker:
         }  # fmt: skip
         tensors = {k: v.cpu() for k, v in tensors.items()}
         tensors["group_ids"] = prompts["group_ids"].repeat_interleave(n)
-        return Batch(tensors)
+        return self._own(Batch(tensors), mine)
 
     @register("dp")
     @torch.no_grad()
     def sample_images(self, prompts: Batch, sampler: str = "ode") -> Batch:
         """Evaluation: one image per row from its fixed ``noise_seed`` with ``sampler`` (ODE by default)."""
         self._train_mode(False)
+        prompts, mine = self._pool(prompts)
         shape = tuple(self.flow.latent_shape)
         seeds = prompts["noise_seed"].tolist()
         noise = torch.stack([torch.randn(shape, generator=seeded_generator(s, 0)) for s in seeds])
@@ -272,7 +297,7 @@ class DiffusionWorker:
             lambda x, s: self._velocity(x, s, cond), noise.to(self.device), self.sigmas, sampler,
             noise_level=None if sampler != self.settings.sampler else self.noise_level, generators=gens,
         )  # fmt: skip
-        return Batch({"images": self.flow.decode(traj.final).cpu()})
+        return self._own(Batch({"images": self.flow.decode(traj.final).cpu()}), mine)
 
     # ----- log-probs --------------------------------------------------------------------------
     def _step_terms(self, mb: Batch, mask: Tensor, with_kl: bool, means: bool = False):
@@ -333,6 +358,7 @@ class DiffusionWorker:
     def compute_logprobs(self, batch: Batch) -> Batch:
         """``logprobs`` [B, N] of the stored transitions on the masked steps under the current policy."""
         self._check(batch)
+        batch, mine = self._pool(batch)
         batch = batch.to(self.device)
         self._train_mode(False)
         guard = self.settings.ratio_norm
@@ -340,7 +366,7 @@ class DiffusionWorker:
         out = {"logprobs": (logp * batch["response_mask"]).cpu()}  # placeholders (FSDP) out
         if guard:  # GRPO-Guard's bias needs the old policy's step means
             out["old_means"] = means.cpu()
-        return Batch(out)
+        return self._own(Batch(out), mine)
 
     # ----- update -----------------------------------------------------------------------------
     @register("dp")
@@ -353,15 +379,17 @@ class DiffusionWorker:
         """
         cfg = self.cfg
         self._check(batch)
-        batch = batch.to(self.device)
+        batch = self._pool(batch)[0].to(self.device)
         if PAD_KEY in batch:  # dispatch padding counts nowhere
             batch["response_mask"] = batch["response_mask"] * (~batch[PAD_KEY]).long()[:, None]
         self._train_mode(True)
         n = len(batch)
-        mb_size = max(1, (cfg.mini_batch_samples or n * self.world_size) // self.world_size)
+        # mini_batch_samples counts samples over all replicas; each holds an equal share
+        mb_size = max(1, (cfg.mini_batch_samples or n * self.dp_size) // self.dp_size)
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
-        # DiffusionNFT's re-noising: its own stream, distinct per rank
-        self._nft_gen = seeded_generator(shuffle_seed or 0, 3 + self.rank)
+        # DiffusionNFT's re-noising: its own stream, distinct per replica (a sequence-parallel
+        # group's members re-noise their common rows alike)
+        self._nft_gen = seeded_generator(shuffle_seed or 0, 3 + self.dp_rank)
         lr = self.optimizer.param_groups[0]["lr"]
         per_step = []
         for _ in range(cfg.ppo_epochs):
@@ -382,7 +410,7 @@ class DiffusionWorker:
         # summed over ranks, as the actor's (local_token_mean: divided by the micro-batch count)
         starts = range(0, len(mini), size)
         denominators = global_denominators(
-            mini, [range(i, min(i + size, len(mini))) for i in starts]
+            mini, [range(i, min(i + size, len(mini))) for i in starts], replicas=self.sp_size
         )
         stats: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
@@ -427,11 +455,11 @@ class DiffusionWorker:
         self._all_reduce_grads()
         params = [p for p in self.flow.parameters() if p.requires_grad]
         grad_norm = clip_grad_norm(params, cfg.grad_clip)
-        stats = {
-            k: all_reduce(v, {"actor/ratio_max": "max", "actor/ratio_min": "min"}.get(k, "sum"))
-            for k, v in sorted(stats.items())
-        }
-        total = all_reduce(total)
+        extremes = {"actor/ratio_max": "max", "actor/ratio_min": "min"}
+        stats = {k: all_reduce(v, extremes.get(k, "sum")) for k, v in sorted(stats.items())}
+        # a sum counts each sample once per rank holding it (sequence parallelism: sp_size)
+        stats = {k: v if k in extremes else v / self.sp_size for k, v in stats.items()}
+        total = all_reduce(total) / self.sp_size
         stats.update({"actor/grad_norm": grad_norm, "actor/loss": total})
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)

@@ -19,6 +19,7 @@ __all__ = [
     "is_distributed",
     "all_reduce",
     "shard",
+    "cpu_offload_policy",
     "full_model_state",
     "clip_grad_norm",
 ]
@@ -81,6 +82,17 @@ def shard(
         fully_shard(layer, **kw)
     fully_shard(root, **kw)
     return root
+
+
+def cpu_offload_policy(enabled: bool):
+    """FSDP2's ``CPUOffloadPolicy`` (pinned host memory when there is a GPU to copy to), or None:
+    parameter shards, their gradients and so the optimizer state live in CPU memory, a layer's
+    shards are copied to the device for its all-gather, the optimizer steps on the CPU."""
+    if not enabled:
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 
 
 def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:

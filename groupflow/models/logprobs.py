@@ -28,7 +28,7 @@ from groupflow.models.causal_lm import response_hidden_states
 from groupflow.models.head_logprob import fusable_head, fused_head_logprobs
 from groupflow.models.logit_transform import logit_transform
 
-__all__ = ["response_logprobs", "FUSED_CHUNK_TOKENS"]
+__all__ = ["response_logprobs", "hidden_logprobs", "FUSED_CHUNK_TOKENS"]
 
 # Positions per chunk of the fused head: 1024 × a 49k vocabulary is 200 MB of fp32 logits at a
 # time (actor.logprob_chunk_tokens, when smaller, wins).
@@ -79,23 +79,42 @@ def response_logprobs(
     ``entropy_grad``: whether gradients flow through the entropy (false: it is a metric).
     ``fused``: use the fused head where it applies (false: the autograd path, for comparison).
     """
-    temperature = temperature if temperature > 0 else 1.0
     hidden = response_hidden_states(
         model, prompt_ids, prompt_mask, responses, response_mask, share_prompt=share_prompt
     )
-    t = responses.shape[1]
+    return hidden_logprobs(
+        model, hidden, responses, temperature=temperature, chunk_tokens=chunk_tokens,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, fused=fused,
+    )  # fmt: skip
+
+
+def hidden_logprobs(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    fused: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, T] of ``targets`` [B, T] from the decoder states [B, T, H] that predict them
+    (through the model's LM head and final logit transform); entropy [B, T] if asked."""
+    temperature = temperature if temperature > 0 else 1.0
+    t = targets.shape[1]
     head = model.get_output_embeddings()
     transform = logit_transform(model)
     if fused and fusable_head(head, transform) and not (with_entropy and entropy_grad):
         return fused_head_logprobs(
-            hidden, head, responses, temperature=temperature,
+            hidden, head, targets, temperature=temperature,
             chunk=min(chunk_tokens, FUSED_CHUNK_TOKENS), with_entropy=with_entropy,
         )  # fmt: skip
     rows = max(1, chunk_tokens // max(t, 1))
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
     logps, ents = [], []
     for start in range(0, hidden.shape[0], rows):
-        h, y = hidden[start : start + rows], responses[start : start + rows]
+        h, y = hidden[start : start + rows], targets[start : start + rows]
         if use_ckpt:
             lp, ent = checkpoint(
                 _chunk_stats, head, h, y, temperature, with_entropy, transform, entropy_grad,

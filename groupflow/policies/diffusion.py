@@ -137,7 +137,7 @@ class DiffusionPolicy:
                                    settings=settings_from_config(d, cfg.algorithm.adv_clip_max))  # fmt: skip
         self.actor = builders.role_group(
             cfg, "actor", DiffusionWorker, **self._worker_kwargs,
-            pg_timeout_s=cfg.run.worker_timeout_s,
+            pg_timeout_s=cfg.run.worker_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
         )  # fmt: skip
         self.rollout = self.actor
 

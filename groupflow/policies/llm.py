@@ -135,6 +135,7 @@ class LLMPolicy:
         self.actor = builders.role_group(
             cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
             pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated", engine=engine,
+            sequence_parallel=cfg.parallel.sequence_parallel,
         )  # fmt: skip
         self.rollout = self.rollout_pool = self.actor
         if pl.rollout != "colocated":

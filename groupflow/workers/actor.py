@@ -16,7 +16,12 @@ reach to each response's last action (``groupflow.algorithms.masks``); that book
 ``groupflow.workers.update``'s. With several ranks the policy is sharded with FSDP2 (its reducer
 averages gradients, so each rank's loss is scaled by the world size), and generation runs on a full, unsharded copy that is
 refreshed after every update — ranks then generate independently, without collectives inside a
-decode loop whose length differs per rank.
+decode loop whose length differs per rank. ``actor.cpu_offload`` keeps the FSDP2 shards, their
+gradients and AdamW's state in CPU memory. With ``parallel.sequence_parallel`` N, groups of N
+ranks pool their rows for the update, log-probs and the warm start and split every sequence
+(``groupflow.models.sequence_parallel``): the data-parallel replicas are then world_size / N, and
+sums over ranks count each row N times (denominators and metrics divide by N); generation stays
+per rank.
 """
 
 from __future__ import annotations
@@ -42,14 +47,17 @@ from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import (
     all_reduce,
     clip_grad_norm,
+    cpu_offload_policy,
     full_model_state,
     init_process_group,
     load_sharded_state,
     save_sharded_state,
     shard,
 )
+from groupflow.distributed.ulysses import SequenceGroup, gather_rows, sequence_groups
 from groupflow.models.causal_lm import prompt_sharing_applies
 from groupflow.models.logprobs import response_logprobs
+from groupflow.models.sequence_parallel import check_heads, sequence_parallel_logprobs
 from groupflow.rollout.batching import generate_batch
 from groupflow.rollout.hf import SamplingParams, left_pad
 from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions
@@ -86,11 +94,18 @@ class _PolicyForward(nn.Module):
     """The FSDP root: its forward computes response log-probs, so root-level parameters (embeddings,
     final norm, LM head) are gathered by FSDP2's hooks around the whole chunked computation."""
 
-    def __init__(self, lm: nn.Module, share_prompt_prefix: bool = True, sharded: bool = False):
+    def __init__(
+        self,
+        lm: nn.Module,
+        share_prompt_prefix: bool = True,
+        sharded: bool = False,
+        sp: SequenceGroup | None = None,
+    ):
         super().__init__()
         self.lm = lm
         self.share_prompt_prefix = share_prompt_prefix
         self.sharded = sharded
+        self.sp = sp  # Ulysses: this rank's sequence-parallel group (None: off)
 
     def forward(
         self,
@@ -103,6 +118,12 @@ class _PolicyForward(nn.Module):
         with_entropy,
         entropy_grad=True,
     ):
+        if self.sp is not None:  # one pass over whole rows, 1/N of each on this rank
+            return sequence_parallel_logprobs(
+                self.lm, prompt_ids, prompt_mask, responses, response_mask, self.sp,
+                temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+            )  # fmt: skip
         share: bool | str = self.share_prompt_prefix
         if share and self.sharded:
             # FSDP2 gathers each layer once per call: every rank must make the same decoder calls,
@@ -132,8 +153,17 @@ class ActorRolloutWorker:
         world_size: int = 1,
         reference: bool | None = None,
         engine: VLLMOptions | None = None,
+        sequence_parallel: int = 1,
     ):
         self.rank, self.world_size = rank, world_size
+        # Ulysses sequence parallelism: groups of ``sequence_parallel`` ranks share their rows
+        # (``gather_rows``), so each sample is held by that many ranks and the data-parallel
+        # replicas are world_size / sequence_parallel (sums over ranks are divided accordingly).
+        if sequence_parallel > 1:
+            check_heads(model.config, sequence_parallel)
+        self.sp = sequence_groups(rank, world_size, sequence_parallel)
+        self.sp_size = sequence_parallel
+        self.dp_size = world_size // sequence_parallel
         # Tensors cross the worker boundary on the CPU; inside, they live where the model does.
         self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
@@ -162,9 +192,11 @@ class ActorRolloutWorker:
         )
         self.weight_sync_s = 0.0
         self.model = model
+        # actor.cpu_offload: shards, gradients and AdamW state in CPU memory (config: FSDP only)
         self.policy = shard(
-            _PolicyForward(model, cfg.share_prompt_prefix, sharded=self.world_size > 1),
+            _PolicyForward(model, cfg.share_prompt_prefix, sharded=self.world_size > 1, sp=self.sp),
             list(decoder_layers(model)),
+            offload_policy=cpu_offload_policy(cfg.cpu_offload and world_size > 1),
         )
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -191,6 +223,7 @@ class ActorRolloutWorker:
         pg_timeout_s: float = 600.0,
         reference: bool | None = None,
         engine: VLLMOptions | None = None,
+        sequence_parallel: int = 1,
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
@@ -199,7 +232,8 @@ class ActorRolloutWorker:
         from groupflow.builders import eos_ids
 
         return cls(model, tok, cfg, total_steps=total_steps, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
-                   rank=rank, world_size=world_size, reference=reference, engine=engine)  # fmt: skip
+                   rank=rank, world_size=world_size, reference=reference, engine=engine,
+                   sequence_parallel=sequence_parallel)  # fmt: skip
 
     # ----- rollout ----------------------------------------------------------------------------
     @register("dp")
@@ -231,9 +265,13 @@ class ActorRolloutWorker:
         if reference and self.ref_model is not None:
             model = self.ref_model
         lora_off = reference and self.ref_model is None  # LoRA: the base model is the reference
+        mine = None
+        if self.sp is not None:  # the group's rows, 1/N of each sequence here; this rank's back
+            batch, mine = gather_rows(batch, self.sp)
         try:
             set_adapters(model, enabled=not lora_off)
-            return batch_logprobs(model, batch, temperature, self.cfg, self.device)
+            out = batch_logprobs(model, batch, temperature, self.cfg, self.device, self.sp)
+            return out if mine is None else Batch({"logprobs": out["logprobs"][mine]})
         finally:
             set_adapters(model, enabled=True)
 
@@ -244,11 +282,13 @@ class ActorRolloutWorker:
     ) -> dict[str, float]:
         """μ epochs over shuffled mini-batches; one optimizer step per mini-batch (all ranks in step)."""
         cfg = self.cfg
+        if self.sp is not None:  # a sequence-parallel group trains on its members' rows together
+            batch, _ = gather_rows(batch, self.sp)
         batch = drop_padding(batch.to(self.device))
         self.policy.train()
         n = len(batch)
-        # mini_batch_samples counts samples over all ranks; each rank holds an equal share
-        mb_size = max(1, (cfg.mini_batch_samples or n * self.world_size) // self.world_size)
+        # mini_batch_samples counts samples over all replicas; each holds an equal share
+        mb_size = max(1, (cfg.mini_batch_samples or n * self.dp_size) // self.dp_size)
         generator = (
             torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
         )
@@ -281,11 +321,13 @@ class ActorRolloutWorker:
                 [lengths[r] for r in rows], cfg.micro_batch_samples, cfg.micro_batch_tokens
             )
         ]
-        denominators = global_denominators(mini, groups)
+        denominators = global_denominators(mini, groups, replicas=self.sp_size)
         # Ratio/clip/entropy metrics average over the samples that are run (all, unless skipped).
         # (decided by config, not by this rank's rows: global_denominators is a collective)
         metric_denominators = (
-            global_denominators(mini.index(rows)) if skips_zero_advantage(cfg) else denominators
+            global_denominators(mini.index(rows), replicas=self.sp_size)
+            if skips_zero_advantage(cfg)
+            else denominators
         )
         # Every rank runs the same number of forward/backward passes (FSDP collectives), at least
         # one (so every parameter the forward touches gets a gradient, zero if need be, and AdamW
@@ -307,12 +349,14 @@ class ActorRolloutWorker:
             (loss * self.world_size).backward()
             total_loss += float(loss.detach())
         grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.grad_clip)
-        # Same keys on every rank (see _micro_loss), reduced in a fixed order.
+        # Same keys on every rank (see _micro_loss), reduced in a fixed order; a sum counts each
+        # sample once per rank holding it (sequence parallelism: sp_size ranks).
         stats = {k: all_reduce(stats[k], REDUCE_OP.get(k, "sum")) for k in sorted(stats)}
+        stats = {k: v if k in REDUCE_OP else v / self.sp_size for k, v in stats.items()}
         for k, neutral in (("actor/ratio_max", 1.0), ("actor/ratio_min", 1.0)):
             if k in stats and not math.isfinite(stats[k]):
                 stats[k] = neutral  # no valid token anywhere
-        total_loss = all_reduce(total_loss)
+        total_loss = all_reduce(total_loss) / self.sp_size
         stats["actor/grad_norm"] = grad_norm
         stats["actor/loss"] = total_loss
         if skips_zero_advantage(cfg):
@@ -414,6 +458,8 @@ class ActorRolloutWorker:
         masks its observation tokens, which the model reads but is not trained to write)."""
         if self.sft_optimizer is None:
             self.sft_optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr)
+        if self.sp is not None:  # as in update: the group's rows together
+            batch, _ = gather_rows(batch, self.sp)
         prompt_ids, prompt_mask = left_pad(list(batch["prompt_token_ids"]), self.pad_id)
         targets = list(batch["target_ids"])
         masks = (
@@ -436,14 +482,14 @@ class ActorRolloutWorker:
         logp, _ = self.policy(
             prompt_ids, prompt_mask, responses, mask, 1.0, self.cfg.logprob_chunk_tokens, False
         )
-        tokens = all_reduce(float(mask.sum()))
+        tokens = all_reduce(float(mask.sum())) / self.sp_size
         loss = -(logp * mask).sum() / max(tokens, 1.0)
         self.sft_optimizer.zero_grad(set_to_none=True)
         (loss * self.world_size).backward()
         clip_grad_norm(list(self.policy.parameters()), 1.0)
         self.sft_optimizer.step()
         self._sync_rollout_weights()
-        return all_reduce(float(loss.detach()))
+        return all_reduce(float(loss.detach())) / self.sp_size
 
     # ----- state ------------------------------------------------------------------------------
     @register("rank0")

@@ -26,7 +26,9 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import PAD_KEY
 from groupflow.distributed.parallel import all_reduce
+from groupflow.distributed.ulysses import SequenceGroup
 from groupflow.models.logprobs import response_logprobs
+from groupflow.models.sequence_parallel import sequence_parallel_logprobs
 
 __all__ = [
     "micro_batches",
@@ -130,7 +132,7 @@ def trim(batch: Batch) -> Batch:
 
 
 def global_denominators(
-    mini: Batch, groups: Sequence[Sequence[int]] | None = None
+    mini: Batch, groups: Sequence[Sequence[int]] | None = None, replicas: int = 1
 ) -> dict[str, int]:
     """Loss denominators of a whole mini-batch summed over ranks (algorithms.md §3), so the
     gradient depends neither on micro-batching nor on the number of ranks; dispatch padding rows
@@ -140,16 +142,19 @@ def global_denominators(
     ``num_micro_batches`` counts those with a real row on all ranks: ``local_token_mean`` divides
     each micro-batch's token mean by it (TRL's division by the accumulation steps, with DDP's mean
     over ranks), and the zero-mask passes that keep ranks in step do not count.
+
+    ``replicas``: how many ranks hold each row (sequence parallelism: the group size); the sums
+    count each row once.
     """
     local = loss_denominators(mini["response_mask"])
     real = ~mini[PAD_KEY].cpu() if PAD_KEY in mini else torch.ones(len(mini), dtype=torch.bool)
     groups = [range(len(mini))] if groups is None else groups
     micro = sum(1 for g in groups if bool(real[list(g)].any()))
     return {
-        "num_tokens": int(all_reduce(local["num_tokens"])),
-        "num_seqs": int(all_reduce(int(real.sum()))),
+        "num_tokens": int(all_reduce(local["num_tokens"])) // replicas,
+        "num_seqs": int(all_reduce(int(real.sum()))) // replicas,
         "max_len": int(all_reduce(local["max_len"], op="max")),
-        "num_micro_batches": int(all_reduce(micro)),
+        "num_micro_batches": int(all_reduce(micro)) // replicas,
     }
 
 
@@ -194,8 +199,9 @@ def drop_padding(batch: Batch) -> Batch:
 
 @torch.no_grad()
 def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: ActorConfig,
-                   device: torch.device) -> Batch:  # fmt: skip
-    """``logprobs`` [B, T] of the batch's responses under an unsharded ``model``; 0 where masked."""
+                   device: torch.device, sp: SequenceGroup | None = None) -> Batch:  # fmt: skip
+    """``logprobs`` [B, T] of the batch's responses under an unsharded ``model``; 0 where masked.
+    ``sp``: a sequence-parallel group whose members all hold ``batch`` (a collective there)."""
     batch = batch.to(device)
     was_training = model.training
     model.eval()
@@ -205,11 +211,16 @@ def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: Acto
             row_widths(batch), cfg.micro_batch_samples, cfg.micro_batch_tokens
         ):
             mb = trim(batch.index(idx))
-            lp, _ = response_logprobs(
-                model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
-                temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens,
-                share_prompt=cfg.share_prompt_prefix,
-            )  # fmt: skip
+            rows = mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
+            if sp is not None:
+                lp, _ = sequence_parallel_logprobs(
+                    model, *rows, sp, temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens
+                )
+            else:
+                lp, _ = response_logprobs(
+                    model, *rows, temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens,
+                    share_prompt=cfg.share_prompt_prefix,
+                )  # fmt: skip
             out[idx, : lp.shape[1]] = lp * mb["response_mask"]
     finally:
         model.train(was_training)

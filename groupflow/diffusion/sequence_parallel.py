@@ -1,0 +1,191 @@
+"""Ulysses sequence parallelism for the diffusers flow transformers: Wan (``WanTransformer3DModel``,
+video) and SD3 (``SD3Transformer2DModel``, images).
+
+Design decision: the transformer stays diffusers' own; :func:`enable_ulysses` changes three places
+of it, in place, for the life of the model. The rotary tables and the patch tokens entering the
+first block are cut to this rank's 1/N of the latent tokens (module hooks), every attention
+layer gets :class:`UlyssesWanProcessor`, and the output projection's tokens are gathered back to
+the whole sequence (``gather_sequence``: every member of the group then holds the same velocity,
+and the loss downstream is the same on all of them, so each member's gradient is its share and
+FSDP2's sum over ranks makes the full one). Self-attention all-to-alls queries, keys and values
+from [B, S/N, H, D] to [B, S, H/N, D] and back; cross-attention needs no exchange (this rank's
+queries attend to the whole text, which every member holds). Patch embedding, norms,
+modulation, the MLPs and the output projection see 1/N of the tokens.
+
+SD3's joint attention (:class:`UlyssesJointProcessor`) attends image and text tokens together:
+the image tokens are exchanged as above, while every member holds the whole (short) text stream
+and takes its 1/N of the text heads without communication; the text tokens' attention outputs
+are then gathered over the heads (``gather_heads``, whose backward sums the members' gradients:
+each member's copy of the text stream feeds only its own heads). SD3.5's second, image-only
+attention is self-attention as in Wan. The cut happens after the patch embedding (which adds
+SD3's positions), the gather after the output projection.
+
+The latent token count (frames × height/2 × width/2 for Wan's (1, 2, 2) patches, (H/p) × (W/p)
+for SD3) must split evenly over the group (refused otherwise: the self-attention has no padding
+mask) and the heads too. Image-conditioned (I2V) Wan layers and per-token timesteps (Wan2.2
+TI2V's image-to-video mode) are refused; text-to-video and text-to-image, which groupflow
+trains, are neither.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from groupflow.distributed.ulysses import (
+    SequenceGroup,
+    all_to_all,
+    gather_heads,
+    gather_sequence,
+)
+
+__all__ = ["UlyssesWanProcessor", "UlyssesJointProcessor", "enable_ulysses"]
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on [B, S, H, D] (interleaved pairs), as its own processor does."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class UlyssesWanProcessor:
+    """A ``WanAttention`` processor for this rank's slice of the tokens (module docstring)."""
+
+    def __init__(self, sp: SequenceGroup):
+        self.sp = sp
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        if attn.add_k_proj is not None:
+            raise ValueError(
+                "parallel.sequence_parallel: image-conditioned (I2V) Wan attention is not supported"
+            )
+        self_attention = encoder_hidden_states is None
+        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+        if rotary_emb is not None:
+            query, key = _rotary(query, *rotary_emb), _rotary(key, *rotary_emb)
+        if self_attention:  # [B, S/N, H, D] → [B, S, H/N, D]: the whole sequence, 1/N of the heads
+            query, key, value = (
+                all_to_all(t, self.sp, scatter_dim=2, gather_dim=1) for t in (query, key, value)
+            )
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            attn_mask=attention_mask,
+        ).transpose(1, 2)  # fmt: skip
+        if self_attention:  # back to [B, S/N, H, D]
+            out = all_to_all(out, self.sp, scatter_dim=1, gather_dim=2)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class UlyssesJointProcessor:
+    """An SD3 ``Attention`` processor (joint image-text attention, or SD3.5's image-only second
+    attention) for this rank's slice of the image tokens (module docstring)."""
+
+    def __init__(self, sp: SequenceGroup):
+        self.sp = sp
+
+    def _heads(self, attn: nn.Module, x: torch.Tensor, proj: str, norm: str | None):
+        out = getattr(attn, proj)(x)
+        out = out.view(x.shape[0], -1, attn.heads, out.shape[-1] // attn.heads)  # [B, S, H, D]
+        norm = getattr(attn, norm) if norm else None
+        return out if norm is None else norm(out)  # the norms act on the head dimension
+
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None, attention_mask=None,
+                 *args, **kwargs):  # fmt: skip
+        sp = self.sp
+        q = self._heads(attn, hidden_states, "to_q", "norm_q")
+        k = self._heads(attn, hidden_states, "to_k", "norm_k")
+        v = self._heads(attn, hidden_states, "to_v", None)
+        # image tokens: [B, S/N, H, D] → [B, S, H/N, D]
+        q, k, v = (all_to_all(t, sp, scatter_dim=2, gather_dim=1) for t in (q, k, v))
+        image = q.shape[1]
+        text = encoder_hidden_states
+        if text is not None:  # every member holds the whole text: its 1/N of the heads, locally
+            tq = self._heads(attn, text, "add_q_proj", "norm_added_q")
+            tk = self._heads(attn, text, "add_k_proj", "norm_added_k")
+            tv = self._heads(attn, text, "add_v_proj", None)
+            tq, tk, tv = (t.chunk(sp.size, dim=2)[sp.rank] for t in (tq, tk, tv))
+            q, k, v = torch.cat([q, tq], 1), torch.cat([k, tk], 1), torch.cat([v, tv], 1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2)).transpose(1, 2)  # fmt: skip
+        out = out.to(q.dtype)
+        img = all_to_all(out[:, :image], sp, scatter_dim=1, gather_dim=2).flatten(2, 3)
+        img = attn.to_out[1](attn.to_out[0](img))
+        if text is None:
+            return img
+        txt = gather_heads(out[:, image:], sp, dim=2).flatten(2, 3)
+        if not attn.context_pre_only:
+            txt = attn.to_add_out(txt)
+        return img, txt
+
+
+def _slice(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
+    if x.shape[dim] % sp.size:
+        raise ValueError(
+            f"parallel.sequence_parallel={sp.size}: the latent has {x.shape[dim]} tokens (frames × "
+            f"height/2 × width/2 for Wan, (height/p) × (width/p) for SD3), which do not split evenly "
+            f"over {sp.size} ranks; choose a latent_shape whose token count it divides"
+        )
+    return x.chunk(sp.size, dim=dim)[sp.rank]
+
+
+def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
+    """Make ``transformer`` (a ``WanTransformer3DModel`` or ``SD3Transformer2DModel``) run
+    sequence parallel over ``sp``, in place: every forward is then a collective of the group,
+    whose members pass the same inputs."""
+    kind = type(transformer).__name__
+    if kind not in ("WanTransformer3DModel", "SD3Transformer2DModel"):
+        raise ValueError(
+            "parallel.sequence_parallel for diffusion is implemented for the Wan and SD3 "
+            f"transformers (diffusion.model.kind wan / sd3), not {kind}"
+        )
+    heads = transformer.config.num_attention_heads
+    if heads % sp.size:
+        raise ValueError(
+            f"parallel.sequence_parallel={sp.size} must divide the transformer's {heads} heads"
+        )
+
+    def tokens_gather(_module, _args, out):
+        return gather_sequence(out, sp, dim=1)
+
+    transformer.proj_out.register_forward_hook(tokens_gather)
+    if kind == "SD3Transformer2DModel":
+        for block in transformer.transformer_blocks:
+            for attn in (block.attn, getattr(block, "attn2", None)):
+                if attn is not None:
+                    attn.set_processor(UlyssesJointProcessor(sp))
+        # patch tokens (positions added) → this rank's slice
+        transformer.pos_embed.register_forward_hook(lambda _m, _a, out: _slice(out, sp))
+        return transformer
+    for block in transformer.blocks:
+        block.attn1.set_processor(UlyssesWanProcessor(sp))
+        block.attn2.set_processor(UlyssesWanProcessor(sp))
+
+    def rope_slice(_module, _args, out):
+        return tuple(_slice(t, sp) for t in out)  # freqs [1, S, 1, D] → this rank's tokens
+
+    def tokens_slice(_module, args):
+        if args[2].dim() == 4:  # timestep_proj [B, S, 6, D]: per-token timesteps
+            raise ValueError("parallel.sequence_parallel: per-token timesteps are not supported")
+        return (_slice(args[0], sp), *args[1:])
+
+    transformer.rope.register_forward_hook(rope_slice)
+    transformer.blocks[0].register_forward_pre_hook(tokens_slice)
+    return transformer

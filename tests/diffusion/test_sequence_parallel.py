@@ -1,0 +1,159 @@
+"""Ulysses sequence parallelism of tiny Wan (video) and SD3 (image; also SD3.5's dual attention
+and q/k norms) transformers on two gloo ranks (torch.multiprocessing, one torch thread each): the
+velocity, a loss and every parameter gradient equal the single-process transformer's, with and
+without activation checkpointing; the inputs it
+cannot split are refused with the key named; and through the whole driver on Ray, 2 workers as one
+sequence-parallel group of 2 (FSDP2-sharded, with a KL to the reference) train like 1 worker.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from groupflow.distributed.ulysses import SequenceGroup, sequence_groups
+
+pytest.importorskip("diffusers")
+
+VARIANTS = {
+    "wan": {"kind": "wan"},
+    "wan_checkpointed": {"kind": "wan", "checkpointing": True},
+    "sd3": {"kind": "sd3"},
+    "sd35_dual_attention_qk_norm": {"kind": "sd3", "sd35": True},
+}
+
+
+def _model(kind: str, checkpointing: bool = False, sd35: bool = False):
+    from diffusers import SD3Transformer2DModel, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    if kind == "wan":
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=16, ffn_dim=24, num_layers=2,
+            rope_max_seq_len=32,
+        )  # fmt: skip
+    else:
+        extra = {"dual_attention_layers": (0,), "qk_norm": "rms_norm"} if sd35 else {}
+        model = SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+            caption_projection_dim=16, pooled_projection_dim=8, pos_embed_max_size=8, **extra,
+        )  # fmt: skip
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    return model.train()
+
+
+def _wan(checkpointing: bool = False):
+    return _model("wan", checkpointing)
+
+
+def _inputs(kind: str):
+    """Two latents — Wan videos [4, 3, 8, 8] (3 × 4 × 4 = 48 tokens), SD3 images [4, 8, 8]
+    (16 tokens) — timesteps, text embeddings (SD3: pooled ones too) and loss weights."""
+    g = torch.Generator().manual_seed(1)
+    shape = (2, 4, 3, 8, 8) if kind == "wan" else (2, 4, 8, 8)
+    kw = {"hidden_states": torch.randn(*shape, generator=g),
+          "encoder_hidden_states": torch.randn(2, 5, 16, generator=g),
+          "timestep": torch.tensor([250.0, 700.0])}  # fmt: skip
+    if kind == "sd3":
+        kw["pooled_projections"] = torch.randn(2, 8, generator=g)
+    return kw, torch.randn(*shape, generator=g)
+
+
+def _step(model, kind: str) -> dict:
+    kw, weights = _inputs(kind)
+    out = model(**kw, return_dict=False)[0]
+    loss = (out * weights).mean()
+    loss.backward()
+    return {"out": out.detach(), "loss": float(loss.detach()),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "params": sum(1 for p in model.parameters() if p.requires_grad)}  # fmt: skip
+
+
+def _rank(rank: int, world: int, store: str, out: str) -> None:
+    from groupflow.diffusion.sequence_parallel import enable_ulysses
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        sp = sequence_groups(rank, world, world)
+        results = {}
+        for name, kw in VARIANTS.items():
+            r = _step(enable_ulysses(_model(**kw), sp), kw["kind"])
+            for g in r["grads"].values():  # the members' shares add up (FSDP2 does it there)
+                dist.all_reduce(g)
+            results[name] = r
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes importing torch and diffusers
+def test_two_sequence_parallel_ranks_equal_one_wan_and_one_sd3_transformer(tmp_path):
+    out = tmp_path / "results.pt"
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
+    got = torch.load(out, weights_only=False)
+    for name, kw in VARIANTS.items():
+        want, g = _step(_model(**kw), kw["kind"]), got[name]
+        assert torch.allclose(g["out"], want["out"], rtol=1e-5, atol=1e-6), name
+        assert g["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-8), name
+        assert g["grads"].keys() == want["grads"].keys()
+        for k, v in want["grads"].items():
+            assert torch.allclose(g["grads"][k], v, rtol=1e-4, atol=1e-7), (name, k)
+        moved = [k for k, v in want["grads"].items() if v.abs().sum() > 0]
+        assert len(moved) > want["params"] // 2  # a real gradient, not zeros everywhere
+
+
+def test_a_token_count_or_heads_that_do_not_split_are_refused():
+    from groupflow.diffusion.sequence_parallel import enable_ulysses
+
+    three = SequenceGroup(group=None, size=3, rank=0)  # nothing is exchanged before the checks
+    with pytest.raises(ValueError, match="must divide the transformer's 2 heads"):
+        enable_ulysses(_wan(), three)
+    two = SequenceGroup(group=None, size=2, rank=0)
+    model = enable_ulysses(_wan(), two)
+    x = torch.randn(1, 4, 3, 6, 6)  # 3 × 3 × 3 = 27 tokens
+    with pytest.raises(ValueError, match="27 tokens .* do not split evenly over 2 ranks"):
+        model(x, timestep=torch.tensor([1.0]), encoder_hidden_states=torch.randn(1, 5, 16))
+    with pytest.raises(ValueError, match="implemented for the Wan and SD3 transformers"):
+        enable_ulysses(torch.nn.Linear(2, 2), two)
+
+
+@pytest.fixture(scope="module")
+def wan_setup(tmp_path_factory):
+    import json
+
+    from tests.diffusion.test_mmdancegrpo import _tiny_wan
+
+    root = tmp_path_factory.mktemp("sp")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
+    return _tiny_wan(root / "wan"), prompts
+
+
+@pytest.mark.slow  # Ray start-up and diffusers' import dominate; the model is tiny
+def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(wan_setup, tmp_path):
+    pytest.importorskip("ray")
+    from groupflow.tracking import read_metrics
+    from tests.diffusion.test_fsdp import _cfg, _fit
+
+    model, prompts = wan_setup
+    kl = {"actor.kl_coef": 0.01}
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **kl))
+    sp = {"run.name": "sp", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True,
+          "parallel.sequence_parallel": 2}  # fmt: skip
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **kl, **sp))
+    a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
+    assert len(a) == len(b) > 1
+    for ra, rb in zip(a[1:], b[1:], strict=True):
+        assert rb["reward/mean"] == pytest.approx(ra["reward/mean"], rel=1e-5)  # same samples
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/loss"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert b[-1]["actor/grad_norm"] > 0
+    for k in s1["model"]:
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k

@@ -1,0 +1,59 @@
+"""Config rules of the parallel features: FSDP2 CPU offload for the LLM actor and Ulysses
+sequence parallelism — each refused with an error naming its key where it cannot apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from groupflow.config import ConfigError, config_from_dict, load_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _base(**over) -> dict:
+    return {"model": {"tiny": {}}, "data": {"task": {"name": "reverse"}}, **over}
+
+
+def _error(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, "test.yaml")
+    return str(info.value)
+
+
+def test_actor_cpu_offload_needs_fsdp_on_two_workers():
+    msg = _error(_base(actor={"cpu_offload": True}))
+    assert "actor.cpu_offload" in msg and "run.num_workers=1" in msg
+    cfg = config_from_dict(
+        _base(actor={"cpu_offload": True}, run={"backend": "ray", "num_workers": 2})
+    )
+    assert cfg.actor.cpu_offload
+
+
+def test_actor_cpu_offload_is_for_llm_policies():
+    over = ["actor.cpu_offload=true", "run.backend=ray", "run.num_workers=2"]
+    with pytest.raises(ConfigError, match="actor.cpu_offload"):
+        load_config(EXAMPLES / "diffusion_demo.yaml", over)
+
+
+def test_sequence_parallel_defaults_off_and_needs_a_divisor_of_workers_and_heads():
+    assert config_from_dict(_base()).parallel.sequence_parallel == 1
+    ray4 = {"backend": "ray", "num_workers": 4}
+    cfg = config_from_dict(_base(run=ray4, parallel={"sequence_parallel": 2}))
+    assert cfg.parallel.sequence_parallel == 2
+    msg = _error(_base(run=ray4, parallel={"sequence_parallel": 3}))
+    assert "parallel.sequence_parallel=3 must divide run.num_workers=4" in msg
+    msg = _error(
+        _base(run=ray4, parallel={"sequence_parallel": 4}, model={"tiny": {"num_heads": 2}})
+    )
+    assert "must divide model.tiny.num_heads=2" in msg
+    assert "parallel.sequence_parallel" in _error(_base(parallel={"sequence_parallel": 0}))
+
+
+def test_sequence_parallel_is_for_llm_policies_and_wan_transformers():
+    over = ["parallel.sequence_parallel=2", "run.backend=ray", "run.num_workers=2"]
+    with pytest.raises(ConfigError, match="not diffusion.model.kind 'tiny'"):
+        load_config(EXAMPLES / "diffusion_demo.yaml", over)
+    cfg = load_config(EXAMPLES / "mmdancegrpo_wan.yaml", ["parallel.sequence_parallel=2"])
+    assert cfg.parallel.sequence_parallel == 2

@@ -305,6 +305,7 @@ def test_an_environment_calling_sys_exit_fails_its_samples_and_the_run_goes_on(
     out = _train(tmp_path, helpers_on_path, data)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "never retrieved" not in out.stderr
+    assert "runs in a thread" not in out.stderr  # k=1: in the rollout child process
     assert "ExitingEnv.reset: SystemExit: 0" in out.stderr  # logged once
     rows = _steps(tmp_path / "tiny")[1:]
     assert [r["step"] for r in rows] == [1, 2]

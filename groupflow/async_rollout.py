@@ -19,10 +19,12 @@ loader state after it (``loader_state``, what a checkpoint saves).
 ``rollout.async_worker: thread`` runs the same side in a thread of this process (no pickling of
 the recipe, slower: one GIL); it is also the fallback, with a warning, when the recipe cannot be
 pickled or unpickled in a child — e.g. a reward function given to ``groupflow.Run`` as a lambda or
-defined in a notebook.
+defined in a notebook — and when the run was started from the top level of a script outside
+``if __name__ == "__main__":`` (the child would run the script again: ``utils.main_guard``).
 
-Every wait has a timeout; a dead child, a hung weight load or collect, or an error on the side is
-raised in the trainer naming the role, the step and the policy version.
+Every wait has a timeout (``run.worker_timeout_s``), the child's start included; a dead child, a
+hung weight load or collect, or an error on the side is raised in the trainer naming the role,
+the step and the policy version.
 
 ``rollout.async_mode: eager`` trades reproducibility for freshness: a job takes the newest version
 published when the side *starts* it (at submission the newest version is the scheduled one, so
@@ -52,6 +54,7 @@ from groupflow.rollout_side import (
     process_main,
     serve,
 )
+from groupflow.utils.main_guard import unguarded_main_call
 from groupflow.utils.weight_ring import WeightRing
 
 log = logging.getLogger("groupflow")
@@ -90,6 +93,14 @@ class AsyncRollout:
         self._jobs: dict[int, int] = {}  # submitted, not yet taken: step -> scheduled version
         self._ready: dict[int, tuple] = {}  # received, not yet taken: step -> reply
         self._host = self._thread = self._side = None
+        if process and (where := unguarded_main_call()) is not None:
+            _warn_thread_route(
+                f"the run was started at the top level of {where}, outside "
+                '`if __name__ == "__main__":`, and a child process would run that script '
+                "again",
+                'Start the run under `if __name__ == "__main__":` to keep it in a process.',
+            )
+            process = False
         data = _pickled(recipe) if process else None  # None: stays in this process (warned)
         self.ring = WeightRing(template, ring_slots(max_staleness), shared=data is not None)
         self.status = torch.zeros(3, dtype=torch.long)  # phase, step, version (rollout_side)
@@ -108,7 +119,7 @@ class AsyncRollout:
     def _start_process(self, data: bytes, eager: bool) -> ProcessHost | None:
         args = (data, self.ring, self.status, eager)
         try:
-            host = ProcessHost(process_main, args, startup_timeout_s=max(300.0, self.timeout_s))
+            host = ProcessHost(process_main, args, startup_timeout_s=self.timeout_s)
         except ChildStartError as e:
             if str(e.value).startswith(RECIPE_UNPICKLABLE):  # e.g. a reward defined in a notebook
                 _warn_thread_route(f"{RECIPE_UNPICKLABLE} ({str(e.value).splitlines()[-1]})")
@@ -259,10 +270,12 @@ def _pickled(recipe: RolloutRecipe) -> bytes | None:
         return None
 
 
-def _warn_thread_route(reason: str) -> None:
+def _warn_thread_route(reason: str, fix: str = "") -> None:
     log.warning(
         "rollout.async_worker=process: %s; the rollout side runs in a thread of this process "
-        "instead (slower: it shares the trainer's GIL). Reward functions given to groupflow.Run "
-        "keep it in a process of its own when defined at the top level of an importable module.",
+        "instead (slower: it shares the trainer's GIL). %s",
         reason,
+        fix
+        or "Reward functions given to groupflow.Run keep it in a process of its own when "
+        "defined at the top level of an importable module.",
     )

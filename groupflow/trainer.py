@@ -36,6 +36,7 @@ from groupflow.health import CollapseMonitor
 from groupflow.rollout_side import RolloutRecipe
 from groupflow.rundir import plain_config, prepare_run_dir
 from groupflow.tracking import Tracker
+from groupflow.utils.main_guard import refuse_run_in_child
 from groupflow.utils.seeds import sample_seed
 from groupflow.utils.timing import StageTimer
 from groupflow.workflows import build_run, check_paths
@@ -53,6 +54,7 @@ class Trainer:
     (``builders.PythonInputs``; ``groupflow.Run`` builds it)."""
 
     def __init__(self, cfg: Config, *, inference_run_dir: str | Path | None = None, inputs=None):
+        refuse_run_in_child()  # a spawned child re-running the user's script: leave the run dir
         self.cfg = cfg
         self.inference = inference_run_dir is not None
         self.run_dir = Path(inference_run_dir or Path(cfg.run.output_dir) / cfg.run.name)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 import time
 
 
@@ -35,6 +37,69 @@ def failing_tool(x: str) -> str:
         x: anything.
     """
     raise RuntimeError(f"cannot handle {x}")
+
+
+# Set by a test to end the calls below that wait on it; in a subprocess nobody does: they hang.
+RELEASE = threading.Event()
+
+
+def hang_tool(expression: str) -> str:
+    """Never answers (until RELEASE is set), like a tool stuck on a dead connection.
+
+    Args:
+        expression: ignored.
+    """
+    RELEASE.wait(3600)
+    return "late"
+
+
+def exiting_tool(x: str) -> str:
+    """Exits as an argparse-based CLI wrapper does on bad input.
+
+    Args:
+        x: anything.
+    """
+    sys.exit(2)
+
+
+def interrupting_tool(x: str) -> str:
+    """Raises KeyboardInterrupt, as code that catches and re-raises Ctrl-C may.
+
+    Args:
+        x: anything.
+    """
+    raise KeyboardInterrupt
+
+
+class ExitingEnv:
+    """``reset`` and ``step`` call ``sys.exit(0)``."""
+
+    def reset(self, row):
+        sys.exit(0)
+
+    def step(self, text):
+        sys.exit(0)
+
+
+class InterruptingEnv:
+    """``reset`` raises KeyboardInterrupt."""
+
+    def reset(self, row):
+        raise KeyboardInterrupt
+
+    def step(self, text):
+        return None, 0.0, True
+
+
+class SleepingEnv:
+    """A sync ``reset`` and ``step`` that never return (until RELEASE is set)."""
+
+    def reset(self, row):
+        RELEASE.wait(3600)
+
+    def step(self, text):
+        RELEASE.wait(3600)
+        return None, 0.0, True
 
 
 class _Unprintable:
@@ -85,11 +150,6 @@ class RaisingEnv:
 
     def step(self, text):
         raise KeyError("the simulator crashed")
-
-
-class UnbuildableEnv:
-    def __init__(self, host: str = "sim.local"):
-        raise ConnectionError(f"cannot reach the simulator at {host}")
 
 
 class HangingEnv:

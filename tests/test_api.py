@@ -183,3 +183,62 @@ def test_the_cli_train_command_runs_through_the_api(tiny_config_data, tmp_path, 
     path.write_text(yaml.safe_dump(tiny_config_data()))
     assert cli.main(["train", str(path), "run.total_steps=1", "--no-plot"]) == 0
     assert len(built) == 1 and built[0].trainer.step == 1
+
+
+# ----- a script without `if __name__ == "__main__":` and an asynchronous rollout -------------
+
+
+def _unguarded_script(tmp_path, tiny_config_data, detection: bool):
+    """The README's example as a script that starts the run at its top level, unguarded, with
+    ``rollout.max_staleness: 1``; runs it (hard timeout) and returns (process, run_dir)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = tiny_config_data(run__total_steps=2)
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, groupflow\n"
+        "from groupflow import async_rollout\n"
+        + ("" if detection else "async_rollout.unguarded_main_call = lambda: None\n")
+        + f"cfg = json.loads({json.dumps(json.dumps(cfg))})\n"
+        "run = groupflow.Run(cfg, overrides={'rollout.max_staleness': 1, "
+        "'run.worker_timeout_s': 30, 'run.overwrite': True})\n"
+        "run.fit()\n"
+        "print('fit done')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)  # fmt: skip
+    return out, Path(cfg["run"]["output_dir"]) / cfg["run"]["name"]
+
+
+@pytest.mark.slow
+def test_an_unguarded_script_with_an_async_rollout_runs_it_in_a_thread_with_a_warning(
+    tmp_path, tiny_config_data
+):
+    out, run_dir = _unguarded_script(tmp_path, tiny_config_data, detection=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fit done" in out.stdout
+    assert 'outside `if __name__ == "__main__":`' in out.stderr
+    assert "runs in a thread of this process" in out.stderr
+    assert "deleted the earlier run" not in out.stderr
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_child_that_runs_the_script_again_never_touches_the_run_and_the_parent_stops(
+    tmp_path, tiny_config_data
+):
+    # were the script not spotted, the child process imports it again and so reaches
+    # groupflow.Run: it refuses (it used to delete the parent's run files under run.overwrite),
+    # dies, and the parent reports it within run.worker_timeout_s instead of hanging
+    out, run_dir = _unguarded_script(tmp_path, tiny_config_data, detection=False)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "a child never starts a run nor touches the run directory" in out.stderr
+    assert "died, exit code 1 while starting" in out.stderr
+    assert "deleted the earlier run" not in out.stderr
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0]  # the parent's
+    assert (run_dir / "tokenizer").is_dir() and (run_dir / "config.yaml").is_file()

@@ -11,9 +11,11 @@ Either may be ``async def``. An observation is text, a chat message, or a list o
 (a tool environment answers with ``role: tool`` messages); the workflow tokenizes it once and
 appends it to the sequence, masked out of the loss. Tools are an environment too
 (:class:`ToolEnvironment`): a turn with tool calls gets their results, a turn without ends the
-episode. Everything user code can do wrong — raise, hang, return garbage — is contained here:
-:func:`reset_env` and :func:`step_env` never raise; they report a failure that the workflow counts
-and turns into an ended sample.
+episode. Everything user code can do wrong — raise (``SystemExit`` and ``KeyboardInterrupt``
+included), hang, return garbage — is contained here: :func:`reset_env` and :func:`step_env` never
+raise; they report a failure that the workflow counts and turns into an ended sample. The one
+exception is :class:`~groupflow.agents.calls.StuckCallsError`: too many hung sync calls stop the
+run (``groupflow.agents.calls``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from groupflow.agents.calls import CallTimeout, call_with_timeout
+from groupflow.agents.calls import CallTimeout, StuckCallsError, call_with_timeout, error_text
 from groupflow.agents.parsers import ToolCallParser
 from groupflow.agents.tools import Tool, tool_result_text
 
@@ -95,28 +97,33 @@ def _describe(env: Any) -> str:
 
 async def reset_env(env: Any, row: Mapping[str, Any], timeout_s: float | None) -> StepResult:
     """``env.reset(row)``; a failure is reported, never raised."""
+    name = f"{_describe(env)}.reset"
     try:
-        obs = await call_with_timeout(env.reset, row, timeout_s=timeout_s)
+        obs = await call_with_timeout(env.reset, (row,), timeout_s=timeout_s, name=name)
         return StepResult(normalize_observation(obs))
     except CallTimeout:
-        return StepResult(None, done=True, failure=f"{_describe(env)}.reset timed out after "
-                          f"{timeout_s:g} s", failure_kind="timeout")  # fmt: skip
-    except Exception as exc:  # user code: any failure ends this sample only
+        return StepResult(None, done=True, failure=f"{name} timed out after {timeout_s:g} s",
+                          failure_kind="timeout")  # fmt: skip
+    except StuckCallsError:
+        raise  # stops the run
+    except Exception as exc:  # user code (BaseExceptions arrive as UserCodeExit): this sample only
         kind = "invalid" if isinstance(exc, ValueError) else "error"
-        return StepResult(None, done=True, failure=f"{_describe(env)}.reset: "
-                          f"{type(exc).__name__}: {exc}", failure_kind=kind)  # fmt: skip
+        return StepResult(None, done=True, failure=f"{name}: {error_text(exc)}",
+                          failure_kind=kind)  # fmt: skip
 
 
 async def step_env(env: Any, text: str, timeout_s: float | None) -> StepResult:
     """``env.step(text)`` checked for shape; a failure is reported, never raised."""
     name = f"{_describe(env)}.step"
     try:
-        out = await call_with_timeout(env.step, text, timeout_s=timeout_s)
+        out = await call_with_timeout(env.step, (text,), timeout_s=timeout_s, name=name)
     except CallTimeout:
         return StepResult(None, done=True, failure=f"{name} timed out after {timeout_s:g} s",
                           failure_kind="timeout")  # fmt: skip
-    except Exception as exc:  # user code: any failure ends this sample only
-        return StepResult(None, done=True, failure=f"{name}: {type(exc).__name__}: {exc}",
+    except StuckCallsError:
+        raise  # stops the run
+    except Exception as exc:  # user code (BaseExceptions arrive as UserCodeExit): this sample only
+        return StepResult(None, done=True, failure=f"{name}: {error_text(exc)}",
                           failure_kind="error")  # fmt: skip
     try:
         if not isinstance(out, tuple) or len(out) != 3:
@@ -153,8 +160,8 @@ class ToolEnvironment:
         self.max_result_chars = max_result_chars
         self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "bad_calls": 0}
 
-    def reset(self, row: Mapping[str, Any]) -> None:
-        return None
+    async def reset(self, row: Mapping[str, Any]) -> None:
+        return None  # async: awaited on the loop, no thread for a no-op
 
     async def step(self, text: str) -> tuple[list[dict[str, Any]] | None, float, bool]:
         parsed = self.parser.parse(text, self.tools)
@@ -184,13 +191,17 @@ class ToolEnvironment:
             self.stats["bad_calls"] += 1
             return f"Error: {call.name}: {problem}"
         try:
-            value = await call_with_timeout(tool.fn, timeout_s=tool.timeout_s, **call.arguments)
+            value = await call_with_timeout(
+                tool.fn, kwargs=call.arguments, timeout_s=tool.timeout_s, name=f"tool {tool.name!r}"
+            )
         except CallTimeout:
             self.stats["tool_timeouts"] += 1
             return f"Error: {call.name} timed out after {tool.timeout_s:g} s"
-        except Exception as exc:  # a tool's failure is the model's observation, not ours
+        except StuckCallsError:
+            raise  # stops the run
+        except Exception as exc:  # the model's observation, not ours (SystemExit included)
             self.stats["tool_errors"] += 1
-            return f"Error: {type(exc).__name__}: {exc}"
+            return f"Error: {error_text(exc)}"
         try:
             return tool_result_text(value, self.max_result_chars)
         except Exception as exc:  # the value's own __str__ raised: the tool's failure too

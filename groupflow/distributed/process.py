@@ -12,14 +12,22 @@ method. Tensors cross the pipe through torch's shared-memory pickling (no copy o
 ``ProcessHost`` itself only spawns a child running ``target(conn, *args)``, waits for its
 ``(ok, value)`` start-up answer and watches it (``wait``: the next message or a clear death);
 the asynchronous rollout's child (``groupflow.rollout_side``) speaks its own protocol over it.
+The start is under the start-up timeout too: spawn writes what the child needs into a pipe the
+child reads only after importing the parent's ``__main__`` script again, so a big payload there
+blocks the parent for as long as that import runs (forever, for a script that starts a run at
+its top level). The child therefore gets only the pipe at spawn, says when it is up, and then
+receives ``target`` and ``args`` through the pipe, while the parent polls with a deadline.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable
 from typing import Any
+
+from groupflow.utils.main_guard import mark_worker_child
 
 __all__ = ["ProcessHost", "ChildStartError", "serve_worker"]
 
@@ -43,6 +51,24 @@ def _serve(conn, host_cls, factory, rank: int, world_size: int, env: dict[str, s
         except (EOFError, OSError):
             return
         conn.send(host.call(method, args, kw))
+
+
+def _bootstrap(conn) -> None:
+    """The child's entry: say it is up (the spawn's import of ``__main__`` is done), then run the
+    ``target(conn, *args)`` the parent sends."""
+    mark_worker_child()
+    conn.send("up")
+    try:
+        target, args = conn.recv()
+    except (EOFError, OSError):  # the parent gave up on us
+        return
+    target(conn, *args)
+
+
+_NOT_GUARDED = (
+    "a script that starts a run must do so under `if __name__ == '__main__':` — the child "
+    "process imports it again"
+)
 
 
 class ChildStartError(ChildProcessError):
@@ -69,17 +95,22 @@ class ProcessHost:
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.process.start()
+        self.process = ctx.Process(target=_bootstrap, args=(child,), daemon=True)
+        self.process.start()  # a small payload: returns at once whatever the child does
         child.close()
+        deadline = time.monotonic() + startup_timeout_s
         try:
-            ok, value = self._receive(startup_timeout_s)
-        except ChildProcessError as e:
-            # the usual cause: spawn re-imports the __main__ script, which starts a run again
-            raise ChildProcessError(
-                f"{e} while starting (a script that starts a run must do so under "
-                "`if __name__ == '__main__':` — the child process imports it again)"
-            ) from None
+            if self._receive(startup_timeout_s) != "up":
+                raise ChildProcessError(self._death("answered out of protocol"))
+        except TimeoutError as e:  # the child is still importing the __main__ script
+            raise TimeoutError(f"{e} while starting ({_NOT_GUARDED})") from None
+        except ChildProcessError as e:  # the usual cause: that import started a run and failed
+            raise ChildProcessError(f"{e} while starting ({_NOT_GUARDED})") from None
+        try:
+            self._conn.send((target, args))
+        except (BrokenPipeError, OSError) as e:
+            raise ChildProcessError(self._death(f"could not be reached ({e})")) from None
+        ok, value = self._receive(max(0.0, deadline - time.monotonic()))
         if not ok:
             self.close()
             raise ChildStartError(value)
@@ -99,8 +130,6 @@ class ProcessHost:
     def wait(self, timeout_s: float) -> None:
         """Return once a message can be read; a dead child raises ``ChildProcessError``, no
         message within ``timeout_s`` kills it and raises ``TimeoutError``."""
-        import time
-
         # poll in short slices so that a child that dies is reported at once, not at the timeout
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from groupflow.utils.daemon_calls import Abandoned, start_daemon
+
 __all__ = ["MAX_ABANDONED", "TIMED_OUT", "CallGuard"]
 
 # Sync calls that timed out and are still running, over all rewards of a runner.
@@ -104,12 +106,11 @@ class CallGuard:
         ):
             raise ValueError(f"timeout_s must be a positive number or None, got {timeout_s!r}")
         self.timeout_s = None if timeout_s is None else float(timeout_s)
-        self._abandoned: list[tuple[str, threading.Thread]] = []
+        self._abandoned = Abandoned()
 
     def abandoned(self) -> list[str]:
         """Names of the rewards whose timed-out sync calls are still running."""
-        self._abandoned = [(n, t) for n, t in self._abandoned if t.is_alive()]
-        return [n for n, _ in self._abandoned]
+        return self._abandoned.alive()
 
     def _run(
         self,
@@ -137,14 +138,13 @@ class CallGuard:
             except BaseException as exc:  # handed to the waiting thread
                 box["error"] = exc
 
-        thread = threading.Thread(target=target, name=f"groupflow-reward-{name}", daemon=True)
-        thread.start()
+        thread = start_daemon(f"groupflow-reward-{name}", target)
         thread.join(self.timeout_s)
         if thread.is_alive() and awaiting.is_set():
             # An async call cancels itself at the deadline; give it a moment to unwind.
             thread.join(_CANCEL_GRACE_S)
         if thread.is_alive():
-            self._abandoned.append((name, thread))
+            self._abandoned.add(name, thread)
             if partial is None:
                 return TIMED_OUT
             return list(partial)

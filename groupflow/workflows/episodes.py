@@ -184,8 +184,9 @@ def run_episodes(
             if callable(close):
                 try:
                     close()
-                except Exception as exc:  # cleanup of user code must not lose the batch
-                    log.warning("closing environment %s failed: %s", type(e.env).__name__, exc)
+                except (Exception, SystemExit) as exc:  # user cleanup must not lose the batch
+                    log.warning("closing environment %s failed: %s: %s", type(e.env).__name__,
+                                type(exc).__name__, exc)  # fmt: skip
     for e in episodes:
         e.finish = e.finish or "max_turns"
     return episodes

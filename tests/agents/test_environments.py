@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from groupflow.agents import calls
 from groupflow.agents.environments import (
     ToolEnvironment,
     normalize_observation,
@@ -17,6 +18,7 @@ from groupflow.agents.environments import (
 )
 from groupflow.agents.parsers import build_parser
 from groupflow.agents.tools import build_tools
+from groupflow.utils.daemon_calls import Abandoned
 
 
 @pytest.fixture
@@ -106,6 +108,56 @@ def test_failing_environments_are_reported_not_raised(helpers, name, kind, messa
     r = asyncio.run(step_env(env, "text", 0.2))
     assert time.perf_counter() - start < 2
     assert r.done and r.failure_kind == kind and r.failure.startswith(message)
+
+
+def test_tools_and_environments_that_exit_or_interrupt_fail_their_sample_only(helpers):
+    tools = build_tools(
+        [
+            {"function": "agent_helpers:exiting_tool"},
+            {"function": "agent_helpers:interrupting_tool"},
+        ]
+    )
+    env = ToolEnvironment(tools, build_parser("hermes"))
+    obs, _, done = asyncio.run(
+        env.step(_call("exiting_tool", x="--help") + _call("interrupting_tool", x="a"))
+    )
+    assert [m["content"] for m in obs] == ["Error: SystemExit: 2", "Error: KeyboardInterrupt"]
+    assert not done and env.stats["tool_errors"] == 2
+    r = asyncio.run(step_env(helpers.ExitingEnv(), "text", 1.0))
+    assert (r.done, r.failure_kind, r.failure) == (True, "error", "ExitingEnv.step: SystemExit: 0")
+    r = asyncio.run(reset_env(helpers.InterruptingEnv(), {"prompt": "p"}, 1.0))
+    assert r.failure == "InterruptingEnv.reset: KeyboardInterrupt" and r.failure_kind == "error"
+
+
+def test_the_tool_environments_reset_runs_no_thread_and_hung_calls_stop_the_run(
+    helpers, monkeypatch
+):
+    tools = build_tools([{"function": "agent_helpers:hang_tool", "label": "calc",
+                          "timeout_s": 0.02}])  # fmt: skip
+    env = ToolEnvironment(tools, build_parser("hermes"))
+    monkeypatch.setattr(calls, "_abandoned", Abandoned())  # not those of earlier tests
+    monkeypatch.setattr(calls, "MAX_ABANDONED", 2)
+    try:
+        text = _call("calc", expression="99*99")
+        for _ in range(2):  # each call is abandoned: the model reads a timeout
+            obs, _, _ = asyncio.run(env.step(text))
+            assert obs[0]["content"] == "Error: calc timed out after 0.02 s"
+        assert env.stats["tool_timeouts"] == 2
+        with pytest.raises(calls.StuckCallsError, match=r"2 timed-out calls .*tool 'calc' \(2\)"):
+            asyncio.run(env.step(text))
+        with pytest.raises(calls.StuckCallsError):  # a user environment's calls stop too
+            asyncio.run(step_env(helpers.CountdownEnv(), "text", 1.0))
+        # the tool environment's reset is a no-op that needs no thread (none could start here)
+        monkeypatch.setattr(calls, "MAX_ABANDONED", 10**6)
+        monkeypatch.setattr(calls, "start_daemon", None)
+        r = asyncio.run(reset_env(ToolEnvironment(tools, build_parser("hermes")), {}, 0.01))
+        assert r.failure is None and r.observation is None
+    finally:
+        helpers.RELEASE.set()
+    deadline = time.monotonic() + 5
+    while calls.abandoned_calls() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    helpers.RELEASE.clear()
 
 
 def test_bad_step_values(helpers):

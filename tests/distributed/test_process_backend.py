@@ -70,3 +70,43 @@ def test_hung_child_times_out_and_is_killed():
 def test_constructor_failure_is_a_worker_error():
     with pytest.raises(WorkerError, match=r"(?s)__init__\(\) failed: .*TypeError"):
         WorkerGroup(ToyWorker, 1, backend="process", timeout_s=20, no_such_argument=1)
+
+
+def test_a_child_stuck_importing_the_script_times_out_at_start_and_big_arguments_arrive(tmp_path):
+    # spawn makes the child import the parent's __main__ script again before it reads anything;
+    # a child stuck there (a script starting a run outside `if __name__ == "__main__":`) must not
+    # block the parent past the start-up timeout, however big the arguments it is to receive
+    import os
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import sys, time\n"
+        "if __name__ == '__mp_main__' and sys.argv[1] == 'stuck':\n"
+        "    time.sleep(3600)  # the child, importing this script again, never gets further\n"
+        "from groupflow.distributed.process import ProcessHost\n"
+        "def target(conn, blob):\n"
+        "    conn.send((True, None))\n"
+        "    conn.send(len(blob))\n"
+        "if __name__ == '__main__':\n"
+        "    start = time.monotonic()\n"
+        "    try:\n"
+        "        limit = float(sys.argv[2])\n"
+        "        host = ProcessHost(target, (b'x' * 2_000_000,), startup_timeout_s=limit)\n"
+        "        print('started', host.conn.recv())\n"
+        "        host.close()\n"
+        "    except TimeoutError as e:\n"
+        "        print('timeout after', round(time.monotonic() - start), 's:', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    def run(mode, limit):
+        out = subprocess.run([sys.executable, str(script), mode, str(limit)], env=env,
+                             capture_output=True, text=True, timeout=90)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    stuck = run("stuck", 3)
+    assert stuck.startswith("timeout after 3 s: no answer within 3 s (timeout); process killed")
+    assert "if __name__ == '__main__':" in stuck
+    assert run("fine", 60) == "started 2000000"

@@ -237,3 +237,82 @@ def test_version_of_every_sample_is_checked(tiny_config, monkeypatch):
     with pytest.raises(ContractError, match="key 'version'.*max staleness 0"):
         trainer.fit()
     assert trainer.step == 0  # refused before the update
+
+
+# ----- user code that hangs or exits, in a real `groupflow train` process ---------------------
+
+
+def _train(tmp_path, helpers_on_path, data, timeout=240):
+    """``groupflow train`` on ``data`` in a subprocess that must exit within ``timeout`` s."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(data))
+    repo = helpers_on_path.parent
+    env = {**os.environ, "PYTHONPATH": f"{helpers_on_path}{os.pathsep}{repo}"}
+    return subprocess.run(
+        [sys.executable, "-m", "groupflow.cli", "train", str(config), "--no-plot"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_an_environment_that_hangs_forever_stops_the_run_by_name_and_the_process_exits(
+    tmp_path, tiny_config_data, helpers_on_path, staleness
+):
+    # 16 samples a step, each abandons its reset: the run stops at step 3, naming the method
+    data = tiny_config_data(
+        run__total_steps=6, rollout__max_turns=2, rollout__max_new_tokens=4,
+        rollout__environment={"class": "agent_helpers:SleepingEnv"}, rollout__env_timeout_s=0.05,
+        rollout__observation_template="{content}", rollout__max_staleness=staleness,
+    )  # fmt: skip
+    out = _train(tmp_path, helpers_on_path, data)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert "32 timed-out calls are still running in background threads: SleepingEnv.reset (32)" in (
+        out.stderr
+    )
+
+
+@pytest.mark.slow
+def test_a_tool_that_hangs_in_the_warm_starts_demonstrations_is_named(
+    tmp_path, tiny_config_data, helpers_on_path
+):
+    # the demonstrations run their tool calls through a real environment before any step: a hung
+    # tool stops there by name (it used to starve the shared pool and be reported as a reset
+    # that timed out)
+    tools = [{"function": "agent_helpers:hang_tool", "label": "calc", "timeout_s": 0.05}]
+    data = tiny_config_data(**{**CALC, "sft__steps": 1, "rollout__tools": tools})
+    out = _train(tmp_path, helpers_on_path, data)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "timed-out calls are still running in background threads: tool 'calc' (32)" in (
+        out.stderr
+    )
+    assert "reset" not in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_an_environment_calling_sys_exit_fails_its_samples_and_the_run_goes_on(
+    tmp_path, tiny_config_data, helpers_on_path, staleness
+):
+    data = tiny_config_data(
+        run__total_steps=2, rollout__max_turns=2, rollout__max_new_tokens=4,
+        rollout__environment={"class": "agent_helpers:ExitingEnv"}, reward__failure_value=-1.0,
+        rollout__observation_template="{content}", rollout__max_staleness=staleness,
+    )  # fmt: skip
+    out = _train(tmp_path, helpers_on_path, data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "never retrieved" not in out.stderr
+    assert "runs in a thread" not in out.stderr  # k=1: in the rollout child process
+    assert "ExitingEnv.reset: SystemExit: 0" in out.stderr  # logged once
+    rows = _steps(tmp_path / "tiny")[1:]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # every sample failed at its reset, and was counted
+        assert (row["rollout/env_failures"], row["rollout/finish/env_failure"]) == (16, 1)
+        assert row["reward/mean"] == -1.0

@@ -406,6 +406,30 @@ class ActorConfig(_Section):
         return name
 
     @model_validator(mode="after")
+    def _loss_options_fit_the_loss(self):
+        # A typed PPO option the chosen loss does not take would be dropped silently
+        # (workers.common.loss_options passes only those it declares): an explicit one is an error.
+        from groupflow.algorithms import POLICY_LOSSES
+        from groupflow.algorithms.registry import check_options, option_names
+
+        fn = POLICY_LOSSES.get(self.loss_fn)
+        accepted = option_names(fn)
+        typed = ("ratio_level", "clip_eps_low", "clip_eps_high", "clip_ratio_c", "delta")
+        if accepted is not None:
+            for key in typed:
+                if key in self.model_fields_set and key not in accepted:
+                    raise ValueError(
+                        f"actor.{key} does not apply to actor.loss_fn={self.loss_fn!r} (its "
+                        f"options: {', '.join(accepted) or '(none)'}; set them under "
+                        "actor.loss_options)"
+                    )
+        try:
+            check_options(fn, self.loss_options, what=f"actor.loss_fn={self.loss_fn!r}")
+        except TypeError as e:  # pydantic reports ValueErrors with the location
+            raise ValueError(f"actor.loss_options: {e}") from None
+        return self
+
+    @model_validator(mode="after")
     def _micro(self):
         if self.micro_batch_samples and self.micro_batch_tokens:
             raise ValueError(

@@ -30,6 +30,7 @@ from groupflow.checkpoint import (
     save_checkpoint,
 )
 from groupflow.config import Config
+from groupflow.config.presets import preset_report
 from groupflow.contracts import check_staleness, validate
 from groupflow.credit import CreditAssignment
 from groupflow.health import CollapseMonitor
@@ -62,6 +63,8 @@ class Trainer:
         # Fresh start or resume is decided before the tokenizer is read: a fresh run never
         # reuses an old run's files, a resume never continues under a different config.
         self.resume_from = None if self.inference else prepare_run_dir(cfg, self.run_dir)
+        if cfg.algorithm.preset and not self.inference:  # what the one key set, and what won
+            log.info("algorithm.preset=%s: %s", cfg.algorithm.preset, "; ".join(preset_report(cfg)))
         self._resumed_once = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.run.num_threads:

@@ -137,8 +137,13 @@ def test_loss_options_are_checked_against_the_chosen_loss():
     msg = _error(apply_overrides(_base(), {"actor.loss_fn": "cispo", "actor.clip_eps_high": 5.0}))
     assert "actor.clip_eps_high does not apply to actor.loss_fn='cispo'" in msg
     assert "clip_ratio_max" in msg
-    msg = _error(apply_overrides(_base(), {"actor.loss_fn": "vespo", "actor.ratio_level": "token"}))
+    msg = _error(
+        apply_overrides(_base(), {"actor.loss_fn": "vespo", "actor.ratio_level": "sequence"})
+    )
     assert "actor.ratio_level does not apply to actor.loss_fn='vespo'" in msg
+    # a default value is no request (a dumped config holds them all) and reloads
+    cfg = config_from_dict(apply_overrides(_base(), {"actor.loss_fn": "vespo"}))
+    assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
     bad = {"actor.loss_fn": "sapo", "actor.loss_options": {"temperature_negative": 1.1}}
     msg = _error(apply_overrides(_base(), bad))
     assert "'temperature_negative'" in msg and "did you mean 'temperature_neg'" in msg

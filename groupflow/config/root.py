@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from groupflow.config.diffusion import DiffusionConfig
 from groupflow.config.keys import unknown_key_problem
+from groupflow.config.presets import expand_preset
 from groupflow.config.sections import (
     VLLM_HEAD_DIMS,
     ActorConfig,
@@ -53,6 +54,12 @@ class Config(_Section):
     reward_model: RewardModelConfig | None = None
 
     diffusion: DiffusionConfig | None = None  # a flow-matching policy instead of an LLM
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        # algorithm.preset's keys go under the user's own, before any section is validated
+        return expand_preset(data)
 
     @model_validator(mode="after")
     def _known_keys(self):
@@ -187,6 +194,11 @@ class Config(_Section):
         if self.diffusion is not None and self.sft.steps:
             raise ValueError(
                 "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"
+            )
+        if self.diffusion is not None and self.algorithm.preset is not None:
+            raise ValueError(
+                f"algorithm.preset={self.algorithm.preset!r} sets LLM loss keys (clip ranges, "
+                "aggregation) that do not suit diffusion.objective; set the keys themselves"
             )
         if self.diffusion is not None:
             # Diffusion log-probs are per-element means: ratios are geometric means over

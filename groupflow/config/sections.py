@@ -11,6 +11,7 @@ needs one section only lives on that section; checks across sections live on ``C
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -296,6 +297,9 @@ class KLInRewardConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
+    # One key for the keys an algorithm spreads over sections (groupflow.config.presets: grpo,
+    # dapo, dr_grpo, gspo, bnpo, cispo, rloo, reinforce_pp); keys given explicitly win.
+    preset: str | None = None
     estimator: str = "grpo"  # a name in groupflow.algorithms.ADVANTAGE_ESTIMATORS
     estimator_options: dict[str, Any] = Field(
         default_factory=dict
@@ -315,6 +319,17 @@ class AlgorithmConfig(_Section):
     lam: float = Field(1.0, ge=0, le=1)
     whiten_advantages: bool = True  # GAE advantages whitened over the batch's valid tokens
     kl_in_reward: KLInRewardConfig | None = None  # None: no KL penalty in the reward
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str | None) -> str | None:
+        from groupflow.config.presets import PRESETS
+
+        if name is not None and name not in PRESETS:
+            close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.4)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}{hint}")
+        return name
 
     @field_validator("estimator")
     @classmethod
@@ -408,7 +423,8 @@ class ActorConfig(_Section):
     @model_validator(mode="after")
     def _loss_options_fit_the_loss(self):
         # A typed PPO option the chosen loss does not take would be dropped silently
-        # (workers.common.loss_options passes only those it declares): an explicit one is an error.
+        # (workers.common.loss_options passes only those it declares): one set to a value other
+        # than its default is an error (a dumped config, which holds every default, still loads).
         from groupflow.algorithms import POLICY_LOSSES
         from groupflow.algorithms.registry import check_options, option_names
 
@@ -417,7 +433,8 @@ class ActorConfig(_Section):
         typed = ("ratio_level", "clip_eps_low", "clip_eps_high", "clip_ratio_c", "delta")
         if accepted is not None:
             for key in typed:
-                if key in self.model_fields_set and key not in accepted:
+                default = type(self).model_fields[key].default
+                if key not in accepted and getattr(self, key) != default:
                     raise ValueError(
                         f"actor.{key} does not apply to actor.loss_fn={self.loss_fn!r} (its "
                         f"options: {', '.join(accepted) or '(none)'}; set them under "

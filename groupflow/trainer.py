@@ -75,7 +75,7 @@ class Trainer:
         self.policy, self.workflow, self.data_stats = build_run(built_cfg, self.run_dir, inputs)
         self.built_cfg, self.inputs = built_cfg, inputs  # what an asynchronous rollout side needs
         self.contracts = self.workflow.contracts
-        self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed)
+        self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed, cfg.teacher)
         # warns once if the policy dies (e.g. a far too high actor.lr)
         self.collapse = CollapseMonitor(cfg.actor.lr, getattr(self.policy, "max_entropy", None))
         self.loader = prompt_loader(cfg, self.workflow.train_rows)

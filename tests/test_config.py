@@ -149,6 +149,17 @@ def test_loss_options_are_checked_against_the_chosen_loss():
     assert "'temperature_negative'" in msg and "did you mean 'temperature_neg'" in msg
 
 
+def test_teacher_section_is_typed_and_not_for_gae():
+    cfg = config_from_dict(apply_overrides(_base(), {"teacher.path": "/t", "teacher.coef": 0.5}))
+    assert (cfg.teacher.coef, cfg.teacher.reward_weight) == (0.5, 1.0)
+    assert "'teacher.coef'" in _error(
+        apply_overrides(_base(), {"teacher.path": "/t", "teacher.coef": -1})
+    )
+    gae = {"teacher.path": "/t", "algorithm.estimator": "gae", "critic": {}}
+    msg = _error(apply_overrides(_base(), gae))
+    assert "does not combine with diffusion or algorithm.estimator=gae" in msg
+
+
 def test_kl_bias_correction_needs_a_kl_loss_and_an_llm_policy():
     on = {"actor.kl_bias_correction": True, "actor.kl_coef": 0.05}
     assert config_from_dict(apply_overrides(_base(), on)).actor.kl_bias_correction is True

@@ -132,6 +132,22 @@ PRESETS: dict[str, Preset] = {
         "whitening); verl adv_estimator=reinforce_plus_plus_baseline",
         "the paper's KL penalty in the reward is not set: add algorithm.kl_in_reward",
     ),
+    "opd": Preset(
+        {
+            "teacher.coef": 1.0,
+            "teacher.reward_weight": 0.0,
+            "algorithm.estimator": "grpo",
+            **_PPO_CLIP,
+            "actor.clip_eps_low": 0.2,
+            "actor.clip_eps_high": 0.2,
+            "actor.loss_agg": "token_mean",
+            "actor.kl_coef": 0.0,
+        },
+        "on-policy distillation: per-token reverse KL to the teacher as the advantage, no "
+        "discount (Thinking Machines' tinker-cookbook on-policy distillation; verl "
+        "docs/algo/opd.md; Agarwal et al., GKD, arXiv 2306.13649)",
+        "teacher.path is yours to give; teacher.reward_weight > 0 mixes in the rewards",
+    ),
 }
 
 # typed actor keys that only some losses take (workers.common.loss_options passes the declared ones)

@@ -28,6 +28,7 @@ from groupflow.config.sections import (
     RolloutConfig,
     RunConfig,
     SFTConfig,
+    TeacherConfig,
     ValidationConfig,
     _Section,
 )
@@ -52,6 +53,9 @@ class Config(_Section):
 
     critic: CriticConfig | None = None  # PPO's value model (needs algorithm.estimator=gae)
     reward_model: RewardModelConfig | None = None
+    teacher: TeacherConfig | None = (
+        None  # on-policy distillation (groupflow.algorithms.distillation)
+    )
 
     diffusion: DiffusionConfig | None = None  # a flow-matching policy instead of an LLM
 
@@ -194,6 +198,14 @@ class Config(_Section):
         if self.diffusion is not None and self.sft.steps:
             raise ValueError(
                 "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"
+            )
+        if self.teacher is not None and (
+            self.diffusion is not None or self.algorithm.estimator == "gae"
+        ):
+            raise ValueError(
+                "teacher (on-policy distillation) gives LLM policies per-token advantages on top "
+                "of an outcome estimator; it does not combine with diffusion or "
+                "algorithm.estimator=gae"
             )
         if self.diffusion is not None and self.algorithm.preset is not None:
             raise ValueError(

@@ -298,7 +298,7 @@ class KLInRewardConfig(_Section):
 
 class AlgorithmConfig(_Section):
     # One key for the keys an algorithm spreads over sections (groupflow.config.presets: grpo,
-    # dapo, dr_grpo, gspo, bnpo, cispo, rloo, reinforce_pp); keys given explicitly win.
+    # dapo, dr_grpo, gspo, bnpo, cispo, rloo, reinforce_pp, opd); keys given explicitly win.
     preset: str | None = None
     estimator: str = "grpo"  # a name in groupflow.algorithms.ADVANTAGE_ESTIMATORS
     estimator_options: dict[str, Any] = Field(
@@ -553,6 +553,22 @@ class RewardModelConfig(_Section):
     trust_remote_code: bool = False
 
 
+class TeacherConfig(_Section):
+    """On-policy distillation: a frozen teacher (a local HF directory or a Hub id, any size, the
+    student's tokenizer) scores every token the student samples; each token's advantage gets
+    ``-coef * (log pi_student - log pi_teacher)`` (the per-token reverse KL, undiscounted) on top
+    of ``reward_weight`` times the outcome advantage of the rewards (0: distillation alone).
+    The teacher runs in its own worker group: placed like the actor (the same processes and
+    devices) unless ``placement.teacher`` gives it a pool."""
+
+    path: str
+    revision: str | None = None  # of a Hub id in path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    coef: float = Field(1.0, ge=0)
+    reward_weight: float = Field(1.0, ge=0)
+
+
 class RunConfig(_Section):
     name: str = "run"
     output_dir: str = "runs"
@@ -618,4 +634,5 @@ class PlacementConfig(_Section):
     # Roles with their own worker class; None: as many workers as the actor, placed like it.
     critic: PoolConfig | None = None
     reward_model: PoolConfig | None = None
+    teacher: PoolConfig | None = None
     timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to place a pool

@@ -46,7 +46,21 @@ EXPECTED = {
 
 
 def test_every_preset_is_tested():
-    assert set(EXPECTED) == set(PRESETS)
+    assert set(EXPECTED) | {"opd"} == set(PRESETS)
+
+
+def test_opd_sets_the_teacher_signal_alone_and_needs_a_teacher_path():
+    cfg = config_from_dict(_base(algorithm={"preset": "opd"}, teacher={"path": "/models/t"}))
+    assert (cfg.teacher.coef, cfg.teacher.reward_weight) == (1.0, 0.0)
+    assert (cfg.actor.loss_fn, cfg.actor.loss_agg, cfg.actor.kl_coef) == (
+        "ppo_clip",
+        "token_mean",
+        0.0,
+    )
+    mixed = _base(algorithm={"preset": "opd"}, teacher={"path": "/t", "reward_weight": 0.5})
+    assert config_from_dict(mixed).teacher.reward_weight == 0.5
+    with pytest.raises(ConfigError, match="'teacher.path': Field required"):
+        config_from_dict(_base(algorithm={"preset": "opd"}))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

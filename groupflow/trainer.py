@@ -30,7 +30,7 @@ from groupflow.checkpoint import (
     save_checkpoint,
 )
 from groupflow.config import Config
-from groupflow.config.presets import preset_report
+from groupflow.config.presets import preset_note, preset_report
 from groupflow.contracts import check_staleness, validate
 from groupflow.credit import CreditAssignment
 from groupflow.health import CollapseMonitor
@@ -64,7 +64,9 @@ class Trainer:
         # reuses an old run's files, a resume never continues under a different config.
         self.resume_from = None if self.inference else prepare_run_dir(cfg, self.run_dir)
         if cfg.algorithm.preset and not self.inference:  # what the one key set, and what won
-            log.info("algorithm.preset=%s: %s", cfg.algorithm.preset, "; ".join(preset_report(cfg)))
+            name = cfg.algorithm.preset
+            note = f" (not set by the preset: {preset_note(name)})" if preset_note(name) else ""
+            log.info("algorithm.preset=%s: %s%s", name, "; ".join(preset_report(cfg)), note)
         self._resumed_once = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.run.num_threads:

@@ -16,7 +16,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PRESETS", "Preset", "expand_preset", "preset_report"]
+__all__ = ["PRESETS", "Preset", "expand_preset", "preset_note", "preset_report"]
 
 
 @dataclass(frozen=True)
@@ -214,6 +214,11 @@ def expand_preset(data: Any) -> Any:
                 value = {k: v for k, v in value.items() if k in accepted}
         _set_default(out, dotted, value)
     return out
+
+
+def preset_note(name: str | None) -> str:
+    """What the preset leaves to the user (empty when nothing)."""
+    return PRESETS[name].note if name in PRESETS else ""
 
 
 def preset_report(cfg: Any) -> list[str]:

@@ -22,7 +22,7 @@ which to call, so every formula is checked against hand-computed values in isola
   value). The loss is the unclipped −A·ρ, masked where the step is outside the trust region
   (KL ≥ threshold) AND the update moves it further away (ρ > 1 with A > 0, or ρ < 1 with A < 0);
   corrective updates are always kept.
-- **AWM**, Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; as Flow-Factory ships
+- **AWM**, Advantage Weighted Matching (arXiv 2509.25050, 2025; as Flow-Factory ships
   it): the flow-matching loss itself as the log-likelihood surrogate. A clean sample is re-noised
   (x_t = (1−t)·x0 + t·ε, as DiffusionNFT) and log p = −w(t)·mean‖v_θ(x_t) − (ε − x0)‖², with
   w = 1, t or t²; the policy loss on it (PPO clip, old = the sampling policy at the same x_t, ε)

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from groupflow.config import ConfigError, config_from_dict, load_config
-from groupflow.config.presets import PRESETS, preset_report
+from groupflow.config.presets import PRESETS, preset_note, preset_report
 
 
 def _base(**sections) -> dict:
@@ -128,6 +128,12 @@ def test_unknown_preset_names_the_closest_valid():
         config_from_dict(_base(algorithm={"preset": "drgrpo"}))
     with pytest.raises(ConfigError, match="'algorithm.preset'"):
         config_from_dict(_base(algorithm={"preset": 3}))
+
+
+def test_what_a_preset_leaves_out_is_said():
+    assert "overlong_penalty" in preset_note("dapo")
+    assert "teacher.path" in preset_note("opd")
+    assert preset_note("gspo") == "" and preset_note(None) == ""
 
 
 def test_no_preset_changes_nothing():

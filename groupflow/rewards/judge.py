@@ -231,7 +231,8 @@ def make_judge_reward(
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def messages(prompt: str, response: str, row: Mapping[str, Any]) -> list[dict[str, str]]:
+    def messages(prompt: Any, response: str, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        prompt = _prompt_text(prompt)
         if rubric is not None:
             return [
                 {"role": "system", "content": RUBRIC_SYSTEM.format(rubric=rubric)},
@@ -316,6 +317,13 @@ def make_judge_reward(
 
     judge.__name__ = judge.__qualname__ = "judge"
     return judge
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A chat prompt (a list of {role, content} messages) as "role: content" lines; text as is."""
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, Mapping) for m in prompt):
+        return "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in prompt)
+    return str(prompt)
 
 
 def _retry_after(resp: httpx.Response) -> float:

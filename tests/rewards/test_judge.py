@@ -191,6 +191,13 @@ def test_template_with_dataset_fields_and_json_field(stub):
         _run(fn, ["JSON"])
 
 
+def test_a_chat_prompt_is_shown_to_the_judge_as_role_lines(stub):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert _run(_judge(stub), ["aa"], prompts=[chat]) == [2.0]
+    user = stub.requests[0]["messages"][1]["content"]
+    assert user.startswith("PROMPT:\nsystem: be brief\nuser: hi\n\nRESPONSE:")
+
+
 def test_custom_score_regex(stub):
     fn = _judge(stub, score_regex=r"Reasoning\.\.\. Score: (\d+)")
     assert _run(fn, ["aaa"]) == [3.0]

@@ -2,9 +2,10 @@
 
 Design decision: this stage reads only the batch's generic keys — ``rewards``, ``group_ids``,
 ``response_mask``, and when configured ``values`` (a critic), ``old_logprobs``/``ref_logprobs``
-(KL in the reward) and ``teacher_logprobs`` (on-policy distillation: per-token advantages) — so one implementation serves single-turn, multi-turn and diffusion
-workflows alike. It is the only stateful piece between rollout and update (the adaptive KL
-controller's β), which it checkpoints itself. The math is ``groupflow.algorithms``'.
+(KL in the reward) and ``teacher_logprobs`` (on-policy distillation: per-token advantages) — so
+one implementation serves single-turn, multi-turn and diffusion workflows alike. It is the only
+stateful piece between rollout and update (the adaptive KL controller's β), which it checkpoints
+itself. The math is ``groupflow.algorithms``'.
 """
 
 from __future__ import annotations

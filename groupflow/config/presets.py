@@ -16,6 +16,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
+
 __all__ = ["PRESETS", "Preset", "expand_preset", "preset_note", "preset_report"]
 
 
@@ -150,9 +152,6 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-# typed actor keys that only some losses take (workers.common.loss_options passes the declared ones)
-_LOSS_TYPED = ("ratio_level", "clip_eps_low", "clip_eps_high", "clip_ratio_c", "delta")
-
 
 def _get(data: dict, dotted: str) -> tuple[bool, Any]:
     node: Any = data
@@ -208,7 +207,7 @@ def expand_preset(data: Any) -> Any:
     for dotted, value in preset.keys.items():
         section, _, key = dotted.partition(".")
         if section == "actor" and accepted is not None:
-            if key in _LOSS_TYPED and key not in accepted:
+            if key in LOSS_TYPED_OPTIONS and key not in accepted:
                 continue
             if key == "loss_options":
                 value = {k: v for k, v in value.items() if k in accepted}
@@ -232,7 +231,7 @@ def preset_report(cfg: Any) -> list[str]:
     lines = []
     for dotted, value in PRESETS[name].keys.items():
         section, _, key = dotted.partition(".")
-        if section == "actor" and key in _LOSS_TYPED and accepted is not None:
+        if section == "actor" and key in LOSS_TYPED_OPTIONS and accepted is not None:
             if key not in accepted:
                 lines.append(f"{dotted} (not an option of actor.loss_fn={cfg.actor.loss_fn!r})")
                 continue

@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
+
 
 class ConfigError(ValueError):
     """The configuration file or an override is invalid."""
@@ -430,9 +432,8 @@ class ActorConfig(_Section):
 
         fn = POLICY_LOSSES.get(self.loss_fn)
         accepted = option_names(fn)
-        typed = ("ratio_level", "clip_eps_low", "clip_eps_high", "clip_ratio_c", "delta")
         if accepted is not None:
-            for key in typed:
+            for key in LOSS_TYPED_OPTIONS:
                 default = type(self).model_fields[key].default
                 if key not in accepted and getattr(self, key) != default:
                     raise ValueError(

@@ -29,6 +29,13 @@ VARIANTS = {
     "grpo_guard": {"diffusion.ratio_norm": True},
     "nft": {"diffusion.objective": "nft", "diffusion.sampler": "ode",
             "diffusion.same_noise_per_group": False},
+    # with one optimizer step per batch (the demo's) every ratio is 1: Flow-DPPO's mask and the
+    # PPO clip never act, and flow_dppo equals flow_grpo; they differ with several epochs
+    "flow_dppo": {"diffusion.objective": "flow_dppo"},
+    "flow_grpo_mu4": {"actor.ppo_epochs": 4},
+    "flow_dppo_mu4": {"diffusion.objective": "flow_dppo", "actor.ppo_epochs": 4},
+    "awm": {"diffusion.objective": "awm", "diffusion.sampler": "ode",
+            "diffusion.same_noise_per_group": False},
 }  # fmt: skip
 
 

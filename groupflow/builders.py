@@ -80,6 +80,7 @@ def resolve_hub_models(cfg: Config) -> Config:
         ("model", ("path", "tokenizer_path")),
         ("critic", ("path",)),
         ("reward_model", ("path", "tokenizer_path")),
+        ("teacher", ("path",)),
     ]
     for name, keys in sections:
         section = getattr(out, name)
@@ -167,6 +168,42 @@ def check_model_dir(path: str, key: str) -> None:
         raise ModelLoadError(
             f"{key}: '{p}' is not a Hugging Face model directory ({what}); for a GGUF file, "
             "convert it first with `groupflow convert-gguf`"
+        )
+
+
+def check_teacher(path: str, student_tokenizer) -> None:
+    """On-policy distillation compares log-probs of the same token ids: the teacher's tokenizer
+    (in ``path``) must map every token to the id the student's does, with the same special
+    tokens, and the teacher's output layer must cover every id. Raises ModelLoadError naming the
+    first difference."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        teacher_tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"teacher.path: cannot load a tokenizer from '{path}' ({e})") from None
+    mine, theirs = student_tokenizer.get_vocab(), teacher_tok.get_vocab()
+    if mine != theirs:
+        differ = sorted(t for t in mine.keys() | theirs.keys() if mine.get(t) != theirs.get(t))
+        shown = ", ".join(f"{t!r}: student {mine.get(t)}, teacher {theirs.get(t)}"
+                          for t in differ[:3])  # fmt: skip
+        raise ModelLoadError(
+            f"teacher.path: the teacher's tokenizer does not match the student's ({len(mine)} vs "
+            f"{len(theirs)} tokens, {len(differ)} differ: {shown}); on-policy distillation needs "
+            "the same token ids (use a teacher of the student's model family, or give the "
+            "student the teacher's tokenizer with model.tokenizer_path)"
+        )
+    for name in ("eos_token_id", "bos_token_id"):  # pad is never scored
+        a, b = getattr(student_tokenizer, name), getattr(teacher_tok, name)
+        if a != b:
+            raise ModelLoadError(
+                f"teacher.path: {name} is {b} for the teacher, {a} for the student"
+            )
+    vocab = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "vocab_size", None)
+    if vocab is not None and vocab < len(student_tokenizer):
+        raise ModelLoadError(
+            f"teacher.path: the teacher's vocab_size {vocab} is smaller than the student's "
+            f"tokenizer ({len(student_tokenizer)} tokens)"
         )
 
 
@@ -459,5 +496,5 @@ def total_cpus(cfg: Config) -> float:
     roles = ["actor"] + [
         r for r in ("rollout", "reference") if getattr(cfg.placement, r) != "colocated"
     ]
-    roles += [r for r in ("critic", "reward_model") if getattr(cfg, r) is not None]
+    roles += [r for r in ("critic", "reward_model", "teacher") if getattr(cfg, r) is not None]
     return sum(pool_spec(cfg, r).world_size * pool_spec(cfg, r).cpus_per_worker for r in roles)

@@ -1,10 +1,11 @@
 """Credit assignment: a rewarded batch's advantages (and returns), whatever produced it.
 
 Design decision: this stage reads only the batch's generic keys — ``rewards``, ``group_ids``,
-``response_mask``, and when configured ``values`` (a critic) and ``old_logprobs``/``ref_logprobs``
-(KL in the reward) — so one implementation serves single-turn, multi-turn and diffusion
-workflows alike. It is the only stateful piece between rollout and update (the adaptive KL
-controller's β), which it checkpoints itself. The math is ``groupflow.algorithms``'.
+``response_mask``, and when configured ``values`` (a critic), ``old_logprobs``/``ref_logprobs``
+(KL in the reward) and ``teacher_logprobs`` (on-policy distillation: per-token advantages) — so
+one implementation serves single-turn, multi-turn and diffusion workflows alike. It is the only
+stateful piece between rollout and update (the adaptive KL controller's β), which it checkpoints
+itself. The math is ``groupflow.algorithms``'.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from groupflow.algorithms import (
     build_kl_controller,
     compute_advantages,
     compute_gae,
+    distillation_advantages,
     kl_in_reward,
     place_outcome_reward,
     sequence_mean_kl,
 )
 from groupflow.algorithms.registry import option_names
 from groupflow.batch import Batch
-from groupflow.config import AlgorithmConfig
+from groupflow.config import AlgorithmConfig, TeacherConfig
 from groupflow.utils.seeds import sample_seed
 
 __all__ = ["CreditAssignment", "estimator_options"]
@@ -42,8 +44,8 @@ def estimator_options(al: AlgorithmConfig) -> dict[str, Any]:
 class CreditAssignment:
     """``batch → batch`` with ``advantages`` (and ``returns`` for GAE)."""
 
-    def __init__(self, al: AlgorithmConfig, run_seed: int):
-        self.al, self.run_seed = al, run_seed
+    def __init__(self, al: AlgorithmConfig, run_seed: int, teacher: TeacherConfig | None = None):
+        self.al, self.run_seed, self.teacher = al, run_seed, teacher
         self.options = estimator_options(al)
         k = al.kl_in_reward
         self.kl_ctrl = (
@@ -68,10 +70,25 @@ class CreditAssignment:
             rewards, batch["group_ids"], al.estimator, adv_clip_max=al.adv_clip_max,
             reward_threshold=al.reward_threshold, **self.options,
         )  # fmt: skip
+        if self.teacher is not None:
+            batch["advantages"] = self.distill(batch)
         if al.shuffle_advantages:  # the control run (see AlgorithmConfig.shuffle_advantages)
             g = torch.Generator().manual_seed(sample_seed(self.run_seed, step, -2))
             batch["advantages"] = batch["advantages"][torch.randperm(len(batch), generator=g)]
         return batch
+
+    def distill(self, batch: Batch) -> torch.Tensor:
+        """[B, T] advantages: the teacher's per-token reverse-KL term plus the weighted outcome
+        advantage (groupflow.algorithms.distillation)."""
+        t, mask = self.teacher, batch["response_mask"]
+        student, teacher = batch["old_logprobs"], batch["teacher_logprobs"]
+        with torch.no_grad():
+            valid = mask != 0
+            kl = torch.where(valid, student - teacher, 0.0).sum() / valid.sum().clamp(min=1)
+        batch.meta.setdefault("reward_metrics", {}).update({"distill/reverse_kl": float(kl)})
+        return distillation_advantages(
+            batch["advantages"], student, teacher, mask, coef=t.coef, reward_weight=t.reward_weight
+        )
 
     def token_rewards(self, batch: Batch) -> torch.Tensor:
         """The outcome reward on each sample's last valid token, minus β·KL when configured."""

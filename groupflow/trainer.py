@@ -30,6 +30,7 @@ from groupflow.checkpoint import (
     save_checkpoint,
 )
 from groupflow.config import Config
+from groupflow.config.presets import preset_note, preset_report
 from groupflow.contracts import check_staleness, validate
 from groupflow.credit import CreditAssignment
 from groupflow.health import CollapseMonitor
@@ -64,6 +65,10 @@ class Trainer:
         # Fresh start or resume is decided before the tokenizer is read: a fresh run never
         # reuses an old run's files, a resume never continues under a different config.
         self.resume_from = None if self.inference else prepare_run_dir(cfg, self.run_dir)
+        if cfg.algorithm.preset and not self.inference:  # what the one key set, and what won
+            name = cfg.algorithm.preset
+            note = f" (not set by the preset: {preset_note(name)})" if preset_note(name) else ""
+            log.info("algorithm.preset=%s: %s%s", name, "; ".join(preset_report(cfg)), note)
         self._resumed_once = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.run.num_threads:
@@ -74,7 +79,7 @@ class Trainer:
         self.policy, self.workflow, self.data_stats = build_run(built_cfg, self.run_dir, inputs)
         self.built_cfg, self.inputs = built_cfg, inputs  # what an asynchronous rollout side needs
         self.contracts = self.workflow.contracts
-        self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed)
+        self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed, cfg.teacher)
         # warns once if the policy dies (e.g. a far too high actor.lr)
         self.collapse = CollapseMonitor(cfg.actor.lr, getattr(self.policy, "max_entropy", None))
         self.loader = prompt_loader(cfg, self.workflow.train_rows)

@@ -128,6 +128,38 @@ def test_invalid_values_name_the_key(overrides, expected):
     assert expected in _error(apply_overrides(_base(), overrides))
 
 
+def test_loss_options_are_checked_against_the_chosen_loss():
+    ok = {"actor.loss_fn": "cispo", "actor.ratio_level": "sequence"}
+    ok["actor.loss_options"] = {"clip_ratio_max": 4.0}
+    cfg = config_from_dict(apply_overrides(_base(), ok))
+    assert cfg.actor.loss_options == {"clip_ratio_max": 4.0}
+    # a typed PPO option the loss does not take would be dropped silently: an error instead
+    msg = _error(apply_overrides(_base(), {"actor.loss_fn": "cispo", "actor.clip_eps_high": 5.0}))
+    assert "actor.clip_eps_high does not apply to actor.loss_fn='cispo'" in msg
+    assert "clip_ratio_max" in msg
+    msg = _error(
+        apply_overrides(_base(), {"actor.loss_fn": "vespo", "actor.ratio_level": "sequence"})
+    )
+    assert "actor.ratio_level does not apply to actor.loss_fn='vespo'" in msg
+    # a default value is no request (a dumped config holds them all) and reloads
+    cfg = config_from_dict(apply_overrides(_base(), {"actor.loss_fn": "vespo"}))
+    assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    bad = {"actor.loss_fn": "sapo", "actor.loss_options": {"temperature_negative": 1.1}}
+    msg = _error(apply_overrides(_base(), bad))
+    assert "'temperature_negative'" in msg and "did you mean 'temperature_neg'" in msg
+
+
+def test_teacher_section_is_typed_and_not_for_gae():
+    cfg = config_from_dict(apply_overrides(_base(), {"teacher.path": "/t", "teacher.coef": 0.5}))
+    assert (cfg.teacher.coef, cfg.teacher.reward_weight) == (0.5, 1.0)
+    assert "'teacher.coef'" in _error(
+        apply_overrides(_base(), {"teacher.path": "/t", "teacher.coef": -1})
+    )
+    gae = {"teacher.path": "/t", "algorithm.estimator": "gae", "critic": {}}
+    msg = _error(apply_overrides(_base(), gae))
+    assert "does not combine with diffusion or algorithm.estimator=gae" in msg
+
+
 def test_kl_bias_correction_needs_a_kl_loss_and_an_llm_policy():
     on = {"actor.kl_bias_correction": True, "actor.kl_coef": 0.05}
     assert config_from_dict(apply_overrides(_base(), on)).actor.kl_bias_correction is True

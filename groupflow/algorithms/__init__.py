@@ -11,6 +11,7 @@ selects variants by name and users add one by registering a function:
                 entropy_from_logits
     PPO         place_outcome_reward, kl_in_reward, Fixed/AdaptiveKLController, value_loss
     sampling    apply_sampling_filters, sample_from_logits, logprobs_from_logits
+    distill     distillation_advantages (on-policy distillation: teacher reverse KL per token)
     mismatch    truncated_is_weights (TIS), decoupled_weights (decoupled PPO), logprob_mismatch
                 (rollout engine or stale behaviour policy vs training forward)
     masks       response_span, response_widths, prompt_widths, last_valid_index (gaps in masks)
@@ -35,6 +36,7 @@ from groupflow.algorithms.correction import (
     logprob_mismatch,
     truncated_is_weights,
 )
+from groupflow.algorithms.distillation import distillation_advantages, reverse_kl_per_token
 from groupflow.algorithms.kl import (
     KL_ESTIMATORS,
     entropy_from_logits,
@@ -108,6 +110,8 @@ __all__ = [
     "logprobs_from_logits",
     "logprob_mismatch",
     "decoupled_weights",
+    "distillation_advantages",
+    "reverse_kl_per_token",
     "loss_denominators",
     "masked_mean",
     "policy_loss",

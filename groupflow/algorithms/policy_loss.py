@@ -4,13 +4,16 @@ Design decision: a policy loss is a registered function from (logprobs, old_logp
 advantages, mask) to a per-action loss [B, T] plus metrics; `policy_loss` validates inputs,
 broadcasts advantages, calls it, and reduces the result with the same aggregation modes and
 global denominators as every other loss term. A new loss (e.g. CISPO) is one function and one
-`@register_policy_loss` line; the trainer only passes `loss_fn=<name>`.
+`@register_policy_loss` line; the trainer only passes `loss_fn=<name>`. Built in: ppo_clip
+(token or sequence ratio, i.e. PPO/GRPO/DAPO/GSPO), cispo, sapo, vespo -- the last three written
+to equal TRL 1.16's ``GRPOTrainer._compute_loss`` (tests/algorithms/test_policy_loss_trl.py).
 
 old_logprobs and advantages are detached here: gradients flow through `logprobs` only.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -151,10 +154,146 @@ def ppo_clip(
             "clipfrac_low": masked_mean(((r < 1.0 - clip_eps_low) & negative).float(), valid),
             "clipfrac_high": masked_mean(((r > 1.0 + eps_high) & (advantages > 0)).float(), valid),
             "clipfrac_dual": masked_mean(dual_active.float(), valid),
-            "ratio_mean": torch.where(valid.any(), masked_mean(r, valid), 1.0),
-            "ratio_max": _masked_extreme(r, valid, largest=True, empty=1.0),
-            "ratio_min": _masked_extreme(r, valid, largest=False, empty=1.0),
+            **_ratio_stats(r, valid),
         }
+    return loss, metrics
+
+
+def _ratio_stats(ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """ratio_mean/max/min over valid tokens (1 when there are none), as ppo_clip reports them."""
+    r = ratio.detach()
+    return {
+        "ratio_mean": torch.where(valid.any(), masked_mean(r, valid), 1.0),
+        "ratio_max": _masked_extreme(r, valid, largest=True, empty=1.0),
+        "ratio_min": _masked_extreme(r, valid, largest=False, empty=1.0),
+    }
+
+
+def _check_level(ratio_level: str, log_ratio_clamp: float) -> None:
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
+    if not log_ratio_clamp > 0:
+        raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp!r}")
+
+
+@register_policy_loss("cispo", zero_advantage_inert=True)
+def cispo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    valid: Tensor,
+    *,
+    ratio_level: str = "token",
+    clip_ratio_max: float = 5.0,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
+
+    L = -sg(min(rho, clip_ratio_max)) * A * logp: REINFORCE weighted by the capped, detached
+    ratio, so every token keeps a gradient (PPO's clip zeroes it outside the trust region).
+    clip_ratio_max is the cap on rho itself (TRL's ``epsilon_high`` under ``loss_type="cispo"``,
+    ScaleRL's eps_max; both recommend 5.0, our default). TRL's own default leaves epsilon_high
+    unset, which makes the cap its ``epsilon`` = 0.2: every on-policy token's weight is then 0.2.
+    Pass clip_ratio_max=0.2 to reproduce that. ratio_level "sequence" shares the GSPO ratio.
+
+    Metric cispo_clipfrac: share of valid tokens with rho > clip_ratio_max and A > 0 (TRL's).
+    """
+    _check_level(ratio_level, log_ratio_clamp)
+    if not clip_ratio_max > 0:
+        raise ValueError(f"clip_ratio_max must be > 0, got {clip_ratio_max!r}")
+    ratio = importance_ratio(logprobs, old_logprobs, valid, ratio_level, log_ratio_clamp)
+    weight = ratio.clamp(max=clip_ratio_max).detach()
+    loss = -weight * advantages * logprobs
+    with torch.no_grad():
+        capped = (ratio > clip_ratio_max) & (advantages > 0)
+        metrics = {
+            "cispo_clipfrac": masked_mean(capped.float(), valid),
+            **_ratio_stats(ratio, valid),
+        }
+    return loss, metrics
+
+
+@register_policy_loss("sapo", zero_advantage_inert=True)
+def sapo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    valid: Tensor,
+    *,
+    ratio_level: str = "token",
+    temperature_pos: float = 1.0,
+    temperature_neg: float = 1.05,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347): a smooth gate instead of a clip.
+
+    L = -A * (4 / tau) * sigmoid(tau * (rho - 1)), tau = temperature_pos where A > 0, else
+    temperature_neg (TRL's defaults 1.0 / 1.05). The gradient is -A * 4 s(1 - s) * rho * dlogp
+    with s the sigmoid: exactly the policy gradient at rho = 1, decaying smoothly away from it.
+    TRL pairs it with its "grpo" aggregation (our seq_mean_token_mean); any agg works here.
+    """
+    _check_level(ratio_level, log_ratio_clamp)
+    if not (temperature_pos > 0 and temperature_neg > 0):
+        raise ValueError(
+            f"temperature_pos and temperature_neg must be > 0, got {temperature_pos!r}, "
+            f"{temperature_neg!r}"
+        )
+    ratio = importance_ratio(logprobs, old_logprobs, valid, ratio_level, log_ratio_clamp)
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    loss = -gate * advantages
+    with torch.no_grad():
+        metrics = {
+            "sapo_gate_mean": masked_mean(gate.detach(), valid),
+            **_ratio_stats(ratio, valid),
+        }
+    return loss, metrics
+
+
+_VESPO_LOG_W_MIN = math.log(1e-8)  # the reference implementation clamps w at 1e-8
+
+
+@register_policy_loss("vespo", zero_advantage_inert=True)
+def vespo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    valid: Tensor,
+    *,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """VESPO: REINFORCE weighted by a gamma-shaped function of the SEQUENCE importance weight.
+
+    w_i = exp(clamp(sum_t m (clamp(logp - old, +-20)), log 1e-8, 20)) (a product, not GSPO's
+    geometric mean), phi(w) = exp(lambda + k log w - lambda w) = e^lambda w^k e^(-lambda w)
+    (phi(1) = 1; (k, lambda) = (k_pos, lambda_pos) where A >= 0, else (k_neg, lambda_neg); TRL's
+    defaults 2, 3, 3, 2; lambda floored at 1e-4), detached; L = -phi * A * logp. Small w (k) and
+    large w (lambda) are both damped smoothly. The weight is sequence-level by construction, so
+    there is no ratio_level; with per-token advantages the (k, lambda) choice follows each
+    token's sign. As in TRL, non-finite phi becomes 0.
+
+    Metric vespo_phi_mean: phi averaged over valid tokens.
+    """
+    for name, v in (("k_pos", k_pos), ("k_neg", k_neg)):
+        if not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v!r}")
+    for name, v in (("lambda_pos", lambda_pos), ("lambda_neg", lambda_neg)):
+        if not v > 0:
+            raise ValueError(f"{name} must be > 0, got {v!r}")
+    with torch.no_grad():
+        log_ratio = torch.where(valid, (logprobs - old_logprobs).clamp(-20.0, 20.0), 0.0)
+        log_w = log_ratio.sum(dim=-1, keepdim=True).clamp(_VESPO_LOG_W_MIN, 20.0)
+        nonneg = advantages >= 0
+        k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+        lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
+    loss = -phi * advantages * logprobs
+    with torch.no_grad():
+        ratio = torch.where(valid, (logprobs - old_logprobs).exp(), 1.0)
+        metrics = {"vespo_phi_mean": masked_mean(phi, valid), **_ratio_stats(ratio, valid)}
     return loss, metrics
 
 
@@ -219,7 +358,9 @@ def policy_loss(
             ``old_logprobs`` are the proximal policy's, ``rollout_logprobs`` the behaviour
             policy's; each action's loss is multiplied by ``exp(old - rollout)``, 0 above the cap.
         **opts: options of the loss function (ppo_clip: ratio_level, clip_eps_low, clip_eps_high,
-            clip_ratio_c, delta, log_ratio_clamp); unknown ones raise.
+            clip_ratio_c, delta, log_ratio_clamp; cispo: ratio_level, clip_ratio_max; sapo:
+            ratio_level, temperature_pos, temperature_neg; vespo: k_pos, lambda_pos, k_neg,
+            lambda_neg); unknown ones raise.
 
     Returns:
         (scalar loss, metrics) with metrics as 0-dim detached tensors averaged over the valid

@@ -81,6 +81,19 @@ class NftConfig(_Section):
     adaptive_weight_min: float = Field(1e-5, gt=0)
 
 
+class FlowDppoConfig(_Section):
+    """Flow-DPPO: the exact per-step Gaussian KL(old || new) above which an update that widens
+    the gap is masked (verl-omni's default 1e-5)."""
+
+    kl_mask_threshold: float = Field(1e-5, gt=0)
+
+
+class AwmConfig(_Section):
+    """AWM: the time weighting of the flow-matching log-likelihood surrogate."""
+
+    weighting: Literal["uniform", "t", "t2"] = "uniform"
+
+
 class DiffusionConfig(_Section):
     """GRPO for flow-matching generators (Flow-GRPO / DanceGRPO); algorithms.md §7.
 
@@ -105,8 +118,12 @@ class DiffusionConfig(_Section):
     save_images: bool = True  # PNG grids of the online test in <run>/images/
     sde_window: SdeWindowConfig | None = None  # MixGRPO: SDE on a sliding window, ODE elsewhere
     ratio_norm: bool = False  # GRPO-Guard: mean-corrected, step-scaled ratio and 1/|dt| weights
-    objective: Literal["grpo", "nft"] = "grpo"  # nft: DiffusionNFT's forward-process objective
+    # nft: DiffusionNFT's forward-process objective; flow_dppo: Flow-DPPO's divergence mask
+    # instead of ratio clipping; awm: Advantage Weighted Matching (groupflow.diffusion.objectives)
+    objective: Literal["grpo", "nft", "flow_dppo", "awm"] = "grpo"
     nft: NftConfig = Field(default_factory=NftConfig)
+    flow_dppo: FlowDppoConfig = Field(default_factory=FlowDppoConfig)
+    awm: AwmConfig = Field(default_factory=AwmConfig)
     # FSDP2 over run.num_workers ranks (each block, then the root) instead of full replicas
     fsdp: bool = False
     activation_checkpointing: bool = False  # diffusers transformers: recompute block activations
@@ -131,7 +148,7 @@ class DiffusionConfig(_Section):
         from groupflow.diffusion.samplers import get_sampler
 
         # DiffusionNFT needs no log-probs: any sampler, the ODE included, collects its data
-        if self.objective == "grpo" and not get_sampler(self.sampler).stochastic:
+        if self.objective in ("grpo", "flow_dppo") and not get_sampler(self.sampler).stochastic:
             raise ValueError(
                 f"diffusion.sampler '{self.sampler}' has no step log-probs; train with flow_sde, "
                 "dance_sde or cps (use it as diffusion.eval_sampler, or with diffusion.objective=nft)"
@@ -142,7 +159,7 @@ class DiffusionConfig(_Section):
                 "are constant-free squared errors: use flow_sde or dance_sde"
             )
         if (
-            self.objective == "nft"
+            self.objective in ("nft", "awm")
             and not get_sampler(self.sampler).stochastic
             and self.same_noise_per_group
         ):
@@ -166,10 +183,10 @@ class DiffusionConfig(_Section):
                 "diffusion.cpu_offload is FSDP2's CPUOffloadPolicy (parameter shards, gradients "
                 "and optimizer state in CPU memory): set diffusion.fsdp: true"
             )
-        if self.objective == "nft" and self.ratio_norm:
+        if self.objective != "grpo" and self.ratio_norm:
             raise ValueError(
-                "diffusion.ratio_norm (GRPO-Guard) normalises importance ratios, which "
-                "diffusion.objective=nft does not have"
+                "diffusion.ratio_norm (GRPO-Guard) rewrites Flow-GRPO's clipped ratio; "
+                f"diffusion.objective={self.objective} has its own objective"
             )
         if self.sde_window is not None:
             if self.sde_window.size > self.num_steps:

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from groupflow.config.diffusion import DiffusionConfig
 from groupflow.config.keys import unknown_key_problem
+from groupflow.config.presets import expand_preset
 from groupflow.config.sections import (
     VLLM_HEAD_DIMS,
     ActorConfig,
@@ -28,6 +29,7 @@ from groupflow.config.sections import (
     RolloutConfig,
     RunConfig,
     SFTConfig,
+    TeacherConfig,
     ValidationConfig,
     _Section,
 )
@@ -53,8 +55,17 @@ class Config(_Section):
 
     critic: CriticConfig | None = None  # PPO's value model (needs algorithm.estimator=gae)
     reward_model: RewardModelConfig | None = None
+    teacher: TeacherConfig | None = (
+        None  # on-policy distillation (groupflow.algorithms.distillation)
+    )
 
     diffusion: DiffusionConfig | None = None  # a flow-matching policy instead of an LLM
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        # algorithm.preset's keys go under the user's own, before any section is validated
+        return expand_preset(data)
 
     @model_validator(mode="after")
     def _known_keys(self):
@@ -226,6 +237,19 @@ class Config(_Section):
         if self.diffusion is not None and self.sft.steps:
             raise ValueError(
                 "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"
+            )
+        if self.teacher is not None and (
+            self.diffusion is not None or self.algorithm.estimator == "gae"
+        ):
+            raise ValueError(
+                "teacher (on-policy distillation) gives LLM policies per-token advantages on top "
+                "of an outcome estimator; it does not combine with diffusion or "
+                "algorithm.estimator=gae"
+            )
+        if self.diffusion is not None and self.algorithm.preset is not None:
+            raise ValueError(
+                f"algorithm.preset={self.algorithm.preset!r} sets LLM loss keys (clip ranges, "
+                "aggregation) that do not suit diffusion.objective; set the keys themselves"
             )
         if self.diffusion is not None:
             # Diffusion log-probs are per-element means: ratios are geometric means over

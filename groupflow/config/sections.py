@@ -11,6 +11,7 @@ needs one section only lives on that section; checks across sections live on ``C
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,6 +23,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
 
 
 class ConfigError(ValueError):
@@ -299,6 +302,9 @@ class KLInRewardConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
+    # One key for the keys an algorithm spreads over sections (groupflow.config.presets: grpo,
+    # dapo, dr_grpo, gspo, bnpo, cispo, rloo, reinforce_pp, opd); keys given explicitly win.
+    preset: str | None = None
     estimator: str = "grpo"  # a name in groupflow.algorithms.ADVANTAGE_ESTIMATORS
     estimator_options: dict[str, Any] = Field(
         default_factory=dict
@@ -318,6 +324,17 @@ class AlgorithmConfig(_Section):
     lam: float = Field(1.0, ge=0, le=1)
     whiten_advantages: bool = True  # GAE advantages whitened over the batch's valid tokens
     kl_in_reward: KLInRewardConfig | None = None  # None: no KL penalty in the reward
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str | None) -> str | None:
+        from groupflow.config.presets import PRESETS
+
+        if name is not None and name not in PRESETS:
+            close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.4)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}{hint}")
+        return name
 
     @field_validator("estimator")
     @classmethod
@@ -412,6 +429,31 @@ class ActorConfig(_Section):
 
         POLICY_LOSSES.get(name)  # raises, listing the valid names
         return name
+
+    @model_validator(mode="after")
+    def _loss_options_fit_the_loss(self):
+        # A typed PPO option the chosen loss does not take would be dropped silently
+        # (workers.common.loss_options passes only those it declares): one set to a value other
+        # than its default is an error (a dumped config, which holds every default, still loads).
+        from groupflow.algorithms import POLICY_LOSSES
+        from groupflow.algorithms.registry import check_options, option_names
+
+        fn = POLICY_LOSSES.get(self.loss_fn)
+        accepted = option_names(fn)
+        if accepted is not None:
+            for key in LOSS_TYPED_OPTIONS:
+                default = type(self).model_fields[key].default
+                if key not in accepted and getattr(self, key) != default:
+                    raise ValueError(
+                        f"actor.{key} does not apply to actor.loss_fn={self.loss_fn!r} (its "
+                        f"options: {', '.join(accepted) or '(none)'}; set them under "
+                        "actor.loss_options)"
+                    )
+        try:
+            check_options(fn, self.loss_options, what=f"actor.loss_fn={self.loss_fn!r}")
+        except TypeError as e:  # pydantic reports ValueErrors with the location
+            raise ValueError(f"actor.loss_options: {e}") from None
+        return self
 
     @model_validator(mode="after")
     def _micro(self):
@@ -520,6 +562,22 @@ class RewardModelConfig(_Section):
     trust_remote_code: bool = False
 
 
+class TeacherConfig(_Section):
+    """On-policy distillation: a frozen teacher (a local HF directory or a Hub id, any size, the
+    student's tokenizer) scores every token the student samples; each token's advantage gets
+    ``-coef * (log pi_student - log pi_teacher)`` (the per-token reverse KL, undiscounted) on top
+    of ``reward_weight`` times the outcome advantage of the rewards (0: distillation alone).
+    The teacher runs in its own worker group: placed like the actor (the same processes and
+    devices) unless ``placement.teacher`` gives it a pool."""
+
+    path: str
+    revision: str | None = None  # of a Hub id in path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    coef: float = Field(1.0, ge=0)
+    reward_weight: float = Field(1.0, ge=0)
+
+
 class RunConfig(_Section):
     name: str = "run"
     output_dir: str = "runs"
@@ -596,4 +654,5 @@ class PlacementConfig(_Section):
     # Roles with their own worker class; None: as many workers as the actor, placed like it.
     critic: PoolConfig | None = None
     reward_model: PoolConfig | None = None
+    teacher: PoolConfig | None = None
     timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to place a pool

@@ -138,7 +138,9 @@ def build_worker_models(
     # β = 0 never builds a reference; with LoRA the reference is the same net without adapters
     ref = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef > 0 and not peft else None
     # DiffusionNFT's sampling policy: an EMA of the trained model (adapters included)
-    old = copy.deepcopy(model).eval().requires_grad_(False) if settings.objective == "nft" else None
+    # DiffusionNFT's EMA sampling copy; AWM's sampling policy (the weights before each update)
+    needs_old = settings.objective in ("nft", "awm")
+    old = copy.deepcopy(model).eval().requires_grad_(False) if needs_old else None
     if settings.activation_checkpointing:
         enable_activation_checkpointing(model)
     sharded = settings.fsdp and is_distributed()

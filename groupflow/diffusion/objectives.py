@@ -1,4 +1,4 @@
-"""Training objectives beside Flow-GRPO's: GRPO-Guard's ratio normalisation and DiffusionNFT.
+"""Training objectives beside Flow-GRPO's: GRPO-Guard, DiffusionNFT, Flow-DPPO and AWM.
 
 Design decision: each objective is a few pure tensor functions here, and the worker only decides
 which to call, so every formula is checked against hand-computed values in isolation.
@@ -16,6 +16,17 @@ which to call, so every formula is checked against hand-computed values in isola
   β·v_θ; with r = clip(A/A_max, −1, 1)/2 + 1/2 the loss is
   A_max·[r·‖x̂0(v⁺) − x0‖²/w⁺ + (1−r)·‖x̂0(v⁻) − x0‖²/w⁻]/β, x̂0(v) = x_t − t·v, each term
   divided by its own detached mean absolute error w (adaptive weighting, floored).
+- **Flow-DPPO** (Ping et al. 2026, arXiv 2606.11025; verl-omni ``docs/algo/flowdppo.md``, the
+  UniRL reference code): the per-step policy is Gaussian, so the divergence between the old and
+  the current step is exact, KL = ‖μ_θ−μ_old‖²/(2s²) averaged over the latent (``guard_bias``'s
+  value). The loss is the unclipped −A·ρ, masked where the step is outside the trust region
+  (KL ≥ threshold) AND the update moves it further away (ρ > 1 with A > 0, or ρ < 1 with A < 0);
+  corrective updates are always kept.
+- **AWM**, Advantage Weighted Matching (arXiv 2509.25050, 2025; as Flow-Factory ships
+  it): the flow-matching loss itself as the log-likelihood surrogate. A clean sample is re-noised
+  (x_t = (1−t)·x0 + t·ε, as DiffusionNFT) and log p = −w(t)·mean‖v_θ(x_t) − (ε − x0)‖², with
+  w = 1, t or t²; the policy loss on it (PPO clip, old = the sampling policy at the same x_t, ε)
+  at ratio 1 is A·∇‖v_θ − (ε − x0)‖²: pretraining's loss, weighted by the advantage.
 """
 
 from __future__ import annotations
@@ -24,6 +35,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AWM_WEIGHTINGS",
+    "awm_logprob",
+    "dppo_keep_mask",
+    "flow_dppo_loss",
     "guard_bias",
     "guard_logprobs",
     "guard_step_weights",
@@ -96,6 +111,46 @@ def nft_loss(
     pos = _weighted_x0_error(x_t - tb * positive, x0, weight_min)
     neg = _weighted_x0_error(x_t - tb * negative, x0, weight_min)
     return adv_clip_max * (r * pos + (1 - r) * neg) / beta
+
+
+def dppo_keep_mask(ratio: Tensor, advantages: Tensor, kl: Tensor, threshold: float) -> Tensor:
+    """Flow-DPPO's asymmetric divergence mask (bool, same shape): False only where KL ≥ threshold
+    and the update widens the gap (ρ > 1 with A > 0, or ρ < 1 with A < 0)."""
+    outside = kl >= threshold
+    widening = ((ratio > 1) & (advantages > 0)) | ((ratio < 1) & (advantages < 0))
+    return ~(outside & widening)
+
+
+def flow_dppo_loss(
+    logp: Tensor, old: Tensor, advantages: Tensor, kl: Tensor, threshold: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-step Flow-DPPO loss [B, N]: −A·ρ where ``dppo_keep_mask`` keeps it, else 0, and
+    metrics (shares over all entries; the caller's mask and aggregation decide what counts).
+
+    logp [B, N] with grad, old [B, N], advantages [B] or [B, N], kl [B, N] (exact step KL)."""
+    if not threshold > 0:
+        raise ValueError(f"Flow-DPPO's kl_mask_threshold must be > 0, got {threshold!r}")
+    adv = advantages.detach()
+    adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
+    ratio = torch.exp(logp - old.detach())
+    keep = dppo_keep_mask(ratio.detach(), adv, kl.detach(), threshold)
+    # where, not a product: an overflowing ratio times 0 would be NaN
+    loss = torch.where(keep, -adv * ratio, torch.zeros((), dtype=ratio.dtype))
+    return loss, {"keep": keep, "ratio": ratio.detach()}
+
+
+AWM_WEIGHTINGS = ("uniform", "t", "t2")
+
+
+def awm_logprob(
+    v: Tensor, x0: Tensor, noise: Tensor, t: Tensor, weighting: str = "uniform"
+) -> Tensor:
+    """AWM's log-likelihood surrogate [B]: −w(t)·mean‖v − (ε − x0)‖² over the latent (t: [B])."""
+    if weighting not in AWM_WEIGHTINGS:
+        raise ValueError(f"unknown AWM weighting {weighting!r}; valid: {', '.join(AWM_WEIGHTINGS)}")
+    err = _flat_mean((v - (noise - x0)) ** 2)
+    w = {"uniform": torch.ones_like(t), "t": t, "t2": t**2}[weighting].to(err.dtype)
+    return -w * err
 
 
 def ema_decay(updates: int, rate: float, maximum: float) -> float:

@@ -32,6 +32,9 @@ __all__ = [
 COND_PREFIX = "cond."  # condition tensors travel in the Batch as cond.<name> [B, ...]
 
 
+OBJECTIVES = ("grpo", "nft", "flow_dppo", "awm")
+
+
 @dataclass(frozen=True)
 class DiffusionSettings:
     """Plain sampling/training knobs of the diffusion policy (built from the config by the builder)."""
@@ -48,9 +51,11 @@ class DiffusionSettings:
     lora: dict | None = field(default=None)  # {rank, alpha, target_modules}
     sde_window: dict | None = None  # MixGRPO {size, shift_interval, stride, roll_back}
     ratio_norm: bool = False  # GRPO-Guard
-    objective: str = "grpo"  # or "nft" (DiffusionNFT)
+    objective: str = "grpo"  # or "nft" (DiffusionNFT), "flow_dppo", "awm"
     # {beta, old_decay_rate, old_decay_max, adaptive_weight_min}
     nft: dict = field(default_factory=dict)
+    flow_dppo: dict = field(default_factory=dict)  # {kl_mask_threshold}
+    awm: dict = field(default_factory=dict)  # {weighting}
     adv_clip_max: float = 5.0  # DiffusionNFT maps advantages to [0, 1] through it
     fsdp: bool = False  # shard the model over the ranks (FSDP2) instead of replicating it
     activation_checkpointing: bool = False  # recompute block activations in backward
@@ -59,8 +64,8 @@ class DiffusionSettings:
 
     def __post_init__(self):
         spec = get_sampler(self.sampler)  # unknown names raise, listing the valid ones
-        if self.objective not in ("grpo", "nft"):
-            raise ValueError(f"objective must be 'grpo' or 'nft', got {self.objective!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.objective == "grpo" and not spec.stochastic:
             raise ValueError(
                 f"sampler '{self.sampler}' is deterministic and has no step log-probs; train with "

@@ -26,7 +26,10 @@ only inside a window that slides with the update count (the scheduler's step, so
 exactly) and trains exactly those steps; ``ratio_norm`` (GRPO-Guard) rewrites the log-probs
 handed to the PPO loss and weights advantages per step (``objectives``); ``objective="nft"``
 (DiffusionNFT) samples with an EMA "old" copy of the model and trains on re-noised final latents
-instead of log-probs.
+instead of log-probs; ``objective="flow_dppo"`` replaces the ratio clip by the exact step KL's
+asymmetric mask; ``objective="awm"`` (Advantage Weighted Matching) re-noises final latents like
+DiffusionNFT and hands the flow-matching loss, as a log-likelihood surrogate, to the PPO loss
+against the "old" copy (the weights before the update: an EMA with decay 0).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from groupflow.algorithms import aggregate, policy_loss
+from groupflow.algorithms import aggregate, masked_mean, policy_loss
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.diffusion import objectives as obj
@@ -212,7 +215,7 @@ class DiffusionWorker:
 
     def _trainable_steps(self) -> Tensor:
         """[N] bool: steps with exploration noise (CPS's last step, σ' = 0, has none)."""
-        if self.settings.objective == "nft":
+        if self.settings.objective in ("nft", "awm"):
             return torch.ones(self.settings.num_steps, dtype=torch.bool)
         s, s_next = self.sigmas[:-1], self.sigmas[1:]
         zeros = torch.zeros(len(s), 1)
@@ -269,7 +272,8 @@ class DiffusionWorker:
                 "diffusion: a sample has no trainable step (CPS's last step is deterministic); "
                 "choose diffusion.window / sde_window / timestep_fraction to include earlier steps"
             )
-        extra = {"clean_latents": traj.final} if self.settings.objective == "nft" else {}
+        renoised = self.settings.objective in ("nft", "awm")
+        extra = {"clean_latents": traj.final} if renoised else {}
         tensors = {
             **extra,
             "latents": traj.latents, "next_latents": traj.next_latents,
@@ -307,7 +311,7 @@ class DiffusionWorker:
         b, n = mask.shape
         logp = torch.zeros(b, n, device=self.device)
         kl = torch.zeros(b, n, device=self.device) if with_kl else None
-        guard = self.settings.ratio_norm
+        guard = self._needs_step_kl()
         bias = torch.zeros(b, n, device=self.device) if guard else None
         stds = torch.ones(b, n, device=self.device) if guard else None
         step_means = torch.zeros_like(mb["latents"]) if means else None
@@ -347,6 +351,10 @@ class DiffusionWorker:
                 )
         return logp, kl, (bias, stds), step_means
 
+    def _needs_step_kl(self) -> bool:
+        """GRPO-Guard's bias and Flow-DPPO's trust region: ‖μ_θ − μ_old‖²/(2s²) per step."""
+        return self.settings.ratio_norm or self.settings.objective == "flow_dppo"
+
     def _check(self, batch: Batch) -> None:
         lat = batch["latents"]
         if lat.dim() < 3:
@@ -361,10 +369,10 @@ class DiffusionWorker:
         batch, mine = self._pool(batch)
         batch = batch.to(self.device)
         self._train_mode(False)
-        guard = self.settings.ratio_norm
+        guard = self._needs_step_kl()
         logp, _, _, means = self._step_terms(batch, batch["response_mask"], False, means=guard)
         out = {"logprobs": (logp * batch["response_mask"]).cpu()}  # placeholders (FSDP) out
-        if guard:  # GRPO-Guard's bias needs the old policy's step means
+        if guard:  # GRPO-Guard's bias and Flow-DPPO's KL need the old policy's step means
             out["old_means"] = means.cpu()
         return self._own(Batch(out), mine)
 
@@ -423,6 +431,26 @@ class DiffusionWorker:
                 per_step, kl = self._nft_terms(mb, mask, with_kl)
                 loss = aggregate(per_step, mask, cfg.loss_agg, **denominators)
                 m = {}
+            elif self.settings.objective == "awm":
+                logp, old, kl = self._awm_terms(mb, mask, with_kl)
+                loss, m = policy_loss(
+                    logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
+                    **self.loss_options, **denominators,
+                )  # fmt: skip
+            elif self.settings.objective == "flow_dppo":
+                logp, kl, (step_kl, _), _ = self._step_terms(mb, mask, with_kl)
+                old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+                threshold = self.settings.flow_dppo.get("kl_mask_threshold", 1e-5)
+                per_step, parts = obj.flow_dppo_loss(
+                    logp, old, mb["advantages"], step_kl, threshold
+                )
+                loss = aggregate(per_step, mask, cfg.loss_agg, **denominators)
+                valid = mask != 0
+                m = {
+                    "dppo_masked_frac": masked_mean((~parts["keep"]).float(), valid),
+                    "dppo_step_kl": masked_mean(step_kl.detach(), valid),
+                    "ratio_mean": torch.where(valid.any(), masked_mean(parts["ratio"], valid), 1.0),
+                }
             else:
                 logp, kl, (bias, stds), _ = self._step_terms(mb, mask, with_kl)
                 old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
@@ -511,6 +539,36 @@ class DiffusionWorker:
                 kl = kl.index_put(at, d.reshape(d.shape[0], -1).mean(1))
         return loss, kl
 
+    def _awm_terms(self, mb: Batch, mask: Tensor, with_kl: bool):
+        """AWM's log-likelihood surrogate [b, N] under the trained and (no grad) the old model at
+        the same re-noised latents, on the masked steps' noise levels (0 elsewhere), and the
+        velocity KL to the reference ‖v − v_ref‖² [b, N] (or None)."""
+        b, n = mask.shape
+        logp = torch.zeros(b, n, device=self.device)
+        old_logp = torch.zeros(b, n, device=self.device)
+        kl = torch.zeros(b, n, device=self.device) if with_kl else None
+        cond, x0_all = cond_of(mb), mb["clean_latents"]
+        weighting = self.settings.awm.get("weighting", "uniform")
+        for t in range(n):
+            rows = self._rows_or_placeholder(mask[:, t].nonzero().flatten())
+            if rows is None:
+                continue
+            x0, s, c = x0_all[rows], mb["sigmas"][rows, t], index_cond(cond, rows)
+            noise = torch.randn(x0.shape, generator=self._nft_gen).to(x0.device)
+            x_t = obj.nft_noised(x0, noise, s)
+            v = self._velocity(x_t, s, c)
+            at = (rows, torch.full_like(rows, t))
+            logp = logp.index_put(at, obj.awm_logprob(v, x0, noise, s, weighting))
+            with torch.no_grad():
+                v_old = self._velocity(x_t, s, c, old=True)
+                old_logp = old_logp.index_put(at, obj.awm_logprob(v_old, x0, noise, s, weighting))
+            if with_kl:
+                with torch.no_grad():
+                    v_ref = self._velocity(x_t, s, c, reference=True)
+                d = (v - v_ref) ** 2
+                kl = kl.index_put(at, d.reshape(d.shape[0], -1).mean(1))
+        return logp, old_logp, kl
+
     @torch.no_grad()
     def _update_old_model(self) -> None:
         """old ← d·old + (1 − d)·current, d rising with the update count (DiffusionNFT)."""
@@ -519,6 +577,8 @@ class DiffusionWorker:
             int(self.scheduler.last_epoch), nft.get("old_decay_rate", 0.001),
             nft.get("old_decay_max", 0.5),
         )  # fmt: skip
+        if self.settings.objective == "awm":  # the sampling policy: the weights after the update
+            d = 0.0
         for o, p in zip(self.old_model.parameters(), self.flow.parameters(), strict=True):
             o.mul_(d).add_(p.detach(), alpha=1 - d)
 

@@ -78,7 +78,8 @@ def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -
         timestep_selection=d.timestep_selection, timestep_fraction=d.timestep_fraction,
         window=d.window, lora=d.model.lora.model_dump() if d.model.lora else None,
         sde_window=d.sde_window.model_dump() if d.sde_window else None, ratio_norm=d.ratio_norm,
-        objective=d.objective, nft=d.nft.model_dump(), adv_clip_max=adv_clip_max or 5.0,
+        objective=d.objective, nft=d.nft.model_dump(), flow_dppo=d.flow_dppo.model_dump(),
+        awm=d.awm.model_dump(), adv_clip_max=adv_clip_max or 5.0,
         fsdp=d.fsdp, activation_checkpointing=d.activation_checkpointing, bf16=d.bf16,
         cpu_offload=d.cpu_offload,
     )  # fmt: skip
@@ -148,13 +149,15 @@ class DiffusionPolicy:
         several = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
         d = self.cfg.diffusion
         with timer("old_logprobs"):
-            if d.objective == "nft":
-                # no likelihoods: the old policy is the worker's EMA model, not stored log-probs
+            if d.objective in ("nft", "awm"):
+                # re-noised final latents: the old policy is the worker's "old" copy, evaluated
+                # at the same noise in the update, not stored log-probs
                 batch["old_logprobs"] = batch["rollout_logprobs"]
             elif (
                 a.recompute_old_logprobs == "always"
                 or (a.recompute_old_logprobs == "auto" and several)
-                or (d.ratio_norm and several)  # GRPO-Guard needs the old step means too
+                # GRPO-Guard and Flow-DPPO need the old step means too
+                or ((d.ratio_norm or d.objective == "flow_dppo") and several)
             ):
                 old = self.actor.compute_logprobs(model_inputs(batch))
                 batch["old_logprobs"] = old["logprobs"]

@@ -21,7 +21,7 @@ from typing import Any
 from groupflow import builders
 from groupflow.algorithms import logprob_mismatch
 from groupflow.batch import Batch
-from groupflow.config import ActorConfig, Config
+from groupflow.config import ActorConfig, Config, ModelConfig
 from groupflow.contracts import CONTRACTS
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.timing import StageTimer
@@ -106,6 +106,8 @@ def check_role_paths(cfg: Config) -> None:
         builders.check_model_dir(cfg.model.path, "model.path")
     if cfg.reward_model is not None:
         check_reward_model_path(cfg.reward_model)
+    if cfg.teacher is not None:
+        builders.check_model_dir(cfg.teacher.path, "teacher.path")
     if cfg.critic is not None and cfg.critic.path is not None:
         p = Path(cfg.critic.path).expanduser()
         if not (p / "config.json").is_file():
@@ -149,6 +151,16 @@ class LLMPolicy:
                 self.reference = builders.role_group(
                     cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor, role="reference"
                 )
+        self.teacher = None
+        if cfg.teacher is not None:  # on-policy distillation: frozen, its own worker group
+            tc = cfg.teacher
+            builders.check_teacher(tc.path, self.tokenizer)  # token ids must mean the same
+            teacher_model = ModelConfig(path=tc.path, dtype=tc.dtype,
+                                        trust_remote_code=tc.trust_remote_code)  # fmt: skip
+            self.teacher = builders.role_group(
+                cfg, "teacher", InferenceWorker, role="teacher", cfg=cfg.actor,
+                spec=ModelSpec(teacher_model, spec.tokenizer_dir, cfg.run.seed),
+            )  # fmt: skip
         self.critic = self.reward_model = None
         if cfg.critic is not None:
             self.critic = builders.role_group(
@@ -168,8 +180,9 @@ class LLMPolicy:
         timer = timer or StageTimer()
         a = self.cfg.actor
         t = self.sampling.temperature
-        kl_in_reward = self.cfg.algorithm.kl_in_reward is not None
-        source = old_logprobs_source(a, self.cfg.rollout.engine, len(batch), kl_in_reward)
+        # the credit stage needs the sampling policy's log-probs before the update
+        early = self.cfg.algorithm.kl_in_reward is not None or self.teacher is not None
+        source = old_logprobs_source(a, self.cfg.rollout.engine, len(batch), early)
         with timer("old_logprobs"):
             if source == "recompute":
                 batch["old_logprobs"] = self.actor.compute_logprobs(
@@ -194,6 +207,11 @@ class LLMPolicy:
             if self.reference is not None:
                 batch["ref_logprobs"] = self.reference.compute_logprobs(
                     model_inputs(batch), temperature=t, reference=True
+                )["logprobs"]
+        if self.teacher is not None:
+            with timer("teacher_logprobs"):  # at the sampling temperature, as the student's
+                batch["teacher_logprobs"] = self.teacher.compute_logprobs(
+                    model_inputs(batch), temperature=t
                 )["logprobs"]
         if self.critic is not None:
             with timer("values"):
@@ -287,7 +305,8 @@ class LLMPolicy:
 
     def shutdown(self) -> None:
         """Stop every role's worker group (Ray actors and their resource pools)."""
-        roles = (self.actor, self.rollout_pool, self.reference, self.critic, self.reward_model)
+        roles = (self.actor, self.rollout_pool, self.reference, self.teacher, self.critic,
+                 self.reward_model)  # fmt: skip
         for group in dict.fromkeys(g for g in roles if g is not None):
             group.shutdown()
 

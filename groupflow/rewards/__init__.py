@@ -16,6 +16,7 @@ from groupflow.rewards.errors import (
     RewardOutputError,
 )
 from groupflow.rewards.format import make_format_tags_reward
+from groupflow.rewards.judge import make_judge_reward
 from groupflow.rewards.length import make_length_penalty, make_overlong_penalty
 from groupflow.rewards.math import make_gsm8k_reward, make_math_boxed_reward
 from groupflow.rewards.registry import (
@@ -49,6 +50,7 @@ __all__ = [
     "make_code_tests_reward",
     "make_format_tags_reward",
     "make_gsm8k_reward",
+    "make_judge_reward",
     "make_length_penalty",
     "make_math_boxed_reward",
     "make_overlong_penalty",

@@ -17,6 +17,7 @@ from torch import nn
 from groupflow.algorithms import POLICY_LOSSES
 from groupflow.algorithms.registry import option_names
 from groupflow.config import ActorConfig
+from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
 
 __all__ = [
     "NonFiniteLossError",
@@ -51,8 +52,7 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: 
 def loss_options(cfg: ActorConfig) -> dict:
     """The typed PPO options the chosen loss declares, plus its free-form extras (``loss_options``)."""
     accepted = option_names(POLICY_LOSSES.get(cfg.loss_fn))
-    typed = ("ratio_level", "clip_eps_low", "clip_eps_high", "clip_ratio_c", "delta")
-    chosen = {k: getattr(cfg, k) for k in typed if accepted is None or k in accepted}
+    chosen = {k: getattr(cfg, k) for k in LOSS_TYPED_OPTIONS if accepted is None or k in accepted}
     return {**chosen, **cfg.loss_options}
 
 

@@ -81,7 +81,7 @@ def test_check_options():
 
 def test_builtin_registries_contents():
     assert {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"} <= set(ADVANTAGE_ESTIMATORS)
-    assert "ppo_clip" in POLICY_LOSSES
+    assert {"ppo_clip", "cispo", "sapo", "vespo"} <= set(POLICY_LOSSES)
     assert set(AGGREGATIONS.names()) == {
         "token_mean",
         "seq_mean_token_mean",

@@ -131,3 +131,86 @@ def test_nft_gradient_pulls_towards_the_target_for_good_samples_and_away_for_bad
 
 def test_ema_decay_ramps_then_holds():
     assert [obj.ema_decay(k, 0.001, 0.5) for k in (0, 100, 1000)] == [0.0, 0.1, 0.5]
+
+
+# ----- Flow-DPPO ------------------------------------------------------------------------------
+
+
+def test_dppo_mask_drops_only_widening_updates_outside_the_trust_region():
+    # columns: (ratio, A, KL) -> keep?
+    ratio = torch.tensor([[1.5, 1.5, 0.5, 0.5, 1.5, 0.5, 1.0]])
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0]])
+    kl = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1e-6, 1e-6, 1.0]])
+    keep = obj.dppo_keep_mask(ratio, adv, kl, threshold=1e-5)
+    # widening & outside: (1.5, +) and (0.5, -) with KL 1 -> dropped; corrective ones, those
+    # inside the region and ratio exactly 1 are kept
+    assert keep.tolist() == [[False, True, False, True, True, True, True]]
+
+
+def test_flow_dppo_loss_and_gradient_by_hand():
+    logp = torch.tensor([[math.log(2.0), math.log(0.5)], [math.log(2.0), 0.0]], requires_grad=True)
+    old = torch.zeros(2, 2)
+    adv = torch.tensor([1.0, -2.0])
+    kl = torch.tensor([[1.0, 1.0], [1e-9, 1.0]])
+    loss, parts = obj.flow_dppo_loss(logp, old, adv, kl, threshold=1e-5)
+    # row 0 (A=+1): ratio 2 outside -> masked; ratio 0.5 -> kept, -A*rho = -0.5
+    # row 1 (A=-2): ratio 2 inside -> kept, 4; ratio 1 -> kept (not widening), 2
+    torch.testing.assert_close(loss, torch.tensor([[0.0, -0.5], [4.0, 2.0]]))
+    assert parts["keep"].tolist() == [[False, True], [True, True]]
+    loss.sum().backward()
+    # d(-A rho)/dlogp = -A rho on kept entries, 0 on masked ones
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.5], [4.0, 2.0]]))
+
+
+def test_flow_dppo_on_policy_is_the_plain_policy_gradient_and_overflow_is_safe():
+    logp = torch.tensor([[-1.0, 80.0]], requires_grad=True)
+    loss, parts = obj.flow_dppo_loss(logp, torch.tensor([[-1.0, 0.0]]), torch.tensor([1.0]),
+                                     torch.tensor([[0.0, 5.0]]), threshold=1e-5)  # fmt: skip
+    assert loss[0, 0].item() == -1.0 and loss[0, 1].item() == 0.0  # e^80 masked: no inf*0 NaN
+    loss.sum().backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 0].item() == -1.0
+    with pytest.raises(ValueError, match="kl_mask_threshold"):
+        obj.flow_dppo_loss(logp, logp.detach(), torch.ones(1), torch.zeros(1, 2), threshold=0.0)
+
+
+def test_the_exact_step_kl_is_the_gaussian_kl_of_the_two_step_distributions():
+    # KL(N(m_old, s²I) || N(m, s²I)) per element = (m - m_old)² / (2 s²); averaged over the latent
+    mean, old_mean, std = (
+        torch.tensor([[1.0, 3.0]]),
+        torch.tensor([[0.0, 1.0]]),
+        torch.tensor([2.0]),
+    )
+    kl = obj.guard_bias(mean, old_mean, std)
+    assert kl.item() == pytest.approx(((1 + 4) / 2) / (2 * 4))
+    p = torch.distributions.Normal(old_mean, std[:, None])
+    q = torch.distributions.Normal(mean, std[:, None])
+    assert kl.item() == pytest.approx(torch.distributions.kl_divergence(p, q).mean().item())
+
+
+# ----- AWM ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weighting, w", [("uniform", 1.0), ("t", 0.5), ("t2", 0.25)])
+def test_awm_logprob_is_the_weighted_negative_flow_matching_error(weighting, w):
+    x0, noise = torch.tensor([[1.0, -1.0]]), torch.tensor([[0.0, 1.0]])
+    v = torch.tensor([[-1.0, 1.0]])  # target ε - x0 = [-1, 2]: errors [0, 1] -> mean 0.5
+    lp = obj.awm_logprob(v, x0, noise, torch.tensor([0.5]), weighting)
+    assert lp.item() == pytest.approx(-0.5 * w)
+
+
+def test_awm_on_policy_gradient_is_the_advantage_weighted_matching_gradient():
+    from groupflow.algorithms import policy_loss
+
+    x0, noise, t = torch.randn(3, 4), torch.randn(3, 4), torch.tensor([0.2, 0.5, 0.9])
+    v = torch.randn(3, 4, requires_grad=True)
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    lp = obj.awm_logprob(v, x0, noise, t)
+    loss, _ = policy_loss(
+        lp[:, None], lp.detach()[:, None], adv, torch.ones(3, 1), clip_eps_low=1e-4
+    )
+    (g,) = torch.autograd.grad(loss, v)
+    # ratio 1: d(-A·rho)/dv = -A·d(logp)/dv = A·2(v - (ε - x0))/D, over 3 samples (token_mean)
+    expected = adv[:, None] * 2 * (v.detach() - (noise - x0)) / 4 / 3
+    torch.testing.assert_close(g, expected)
+    with pytest.raises(ValueError, match="unknown AWM weighting"):
+        obj.awm_logprob(v, x0, noise, t, "sqrt")

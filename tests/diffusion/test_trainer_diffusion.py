@@ -80,7 +80,7 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"diffusion.sde_window.size": 2}, "sde_window trains every step of its window"),
         ({"diffusion.sde_window.stride": -1}, "'diffusion.sde_window.stride'"),
         ({"diffusion.ratio_norm": True, "diffusion.sampler": "cps"}, "constant-free"),
-        ({"diffusion.ratio_norm": True, "diffusion.objective": "nft"}, "does not have"),
+        ({"diffusion.ratio_norm": True, "diffusion.objective": "nft"}, "objective=nft has its own"),
         ({"diffusion.objective": "nft", "diffusion.sampler": "ode"}, "same_noise_per_group: false"),
         ({"diffusion.nft.beta": 0}, "'diffusion.nft.beta'"),
         ({"diffusion.model.vae_path": "vae"}, "diffusion.model.vae_path is for kind 'wan'"),
@@ -90,6 +90,12 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"diffusion.cpu_offload": True}, "diffusion.cpu_offload is FSDP2's CPUOffloadPolicy .*set diffusion.fsdp: true"),
         ({"diffusion.cpu_offload": True, "diffusion.fsdp": True}, "diffusion.cpu_offload applies through FSDP2.*run.num_workers=1"),
         ({"diffusion.nft.old_decay_max": 1.0}, "'diffusion.nft.old_decay_max'"),
+        ({"diffusion.objective": "flow_dppo", "diffusion.sampler": "ode"}, "has no step log-probs"),
+        ({"diffusion.objective": "flow_dppo", "diffusion.ratio_norm": True}, "objective=flow_dppo has its own"),
+        ({"diffusion.objective": "awm", "diffusion.ratio_norm": True}, "objective=awm has its own"),
+        ({"diffusion.objective": "awm", "diffusion.sampler": "ode"}, "same_noise_per_group: false"),
+        ({"diffusion.flow_dppo.kl_mask_threshold": 0}, "'diffusion.flow_dppo.kl_mask_threshold'"),
+        ({"diffusion.awm.weighting": "sqrt"}, "'diffusion.awm.weighting'"),
     ],
 )  # fmt: skip
 def test_bad_diffusion_config_names_the_key(tiny_dir, prompts_file, tmp_path, override, message):
@@ -104,6 +110,10 @@ VARIANT_RUNS = [
     pytest.param({"diffusion.ratio_norm": True, "actor.ppo_epochs": 2}, id="grpo_guard"),
     pytest.param({"diffusion.objective": "nft", "diffusion.sampler": "ode",
                   "diffusion.same_noise_per_group": False}, id="nft"),
+    # several optimizer steps per batch: Flow-DPPO's mask needs the old step means recomputed
+    pytest.param({"diffusion.objective": "flow_dppo", "actor.ppo_epochs": 2}, id="flow_dppo"),
+    pytest.param({"diffusion.objective": "awm", "diffusion.awm.weighting": "t",
+                  "actor.ppo_epochs": 2}, id="awm"),
 ]  # fmt: skip
 
 
@@ -260,3 +270,16 @@ def test_two_ray_workers_train_data_parallel(tiny_dir, prompts_file, tmp_path):
     assert rows[-1]["batch/samples"] == 6 and rows[-1]["actor/ratio_max"] == 1.0
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     assert (trainer.run_dir / "checkpoints" / "step_2").is_dir()
+
+
+def test_flow_dppo_measures_the_step_kl_and_awm_starts_on_policy(tiny_dir, prompts_file, tmp_path):
+    over = {"diffusion.objective": "flow_dppo", "actor.ppo_epochs": 2, "run.total_steps": 1}
+    last = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over)).fit()
+    # epoch 1 is on-policy (KL 0), epoch 2 has moved: the step KL is measured, the mask applied
+    assert last["actor/dppo_step_kl"] > 0 and 0 <= last["actor/dppo_masked_frac"] <= 1
+    over = {"diffusion.objective": "awm", "run.total_steps": 2, "run.name": "awm"}
+    t = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over))
+    t.fit()
+    rows = read_metrics(t.run_dir / "metrics.jsonl")
+    # the old copy holds the weights the batch was sampled with: every first ratio is exactly 1
+    assert all(r["actor/ratio_min"] == 1.0 == r["actor/ratio_max"] for r in rows[1:])

@@ -113,7 +113,10 @@ def test_nft_loss_is_deterministic_given_the_update_seed():
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="objective must be 'grpo' or 'nft'"):
+    with pytest.raises(
+        ValueError,
+        match=r"objective must be one of \('grpo', 'nft', 'flow_dppo', 'awm'\), got 'dpo'",
+    ):
         DiffusionSettings(objective="dpo")
     with pytest.raises(ValueError, match="deterministic"):
         DiffusionSettings(sampler="ode")

@@ -63,6 +63,7 @@ def test_builtin_names_and_defaults():
         "gsm8k",
         "image_scorer",
         "instructions",  # the built-in instructions task (groupflow.rewards.instructions)
+        "judge",  # an LLM judge behind an OpenAI-compatible endpoint (groupflow.rewards.judge)
         "length_penalty",
         "math_boxed",
         "overlong_penalty",

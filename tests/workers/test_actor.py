@@ -386,3 +386,25 @@ def test_skip_zero_advantage_defaults_on_and_rejects_a_non_bool():
     assert ActorConfig().skip_zero_advantage is True
     with pytest.raises(ValidationError, match="skip_zero_advantage"):
         ActorConfig(skip_zero_advantage="maybe")
+
+
+@pytest.mark.parametrize(
+    "cfg, metric",
+    [
+        ({"loss_fn": "cispo", "ratio_level": "sequence", "loss_options": {"clip_ratio_max": 1.1}},
+         "actor/cispo_clipfrac"),
+        ({"loss_fn": "sapo", "loss_options": {"temperature_neg": 2.0}}, "actor/sapo_gate_mean"),
+        ({"loss_fn": "vespo"}, "actor/vespo_phi_mean"),
+    ],
+)  # fmt: skip
+def test_cispo_sapo_vespo_update_through_the_worker_and_skip_zero_groups_exactly(cfg, metric):
+    model = _model()
+    batch = _zero_groups(_batch(n=12, perturb_old=0.3), groups=(1,))
+    full = _worker(model, skip_zero_advantage=False, **cfg)
+    skip = _worker(model, **cfg)
+    m_full = full.update(batch, temperature=1.0)
+    m_skip = skip.update(batch, temperature=1.0)
+    assert math.isfinite(m_full[metric]) and m_full["actor/grad_norm"] > 0
+    for a, b in zip(_params(full), _params(skip)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+    assert m_skip["actor/zero_adv_skipped"] == pytest.approx(4 / 12)

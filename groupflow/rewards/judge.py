@@ -1,0 +1,363 @@
+"""LLM-as-judge reward: score each (prompt, response) through any OpenAI-compatible endpoint.
+
+Design decision: the judge is an ordinary ``async`` reward built by a factory from config kwargs,
+so the reward runner's time limit, cancellation and failure accounting apply unchanged. One
+batched call sends one ``/chat/completions`` request per distinct (prompt, response) -- GRPO
+groups often repeat a completion -- at most ``max_concurrency`` at a time over one ``httpx``
+client; transient failures (connection errors, timeouts, 429, 5xx) are retried with exponential
+backoff (``Retry-After`` honoured). A judgement that still fails, or whose reply holds no score,
+is returned as NaN, which the runner counts in ``reward/<name>/failures`` and replaces by the
+failure value; the judge logs the reason and the judge's reply text. Successful judgements go to
+an optional on-disk cache (SQLite, safe across threads and runs) keyed by a hash of (model, the
+rendered messages) -- i.e. of the prompt, the response and the rubric or template -- so re-scoring
+a seen pair costs nothing. The API key comes from the environment or a ``.env`` file, is sent
+only in the ``Authorization`` header, and never appears in a log line or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import sqlite3
+import string
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from groupflow.rewards.errors import RewardConfigError
+from groupflow.utils.env import parse_dotenv, scrub_text
+
+__all__ = ["DEFAULT_SCORE_REGEX", "make_judge_reward", "parse_score"]
+
+logger = logging.getLogger("groupflow.rewards")
+
+DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+# The LAST "Score: <number>" in the reply: a judge that reasons first may quote the format earlier.
+DEFAULT_SCORE_REGEX = r"[Ss]core\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)"
+RUBRIC_SYSTEM = (
+    "You are a careful, strict grader. Judge the RESPONSE to the PROMPT by this rubric:\n\n"
+    "{rubric}\n\nExplain briefly, then end your reply with one line of the form 'Score: <number>'."
+)
+RUBRIC_USER = "PROMPT:\n{prompt}\n\nRESPONSE:\n{response}"
+_RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+_MAX_BACKOFF_S = 60.0
+_LOGGED_FAILURES_PER_CALL = 3  # the rest of a batch's failures go to the debug log
+_REPLY_SHOWN = 400  # characters of a judge reply shown in a log line
+
+
+class _JudgeFailure(Exception):
+    """One judgement that produced no score; ``reply`` is what the judge sent, if anything."""
+
+    def __init__(self, reason: str, reply: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.reply = reason, reply
+
+
+def parse_score(reply: str, score_regex: str | None = None, json_field: str | None = None) -> float:
+    """The score in a judge's reply: the first group of the LAST ``score_regex`` match, or the
+    (dotted) ``json_field`` of the JSON object in the reply (fenced or bare). Raises ValueError."""
+    if json_field is not None:
+        value: Any = _json_object(reply)
+        for part in json_field.split("."):
+            if not isinstance(value, Mapping) or part not in value:
+                raise ValueError(f"the reply's JSON has no field {json_field!r}")
+            value = value[part]
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"field {json_field!r} is {value!r}, not a number")
+        score = float(value)
+    else:
+        matches = list(re.finditer(score_regex or DEFAULT_SCORE_REGEX, reply))
+        if not matches:
+            raise ValueError("no score found in the reply")
+        last = matches[-1]
+        score = float(last.group(1) if last.groups() else last.group(0))
+    if not math.isfinite(score):
+        raise ValueError(f"score {score} is not finite")
+    return score
+
+
+def _json_object(reply: str) -> Any:
+    text = reply.strip()
+    fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.DOTALL)
+    candidates = [fenced.group(1)] if fenced else []
+    start, end = text.find("{"), text.rfind("}")
+    if start != -1 and end > start:
+        candidates.append(text[start : end + 1])
+    candidates.append(text)
+    for candidate in candidates:
+        try:
+            return json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+    raise ValueError("the reply holds no JSON object")
+
+
+def _api_key(env_name: str | None) -> str | None:
+    """The key from the environment, else from ./.env; None when the default name is unset
+    (local servers need none). An explicitly named variable that is missing is an error."""
+    name = env_name or DEFAULT_API_KEY_ENV
+    if os.environ.get(name):
+        return os.environ[name]
+    dotenv = Path(".env")
+    if dotenv.is_file():
+        value = parse_dotenv(dotenv.read_text(encoding="utf-8"), str(dotenv)).get(name)
+        if value:
+            return value
+    if env_name is not None:
+        raise RewardConfigError(
+            f"judge: api_key_env={env_name!r} is not set in the environment or in ./.env"
+        )
+    return None
+
+
+class _Cache:
+    """(key -> score, reply) in a SQLite file; one connection per batched call (its thread)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as db:
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS judgements (key TEXT PRIMARY KEY, score REAL, reply TEXT)"
+            )
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=30.0)
+        try:
+            with db:  # commits, or rolls back on an error
+                yield db
+        finally:
+            db.close()
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, float]:
+        with self._connect() as db:
+            out = {}
+            for key in keys:
+                row = db.execute("SELECT score FROM judgements WHERE key = ?", (key,)).fetchone()
+                if row is not None:
+                    out[key] = float(row[0])
+            return out
+
+    def put(self, key: str, score: float, reply: str) -> None:
+        with self._connect() as db:
+            db.execute("INSERT OR REPLACE INTO judgements VALUES (?, ?, ?)", (key, score, reply))
+
+
+def _template_fields(template: str) -> set[str]:
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(template) if name}
+    except ValueError as e:
+        raise RewardConfigError(f"judge: template is not a valid format string: {e}") from None
+
+
+def _check_positive(name: str, value: Any, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        raise RewardConfigError(f"judge: {name} must be a positive number, got {value!r}")
+
+
+def make_judge_reward(
+    base_url: str,
+    model: str,
+    rubric: str | None = None,
+    template: str | None = None,
+    score_regex: str | None = None,
+    json_field: str | None = None,
+    max_concurrency: int = 8,
+    timeout_s: float = 60.0,
+    cache: str | None = None,
+    max_retries: int = 3,
+    backoff_s: float = 1.0,
+    temperature: float = 0.0,
+    max_tokens: int | None = 512,
+    api_key_env: str | None = None,
+) -> Callable[..., Any]:
+    """An async reward scoring each completion with a judge model.
+
+    Args:
+        base_url: the endpoint's base, e.g. ``https://api.openai.com/v1`` or
+            ``http://127.0.0.1:8000/v1``; requests go to ``{base_url}/chat/completions``.
+        model: the judge model's name at that endpoint.
+        rubric: grading instructions; the judge gets them in a system message and the prompt and
+            response in a user message, and is asked to end with ``Score: <number>``.
+        template: instead of ``rubric``, the whole user message as a format string with
+            ``{response}`` and optionally ``{prompt}`` and any dataset field (``{ground_truth}``).
+        score_regex: where the score is in the reply (its first group; the last match counts).
+            Default: ``Score: <number>``.
+        json_field: instead, a (dotted) field of a JSON object in the reply.
+        max_concurrency: requests in flight at once.
+        timeout_s: per request; a timed-out request is retried like a 5xx.
+        cache: an SQLite file for successful judgements (``None``: no cache).
+        max_retries, backoff_s: retries of a transient failure, waiting backoff_s * 2^attempt.
+        temperature, max_tokens: sampling parameters of the judge.
+        api_key_env: the variable holding the API key (default ``OPENAI_API_KEY``, optional:
+            without it no ``Authorization`` header is sent; a named one must exist).
+    """
+    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        raise RewardConfigError(f"judge: base_url must be an http(s) URL, got {base_url!r}")
+    if not isinstance(model, str) or not model:
+        raise RewardConfigError(f"judge: model must be a non-empty string, got {model!r}")
+    if (rubric is None) == (template is None):
+        raise RewardConfigError("judge: give exactly one of rubric or template")
+    if score_regex is not None and json_field is not None:
+        raise RewardConfigError("judge: give at most one of score_regex or json_field")
+    if score_regex is not None:
+        try:
+            re.compile(score_regex)
+        except re.error as e:
+            raise RewardConfigError(f"judge: score_regex {score_regex!r} is invalid: {e}") from None
+    fields_used: set[str] = set()
+    if template is not None:
+        fields_used = _template_fields(template) - {"prompt", "response"}
+        if "response" not in _template_fields(template):
+            raise RewardConfigError("judge: template must contain {response}")
+    _check_positive("max_concurrency", max_concurrency, integer=True)
+    _check_positive("timeout_s", timeout_s)
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise RewardConfigError(f"judge: max_retries must be an int >= 0, got {max_retries!r}")
+    if isinstance(backoff_s, bool) or not isinstance(backoff_s, (int, float)) or backoff_s < 0:
+        raise RewardConfigError(f"judge: backoff_s must be >= 0, got {backoff_s!r}")
+    api_key = _api_key(api_key_env)
+    store = _Cache(Path(cache)) if cache is not None else None
+    url = base_url.rstrip("/") + "/chat/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def messages(prompt: Any, response: str, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        prompt = _prompt_text(prompt)
+        if rubric is not None:
+            return [
+                {"role": "system", "content": RUBRIC_SYSTEM.format(rubric=rubric)},
+                {"role": "user", "content": RUBRIC_USER.format(prompt=prompt, response=response)},
+            ]
+        return [
+            {"role": "user", "content": template.format(prompt=prompt, response=response, **row)}
+        ]
+
+    def key_of(msgs: list[dict[str, str]]) -> str:
+        return hashlib.sha256(json.dumps([model, msgs], sort_keys=True).encode()).hexdigest()
+
+    async def ask(client: httpx.AsyncClient, msgs: list[dict[str, str]]) -> tuple[float, str]:
+        body: dict[str, Any] = {"model": model, "messages": msgs, "temperature": temperature}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        for attempt in range(max_retries + 1):
+            wait = backoff_s * 2**attempt
+            try:
+                resp = await client.post(url, json=body, headers=headers)
+            except httpx.TransportError as e:  # connection refused/reset, timeouts
+                problem = f"{type(e).__name__}: {e}"
+            else:
+                if resp.status_code == 200:
+                    return _score_of(resp)
+                problem = f"HTTP {resp.status_code}"
+                if resp.status_code not in _RETRY_STATUS:
+                    raise _JudgeFailure(problem, resp.text)
+                wait = max(wait, _retry_after(resp))
+            if attempt < max_retries:
+                await asyncio.sleep(min(wait, _MAX_BACKOFF_S))
+        raise _JudgeFailure(f"{problem} after {max_retries + 1} attempts")
+
+    def _score_of(resp: httpx.Response) -> tuple[float, str]:
+        try:
+            reply = resp.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise _JudgeFailure("not a chat completion", resp.text) from None
+        if not isinstance(reply, str):
+            raise _JudgeFailure("the completion has no text content", resp.text)
+        try:
+            return parse_score(reply, score_regex, json_field), reply
+        except ValueError as e:
+            raise _JudgeFailure(f"unparseable judgement ({e})", reply) from None
+
+    async def judge(prompts: list[str], completions: list[str], **fields: list[Any]) -> list[float]:
+        missing = sorted(fields_used - set(fields))
+        if missing:
+            raise RewardConfigError(
+                f"judge: template field {{{missing[0]}}} is not a dataset field; available: "
+                f"prompt, response, {', '.join(sorted(fields)) or '(none)'}"
+            )
+        rows = [{k: fields[k][i] for k in fields_used} for i in range(len(completions))]
+        all_msgs = [messages(p, c, r) for p, c, r in zip(prompts, completions, rows)]
+        keys = [key_of(m) for m in all_msgs]
+        unique = dict(zip(keys, all_msgs))  # GRPO groups repeat completions: judge each once
+        known = store.get_many(list(unique)) if store is not None else {}
+        todo = [k for k in unique if k not in known]
+        results: dict[str, float | _JudgeFailure] = dict(known)
+        limit = asyncio.Semaphore(max_concurrency)
+        timeout = httpx.Timeout(timeout_s)
+        limits = httpx.Limits(max_connections=max_concurrency)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+            async def one(key: str) -> None:
+                async with limit:
+                    try:
+                        score, reply = await ask(client, unique[key])
+                    except _JudgeFailure as e:
+                        results[key] = e
+                        return
+                results[key] = score
+                if store is not None:
+                    store.put(key, score, reply)
+
+            await asyncio.gather(*(one(k) for k in todo))
+        if known:
+            logger.debug(
+                "judge: %d of %d distinct judgements from the cache", len(known), len(unique)
+            )
+        return _collect(results, keys, completions)
+
+    judge.__name__ = judge.__qualname__ = "judge"
+    return judge
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A chat prompt (a list of {role, content} messages) as "role: content" lines; text as is."""
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, Mapping) for m in prompt):
+        return "\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in prompt)
+    return str(prompt)
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    try:
+        return float(resp.headers.get("retry-after", 0.0))
+    except ValueError:  # an HTTP date: fall back to the exponential wait
+        return 0.0
+
+
+def _collect(
+    results: Mapping[str, Any], keys: Sequence[str], completions: Sequence[str]
+) -> list[float]:
+    """Scores in batch order; NaN (a counted failure) where the judgement failed, logged."""
+    out: list[float] = []
+    logged = 0
+    for i, key in enumerate(keys):
+        result = results[key]
+        if isinstance(result, _JudgeFailure):
+            out.append(math.nan)
+            level = logging.WARNING if logged < _LOGGED_FAILURES_PER_CALL else logging.DEBUG
+            logged += 1
+            logger.log(
+                level,
+                "judge: no score for sample %d (%s); judge reply: %s; response judged: %s",
+                i,
+                scrub_text(result.reason),
+                _shown(result.reply),
+                _shown(completions[i]),
+            )
+        else:
+            out.append(float(result))
+    return out
+
+
+def _shown(text: str) -> str:
+    text = scrub_text(text or "")
+    return repr(text if len(text) <= _REPLY_SHOWN else text[: _REPLY_SHOWN - 3] + "...")

@@ -1,0 +1,293 @@
+"""The judge reward against a stub OpenAI-compatible server on 127.0.0.1 (stdlib http.server).
+
+The stub "judge" scores a response by the number of 'a' characters in it, so every expected
+score is known by hand; special responses make it misbehave: ``GARBAGE`` (a reply without a
+score), ``FLAKY<n>`` (HTTP 503 for the first n requests of that response, then a score),
+``BADREQ`` (HTTP 400), ``SLOW`` (answers after the client's timeout), ``JSON`` (a JSON verdict).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from groupflow.config import RewardFunctionConfig
+from groupflow.rewards import RewardConfigError, RewardFunction, RewardRunner, get_reward
+from groupflow.rewards.judge import parse_score
+
+
+class _Stub:
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.auth: list[str | None] = []
+        self.seen: Counter[str] = Counter()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.lock = threading.Lock()
+        self.delay_s = 0.0
+
+    def reply(self, body: dict) -> tuple[int, str]:
+        user = body["messages"][-1]["content"]
+        response = re.search(r"RESPONSE:\n(.*)\Z", user, re.DOTALL)
+        response = response.group(1) if response else user.split("|")[-1]
+        with self.lock:
+            self.seen[response] += 1
+            count = self.seen[response]
+        flaky = re.fullmatch(r"FLAKY(\d)", response)
+        if flaky and count <= int(flaky.group(1)):
+            return 503, "overloaded"
+        if response == "BADREQ":
+            return 400, '{"error": {"message": "context length exceeded"}}'
+        if response == "SLOW":
+            time.sleep(1.0)
+        if response == "GARBAGE":
+            content = "I refuse to grade this."
+        elif response == "JSON":
+            content = 'Verdict follows.\n```json\n{"verdict": {"score": 0.75}}\n```'
+        else:
+            content = f"Reasoning... Score: {response.count('a')}"
+        chat = {"choices": [{"message": {"role": "assistant", "content": content}}]}
+        return 200, json.dumps(chat)
+
+
+@pytest.fixture
+def stub():
+    state = _Stub()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with state.lock:
+                state.requests.append(body)
+                state.auth.append(self.headers.get("Authorization"))
+                state.in_flight += 1
+                state.max_in_flight = max(state.max_in_flight, state.in_flight)
+            try:
+                time.sleep(state.delay_s)
+                status, text = state.reply(body) if self.path == "/v1/chat/completions" else (
+                    404, "not found")  # fmt: skip
+            finally:
+                with state.lock:
+                    state.in_flight -= 1
+            data = text.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    state.base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    yield state
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _no_key(monkeypatch, tmp_path):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)  # no stray ./.env; caches land here
+
+
+def _judge(stub, **kwargs):
+    opts = {"base_url": stub.base_url, "model": "stub-judge", "rubric": "count the a's",
+            "backoff_s": 0.0, **kwargs}  # fmt: skip
+    return get_reward("judge", **opts)
+
+
+def _run(fn, completions, prompts=None, **fields):
+    prompts = prompts or ["p"] * len(completions)
+    return asyncio.run(fn(prompts, completions, **fields))
+
+
+def test_scores_every_sample_and_sends_rubric_prompt_and_model(stub):
+    scores = _run(_judge(stub), ["a", "banana", "xyz"], prompts=["q1", "q2", "q3"])
+    assert scores == [1.0, 3.0, 0.0]
+    first = stub.requests[0]
+    assert first["model"] == "stub-judge" and first["temperature"] == 0.0
+    assert "count the a's" in first["messages"][0]["content"]
+    assert first["messages"][1]["content"] == "PROMPT:\nq1\n\nRESPONSE:\na"
+    assert stub.auth == [None, None, None]  # no key configured: no header
+
+
+def test_identical_pairs_are_judged_once_and_the_cache_persists_across_builds(stub, tmp_path):
+    cache = str(tmp_path / "judge.sqlite")
+    completions = ["aa", "aa", "aa", "ba"]  # a GRPO group repeating a completion
+    assert _run(_judge(stub, cache=cache), completions) == [2.0, 2.0, 2.0, 1.0]
+    assert len(stub.requests) == 2
+    # a new reward object (a resumed run) reads the file; a new rubric is a new key
+    assert _run(_judge(stub, cache=cache), completions) == [2.0, 2.0, 2.0, 1.0]
+    assert len(stub.requests) == 2
+    _run(_judge(stub, cache=cache, rubric="other rubric"), ["aa"])
+    assert len(stub.requests) == 3
+    _run(_judge(stub, cache=cache), ["aa"], prompts=["another prompt"])
+    assert len(stub.requests) == 4
+
+
+def test_failures_are_not_cached(stub, tmp_path):
+    cache = str(tmp_path / "judge.sqlite")
+    assert math.isnan(_run(_judge(stub, cache=cache), ["GARBAGE"])[0])
+    assert math.isnan(_run(_judge(stub, cache=cache), ["GARBAGE"])[0])
+    assert len(stub.requests) == 2
+
+
+def test_transient_errors_are_retried_with_backoff(stub):
+    assert _run(_judge(stub, max_retries=2), ["FLAKY2"]) == [0.0]  # 503, 503, then 200
+    assert stub.seen["FLAKY2"] == 3
+    scores = _run(_judge(stub, max_retries=1), ["FLAKY3"])  # gives up after 2 attempts
+    assert math.isnan(scores[0]) and stub.seen["FLAKY3"] == 2
+
+
+def test_backoff_waits_exponentially(stub):
+    start = time.perf_counter()
+    _run(_judge(stub, max_retries=2, backoff_s=0.1), ["FLAKY2"])  # waits 0.1 + 0.2
+    assert time.perf_counter() - start >= 0.3
+
+
+def test_a_client_error_is_not_retried(stub):
+    assert math.isnan(_run(_judge(stub, max_retries=3), ["BADREQ"])[0])
+    assert stub.seen["BADREQ"] == 1
+
+
+def test_a_request_past_timeout_s_is_a_retried_failure(stub):
+    start = time.perf_counter()
+    scores = _run(_judge(stub, timeout_s=0.2, max_retries=1), ["SLOW", "a"])
+    assert math.isnan(scores[0]) and scores[1] == 1.0
+    assert stub.seen["SLOW"] == 2 and time.perf_counter() - start < 1.9
+
+
+def test_max_concurrency_bounds_requests_in_flight(stub):
+    stub.delay_s = 0.05
+    completions = [f"{i}" + "a" * i for i in range(12)]
+    assert _run(_judge(stub, max_concurrency=3), completions) == [float(i) for i in range(12)]
+    assert stub.max_in_flight == 3
+    stub.max_in_flight = 0
+    _run(_judge(stub, max_concurrency=12), [f"x{i}" for i in range(12)])
+    assert stub.max_in_flight > 3  # they really overlap when allowed
+
+
+def test_template_with_dataset_fields_and_json_field(stub):
+    fn = _judge(
+        stub, rubric=None, template="ref={ground_truth}|{response}", json_field="verdict.score"
+    )
+    assert _run(fn, ["JSON"], ground_truth=["42"]) == [0.75]
+    assert stub.requests[0]["messages"] == [{"role": "user", "content": "ref=42|JSON"}]
+    with pytest.raises(RewardConfigError, match=r"template field \{ground_truth\}"):
+        _run(fn, ["JSON"])
+
+
+def test_a_chat_prompt_is_shown_to_the_judge_as_role_lines(stub):
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert _run(_judge(stub), ["aa"], prompts=[chat]) == [2.0]
+    user = stub.requests[0]["messages"][1]["content"]
+    assert user.startswith("PROMPT:\nsystem: be brief\nuser: hi\n\nRESPONSE:")
+
+
+def test_custom_score_regex(stub):
+    fn = _judge(stub, score_regex=r"Reasoning\.\.\. Score: (\d+)")
+    assert _run(fn, ["aaa"]) == [3.0]
+
+
+def test_api_key_from_env_or_dotenv_is_sent_and_never_logged(stub, monkeypatch, tmp_path, caplog):
+    secret = "sk-test-0123456789abcdef"
+    (tmp_path / ".env").write_text(f"OPENAI_API_KEY={secret}\n")
+    with caplog.at_level(logging.DEBUG):
+        fn = _judge(stub)
+        _run(fn, ["a", "GARBAGE", "BADREQ"])
+    assert stub.auth == [f"Bearer {secret}"] * 3
+    monkeypatch.setenv("JUDGE_KEY", "from-the-environment-1234")
+    _run(_judge(stub, api_key_env="JUDGE_KEY"), ["b"])
+    assert stub.auth[-1] == "Bearer from-the-environment-1234"
+    assert secret not in caplog.text and "GARBAGE" in caplog.text
+    with pytest.raises(RewardConfigError, match="api_key_env='NOPE_KEY' is not set"):
+        _judge(stub, api_key_env="NOPE_KEY")
+
+
+def test_failed_judgements_are_counted_failures_with_the_reply_logged(stub, caplog):
+    spec = RewardFunction("judge", _judge(stub))
+    runner = RewardRunner([spec], failure_value=-1.0, timeout_s=30.0)
+    with caplog.at_level(logging.WARNING, logger="groupflow.rewards"):
+        result = runner(["p"] * 4, ["aa", "GARBAGE", "BADREQ", "a"])
+    assert result.total.tolist() == [2.0, -1.0, -1.0, 1.0]
+    assert result.metrics["reward/judge/failures"] == 2.0
+    assert "I refuse to grade this." in caplog.text  # the judge's unparseable reply
+    assert "unparseable judgement" in caplog.text
+    assert "HTTP 400" in caplog.text and "context length exceeded" in caplog.text
+
+
+def test_a_dead_endpoint_stops_the_run_with_a_clear_error(stub):
+    from groupflow.rewards import RewardError
+
+    fn = get_reward("judge", base_url="http://127.0.0.1:9/v1", model="m", rubric="r",
+                    max_retries=0)  # fmt: skip
+    runner = RewardRunner([RewardFunction("judge", fn)], timeout_s=30.0)
+    with pytest.raises(RewardError, match="'judge'.*failed on every sample"):
+        runner(["p", "p"], ["a", "b"])
+
+
+def test_the_config_entry_builds_it():
+    cfg = RewardFunctionConfig(name="judge", kwargs={"base_url": "http://127.0.0.1:1/v1",
+                                                     "model": "m", "rubric": "r"})  # fmt: skip
+    assert callable(get_reward(cfg.name, **cfg.kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rubric": None}, "exactly one of rubric or template"),
+        ({"template": "{response}"}, "exactly one of rubric or template"),
+        ({"rubric": None, "template": "{prompt}"}, r"must contain \{response\}"),
+        ({"rubric": None, "template": "{response"}, "not a valid format string"),
+        ({"score_regex": "(", "json_field": None}, "score_regex"),
+        ({"score_regex": "x", "json_field": "s"}, "at most one of score_regex or json_field"),
+        ({"base_url": "127.0.0.1:8000"}, "base_url must be an http"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"timeout_s": -1}, "timeout_s"),
+        ({"max_retries": -1}, "max_retries"),
+        ({"modle": "x"}, "did you mean 'model'"),
+    ],
+)
+def test_bad_options_name_the_option(kwargs, match):
+    opts = {"base_url": "http://127.0.0.1:1/v1", "model": "m", "rubric": "r", **kwargs}
+    with pytest.raises(RewardConfigError, match=match):
+        get_reward("judge", **opts)
+
+
+@pytest.mark.parametrize(
+    "reply, kwargs, expected",
+    [
+        ("Score: 7", {}, 7.0),
+        ("Score: 2 ... on reflection, **Score: 4.5**", {}, 4.5),  # the last one counts
+        ("score = -1", {}, -1.0),
+        ('{"rating": "3"}', {"json_field": "rating"}, 3.0),
+        ('```json\n{"a": {"b": 0.5}}\n```', {"json_field": "a.b"}, 0.5),
+        ("grade 9/10", {"score_regex": r"(\d+)/10"}, 9.0),
+    ],
+)
+def test_parse_score(reply, kwargs, expected):
+    assert parse_score(reply, **kwargs) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, kwargs",
+    [("no number", {}), ('{"x": 1}', {"json_field": "y"}), ("not json", {"json_field": "y"}),
+     ('{"y": true}', {"json_field": "y"}), ("Score: nan", {"score_regex": r"Score: (\w+)"})],
+)  # fmt: skip
+def test_parse_score_failures(reply, kwargs):
+    with pytest.raises(ValueError):
+        parse_score(reply, **kwargs)

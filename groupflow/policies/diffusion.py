@@ -141,8 +141,9 @@ class DiffusionPolicy:
         )  # fmt: skip
         self.rollout = self.actor
 
-    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> Batch:
-        """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's."""
+    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
+        """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's;
+        (batch, metrics: none)."""
         timer = timer or StageTimer()
         a = self.cfg.actor
         several = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
@@ -164,14 +165,15 @@ class DiffusionPolicy:
                 # One optimizer step per batch: the rollout's log-probs come from the same step
                 # function computed the same way (step by step), so the first ratio is exactly 1.
                 batch["old_logprobs"] = batch["rollout_logprobs"]
-        return batch
+        return batch, {}
 
     def update(self, batch: Batch, *, step: int, seed: int) -> dict[str, float]:
         batch = validate(batch, DIFFUSION_CONTRACTS["train_ready"])
         return self.actor.update(model_inputs(batch), shuffle_seed=seed)
 
-    def sync(self) -> None:
-        """The worker samples with the weights it trains: nothing to push."""
+    def sync(self) -> int:
+        """The worker samples with the weights it trains: nothing to push (0 bytes)."""
+        return 0
 
     def begin(self, warm_started: bool) -> None:
         """No reference or critic to initialise."""

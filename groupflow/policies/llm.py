@@ -23,6 +23,7 @@ from groupflow.algorithms import logprob_mismatch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config
 from groupflow.contracts import CONTRACTS
+from groupflow.policies.base import weights_nbytes
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker
@@ -161,10 +162,11 @@ class LLMPolicy:
             )  # fmt: skip
 
     # ----- the driver's calls -----------------------------------------------------------------
-    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> Batch:
+    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
         """Old log-probs (recomputed when the batch gets several optimizer steps or comes from
-        another engine), reference log-probs and critic values."""
+        another engine), reference log-probs and critic values; (batch, metrics)."""
         timer = timer or StageTimer()
+        metrics: dict[str, float] = {}
         a = self.cfg.actor
         t = self.sampling.temperature
         kl_in_reward = self.cfg.algorithm.kl_in_reward is not None
@@ -178,12 +180,8 @@ class LLMPolicy:
                 diff = logprob_mismatch(
                     batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
                 )
-                batch.meta.setdefault("rollout_metrics", {}).update(
-                    {
-                        "rollout/logprob_diff_max": diff["max"],
-                        "rollout/logprob_diff_mean": diff["mean"],
-                    }
-                )
+                metrics["rollout/logprob_diff_max"] = diff["max"]
+                metrics["rollout/logprob_diff_mean"] = diff["mean"]
             elif source == "rollout":
                 # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the
                 # rollout's log-probs serve (same numerics; see tests/rollout): the first ratio is 1.
@@ -197,7 +195,7 @@ class LLMPolicy:
         if self.critic is not None:
             with timer("values"):
                 batch["values"] = self.critic.compute_values(model_inputs(batch))["values"]
-        return batch
+        return batch, metrics
 
     def update(self, batch: Batch, *, step: int, seed: int) -> dict[str, float]:
         """Critic update (if any), then the actor's — except during the critic warm-up steps."""
@@ -216,11 +214,19 @@ class LLMPolicy:
         )
         return metrics
 
-    def sync(self) -> None:
+    def sync(self) -> int:
         """Push the actor's current weights into a separately placed rollout pool (no-op colocated;
-        with asynchronous rollout the rollout side gets versions from the trainer instead)."""
-        if self.rollout is not self.actor:
-            self.rollout.load_weights(self.actor.full_weights())
+        with asynchronous rollout the rollout side gets versions from the trainer instead);
+        returns the bytes that passed through this process."""
+        if self.rollout is self.actor:
+            return 0
+        weights = self.actor.full_weights()
+        self.rollout.load_weights(weights)
+        return weights_nbytes(weights)
+
+    def sft_step(self, batch: Batch, lr: float) -> float:
+        """One supervised step of the actor (the workflow's warm start)."""
+        return self.actor.sft_step(batch, lr)
 
     def begin(self, warm_started: bool) -> None:
         """Where RL starts: the reference is the (warm-started) policy, and a critic initialised

@@ -388,15 +388,17 @@ def prompt_stats(train: EncodedPrompts, val: EncodedPrompts | None) -> dict[str,
 
 
 def build_rollout_engine(cfg: Config):
-    """Plain options of the vLLM engine for the actor workers, or None for the HF engine.
+    """Plain, picklable options of the rollout engine (``groupflow.rollout.engine``) the workers
+    that generate build in their own processes: ``HFOptions`` or ``VLLMOptions``.
 
     Called at start-up: ``rollout.engine=vllm`` without vLLM installed fails here, naming the
     install command, before any data or model is loaded.
     """
+    from groupflow.rollout.engine import HF
     from groupflow.rollout.vllm_engine import VLLMOptions, require_vllm
 
     if cfg.rollout.engine == "hf":
-        return None
+        return HF
     require_vllm()
     v = cfg.rollout.vllm
     return VLLMOptions(

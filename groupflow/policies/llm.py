@@ -24,6 +24,7 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config
 from groupflow.contracts import CONTRACTS
 from groupflow.policies.base import weights_nbytes
+from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker
@@ -123,7 +124,7 @@ class LLMPolicy:
     def __init__(self, cfg: Config, run_dir: Path, corpus: list, extra_texts: list[str] = ()):
         self.cfg = cfg
         check_role_paths(cfg)  # a missing model directory fails now, not mid-run
-        engine = builders.build_rollout_engine(cfg)  # None: HF; fails fast if vLLM is missing
+        engine = builders.build_rollout_engine(cfg)  # fails fast if vLLM is missing
         self.tokenizer = builders.build_tokenizer(cfg, run_dir, corpus, extra_texts)
         self.max_entropy = math.log(len(self.tokenizer))  # a uniform output's (CollapseMonitor)
         self.sampling = sampling_params(cfg)
@@ -307,7 +308,7 @@ class RolloutPolicy:
 
     contracts = CONTRACTS
 
-    def __init__(self, cfg: Config, run_dir: Path, spec: ModelSpec, engine=None):
+    def __init__(self, cfg: Config, run_dir: Path, spec: ModelSpec, engine=HF):
         self.cfg = cfg
         self.tokenizer = builders.build_tokenizer(cfg, Path(run_dir))  # the run's saved one
         self.sampling = sampling_params(cfg)

@@ -51,8 +51,8 @@ from groupflow.distributed.parallel import (
 from groupflow.models.causal_lm import prompt_sharing_applies
 from groupflow.models.logprobs import response_logprobs
 from groupflow.rollout.batching import generate_batch
+from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams, left_pad
-from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import (
     ModelSpec,
@@ -131,7 +131,7 @@ class ActorRolloutWorker:
         rank: int = 0,
         world_size: int = 1,
         reference: bool | None = None,
-        engine: VLLMOptions | None = None,
+        engine=HF,
     ):
         self.rank, self.world_size = rank, world_size
         # Tensors cross the worker boundary on the CPU; inside, they live where the model does.
@@ -153,13 +153,11 @@ class ActorRolloutWorker:
         self.rollout_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if world_size > 1 else None
         )
-        # rollout.engine=vllm: a colocated vLLM engine generates, fed the weights after every
-        # update (built before sharding, from the full initial weights).
-        self.engine = (
-            None
-            if engine is None
-            else VLLMEngine(model, tokenizer, engine, eos_ids=self.eos_ids, pad_id=pad_id)
-        )
+        # The rollout engine (rollout.engine): HF decodes with the unsharded copy, or the training
+        # model itself; vLLM keeps a copy of its own, fed the weights after every update (built
+        # before sharding, from the full initial weights).
+        decoder = self.rollout_model if self.rollout_model is not None else model
+        self.engine = engine.build(decoder, tokenizer, eos_ids=self.eos_ids, pad_id=pad_id)
         self.weight_sync_s = 0.0
         self.model = model
         self.policy = shard(
@@ -190,7 +188,7 @@ class ActorRolloutWorker:
         total_steps: int,
         pg_timeout_s: float = 600.0,
         reference: bool | None = None,
-        engine: VLLMOptions | None = None,
+        engine=HF,
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
@@ -209,9 +207,7 @@ class ActorRolloutWorker:
         Output widths are fixed — prompts left-padded to ``prompt_width``, responses right-padded
         to ``params.max_new_tokens`` — so parts generated on different ranks concatenate.
         """
-        model = self.rollout_model if self.rollout_model is not None else self.model
-        return generate_batch(model, self.tokenizer, self.pad_id, self.eos_ids, prompts, params,
-                              prompt_width, engine=self.engine)  # fmt: skip
+        return generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
 
     # ----- log-probs --------------------------------------------------------------------------
     @register("dp")
@@ -266,7 +262,7 @@ class ActorRolloutWorker:
         self._sync_rollout_weights()
         metrics = combine_steps(per_step)
         metrics["actor/lr"] = lr
-        if self.engine is not None:
+        if self.engine.separate_weights:
             metrics["perf/weight_sync_s"] = self.weight_sync_s
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
         return metrics
@@ -396,13 +392,13 @@ class ActorRolloutWorker:
     def _sync_rollout_weights(self) -> None:
         """Refresh the unsharded generation copy and/or the vLLM engine from the current (FSDP:
         gathered) weights (a collective when sharded: all ranks call it)."""
-        if self.rollout_model is None and self.engine is None:
+        if self.rollout_model is None and not self.engine.separate_weights:
             return
         start = time.perf_counter()
         full = {k.removeprefix("lm."): v for k, v in full_model_state(self.policy).items()}
         if self.rollout_model is not None:
             self.rollout_model.load_state_dict(full)
-        if self.engine is not None:
+        if self.engine.separate_weights:
             self.engine.load_weights(full.items())
         self.weight_sync_s = time.perf_counter() - start
 

@@ -25,8 +25,8 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import register
 from groupflow.rollout.batching import generate_batch
+from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
-from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions
 from groupflow.workers.common import ModelSpec, worker_device
 from groupflow.workers.update import batch_logprobs
 
@@ -38,21 +38,18 @@ class InferenceWorker:
 
     def __init__(self, model, tokenizer, cfg: ActorConfig, *, pad_id: int, eos_ids, role: str,
                  rank: int = 0, world_size: int = 1,
-                 engine: VLLMOptions | None = None):  # fmt: skip
+                 engine=HF):  # fmt: skip
         self.model = model.eval().requires_grad_(False)
         self.tokenizer, self.cfg, self.role = tokenizer, cfg, role
         self.pad_id, self.eos_ids = pad_id, list(eos_ids)
         self.rank, self.world_size = rank, world_size
         self.device = next(model.parameters()).device
-        self.engine = (
-            None
-            if engine is None
-            else VLLMEngine(model, tokenizer, engine, eos_ids=self.eos_ids, pad_id=pad_id)
-        )
+        # the HF engine decodes with self.model; vLLM keeps a copy of its own
+        self.engine = engine.build(model, tokenizer, eos_ids=self.eos_ids, pad_id=pad_id)
 
     @classmethod
     def create(cls, rank: int, world_size: int, *, spec: ModelSpec, cfg: ActorConfig, role: str,
-               engine: VLLMOptions | None = None):  # fmt: skip
+               engine=HF):  # fmt: skip
         from groupflow.builders import eos_ids
 
         model, tok = spec.build()
@@ -62,8 +59,7 @@ class InferenceWorker:
 
     @register("dp")
     def generate(self, prompts: Batch, params: SamplingParams, prompt_width: int = 0) -> Batch:
-        return generate_batch(self.model, self.tokenizer, self.pad_id, self.eos_ids, prompts,
-                              params, prompt_width, engine=self.engine)  # fmt: skip
+        return generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
 
     @register("dp")
     def compute_logprobs(
@@ -78,7 +74,7 @@ class InferenceWorker:
     @register("all")
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(weights)
-        if self.engine is not None:
+        if self.engine.separate_weights:
             self.engine.load_weights(weights.items())
 
     @register("all")

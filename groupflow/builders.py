@@ -413,6 +413,25 @@ def build_rollout_engine(cfg: Config):
     )
 
 
+def build_weight_transport(cfg: Config, run_dir: Path):
+    """The configured weight transport (``groupflow.distributed.transport``); ``auto``: Ray's object
+    store on run.backend=ray (nothing passes the driver), in-process tensors otherwise."""
+    from groupflow.distributed.transport import DriverTransport, FileTransport, RayObjectTransport
+
+    r = cfg.rollout
+    kind = r.weight_transport
+    if kind == "auto":
+        kind = "ray" if cfg.run.backend == "ray" else "driver"
+    bucket = max(1, int(r.weight_bucket_mb * (1 << 20)))
+    timeout = cfg.run.worker_timeout_s
+    if kind == "ray":
+        return RayObjectTransport(bucket_bytes=bucket, timeout_s=timeout)
+    if kind == "filesystem":
+        root = Path(r.weight_dir).expanduser() if r.weight_dir else Path(run_dir) / "weights"
+        return FileTransport(str(root), bucket_bytes=bucket, timeout_s=timeout)
+    return DriverTransport()
+
+
 # ----- worker groups: where each role runs ---------------------------------------------------------
 
 

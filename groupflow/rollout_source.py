@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from groupflow.async_rollout import AsyncRollout, schedule_version
+from groupflow.async_rollout import AsyncRollout, ring_slots, schedule_version
 from groupflow.batch import Batch
+from groupflow.distributed.transport import ticket_nbytes
 from groupflow.policies.base import weights_nbytes
 from groupflow.rollout_side import RolloutRecipe
 from groupflow.workflows.collect import Sampling, collect_step
@@ -61,7 +62,7 @@ class SyncRollout:
         return collect_step(self.workflow, self.loader, self.sampling, step, step)
 
     def after_update(self, version: int) -> dict[str, float]:
-        return transfer_metrics(self.policy.sync())
+        return transfer_metrics(self.policy.sync(version))
 
     def state(self, step: int) -> dict[str, Any]:
         return {"loader": self.loader.state_dict()}
@@ -90,32 +91,52 @@ class AsyncRolloutSource:
         self.rollouts: AsyncRollout | None = None
         self.snapshots: dict[int, dict] = {}  # version -> weights, while no side holds them
         self.step = 0  # the step whose batch comes next (what close keeps snapshots for)
+        self.pooled, self.transport = False, None  # set by start (see there)
 
     def start(self, step: int) -> None:
         """Start the rollout side, publish the weights the next k+1 batches need (after a resume:
-        the checkpoint's snapshots) and submit those batches."""
+        the checkpoint's snapshots) and submit those batches.
+
+        Two routes: by default the side runs in a child process (or thread) of the driver with a
+        frozen model copy, and versions are copied into a shared-memory ring (one host). With a
+        Ray rollout pool (``policy.async_on_pool``) the pool's workers generate and versions go to
+        them as weight-transport tickets: the actor's rank sends, the pool fetches, the driver
+        forwards only the ticket (the side's workflow and rewards run in a driver thread)."""
         k, total = self.k, self.total_steps()
         self.step = step
-        weights = {**self.snapshots, step: self.policy.snapshot(copy=False)}  # ring copies
         jobs = {t: schedule_version(t, k) for t in range(step, min(step + k + 1, total))}
         for t, v in jobs.items():
-            if v not in weights:
+            if v != step and v not in self.snapshots:
                 raise RuntimeError(
                     f"no weights of policy version {v} to generate the batch of step {t} "
                     f"(rollout.max_staleness={k}): the checkpoint resumed from keeps the "
                     "snapshots of the staleness it was written with; resume with that value"
                 )
         cfg, run_dir, train_rows, rewards = self.recipe_parts
+        self.pooled = bool(getattr(self.policy, "async_on_pool", False))
         recipe = RolloutRecipe(
             cfg, run_dir, self.policy.start_async(), list(train_rows), self.loader.state_dict(),
             rewards,
         )  # fmt: skip
-        self.rollouts = AsyncRollout(
-            recipe, weights[step], max_staleness=k, process=self.process,
-            timeout_s=self.timeout_s, eager=self.eager,
-        )  # fmt: skip
-        for v in sorted(self.needed_versions(step) & weights.keys()):
-            self.rollouts.publish(v, weights[v])
+        if self.pooled:
+            self.transport = self.policy.transport
+            self.rollouts = AsyncRollout(
+                recipe, {}, max_staleness=k, process=False, timeout_s=self.timeout_s,
+                eager=self.eager, ring=TicketStore(ring_slots(k)),
+            )  # fmt: skip
+        else:
+            current = self.policy.snapshot(copy=False)  # the ring copies it
+            self.rollouts = AsyncRollout(
+                recipe, current, max_staleness=k, process=self.process,
+                timeout_s=self.timeout_s, eager=self.eager,
+            )  # fmt: skip
+            self.snapshots = {**self.snapshots, step: current}
+        if self.pooled:
+            self.after_update(step, submit=False)
+        published = {step} if self.pooled else set()
+        for v in sorted((self.needed_versions(step) & self.snapshots.keys()) - published):
+            weights = self.snapshots[v]
+            self.rollouts.publish(v, self.transport.send(v, weights) if self.pooled else weights)
         for t, v in jobs.items():
             self.rollouts.submit(t, v)
         self.snapshots = {}  # the rollout side's ring holds them now
@@ -125,17 +146,28 @@ class AsyncRolloutSource:
         staleness = step - float(batch["version"].float().mean())
         return batch, {**metrics, "async/staleness": staleness}
 
-    def after_update(self, version: int) -> dict[str, float]:
+    def after_update(self, version: int, submit: bool = True) -> dict[str, float]:
         """Version ``version`` (= s+1 after the update of step s) exists: publish it and submit the
         batch of step s+1+k with its scheduled version."""
         self.step = version
-        weights = self.policy.snapshot(copy=False)  # publish copies
-        self.rollouts.publish(version, weights)
+        if self.pooled:  # the actor's rank sends; the driver holds a ticket
+            ticket = self.policy.publish(version)
+            self.rollouts.publish(version, ticket)
+            nbytes = ticket_nbytes(ticket)
+        else:  # the driver's process copies every byte into the ring (it holds the actor)
+            weights = self.policy.snapshot(copy=False)  # publish copies
+            self.rollouts.publish(version, weights)
+            nbytes = weights_nbytes(weights)
         t = version + self.k
-        if t < self.total_steps():
+        if submit and t < self.total_steps():
             self.rollouts.submit(t, schedule_version(t, self.k))
-        # the driver's process copies every byte into the ring (one host: it holds the actor)
-        return transfer_metrics(weights_nbytes(weights))
+        return transfer_metrics(nbytes)
+
+    def _held(self, version: int) -> dict:
+        """A version's weights held by the running side (pooled: fetched through the transport,
+        into the driver — only for a checkpoint or when the side stops)."""
+        held = self.rollouts.ring.read(version)
+        return self.transport.receive(held, role="checkpoint") if self.pooled else held
 
     def needed_versions(self, step: int) -> set[int]:
         """The versions the batches of steps step..step+k are scheduled with (a checkpoint keeps
@@ -150,7 +182,7 @@ class AsyncRolloutSource:
         if self.rollouts is not None:
             loader = self.rollouts.loader_state
             held = versions & set(self.rollouts.ring.versions())
-            weights = {v: self.rollouts.ring.read(v) for v in sorted(held)}
+            weights = {v: self._held(v) for v in sorted(held)}
         else:
             loader = self.loader.state_dict()
             weights = {v: self.snapshots[v] for v in sorted(versions & self.snapshots.keys())}
@@ -170,14 +202,39 @@ class AsyncRolloutSource:
         here (a later ``fit`` or ``save`` continues from them)."""
         if self.rollouts is None:
             return
-        rollouts, self.rollouts = self.rollouts, None
+        rollouts = self.rollouts
         try:
             self.loader.load_state_dict(rollouts.loader_state)
             held = set(rollouts.ring.versions())
-            self.snapshots = {v: {n: t.clone() for n, t in rollouts.ring.read(v).items()}
+            self.snapshots = {v: {n: t.clone() for n, t in self._held(v).items()}
                               for v in self.needed_versions(self.step) & held}  # fmt: skip
         finally:
+            self.rollouts = None
             rollouts.close()
+
+
+class TicketStore:
+    """The transport tickets of the last ``slots`` versions, with the ``WeightRing``'s interface
+    (``write``/``read``/``versions``): what the pooled route publishes instead of weights."""
+
+    def __init__(self, slots: int):
+        self.slots, self._held = slots, {}
+
+    def write(self, version: int, ticket) -> None:
+        self._held[version] = ticket
+        for v in [v for v in self._held if v <= version - self.slots]:
+            del self._held[v]  # what a ring slot would have overwritten
+
+    def read(self, version: int):
+        if version not in self._held:
+            raise RuntimeError(
+                f"no weight ticket of policy version {version} (held: {self.versions()}): a "
+                f"reader fell more than {self.slots} versions behind the writer"
+            )
+        return self._held[version]
+
+    def versions(self) -> list[int]:
+        return sorted(self._held)
 
 
 def build_rollout_source(cfg, built_cfg, run_dir, policy, workflow, loader, inputs):

@@ -100,7 +100,7 @@ class Trainer:
         )  # fmt: skip
         last: dict[str, float] = {}
         try:
-            self.policy.sync()
+            self.policy.sync(self.step)
             if not resumed:
                 self.tracker.log(self.before_training(), step=0)
             self.source.start(self.step)

@@ -97,10 +97,10 @@ class FakeWorkflow:
 
 class FakePolicy:
     def __init__(self, nbytes):
-        self.nbytes, self.synced = nbytes, 0
+        self.nbytes, self.synced = nbytes, []
 
-    def sync(self):
-        self.synced += 1
+    def sync(self, version=-1):
+        self.synced.append(version)
         return self.nbytes
 
 
@@ -110,7 +110,7 @@ def test_sync_source_collects_with_the_current_version_and_reports_driver_bytes(
     batch, metrics = source.batch(3)
     assert batch == {"rows": [1], "version": 3} and metrics == {"reward/mean": 0.5}
     assert source.after_update(4) == {"weights/bytes_via_driver": 1234.0}
-    assert policy.synced == 1
+    assert policy.synced == [4]  # the version the rollout group now holds
     state = source.state(4)
     source.batch(4)
     source.load_state(state)

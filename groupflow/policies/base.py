@@ -29,7 +29,7 @@ class PolicyView(Protocol):
     rollout: Any
     reward_model: Any
 
-    def sync(self) -> int:
+    def sync(self, version: int = -1) -> int:
         """Make ``rollout`` hold the current weights; returns the bytes that passed through this
         (the driver's) process."""
         ...
@@ -40,7 +40,10 @@ class PolicyView(Protocol):
 
 
 class Policy(PolicyView, Protocol):
-    """The policy as the driver trains it."""
+    """The policy as the driver trains it. ``async_on_pool``: the asynchronous rollout generates
+    on the policy's own rollout pool, fed versions as transport tickets (``publish``)."""
+
+    async_on_pool: bool
 
     def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
         """Old/reference log-probs and values added to ``batch``; (batch, metrics)."""

@@ -171,7 +171,9 @@ class DiffusionPolicy:
         batch = validate(batch, DIFFUSION_CONTRACTS["train_ready"])
         return self.actor.update(model_inputs(batch), shuffle_seed=seed)
 
-    def sync(self) -> int:
+    async_on_pool = False  # the asynchronous side samples with a flow model of its own
+
+    def sync(self, version: int = -1) -> int:
         """The worker samples with the weights it trains: nothing to push (0 bytes)."""
         return 0
 

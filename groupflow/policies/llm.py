@@ -23,7 +23,7 @@ from groupflow.algorithms import logprob_mismatch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config
 from groupflow.contracts import CONTRACTS
-from groupflow.policies.base import weights_nbytes
+from groupflow.distributed.transport import ticket_nbytes
 from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.timing import StageTimer
@@ -132,6 +132,8 @@ class LLMPolicy:
         # reference live inside the actor worker unless placement gives them pools of their own.
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed)
         self.spec, self.engine, self.run_dir = spec, engine, run_dir
+        # How new weights reach a rollout pool, the reference and a critic (rollout.weight_transport)
+        self.transport = builders.build_weight_transport(cfg, run_dir)
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
         self.actor = builders.role_group(
@@ -215,15 +217,24 @@ class LLMPolicy:
         )
         return metrics
 
-    def sync(self) -> int:
+    def sync(self, version: int = -1) -> int:
         """Push the actor's current weights into a separately placed rollout pool (no-op colocated;
         with asynchronous rollout the rollout side gets versions from the trainer instead);
         returns the bytes that passed through this process."""
         if self.rollout is self.actor:
             return 0
-        weights = self.actor.full_weights()
-        self.rollout.load_weights(weights)
-        return weights_nbytes(weights)
+        return self._transfer(self.rollout.receive_weights, version)
+
+    def publish(self, version: int):
+        """Send the actor's current weights as ``version`` with the weight transport; the ticket
+        (for Ray or the filesystem: references, not weights) is what the driver forwards."""
+        return self.actor.send_weights(version, self.transport)
+
+    def _transfer(self, receive, version: int) -> int:
+        """Actor → a role's workers through the transport; the bytes that passed the driver."""
+        ticket = self.publish(version)
+        receive(ticket, self.transport)
+        return ticket_nbytes(ticket)
 
     def sft_step(self, batch: Batch, lr: float) -> float:
         """One supervised step of the actor (the workflow's warm start)."""
@@ -232,22 +243,33 @@ class LLMPolicy:
     def begin(self, warm_started: bool) -> None:
         """Where RL starts: the reference is the (warm-started) policy, and a critic initialised
         "from the policy" copies that policy's backbone."""
-        self.sync()
+        self.sync(0)
         if warm_started:
             if self.reference is self.actor:
                 self.actor.reset_reference()
             elif self.reference is not None:
-                self.reference.load_weights(self.actor.full_weights())
+                self._transfer(self.reference.receive_weights, 0)
         c = self.cfg.critic
         if self.critic is not None and c.path is None and c.tiny is None:
-            self.critic.load_backbone(self.actor.full_weights())
+            self._transfer(self.critic.receive_backbone, 0)
 
     # ----- asynchronous rollout (groupflow.async_rollout) -------------------------------------
-    def start_async(self) -> partial:
-        """How the asynchronous rollout side builds its ``RolloutPolicy`` (picklable). From now on
-        this process generates (validation, ``groupflow generate``) with the actor, i.e. the
-        current weights; a separately placed rollout pool is no longer used."""
+    @property
+    def async_on_pool(self) -> bool:
+        """Whether the asynchronous rollout generates on this policy's Ray rollout pool (fed
+        versions through the weight transport) rather than with a frozen copy in a child process."""
+        return self.cfg.run.backend == "ray" and self.rollout_pool is not self.actor
+
+    def start_async(self):
+        """How the asynchronous rollout side builds its policy: a ``RolloutPolicy`` (picklable: a
+        frozen copy in the side's own process), or with a Ray rollout pool (``async_on_pool``) a
+        ``PoolRolloutPolicy`` over that pool. From now on this process generates (validation,
+        ``groupflow generate``) with the actor, i.e. the current weights."""
+        pool = self.rollout_pool
         self.rollout = self.actor
+        if self.async_on_pool:
+            view = PoolRolloutPolicy(self, pool)
+            return partial(_identity, view)
         return partial(RolloutPolicy, self.cfg, self.run_dir, self.spec, self.engine)
 
     def snapshot(self, copy: bool = True) -> dict[str, Any]:
@@ -329,6 +351,34 @@ class RolloutPolicy:
         for group in (self.rollout, self.reward_model):
             if group is not None:
                 group.shutdown()
+
+
+class PoolRolloutPolicy:
+    """The policy as the asynchronous rollout side sees it when the rollout has a Ray pool: that
+    pool's workers generate (on whichever nodes Ray placed them) and receive each scheduled
+    version as a transport ticket (``load_weights``), fetching the buckets from the actor's rank
+    themselves; the side's workflow, prompt loader and rewards run in a thread of the driver.
+    Tokenizer, sampling parameters, contracts and the reward model are the trainer policy's."""
+
+    contracts = CONTRACTS
+
+    def __init__(self, policy: LLMPolicy, pool):
+        self.cfg, self.rollout, self.transport = policy.cfg, pool, policy.transport
+        self.tokenizer, self.sampling = policy.tokenizer, policy.sampling
+        self.reward_model = policy.reward_model
+
+    def load_weights(self, ticket) -> None:
+        self.rollout.receive_weights(ticket, self.transport)
+
+    def sync(self, version: int = -1) -> int:
+        return 0  # versions arrive through load_weights
+
+    def shutdown(self) -> None:
+        """Nothing: the pool belongs to the trainer's policy, which stops it."""
+
+
+def _identity(x):
+    return x
 
 
 def load_actor_state(actor, state: dict, num_workers: int) -> None:

@@ -159,6 +159,7 @@ class ActorRolloutWorker:
         decoder = self.rollout_model if self.rollout_model is not None else model
         self.engine = engine.build(decoder, tokenizer, eos_ids=self.eos_ids, pad_id=pad_id)
         self.weight_sync_s = 0.0
+        self.generated_samples = 0  # what this worker's engine generated (placement checks)
         self.model = model
         self.policy = shard(
             _PolicyForward(model, cfg.share_prompt_prefix, sharded=self.world_size > 1),
@@ -207,7 +208,14 @@ class ActorRolloutWorker:
         Output widths are fixed — prompts left-padded to ``prompt_width``, responses right-padded
         to ``params.max_new_tokens`` — so parts generated on different ranks concatenate.
         """
-        return generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
+        out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
+        self.generated_samples += len(out)
+        return out
+
+    @register("all")
+    def generated(self) -> int:
+        """Samples this rank generated so far."""
+        return self.generated_samples
 
     # ----- log-probs --------------------------------------------------------------------------
     @register("dp")
@@ -545,6 +553,15 @@ class ActorRolloutWorker:
         if self.rank == 0:
             target.save_pretrained(out_dir, safe_serialization=True)
             self.tokenizer.save_pretrained(out_dir)
+
+    @register("rank0")
+    def send_weights(self, version: int, transport):
+        """Gather the full weights (a collective: every rank calls it) and send them from rank 0
+        with ``transport`` (``groupflow.distributed.transport``); returns rank 0's ticket — for a
+        Ray or filesystem transport a few references, not the weights."""
+        in_process = transport.name == "driver"  # the ticket holds the tensors: a copy
+        weights = self.full_weights(copy=in_process)
+        return transport.send(version, weights) if self.rank == 0 else None
 
     @register("rank0")
     def full_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:

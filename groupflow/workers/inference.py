@@ -24,6 +24,7 @@ import torch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import register
+from groupflow.distributed.transport import ticket_version
 from groupflow.rollout.batching import generate_batch
 from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
@@ -46,6 +47,7 @@ class InferenceWorker:
         self.device = next(model.parameters()).device
         # the HF engine decodes with self.model; vLLM keeps a copy of its own
         self.engine = engine.build(model, tokenizer, eos_ids=self.eos_ids, pad_id=pad_id)
+        self.generated_samples = 0  # what this worker generated (placement checks)
 
     @classmethod
     def create(cls, rank: int, world_size: int, *, spec: ModelSpec, cfg: ActorConfig, role: str,
@@ -59,7 +61,14 @@ class InferenceWorker:
 
     @register("dp")
     def generate(self, prompts: Batch, params: SamplingParams, prompt_width: int = 0) -> Batch:
-        return generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
+        out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
+        self.generated_samples += len(out)
+        return out
+
+    @register("all")
+    def generated(self) -> int:
+        """Samples this worker generated so far."""
+        return self.generated_samples
 
     @register("dp")
     def compute_logprobs(
@@ -76,6 +85,14 @@ class InferenceWorker:
         self.model.load_state_dict(weights)
         if self.engine.separate_weights:
             self.engine.load_weights(weights.items())
+
+    @register("all")
+    def receive_weights(self, ticket, transport) -> None:
+        """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
+        and version) and load them."""
+        weights = transport.receive(ticket, role=self.role, rank=self.rank)
+        self.load_weights(weights)
+        self.engine.version = ticket_version(ticket)
 
     @register("all")
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:

@@ -165,5 +165,5 @@ def llm_warm_start(cfg: Config, policy, examples, score: Scorer, train) -> dict[
     greedy = replace(policy.sampling, temperature=0.0, n=1)
     return warm_start(
         policy, examples, lambda probe: score(probe, greedy, cfg.run.seed), train,
-        cfg.sft, cfg.run.seed, sync=policy.sync,
+        cfg.sft, cfg.run.seed, sync=lambda: policy.sync(0),  # RL starts from version 0
     )  # fmt: skip

@@ -18,6 +18,7 @@ so ``Trainer.train_step`` has no branch on which one it is.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from groupflow.async_rollout import AsyncRollout, ring_slots, schedule_version
@@ -26,6 +27,8 @@ from groupflow.distributed.transport import ticket_nbytes
 from groupflow.policies.base import weights_nbytes
 from groupflow.rollout_side import RolloutRecipe
 from groupflow.workflows.collect import Sampling, collect_step
+
+log = logging.getLogger("groupflow")
 
 __all__ = ["RolloutSource", "SyncRollout", "AsyncRolloutSource", "build_rollout_source"]
 
@@ -206,8 +209,14 @@ class AsyncRolloutSource:
         try:
             self.loader.load_state_dict(rollouts.loader_state)
             held = set(rollouts.ring.versions())
-            self.snapshots = {v: {n: t.clone() for n, t in self._held(v).items()}
-                              for v in self.needed_versions(self.step) & held}  # fmt: skip
+            try:
+                self.snapshots = {v: {n: t.clone() for n, t in self._held(v).items()}
+                                  for v in self.needed_versions(self.step) & held}  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - e.g. a dead actor rank: do not mask the error
+                # that stopped the run; a checkpoint written now would lack these versions, and
+                # resuming from it says so (the last complete checkpoint resumes exactly)
+                log.warning("rollout: could not keep the in-flight weight versions (%s)", e)
+                self.snapshots = {}
         finally:
             self.rollouts = None
             rollouts.close()

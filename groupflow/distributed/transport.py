@@ -47,6 +47,8 @@ __all__ = [
     "ticket_version",
     "pack_buckets",
     "unpack_buckets",
+    "scatter_bucket",
+    "receive_into",
 ]
 
 
@@ -160,6 +162,54 @@ def unpack_buckets(layout: Layout, buckets) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_dest(layout: Layout, dest: dict[str, torch.Tensor], where: str) -> None:
+    for name, dtype, shape in zip(layout.names, layout.dtypes, layout.shapes):
+        t = dest.get(name)
+        if t is None or str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != shape:
+            got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+            raise TransferError(
+                f"{where}: '{name}' is {dtype} {shape} in the sent weights, {got} here"
+            )
+        if not t.is_contiguous():
+            raise TransferError(f"{where}: '{name}' is not contiguous here")
+
+
+def scatter_bucket(layout: Layout, bucket: torch.Tensor, start: int,
+                   dest: dict[str, torch.Tensor]) -> None:  # fmt: skip
+    """Copy the bucket covering bytes [start, start + len) of the stream into ``dest``'s tensors
+    in place (so a receiver holds one bucket at a time, never a second copy of the model)."""
+    end = start + bucket.numel()
+    bounds = zip(layout.names, layout.offsets, (*layout.offsets[1:], layout.total))
+    with torch.no_grad():
+        for name, lo_t, hi_t in bounds:
+            lo, hi = max(lo_t, start), min(hi_t, end)
+            if lo < hi:
+                flat = dest[name].view(-1).view(torch.uint8)
+                flat[lo - lo_t : hi - lo_t] = bucket[lo - start : hi - start].to(flat.device)
+
+
+def receive_into(transport, ticket: Any, dest: dict[str, torch.Tensor], *, role: str = "rollout",
+                 rank: int = 0) -> None:  # fmt: skip
+    """Load a ticket's weights into ``dest`` (name → tensor, e.g. a model's state dict) in place:
+    bucket by bucket where the transport streams them (``buckets``), else from the whole dict."""
+    stream = getattr(transport, "buckets", None)
+    if stream is None:
+        weights = transport.receive(ticket, role=role, rank=rank)
+        with torch.no_grad():
+            for name, t in weights.items():
+                dest[name].copy_(t)
+        return
+    layout, at = None, 0
+    for layout, bucket in stream(ticket, role=role, rank=rank):
+        if at == 0:
+            _check_dest(layout, dest, f"weight transfer to the {role} role, rank {rank}")
+        scatter_bucket(layout, bucket, at, dest)
+        at += bucket.numel()
+    if layout is not None and at != layout.total:
+        raise TransferError(f"weight transfer to the {role} role, rank {rank}: {at} of "
+                            f"{layout.total} bytes arrived")  # fmt: skip
+
+
 def checksum(bucket: torch.Tensor) -> int:
     return zlib.crc32(bucket.numpy().tobytes())
 
@@ -235,6 +285,11 @@ class FileTransport:
         return {"version": version, "dir": str(folder)}
 
     def receive(self, ticket: dict, *, role: str = "rollout", rank: int = 0) -> dict:
+        parts = list(self.buckets(ticket, role=role, rank=rank))
+        return unpack_buckets(parts[0][0], [b for _, b in parts])
+
+    def buckets(self, ticket: dict, *, role: str = "rollout", rank: int = 0):
+        """(layout, bucket) pairs in order, each checked; one bucket in memory at a time."""
         from safetensors import safe_open
 
         version, folder = ticket["version"], Path(ticket["dir"])
@@ -252,7 +307,7 @@ class FileTransport:
                 f"weight transfer to the {role} role, rank {rank}: {folder} holds policy version "
                 f"{manifest['version']}, expected {version}"
             )
-        buckets = []
+        layout = Layout.from_dict(manifest["layout"])
         for i, expected in enumerate(manifest["crc32"]):
             with safe_open(str(folder / f"bucket_{i}.safetensors"), "pt") as f:
                 meta = f.metadata() or {}
@@ -263,8 +318,7 @@ class FileTransport:
                     )
                 bucket = f.get_tensor("bucket")
             _check(bucket, expected, i, version, role, rank)
-            buckets.append(bucket)
-        return unpack_buckets(Layout.from_dict(manifest["layout"]), buckets)
+            yield layout, bucket
 
     def _prune(self, version: int) -> None:
         import shutil
@@ -295,12 +349,16 @@ class RayObjectTransport:
         return {"version": version, "layout": Layout.of(weights), "refs": refs, "crc32": sums}
 
     def receive(self, ticket: dict, *, role: str = "rollout", rank: int = 0) -> dict:
+        buckets = [b for _, b in self.buckets(ticket, role=role, rank=rank)]
+        return unpack_buckets(ticket["layout"], buckets)
+
+    def buckets(self, ticket: dict, *, role: str = "rollout", rank: int = 0):
+        """(layout, bucket) pairs in order, each fetched and checked when asked for."""
         import ray
         from ray.exceptions import GetTimeoutError
 
         version = ticket["version"]
         deadline = time.monotonic() + self.timeout_s
-        buckets = []
         for i, (ref, expected) in enumerate(zip(ticket["refs"], ticket["crc32"])):
             try:
                 bucket = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
@@ -310,5 +368,4 @@ class RayObjectTransport:
                     f"version {version} did not arrive within {self.timeout_s:g} s"
                 ) from None
             _check(bucket, expected, i, version, role, rank)
-            buckets.append(bucket)
-        return unpack_buckets(ticket["layout"], buckets)
+            yield ticket["layout"], bucket

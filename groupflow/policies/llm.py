@@ -143,15 +143,17 @@ class LLMPolicy:
         self.rollout = self.rollout_pool = self.actor
         if pl.rollout != "colocated":
             self.rollout = self.rollout_pool = builders.role_group(
-                cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout"
-            )
+                cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout",
+                role_name="rollout",  # errors name the role: the class serves two
+            )  # fmt: skip
         self.reference = None
         if needs_reference:
             self.reference = self.actor
             if pl.reference != "colocated":
                 self.reference = builders.role_group(
-                    cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor, role="reference"
-                )
+                    cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor,
+                    role="reference", role_name="reference",
+                )  # fmt: skip
         self.critic = self.reward_model = None
         if cfg.critic is not None:
             self.critic = builders.role_group(

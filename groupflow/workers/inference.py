@@ -24,7 +24,7 @@ import torch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import register
-from groupflow.distributed.transport import ticket_version
+from groupflow.distributed.transport import receive_into, ticket_version
 from groupflow.rollout.batching import generate_batch
 from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
@@ -90,8 +90,10 @@ class InferenceWorker:
     def receive_weights(self, ticket, transport) -> None:
         """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
         and version) and load them."""
-        weights = transport.receive(ticket, role=self.role, rank=self.rank)
-        self.load_weights(weights)
+        if self.engine.separate_weights:  # e.g. vLLM: its own copy takes whole tensors
+            self.load_weights(transport.receive(ticket, role=self.role, rank=self.rank))
+        else:  # bucket by bucket into the model: one bucket of extra memory, not one model
+            receive_into(transport, ticket, self.model.state_dict(), role=self.role, rank=self.rank)
         self.engine.version = ticket_version(ticket)
 
     @register("all")

@@ -219,3 +219,30 @@ def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(tmp_path, s
                 step,
                 key,
             )
+
+
+def test_pool_rollout_resume_is_exact_and_a_killed_rollout_worker_is_named(tmp_path):
+    """max_staleness 1 with a Ray rollout pool: a checkpoint keeps the in-flight version (read back
+    through the transport), a resume reproduces the uninterrupted run exactly; a rollout worker
+    killed mid-run stops it with an error naming the role, the rank and the policy version."""
+    from groupflow.async_rollout import RolloutError
+
+    pool = ["rollout.max_staleness=1", "run.backend=ray", "run.save_every=2",
+            "placement.actor={nodes: 1, workers_per_node: 1, cpus_per_worker: 0.5}",
+            "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}"]  # fmt: skip
+    full = run(tmp_path, "full", 4, *pool)
+    args = [*BASE, *pool, f"run.output_dir={tmp_path}", "run.name=crash"]
+    trainer = Trainer(load_config(None, [*args, "run.total_steps=2", "run.worker_timeout_s=60"]))
+    trainer.fit()
+    trainer.cfg.run.total_steps = 4
+    ray.kill(trainer.policy.rollout_pool._hosts[0])  # the rollout worker's process dies
+    with pytest.raises((RolloutError, WorkerError)) as err:
+        trainer.fit()
+    trainer.shutdown()
+    text = f"{err.value} {' '.join(getattr(err.value, '__notes__', []))}"
+    assert "InferenceWorker (rollout role) rank 0" in text and "the worker process died" in text
+    assert "batch of step 2, policy version 1" in text
+    resumed = run(tmp_path, "crash", 4, *pool)
+    for step in (3, 4):
+        for k in (*KEYS, "async/staleness"):
+            assert resumed[step][k] == full[step][k], (step, k)

@@ -160,3 +160,32 @@ def test_a_rollout_pool_fed_through_the_filesystem_gives_the_driver_runs_numbers
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm"):
             assert a[key] == b[key], key  # bit-exact: the same weights arrived
     assert sorted(p.name for p in (trainer.run_dir / "weights").iterdir())  # versions on disk
+
+
+def test_receive_into_streams_buckets_into_the_model_in_place(tmp_path):
+    from groupflow.distributed.transport import receive_into
+
+    w = _weights()
+    t = FileTransport(str(tmp_path), bucket_bytes=16)
+    ticket = t.send(1, w)
+    dest = {k: torch.zeros_like(v) for k, v in w.items()}
+    storage = {k: v.data_ptr() for k, v in dest.items()}
+    receive_into(t, ticket, dest, role="rollout", rank=0)
+    _same(dest, w)
+    assert {k: v.data_ptr() for k, v in dest.items()} == storage  # written in place
+    # the in-process transports fall back to copying whole tensors
+    dest = {k: torch.zeros_like(v) for k, v in w.items()}
+    receive_into(DriverTransport(), DriverTransport().send(1, w), dest)
+    _same(dest, w)
+
+
+def test_receive_into_refuses_a_model_of_another_shape(tmp_path):
+    from groupflow.distributed.transport import receive_into
+
+    w = _weights()
+    t = FileTransport(str(tmp_path), bucket_bytes=16)
+    ticket = t.send(1, w)
+    dest = {k: torch.zeros_like(v) for k, v in w.items()}
+    dest["b"] = torch.zeros(2, 3)  # float32, not bfloat16
+    with pytest.raises(TransferError, match=r"reference role, rank 2: 'b' is bfloat16 \(2, 3\)"):
+        receive_into(t, ticket, dest, role="reference", rank=2)

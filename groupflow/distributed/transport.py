@@ -211,7 +211,8 @@ def receive_into(transport, ticket: Any, dest: dict[str, torch.Tensor], *, role:
 
 
 def checksum(bucket: torch.Tensor) -> int:
-    return zlib.crc32(bucket.numpy().tobytes())
+    """CRC32 of a uint8 bucket, read in place (no copy of its bytes)."""
+    return zlib.crc32(memoryview(bucket.contiguous().numpy()))
 
 
 def _check(bucket: torch.Tensor, expected: int, index: int, version: int, role: str, rank: int):

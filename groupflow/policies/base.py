@@ -45,6 +45,11 @@ class Policy(PolicyView, Protocol):
 
     async_on_pool: bool
 
+    def publish(self, version: int) -> Any:
+        """Send the current weights as ``version`` with the policy's weight transport; returns
+        the ticket the driver forwards (``groupflow.distributed.transport``)."""
+        ...
+
     def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
         """Old/reference log-probs and values added to ``batch``; (batch, metrics)."""
         ...

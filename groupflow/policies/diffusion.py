@@ -21,6 +21,7 @@ from groupflow.config import Config, DiffusionConfig
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
+from groupflow.distributed.transport import DriverTransport
 from groupflow.utils.timing import StageTimer
 
 log = logging.getLogger("groupflow")
@@ -172,6 +173,10 @@ class DiffusionPolicy:
         return self.actor.update(model_inputs(batch), shuffle_seed=seed)
 
     async_on_pool = False  # the asynchronous side samples with a flow model of its own
+
+    def publish(self, version: int) -> dict:
+        """The current weights as a ``driver`` transport ticket (they pass through the driver)."""
+        return DriverTransport().send(version, self.actor.full_weights())
 
     def sync(self, version: int = -1) -> int:
         """The worker samples with the weights it trains: nothing to push (0 bytes)."""

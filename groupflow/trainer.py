@@ -6,10 +6,10 @@ diffusion — ``groupflow.workflows``), training goes to a *policy* (its worker 
 ``groupflow.policies``), advantages from the shared credit stage (``groupflow.credit``); every
 batch is validated against the stage contract at each boundary, so a broken reward function,
 environment or custom estimator is reported where it happened. This file decides only *what
-happens in which order*, plus validation, logging and checkpoints. With ``rollout.max_staleness``
-the collect stage runs ahead on the rollout side (``groupflow.async_rollout``: by default a child
-process that holds the workflow, the prompt loader and a frozen model copy) on the deterministic
-schedule; the loop is otherwise the same: it takes finished batches and publishes weights.
+happens in which order*, plus validation, logging and checkpoints. Where a step's batch comes
+from is a *rollout source* (``groupflow.rollout_source``): collected now with the current weights,
+or — ``rollout.max_staleness`` — ahead on the rollout side with a scheduled older version; the
+loop asks it for the batch of step s and tells it after each update, and never asks which it is.
 """
 
 from __future__ import annotations

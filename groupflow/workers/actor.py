@@ -556,11 +556,22 @@ class ActorRolloutWorker:
 
     @register("rank0")
     def send_weights(self, version: int, transport):
-        """Gather the full weights (a collective: every rank calls it) and send them from rank 0
-        with ``transport`` (``groupflow.distributed.transport``); returns rank 0's ticket — for a
-        Ray or filesystem transport a few references, not the weights."""
+        """Send the current full weights from rank 0 with ``transport``
+        (``groupflow.distributed.transport``); returns rank 0's ticket — for a Ray or filesystem
+        transport a few references, not the weights."""
         in_process = transport.name == "driver"  # the ticket holds the tensors: a copy
-        weights = self.full_weights(copy=in_process)
+        if self.cfg.lora is None:
+            # The unsharded generation copy (sharded training) or the training model itself is
+            # current after every weight change (_sync_rollout_weights): rank 0 sends from it, no
+            # gather, no second copy — the transport holds one bucket at a time.
+            if self.rank != 0:
+                return None
+            source = self.rollout_model if self.rollout_model is not None else self.model
+            weights = {k: v.detach() for k, v in source.state_dict().items()}
+            if in_process:
+                weights = {k: v.cpu().clone() for k, v in weights.items()}
+            return transport.send(version, weights)
+        weights = self.full_weights(copy=in_process)  # LoRA: gathered and merged (a collective)
         return transport.send(version, weights) if self.rank == 0 else None
 
     @register("rank0")

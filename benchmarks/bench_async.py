@@ -64,8 +64,7 @@ def build(name: str, out_dir: str, k: int, extra: list[str], correction: str = "
     cfg = load_config("examples/reverse_demo.yaml", overrides(name, out_dir, k, extra, correction))
     trainer = Trainer(cfg)
     trainer.policy.sync()
-    if k:
-        trainer.start_rollouts()  # what fit() does first: the child process starts here
+    trainer.source.start(trainer.step)  # what fit() does first: an asynchronous child starts here
     return trainer
 
 
@@ -128,7 +127,8 @@ class Block:
 def timed_block(trainer, n: int, stages: list | None) -> Block:
     """``n`` steps; the first is not counted (its batch was generated ahead while idle)."""
     trainer.train_step()
-    child = trainer.rollouts.process.pid if trainer.rollouts and trainer.rollouts.process else None
+    rollouts = getattr(trainer.source, "rollouts", None)  # the asynchronous source's side
+    child = rollouts.process.pid if rollouts and rollouts.process else None
     wall, cpu, rollout = time.perf_counter(), cpu_seconds(), cpu_seconds(child) if child else None
     skipped = []
     for _ in range(n - 1):
@@ -139,8 +139,8 @@ def timed_block(trainer, n: int, stages: list | None) -> Block:
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
     if rollout is not None:
         rollout = cpu_seconds(child) - rollout
-    if trainer.rollouts is not None:
-        trainer.rollouts.drain()  # the batch generated ahead must not run during another's block
+    if rollouts is not None:
+        rollouts.drain()  # the batch generated ahead must not run during another's block
     return Block(n - 1, wall, cpu, rollout, statistics.mean(skipped))
 
 

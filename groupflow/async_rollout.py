@@ -87,7 +87,7 @@ class AsyncRollout:
 
     def __init__(self, recipe: RolloutRecipe, template: dict[str, torch.Tensor], *,
                  max_staleness: int, process: bool, timeout_s: float, eager: bool = False,
-                 role: str = "rollout"):  # fmt: skip
+                 role: str = "rollout", ring=None):  # fmt: skip
         self.timeout_s, self.role = timeout_s, role
         self.loader_state = recipe.loader_state  # the loader after the last delivered batch
         self._jobs: dict[int, int] = {}  # submitted, not yet taken: step -> scheduled version
@@ -102,7 +102,12 @@ class AsyncRollout:
             )
             process = False
         data = _pickled(recipe) if process else None  # None: stays in this process (warned)
-        self.ring = WeightRing(template, ring_slots(max_staleness), shared=data is not None)
+        # ring: the versions' store (a caller's, e.g. transport tickets; default shared memory)
+        self.ring = (
+            ring
+            if ring is not None
+            else WeightRing(template, ring_slots(max_staleness), shared=data is not None)
+        )
         self.status = torch.zeros(3, dtype=torch.long)  # phase, step, version (rollout_side)
         if data is not None:
             self.status.share_memory_()

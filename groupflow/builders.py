@@ -425,15 +425,17 @@ def prompt_stats(train: EncodedPrompts, val: EncodedPrompts | None) -> dict[str,
 
 
 def build_rollout_engine(cfg: Config):
-    """Plain options of the vLLM engine for the actor workers, or None for the HF engine.
+    """Plain, picklable options of the rollout engine (``groupflow.rollout.engine``) the workers
+    that generate build in their own processes: ``HFOptions`` or ``VLLMOptions``.
 
     Called at start-up: ``rollout.engine=vllm`` without vLLM installed fails here, naming the
     install command, before any data or model is loaded.
     """
+    from groupflow.rollout.engine import HF
     from groupflow.rollout.vllm_engine import VLLMOptions, require_vllm
 
     if cfg.rollout.engine == "hf":
-        return None
+        return HF
     require_vllm()
     v = cfg.rollout.vllm
     return VLLMOptions(
@@ -446,6 +448,25 @@ def build_rollout_engine(cfg: Config):
         enable_prefix_caching=v.enable_prefix_caching,
         seed=cfg.run.seed,
     )
+
+
+def build_weight_transport(cfg: Config, run_dir: Path):
+    """The configured weight transport (``groupflow.distributed.transport``); ``auto``: Ray's object
+    store on run.backend=ray (nothing passes the driver), in-process tensors otherwise."""
+    from groupflow.distributed.transport import DriverTransport, FileTransport, RayObjectTransport
+
+    r = cfg.rollout
+    kind = r.weight_transport
+    if kind == "auto":
+        kind = "ray" if cfg.run.backend == "ray" else "driver"
+    bucket = max(1, int(r.weight_bucket_mb * (1 << 20)))
+    timeout = cfg.run.worker_timeout_s
+    if kind == "ray":
+        return RayObjectTransport(bucket_bytes=bucket, timeout_s=timeout)
+    if kind == "filesystem":
+        root = Path(r.weight_dir).expanduser() if r.weight_dir else Path(run_dir) / "weights"
+        return FileTransport(str(root), bucket_bytes=bucket, timeout_s=timeout)
+    return DriverTransport()
 
 
 # ----- worker groups: where each role runs ---------------------------------------------------------

@@ -42,7 +42,8 @@ def estimator_options(al: AlgorithmConfig) -> dict[str, Any]:
 
 
 class CreditAssignment:
-    """``batch → batch`` with ``advantages`` (and ``returns`` for GAE)."""
+    """``batch → (batch, metrics)``: ``advantages`` (and ``returns`` for GAE) added; metrics of
+    the KL-in-reward controller when configured."""
 
     def __init__(self, al: AlgorithmConfig, run_seed: int, teacher: TeacherConfig | None = None):
         self.al, self.run_seed, self.teacher = al, run_seed, teacher
@@ -54,59 +55,59 @@ class CreditAssignment:
             else None
         )
 
-    def __call__(self, batch: Batch, step: int) -> Batch:
+    def __call__(self, batch: Batch, step: int) -> tuple[Batch, dict[str, float]]:
         al = self.al
         rewards = batch["rewards"]
+        metrics: dict[str, float] = {}
         if al.kl_in_reward is not None or al.estimator == "gae":
-            token_rewards = self.token_rewards(batch)
+            token_rewards, metrics = self.token_rewards(batch)
             if al.estimator == "gae":
                 batch["advantages"], batch["returns"] = compute_gae(
                     token_rewards, batch["values"], batch["response_mask"],
                     al.gamma, al.lam, al.whiten_advantages,
                 )  # fmt: skip
-                return batch
+                return batch, metrics
             rewards = token_rewards.sum(-1)  # outcome estimators see r - β·ΣKL (as verl does)
         batch["advantages"] = compute_advantages(
             rewards, batch["group_ids"], al.estimator, adv_clip_max=al.adv_clip_max,
             reward_threshold=al.reward_threshold, **self.options,
         )  # fmt: skip
         if self.teacher is not None:
-            batch["advantages"] = self.distill(batch)
+            batch["advantages"], distill_metrics = self.distill(batch)
+            metrics.update(distill_metrics)
         if al.shuffle_advantages:  # the control run (see AlgorithmConfig.shuffle_advantages)
             g = torch.Generator().manual_seed(sample_seed(self.run_seed, step, -2))
             batch["advantages"] = batch["advantages"][torch.randperm(len(batch), generator=g)]
-        return batch
+        return batch, metrics
 
-    def distill(self, batch: Batch) -> torch.Tensor:
+    def distill(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """[B, T] advantages: the teacher's per-token reverse-KL term plus the weighted outcome
-        advantage (groupflow.algorithms.distillation)."""
+        advantage (groupflow.algorithms.distillation); and the mean reverse KL as a metric."""
         t, mask = self.teacher, batch["response_mask"]
         student, teacher = batch["old_logprobs"], batch["teacher_logprobs"]
         with torch.no_grad():
             valid = mask != 0
             kl = torch.where(valid, student - teacher, 0.0).sum() / valid.sum().clamp(min=1)
-        batch.meta.setdefault("reward_metrics", {}).update({"distill/reverse_kl": float(kl)})
-        return distillation_advantages(
+        advantages = distillation_advantages(
             batch["advantages"], student, teacher, mask, coef=t.coef, reward_weight=t.reward_weight
         )
+        return advantages, {"distill/reverse_kl": float(kl)}
 
-    def token_rewards(self, batch: Batch) -> torch.Tensor:
-        """The outcome reward on each sample's last valid token, minus β·KL when configured."""
+    def token_rewards(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The outcome reward on each sample's last valid token, minus β·KL when configured;
+        (token rewards [B, T], the KL controller's metrics)."""
         mask = batch["response_mask"]
         token_rewards = place_outcome_reward(batch["rewards"], mask)
         k = self.al.kl_in_reward
         if k is None:
-            return token_rewards
+            return token_rewards, {}
         beta = self.kl_ctrl.value
         token_rewards, kl = kl_in_reward(
             token_rewards, batch["old_logprobs"], batch["ref_logprobs"], mask, beta, k.kind
         )
         current = float(sequence_mean_kl(kl, mask))
         self.kl_ctrl.update(current, n_steps=len(batch))
-        batch.meta.setdefault("reward_metrics", {}).update(
-            {"kl_in_reward/kl": current, "kl_in_reward/coef": beta}
-        )
-        return token_rewards
+        return token_rewards, {"kl_in_reward/kl": current, "kl_in_reward/coef": beta}
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_controller": self.kl_ctrl.state_dict()} if self.kl_ctrl is not None else {}

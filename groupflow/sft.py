@@ -29,7 +29,7 @@ Example = tuple[list[int], list[int], list[int] | None]
 
 
 def warm_start(
-    actor,
+    learner,
     make_examples: Callable[[object], list[Example]],
     probe: Callable[[object], list[dict]],
     train,
@@ -38,7 +38,8 @@ def warm_start(
     sync: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Run up to ``cfg.steps`` SFT steps on ``make_examples(train)``; returns metrics (steps run,
-    last loss, probe accuracy). ``probe(prompts) -> records`` scores greedy episodes; ``sync``
+    last loss, probe accuracy). ``learner``: what trains (``sft_step(batch, lr) -> loss``; the
+    policy, or an actor group). ``probe(prompts) -> records`` scores greedy episodes; ``sync``
     first pushes the actor's weights to a rollout pool placed apart from it."""
     examples = make_examples(train)
     rng = random.Random(seed)
@@ -53,7 +54,7 @@ def warm_start(
                 "target_mask": [m if m is not None else [1] * len(t) for _, t, m in chosen],
             }
         )
-        loss = actor.sft_step(batch, cfg.lr)
+        loss = learner.sft_step(batch, cfg.lr)
         if cfg.stop_at_accuracy is not None and step % cfg.check_every == 0:
             if sync is not None:
                 sync()

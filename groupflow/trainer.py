@@ -6,10 +6,10 @@ diffusion — ``groupflow.workflows``), training goes to a *policy* (its worker 
 ``groupflow.policies``), advantages from the shared credit stage (``groupflow.credit``); every
 batch is validated against the stage contract at each boundary, so a broken reward function,
 environment or custom estimator is reported where it happened. This file decides only *what
-happens in which order*, plus validation, logging and checkpoints. With ``rollout.max_staleness``
-the collect stage runs ahead on the rollout side (``groupflow.async_rollout``: by default a child
-process that holds the workflow, the prompt loader and a frozen model copy) on the deterministic
-schedule; the loop is otherwise the same: it takes finished batches and publishes weights.
+happens in which order*, plus validation, logging and checkpoints. Where a step's batch comes
+from is a *rollout source* (``groupflow.rollout_source``): collected now with the current weights,
+or — ``rollout.max_staleness`` — ahead on the rollout side with a scheduled older version; the
+loop asks it for the batch of step s and tells it after each update, and never asks which it is.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from groupflow.async_rollout import AsyncRollout, schedule_version
 from groupflow.batch import Batch
 from groupflow.builders import resolve_hub_models
 from groupflow.checkpoint import (
@@ -34,7 +33,7 @@ from groupflow.config.presets import preset_note, preset_report
 from groupflow.contracts import check_staleness, validate
 from groupflow.credit import CreditAssignment
 from groupflow.health import CollapseMonitor
-from groupflow.rollout_side import RolloutRecipe
+from groupflow.rollout_source import RolloutSource, build_rollout_source
 from groupflow.rundir import plain_config, prepare_run_dir
 from groupflow.tracking import Tracker
 from groupflow.utils.main_guard import refuse_run_in_child
@@ -77,19 +76,17 @@ class Trainer:
         self.step = 0
         self.tracker: Tracker | None = None
         self.policy, self.workflow, self.data_stats = build_run(built_cfg, self.run_dir, inputs)
-        self.built_cfg, self.inputs = built_cfg, inputs  # what an asynchronous rollout side needs
         self.contracts = self.workflow.contracts
         self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed, cfg.teacher)
         # warns once if the policy dies (e.g. a far too high actor.lr)
         self.collapse = CollapseMonitor(cfg.actor.lr, getattr(self.policy, "max_entropy", None))
         self.loader = prompt_loader(cfg, self.workflow.train_rows)
-        # Asynchronous rollout (rollout.max_staleness = k >= 1): the batches of the next k steps
-        # are collected on the rollout side, each with the weights of its scheduled version.
+        # Where batches come from: collected now (synchronous), or ahead on the rollout side with
+        # scheduled older weights (rollout.max_staleness = k >= 1; groupflow.rollout_source).
         self.max_staleness = cfg.rollout.max_staleness
-        self.rollouts: AsyncRollout | None = None
-        # version -> weights that batches to come need, while no rollout side holds them (from a
-        # checkpoint, or kept when one stopped)
-        self.snapshots: dict[int, dict] = {}
+        self.source: RolloutSource = build_rollout_source(
+            cfg, built_cfg, self.run_dir, self.policy, self.workflow, self.loader, inputs
+        )
 
     # ----- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -110,11 +107,10 @@ class Trainer:
         )  # fmt: skip
         last: dict[str, float] = {}
         try:
-            self.policy.sync()
+            self.policy.sync(self.step)
             if not resumed:
                 self.tracker.log(self.before_training(), step=0)
-            if self.max_staleness:
-                self.start_rollouts()
+            self.source.start(self.step)
             while self.step < cfg.run.total_steps:
                 batch, last = self.train_step()
                 if self._due(cfg.validation.every_steps) or self.step == cfg.run.total_steps:
@@ -130,7 +126,7 @@ class Trainer:
                 ):
                     self.save()
         finally:
-            self.stop_rollouts()
+            self.source.close()
             self.tracker.close()
         return last
 
@@ -139,28 +135,23 @@ class Trainer:
         timer = StageTimer()
         with timer("step"):
             with timer("rollout_and_reward"):  # asynchronous: the wait for the batch
-                if self.rollouts is None:
-                    batch, sampling_metrics = self.collect(self.step)
-                else:
-                    batch, sampling_metrics = self.rollouts.result(self.step)
+                batch, collect_metrics = self.source.batch(self.step)
             check_staleness(batch, current=self.step, max_staleness=self.max_staleness)
-            batch = self.policy.prepare(batch, timer)
+            batch, prepare_metrics = self.policy.prepare(batch, timer)
             with timer("advantages"):
-                batch = validate(self.credit(batch, self.step), self.contracts["advantaged"])
+                batch, credit_metrics = self.credit(batch, self.step)
+                batch = validate(batch, self.contracts["advantaged"])
             with timer("update"):
                 seed = sample_seed(self.cfg.run.seed, self.step, -1)
                 batch = validate(batch, self.contracts["train_ready"])
                 update_metrics = self.policy.update(batch, step=self.step, seed=seed)
-            with timer("weight_sync"):
-                if self.rollouts is None:
-                    self.policy.sync()
-                else:
-                    self.submit_next()
+            with timer("weight_transfer"):
+                transfer_metrics = self.source.after_update(self.step + 1)
         self.step += 1
         metrics = self.workflow.step_metrics(batch, timer.seconds("step"))
-        metrics = {**metrics, **sampling_metrics, **update_metrics, **timer.metrics()}
-        if self.max_staleness:
-            metrics["async/staleness"] = self.step - 1 - float(batch["version"].float().mean())
+        for stage in (collect_metrics, prepare_metrics, credit_metrics, update_metrics,
+                      transfer_metrics, timer.metrics()):  # fmt: skip
+            metrics.update(stage)
         self.collapse.observe(metrics, batch["advantages"])
         return batch, metrics
 
@@ -170,63 +161,6 @@ class Trainer:
         version = step if version is None else version
         sampling = Sampling.from_config(self.cfg)
         return collect_step(self.workflow, self.loader, sampling, step, version)
-
-    # ----- asynchronous rollout ------------------------------------------------------------------
-    def start_rollouts(self) -> None:
-        """Start the rollout side, publish the weights the next k+1 batches need (after a resume:
-        the checkpoint's snapshots) and submit those batches."""
-        k, total, r = self.max_staleness, self.cfg.run.total_steps, self.cfg.rollout
-        weights = {**self.snapshots, self.step: self.policy.snapshot(copy=False)}  # ring copies
-        jobs = {t: schedule_version(t, k) for t in range(self.step, min(self.step + k + 1, total))}
-        for t, v in jobs.items():
-            if v not in weights:
-                raise RuntimeError(
-                    f"no weights of policy version {v} to generate the batch of step {t} "
-                    f"(rollout.max_staleness={k}): the checkpoint resumed from keeps the "
-                    "snapshots of the staleness it was written with; resume with that value"
-                )
-        recipe = RolloutRecipe(
-            self.built_cfg, self.run_dir, self.policy.start_async(), list(self.workflow.train_rows),
-            self.loader.state_dict(), tuple(self.inputs.rewards if self.inputs else ()),
-        )  # fmt: skip
-        self.rollouts = AsyncRollout(
-            recipe, weights[self.step], max_staleness=k, process=r.async_worker == "process",
-            timeout_s=self.cfg.run.worker_timeout_s, eager=r.async_mode == "eager",
-        )  # fmt: skip
-        for v in sorted(self._needed_versions() & weights.keys()):
-            self.rollouts.publish(v, weights[v])
-        for t, v in jobs.items():
-            self.rollouts.submit(t, v)
-        self.snapshots = {}  # the rollout side's ring holds them now
-
-    def submit_next(self) -> None:
-        """After the update of step s (version s+1 now exists): publish it and submit the batch
-        of step s+1+k with its scheduled version (s+1)."""
-        k, version = self.max_staleness, self.step + 1
-        self.rollouts.publish(version, self.policy.snapshot(copy=False))  # publish copies
-        t = version + k
-        if t < self.cfg.run.total_steps:
-            self.rollouts.submit(t, schedule_version(t, k))
-
-    def stop_rollouts(self) -> None:
-        """Stop the rollout side; the loader and the snapshots that batches to come need stay
-        with the trainer (a later ``fit`` or ``save`` continues from them)."""
-        if self.rollouts is None:
-            return
-        rollouts, self.rollouts = self.rollouts, None
-        try:
-            self.loader.load_state_dict(rollouts.loader_state)
-            held = set(rollouts.ring.versions())
-            self.snapshots = {v: {n: t.clone() for n, t in rollouts.ring.read(v).items()}
-                              for v in self._needed_versions() & held}  # fmt: skip
-        finally:
-            rollouts.close()
-
-    def _needed_versions(self) -> set[int]:
-        """The versions the batches of steps step..step+k are scheduled with (a checkpoint keeps
-        all but the current one, ``step``, which is the policy itself)."""
-        k = self.max_staleness
-        return {schedule_version(t, k) for t in range(self.step, self.step + k + 1)}
 
     def before_training(self) -> dict[str, float]:
         """Data statistics, the optional warm start, and the baseline validation."""
@@ -257,22 +191,7 @@ class Trainer:
         RNG, step."""
         state, writers = self.policy.state()
         state.update(self.credit.state_dict())
-        state["loader"] = self.loader.state_dict()
-        if self.max_staleness:
-            # A resume collects the next k+1 batches again (in flight now, or not yet submitted
-            # at the last step: a resume may raise run.total_steps), each with its version's
-            # weights, kept here; the loader as the next step's batch found it.
-            versions = self._needed_versions() - {self.step}
-            if self.rollouts is not None:
-                state["loader"] = self.rollouts.loader_state
-                held = versions & set(self.rollouts.ring.versions())
-                weights = {v: self.rollouts.ring.read(v) for v in sorted(held)}
-            else:
-                weights = {v: self.snapshots[v] for v in sorted(versions & self.snapshots.keys())}
-            state["async_rollout"] = {"versions": sorted(weights)}
-            # copies: ring slots are views of one buffer, which safetensors refuses to write
-            state.update({f"rollout_weights_v{v}": {n: t.clone() for n, t in w.items()}
-                          for v, w in weights.items()})  # fmt: skip
+        state.update(self.source.state(self.step))  # the loader (+ in-flight versions' weights)
         state["rng"] = capture_rng_state()
         state["trainer_state"] = {"step": self.step}
         state["config"] = plain_config(self.cfg)  # what a resume compares its config with
@@ -295,10 +214,8 @@ class Trainer:
         state = load_checkpoint(path)
         self.policy.load(state, path)
         self.credit.load_state_dict(state)
-        self.loader.load_state_dict(state["loader"])
+        self.source.load_state(state)
         restore_rng_state(state["rng"])
         self.step = int(state["trainer_state"]["step"])
-        versions = state.get("async_rollout", {}).get("versions", [])
-        self.snapshots = {int(v): state[f"rollout_weights_v{v}"] for v in versions}
         log.info("resumed from %s at step %d", path, self.step)
         return True

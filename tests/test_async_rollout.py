@@ -170,10 +170,10 @@ def test_eager_mode_is_fresher_and_respects_the_bound(tiny_config, monkeypatch):
 
 
 def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
-    import groupflow.trainer as trainer_module
+    import groupflow.rollout_source as source_module
 
     # a schedule one version too old: the contract must refuse the batch at step 2
-    monkeypatch.setattr(trainer_module, "schedule_version", lambda s, k: max(0, s - k - 1))
+    monkeypatch.setattr(source_module, "schedule_version", lambda s, k: max(0, s - k - 1))
     trainer = Trainer(tiny_config(run__total_steps=3, rollout__max_staleness=1,
                                   rollout__async_worker="thread"))  # fmt: skip
     with pytest.raises(ContractError, match=r"key 'version': expected >= 1 \(policy version 2"):

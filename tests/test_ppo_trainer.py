@@ -103,7 +103,7 @@ def test_lora_run_exports_a_plain_model_through_the_cli(tiny_config_data, tmp_pa
     assert main(["export", str(path), "--checkpoint", str(trainer.run_dir), "--out", str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     assert not any("lora" in k for k in model.state_dict())
-    batch = trainer.workflow.collect(trainer.loader.take(2), step=9, round_=0, version=0)
+    batch, _ = trainer.workflow.collect(trainer.loader.take(2), step=9, round_=0, version=0)
     trained = trainer.policy.actor.compute_logprobs(
         batch.select("prompt_ids", "prompt_mask", "responses", "response_mask"), temperature=1.0
     )["logprobs"]

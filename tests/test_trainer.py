@@ -152,7 +152,7 @@ def test_first_ratio_is_one_with_one_epoch_and_one_mini_batch(tiny_config, monke
     trainer = Trainer(tiny_config(run__total_steps=1, rollout__temperature=0.7))
     prepared = spy(trainer.policy, "prepare")
     trainer.fit()
-    batch = prepared[0]
+    batch = prepared[0][0]
     # μ = 1, one mini-batch: the rollout's log-probs are used as the old ones, unchanged
     assert batch["old_logprobs"] is batch["rollout_logprobs"]
     row = _steps(trainer.run_dir)[1]
@@ -169,7 +169,7 @@ def test_old_logprobs_recomputed_with_two_epochs_match_rollout(tiny_config, monk
     )
     prepared = spy(trainer.policy, "prepare")
     trainer.fit()
-    batch = prepared[0]
+    batch = prepared[0][0]
     assert batch["old_logprobs"] is not batch["rollout_logprobs"]
     mask = batch["response_mask"].bool()
     diff = (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].abs().max()
@@ -182,7 +182,7 @@ def test_recompute_old_logprobs_always(tiny_config, monkeypatch, spy):
     trainer = Trainer(tiny_config(run__total_steps=1, actor__recompute_old_logprobs="always"))
     prepared = spy(trainer.policy, "prepare")
     trainer.fit()
-    assert prepared[0]["old_logprobs"] is not prepared[0]["rollout_logprobs"]
+    assert prepared[0][0]["old_logprobs"] is not prepared[0][0]["rollout_logprobs"]
 
 
 # ----- KL and the reference model ---------------------------------------------------------------
@@ -193,7 +193,7 @@ def test_no_reference_model_without_kl(tiny_config, monkeypatch, spy):
     assert trainer.policy.actor.ref_model is None
     prepared = spy(trainer.policy, "prepare")
     trainer.fit()
-    assert "ref_logprobs" not in prepared[0]
+    assert "ref_logprobs" not in prepared[0][0]
     assert "actor/kl_loss" not in _steps(trainer.run_dir)[1]
 
 
@@ -235,13 +235,13 @@ def test_dynamic_sampling_drops_constant_reward_groups(
     batch = trained[0]
     assert constant_groups(batch) == 0
     n_groups = int(batch["group_ids"].unique().numel())
-    dropped = sum(constant_groups(b) for b in rounds)
+    dropped = sum(constant_groups(b) for b, _ in rounds)
     assert dropped >= 1, "the helper reward should make some groups constant"
     row = _steps(trainer.run_dir)[1]
     assert row["sampling/rounds"] == len(rounds)
     assert row["sampling/dropped_groups"] == dropped
     assert row["sampling/kept_groups"] == n_groups
-    informative = sum(len(b["group_ids"].unique()) for b in rounds) - dropped
+    informative = sum(len(b["group_ids"].unique()) for b, _ in rounds) - dropped
     assert n_groups == min(4, informative)
     assert len(batch) == 4 * n_groups  # whole groups only
     assert row["batch/samples"] == len(batch)
@@ -252,8 +252,8 @@ def test_dynamic_sampling_drops_constant_reward_groups(
 
 def _train_ready_batch(trainer: Trainer):
     batch, _ = trainer.collect(0)
-    batch = trainer.policy.prepare(batch)
-    return trainer.credit(batch, 0)
+    batch, _ = trainer.policy.prepare(batch)
+    return trainer.credit(batch, 0)[0]
 
 
 def _grads_of_one_update(trainer: Trainer, model0, batch, **actor_overrides):
@@ -576,7 +576,11 @@ def test_rollout_and_reference_in_their_own_pools_give_the_colocated_numbers(tin
     assert not all(
         torch.equal(v, trained[k]) for k, v in apart.policy.reference.model.state_dict().items()
     )
-    assert "time/weight_sync" in a[1]
+    assert "time/weight_transfer" in a[1]
+    # the driver received the full weights and pushed them to the pool: every byte passed it
+    nbytes = sum(v.numel() * v.element_size() for v in trained.values())
+    assert a[1]["weights/bytes_via_driver"] == nbytes
+    assert c[1]["weights/bytes_via_driver"] == 0  # colocated: nothing moves
 
 
 def test_reference_is_the_warm_started_policy_and_survives_resume(tiny_config, tmp_path):

@@ -8,7 +8,7 @@ methods the trainer calls (``groupflow.workflows.Workflow``):
     train_rows                                    rows the prompt loader draws from
     contracts                                     the policy's stage contracts
     data_stats                                    logged before training
-    collect(rows, step, round_, version) -> Batch rollout + rewards ('rewarded' contract)
+    collect(rows, step, round_, version) -> (Batch, metrics)   rollout + rewards ('rewarded')
     step_metrics(batch, seconds) -> dict          per-step metrics
     validate(step) -> dict                        held-out metrics
     warm_start() -> dict                          before RL ({} for none)
@@ -43,8 +43,8 @@ class MajorityVote:
     def train_rows(self):
         return self.inner.train_rows
 
-    def collect(self, rows, step: int, round_: int, version: int) -> Batch:
-        batch = self.inner.collect(rows, step, round_, version)
+    def collect(self, rows, step: int, round_: int, version: int) -> tuple[Batch, dict]:
+        batch, metrics = self.inner.collect(rows, step, round_, version)
         answers = [answer_of(c) for c in batch["completion"]]
         rewards = torch.zeros(len(batch))
         right = []
@@ -57,12 +57,11 @@ class MajorityVote:
             if truth is not None:
                 right.append(label == str(truth))
         batch["rewards"] = rewards
-        metrics = dict(batch.meta.get("reward_metrics", {}))
+        metrics = dict(metrics)
         metrics["ttrl/majority_reward"] = float(rewards.mean())
         if right:
             metrics["ttrl/label_accuracy"] = sum(right) / len(right)
-        batch.meta["reward_metrics"] = metrics
-        return batch
+        return batch, metrics
 
     def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:
         return self.inner.step_metrics(batch, seconds)

@@ -141,6 +141,15 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _weight_transport(self):
+        if self.rollout.weight_transport == "ray" and self.run.backend != "ray":
+            raise ValueError(
+                f"rollout.weight_transport=ray needs run.backend=ray (got {self.run.backend!r}); "
+                "use auto, driver or filesystem"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _async_rollout(self):
         if self.diffusion is not None and self.actor.off_policy in ("tis", "decoupled"):
             raise ValueError(

@@ -256,6 +256,14 @@ class RolloutConfig(_Section):
     # (never staler than k; fresher when generation is the bottleneck), at the price of
     # reproducibility: which version that is depends on timing.
     async_mode: Literal["deterministic", "eager"] = "deterministic"
+    # ---- weight transport (groupflow.distributed.transport): how a new version reaches a
+    # rollout pool, the reference or a critic. auto: "ray" on run.backend=ray (the actor's rank
+    # puts buckets into Ray's object store, the pool fetches them: nothing passes the driver),
+    # else "driver" (in-process). "filesystem": safetensors buckets under weight_dir, a directory
+    # both sides see. The asynchronous rollout on one host uses the shared-memory ring.
+    weight_transport: Literal["auto", "driver", "filesystem", "ray"] = "auto"
+    weight_bucket_mb: float = Field(64.0, gt=0)  # bytes per bucket (each checked with a CRC32)
+    weight_dir: str | None = None  # filesystem transport; None: <run dir>/weights
 
     @model_validator(mode="after")
     def _multi_turn(self):

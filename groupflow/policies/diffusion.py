@@ -21,6 +21,7 @@ from groupflow.config import Config, DiffusionConfig
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
+from groupflow.distributed.transport import DriverTransport
 from groupflow.utils.timing import StageTimer
 
 log = logging.getLogger("groupflow")
@@ -142,8 +143,9 @@ class DiffusionPolicy:
         )  # fmt: skip
         self.rollout = self.actor
 
-    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> Batch:
-        """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's."""
+    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
+        """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's;
+        (batch, metrics: none)."""
         timer = timer or StageTimer()
         a = self.cfg.actor
         several = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
@@ -167,14 +169,21 @@ class DiffusionPolicy:
                 # One optimizer step per batch: the rollout's log-probs come from the same step
                 # function computed the same way (step by step), so the first ratio is exactly 1.
                 batch["old_logprobs"] = batch["rollout_logprobs"]
-        return batch
+        return batch, {}
 
     def update(self, batch: Batch, *, step: int, seed: int) -> dict[str, float]:
         batch = validate(batch, DIFFUSION_CONTRACTS["train_ready"])
         return self.actor.update(model_inputs(batch), shuffle_seed=seed)
 
-    def sync(self) -> None:
-        """The worker samples with the weights it trains: nothing to push."""
+    async_on_pool = False  # the asynchronous side samples with a flow model of its own
+
+    def publish(self, version: int) -> dict:
+        """The current weights as a ``driver`` transport ticket (they pass through the driver)."""
+        return DriverTransport().send(version, self.actor.full_weights())
+
+    def sync(self, version: int = -1) -> int:
+        """The worker samples with the weights it trains: nothing to push (0 bytes)."""
+        return 0
 
     def begin(self, warm_started: bool) -> None:
         """No reference or critic to initialise."""

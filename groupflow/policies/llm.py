@@ -23,6 +23,8 @@ from groupflow.algorithms import logprob_mismatch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config, ModelConfig
 from groupflow.contracts import CONTRACTS
+from groupflow.distributed.transport import ticket_nbytes
+from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker
@@ -124,7 +126,7 @@ class LLMPolicy:
     def __init__(self, cfg: Config, run_dir: Path, corpus: list, extra_texts: list[str] = ()):
         self.cfg = cfg
         check_role_paths(cfg)  # a missing model directory fails now, not mid-run
-        engine = builders.build_rollout_engine(cfg)  # None: HF; fails fast if vLLM is missing
+        engine = builders.build_rollout_engine(cfg)  # fails fast if vLLM is missing
         self.tokenizer = builders.build_tokenizer(cfg, run_dir, corpus, extra_texts)
         self.max_entropy = math.log(len(self.tokenizer))  # a uniform output's (CollapseMonitor)
         self.sampling = sampling_params(cfg)
@@ -132,6 +134,8 @@ class LLMPolicy:
         # reference live inside the actor worker unless placement gives them pools of their own.
         spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed)
         self.spec, self.engine, self.run_dir = spec, engine, run_dir
+        # How new weights reach a rollout pool, the reference and a critic (rollout.weight_transport)
+        self.transport = builders.build_weight_transport(cfg, run_dir)
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
         self.actor = builders.role_group(
@@ -142,15 +146,17 @@ class LLMPolicy:
         self.rollout = self.rollout_pool = self.actor
         if pl.rollout != "colocated":
             self.rollout = self.rollout_pool = builders.role_group(
-                cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout"
-            )
+                cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout",
+                role_name="rollout",  # errors name the role: the class serves two
+            )  # fmt: skip
         self.reference = None
         if needs_reference:
             self.reference = self.actor
             if pl.reference != "colocated":
                 self.reference = builders.role_group(
-                    cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor, role="reference"
-                )
+                    cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor,
+                    role="reference", role_name="reference",
+                )  # fmt: skip
         self.teacher = None
         if cfg.teacher is not None:  # on-policy distillation: frozen, its own worker group
             tc = cfg.teacher
@@ -160,6 +166,7 @@ class LLMPolicy:
             self.teacher = builders.role_group(
                 cfg, "teacher", InferenceWorker, role="teacher", cfg=cfg.actor,
                 spec=ModelSpec(teacher_model, spec.tokenizer_dir, cfg.run.seed),
+                role_name="teacher",
             )  # fmt: skip
         self.critic = self.reward_model = None
         if cfg.critic is not None:
@@ -174,10 +181,11 @@ class LLMPolicy:
             )  # fmt: skip
 
     # ----- the driver's calls -----------------------------------------------------------------
-    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> Batch:
+    def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
         """Old log-probs (recomputed when the batch gets several optimizer steps or comes from
-        another engine), reference log-probs and critic values."""
+        another engine), reference log-probs and critic values; (batch, metrics)."""
         timer = timer or StageTimer()
+        metrics: dict[str, float] = {}
         a = self.cfg.actor
         t = self.sampling.temperature
         # the credit stage needs the sampling policy's log-probs before the update
@@ -192,12 +200,8 @@ class LLMPolicy:
                 diff = logprob_mismatch(
                     batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
                 )
-                batch.meta.setdefault("rollout_metrics", {}).update(
-                    {
-                        "rollout/logprob_diff_max": diff["max"],
-                        "rollout/logprob_diff_mean": diff["mean"],
-                    }
-                )
+                metrics["rollout/logprob_diff_max"] = diff["max"]
+                metrics["rollout/logprob_diff_mean"] = diff["mean"]
             elif source == "rollout":
                 # μ = 1, one mini-batch: the sampling policy *is* the current policy, so the
                 # rollout's log-probs serve (same numerics; see tests/rollout): the first ratio is 1.
@@ -216,7 +220,7 @@ class LLMPolicy:
         if self.critic is not None:
             with timer("values"):
                 batch["values"] = self.critic.compute_values(model_inputs(batch))["values"]
-        return batch
+        return batch, metrics
 
     def update(self, batch: Batch, *, step: int, seed: int) -> dict[str, float]:
         """Critic update (if any), then the actor's — except during the critic warm-up steps."""
@@ -235,31 +239,59 @@ class LLMPolicy:
         )
         return metrics
 
-    def sync(self) -> None:
+    def sync(self, version: int = -1) -> int:
         """Push the actor's current weights into a separately placed rollout pool (no-op colocated;
-        with asynchronous rollout the rollout side gets versions from the trainer instead)."""
-        if self.rollout is not self.actor:
-            self.rollout.load_weights(self.actor.full_weights())
+        with asynchronous rollout the rollout side gets versions from the trainer instead);
+        returns the bytes that passed through this process."""
+        if self.rollout is self.actor:
+            return 0
+        return self._transfer(self.rollout.receive_weights, version)
+
+    def publish(self, version: int):
+        """Send the actor's current weights as ``version`` with the weight transport; the ticket
+        (for Ray or the filesystem: references, not weights) is what the driver forwards."""
+        return self.actor.send_weights(version, self.transport)
+
+    def _transfer(self, receive, version: int) -> int:
+        """Actor → a role's workers through the transport; the bytes that passed the driver."""
+        ticket = self.publish(version)
+        receive(ticket, self.transport)
+        return ticket_nbytes(ticket)
+
+    def sft_step(self, batch: Batch, lr: float) -> float:
+        """One supervised step of the actor (the workflow's warm start)."""
+        return self.actor.sft_step(batch, lr)
 
     def begin(self, warm_started: bool) -> None:
         """Where RL starts: the reference is the (warm-started) policy, and a critic initialised
         "from the policy" copies that policy's backbone."""
-        self.sync()
+        self.sync(0)
         if warm_started:
             if self.reference is self.actor:
                 self.actor.reset_reference()
             elif self.reference is not None:
-                self.reference.load_weights(self.actor.full_weights())
+                self._transfer(self.reference.receive_weights, 0)
         c = self.cfg.critic
         if self.critic is not None and c.path is None and c.tiny is None:
-            self.critic.load_backbone(self.actor.full_weights())
+            self._transfer(self.critic.receive_backbone, 0)
 
     # ----- asynchronous rollout (groupflow.async_rollout) -------------------------------------
-    def start_async(self) -> partial:
-        """How the asynchronous rollout side builds its ``RolloutPolicy`` (picklable). From now on
-        this process generates (validation, ``groupflow generate``) with the actor, i.e. the
-        current weights; a separately placed rollout pool is no longer used."""
+    @property
+    def async_on_pool(self) -> bool:
+        """Whether the asynchronous rollout generates on this policy's Ray rollout pool (fed
+        versions through the weight transport) rather than with a frozen copy in a child process."""
+        return self.cfg.run.backend == "ray" and self.rollout_pool is not self.actor
+
+    def start_async(self):
+        """How the asynchronous rollout side builds its policy: a ``RolloutPolicy`` (picklable: a
+        frozen copy in the side's own process), or with a Ray rollout pool (``async_on_pool``) a
+        ``PoolRolloutPolicy`` over that pool. From now on this process generates (validation,
+        ``groupflow generate``) with the actor, i.e. the current weights."""
+        pool = self.rollout_pool
         self.rollout = self.actor
+        if self.async_on_pool:
+            view = PoolRolloutPolicy(self, pool)
+            return partial(_identity, view)
         return partial(RolloutPolicy, self.cfg, self.run_dir, self.spec, self.engine)
 
     def snapshot(self, copy: bool = True) -> dict[str, Any]:
@@ -321,7 +353,7 @@ class RolloutPolicy:
 
     contracts = CONTRACTS
 
-    def __init__(self, cfg: Config, run_dir: Path, spec: ModelSpec, engine=None):
+    def __init__(self, cfg: Config, run_dir: Path, spec: ModelSpec, engine=HF):
         self.cfg = cfg
         self.tokenizer = builders.build_tokenizer(cfg, Path(run_dir))  # the run's saved one
         self.sampling = sampling_params(cfg)
@@ -342,6 +374,34 @@ class RolloutPolicy:
         for group in (self.rollout, self.reward_model):
             if group is not None:
                 group.shutdown()
+
+
+class PoolRolloutPolicy:
+    """The policy as the asynchronous rollout side sees it when the rollout has a Ray pool: that
+    pool's workers generate (on whichever nodes Ray placed them) and receive each scheduled
+    version as a transport ticket (``load_weights``), fetching the buckets from the actor's rank
+    themselves; the side's workflow, prompt loader and rewards run in a thread of the driver.
+    Tokenizer, sampling parameters, contracts and the reward model are the trainer policy's."""
+
+    contracts = CONTRACTS
+
+    def __init__(self, policy: LLMPolicy, pool):
+        self.cfg, self.rollout, self.transport = policy.cfg, pool, policy.transport
+        self.tokenizer, self.sampling = policy.tokenizer, policy.sampling
+        self.reward_model = policy.reward_model
+
+    def load_weights(self, ticket) -> None:
+        self.rollout.receive_weights(ticket, self.transport)
+
+    def sync(self, version: int = -1) -> int:
+        return 0  # versions arrive through load_weights
+
+    def shutdown(self) -> None:
+        """Nothing: the pool belongs to the trainer's policy, which stops it."""
+
+
+def _identity(x):
+    return x
 
 
 def load_actor_state(actor, state: dict, num_workers: int) -> None:

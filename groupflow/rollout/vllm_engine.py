@@ -84,6 +84,11 @@ class VLLMOptions:
     enable_prefix_caching: bool = True
     seed: int = 0
 
+    def build(self, model: nn.Module, tokenizer, *, eos_ids: Sequence[int],
+              pad_id: int) -> VLLMEngine:  # fmt: skip
+        """The engine, in the calling worker's process (``groupflow.rollout.engine``)."""
+        return VLLMEngine(model, tokenizer, self, eos_ids=eos_ids, pad_id=pad_id)
+
 
 # The process-wide settings an in-process engine needs; set before vllm is imported.
 _ENV = {
@@ -98,7 +103,11 @@ _ENV = {
 
 
 class VLLMEngine:
-    """A vLLM engine holding a copy of ``model``'s weights; ``load_weights`` refreshes them."""
+    """A vLLM engine holding a copy of ``model``'s weights; ``load_weights`` refreshes them
+    (a ``groupflow.rollout.engine.RolloutEngine``)."""
+
+    name = "vllm"
+    separate_weights = True  # its own copy: every update is loaded into it
 
     def __init__(
         self,
@@ -124,6 +133,7 @@ class VLLMEngine:
         self.options = options
         self.eos_ids, self.pad_id = sorted(set(eos_ids)), pad_id
         self.sleeping = False
+        self.version = -1
         # Config and tokenizer only: the weights arrive through load_weights below.
         self._dir = tempfile.mkdtemp(prefix="groupflow-vllm-")
         model.config.save_pretrained(self._dir)
@@ -157,17 +167,28 @@ class VLLMEngine:
         self.load_weights(model.state_dict().items())
 
     # ----- weights -----------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
-        """Replace the engine's weights (HF names, full tensors); returns the seconds it took."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int = -1) -> float:
+        """Replace the engine's weights (HF names, full tensors) with ``version``'s; returns the
+        seconds it took."""
         start = time.perf_counter()
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+        self.resume()
         named = [(k, v.detach()) for k, v in weights]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         # KV blocks computed with the old weights must not serve the next rollout's prompts.
         self.llm.reset_prefix_cache()
+        self.version = version
         return time.perf_counter() - start
+
+    def pause(self) -> None:
+        """With ``sleep_mode`` (a GPU): free the weights and KV cache until the next call."""
+        if self.options.sleep_mode and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def resume(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
 
     # ----- generation --------------------------------------------------------------------------
     def generate(
@@ -184,18 +205,14 @@ class VLLMEngine:
                 f"generate: need one seed per output sample ({n_out}), got {len(seeds)}"
             )
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)  # validates the prompts
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+        self.resume()
         requests, sampling = [], []
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
                 requests.append({"prompt_token_ids": [int(t) for t in prompt]})
                 sampling.append(vllm_sampling_params(params, seeds[i * params.n + j], self.eos_ids))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        if self.options.sleep_mode:
-            self.llm.sleep(level=1)
-            self.sleeping = True
+        self.pause()  # between rollouts (sleep mode only)
         out = _to_generation_output(outputs, self.pad_id)
         return GenerationOutput(
             prompt_ids.repeat_interleave(params.n, dim=0),

@@ -59,8 +59,8 @@ from groupflow.models.causal_lm import prompt_sharing_applies
 from groupflow.models.logprobs import response_logprobs
 from groupflow.models.sequence_parallel import check_heads, sequence_parallel_logprobs
 from groupflow.rollout.batching import generate_batch
+from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams, left_pad
-from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import (
     ModelSpec,
@@ -152,7 +152,7 @@ class ActorRolloutWorker:
         rank: int = 0,
         world_size: int = 1,
         reference: bool | None = None,
-        engine: VLLMOptions | None = None,
+        engine=HF,
         sequence_parallel: int = 1,
     ):
         self.rank, self.world_size = rank, world_size
@@ -183,14 +183,13 @@ class ActorRolloutWorker:
         self.rollout_model = (
             copy.deepcopy(model).eval().requires_grad_(False) if world_size > 1 else None
         )
-        # rollout.engine=vllm: a colocated vLLM engine generates, fed the weights after every
-        # update (built before sharding, from the full initial weights).
-        self.engine = (
-            None
-            if engine is None
-            else VLLMEngine(model, tokenizer, engine, eos_ids=self.eos_ids, pad_id=pad_id)
-        )
+        # The rollout engine (rollout.engine): HF decodes with the unsharded copy, or the training
+        # model itself; vLLM keeps a copy of its own, fed the weights after every update (built
+        # before sharding, from the full initial weights).
+        decoder = self.rollout_model if self.rollout_model is not None else model
+        self.engine = engine.build(decoder, tokenizer, eos_ids=self.eos_ids, pad_id=pad_id)
         self.weight_sync_s = 0.0
+        self.generated_samples = 0  # what this worker's engine generated (placement checks)
         self.model = model
         # actor.cpu_offload: shards, gradients and AdamW state in CPU memory (config: FSDP only)
         self.policy = shard(
@@ -222,7 +221,7 @@ class ActorRolloutWorker:
         total_steps: int,
         pg_timeout_s: float = 600.0,
         reference: bool | None = None,
-        engine: VLLMOptions | None = None,
+        engine=HF,
         sequence_parallel: int = 1,
     ):
         """Factory used by WorkerGroup: join the process group, then build the model in this process."""
@@ -243,9 +242,14 @@ class ActorRolloutWorker:
         Output widths are fixed — prompts left-padded to ``prompt_width``, responses right-padded
         to ``params.max_new_tokens`` — so parts generated on different ranks concatenate.
         """
-        model = self.rollout_model if self.rollout_model is not None else self.model
-        return generate_batch(model, self.tokenizer, self.pad_id, self.eos_ids, prompts, params,
-                              prompt_width, engine=self.engine)  # fmt: skip
+        out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
+        self.generated_samples += len(out)
+        return out
+
+    @register("all")
+    def generated(self) -> int:
+        """Samples this rank generated so far."""
+        return self.generated_samples
 
     # ----- log-probs --------------------------------------------------------------------------
     @register("dp")
@@ -306,7 +310,7 @@ class ActorRolloutWorker:
         self._sync_rollout_weights()
         metrics = combine_steps(per_step)
         metrics["actor/lr"] = lr
-        if self.engine is not None:
+        if self.engine.separate_weights:
             metrics["perf/weight_sync_s"] = self.weight_sync_s
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
         return metrics
@@ -440,13 +444,13 @@ class ActorRolloutWorker:
     def _sync_rollout_weights(self) -> None:
         """Refresh the unsharded generation copy and/or the vLLM engine from the current (FSDP:
         gathered) weights (a collective when sharded: all ranks call it)."""
-        if self.rollout_model is None and self.engine is None:
+        if self.rollout_model is None and not self.engine.separate_weights:
             return
         start = time.perf_counter()
         full = {k.removeprefix("lm."): v for k, v in full_model_state(self.policy).items()}
         if self.rollout_model is not None:
             self.rollout_model.load_state_dict(full)
-        if self.engine is not None:
+        if self.engine.separate_weights:
             self.engine.load_weights(full.items())
         self.weight_sync_s = time.perf_counter() - start
 
@@ -595,6 +599,26 @@ class ActorRolloutWorker:
         if self.rank == 0:
             target.save_pretrained(out_dir, safe_serialization=True)
             self.tokenizer.save_pretrained(out_dir)
+
+    @register("rank0")
+    def send_weights(self, version: int, transport):
+        """Send the current full weights from rank 0 with ``transport``
+        (``groupflow.distributed.transport``); returns rank 0's ticket — for a Ray or filesystem
+        transport a few references, not the weights."""
+        in_process = transport.name == "driver"  # the ticket holds the tensors: a copy
+        if self.cfg.lora is None:
+            # The unsharded generation copy (sharded training) or the training model itself is
+            # current after every weight change (_sync_rollout_weights): rank 0 sends from it, no
+            # gather, no second copy — the transport holds one bucket at a time.
+            if self.rank != 0:
+                return None
+            source = self.rollout_model if self.rollout_model is not None else self.model
+            weights = {k: v.detach() for k, v in source.state_dict().items()}
+            if in_process:
+                weights = {k: v.cpu().clone() for k, v in weights.items()}
+            return transport.send(version, weights)
+        weights = self.full_weights(copy=in_process)  # LoRA: gathered and merged (a collective)
+        return transport.send(version, weights) if self.rank == 0 else None
 
     @register("rank0")
     def full_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:

@@ -238,6 +238,11 @@ class CriticWorker:
 
     # ----- initialisation from the (warm-started) policy ----------------------------------------
     @register("all")
+    def receive_backbone(self, ticket, transport) -> None:
+        """``load_backbone`` with the policy's weights fetched through ``transport``."""
+        self.load_backbone(transport.receive(ticket, role="critic", rank=self.rank))
+
+    @register("all")
     def load_backbone(self, policy_weights: dict[str, torch.Tensor]) -> None:
         """Copy a causal LM's decoder weights (full state dict, HF names) into the backbone."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

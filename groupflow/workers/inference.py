@@ -24,9 +24,10 @@ import torch
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import register
+from groupflow.distributed.transport import receive_into, ticket_version
 from groupflow.rollout.batching import generate_batch
+from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
-from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions
 from groupflow.workers.common import ModelSpec, worker_device
 from groupflow.workers.update import batch_logprobs
 
@@ -38,21 +39,19 @@ class InferenceWorker:
 
     def __init__(self, model, tokenizer, cfg: ActorConfig, *, pad_id: int, eos_ids, role: str,
                  rank: int = 0, world_size: int = 1,
-                 engine: VLLMOptions | None = None):  # fmt: skip
+                 engine=HF):  # fmt: skip
         self.model = model.eval().requires_grad_(False)
         self.tokenizer, self.cfg, self.role = tokenizer, cfg, role
         self.pad_id, self.eos_ids = pad_id, list(eos_ids)
         self.rank, self.world_size = rank, world_size
         self.device = next(model.parameters()).device
-        self.engine = (
-            None
-            if engine is None
-            else VLLMEngine(model, tokenizer, engine, eos_ids=self.eos_ids, pad_id=pad_id)
-        )
+        # the HF engine decodes with self.model; vLLM keeps a copy of its own
+        self.engine = engine.build(model, tokenizer, eos_ids=self.eos_ids, pad_id=pad_id)
+        self.generated_samples = 0  # what this worker generated (placement checks)
 
     @classmethod
     def create(cls, rank: int, world_size: int, *, spec: ModelSpec, cfg: ActorConfig, role: str,
-               engine: VLLMOptions | None = None):  # fmt: skip
+               engine=HF):  # fmt: skip
         from groupflow.builders import eos_ids
 
         model, tok = spec.build()
@@ -62,8 +61,14 @@ class InferenceWorker:
 
     @register("dp")
     def generate(self, prompts: Batch, params: SamplingParams, prompt_width: int = 0) -> Batch:
-        return generate_batch(self.model, self.tokenizer, self.pad_id, self.eos_ids, prompts,
-                              params, prompt_width, engine=self.engine)  # fmt: skip
+        out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
+        self.generated_samples += len(out)
+        return out
+
+    @register("all")
+    def generated(self) -> int:
+        """Samples this worker generated so far."""
+        return self.generated_samples
 
     @register("dp")
     def compute_logprobs(
@@ -78,8 +83,18 @@ class InferenceWorker:
     @register("all")
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(weights)
-        if self.engine is not None:
+        if self.engine.separate_weights:
             self.engine.load_weights(weights.items())
+
+    @register("all")
+    def receive_weights(self, ticket, transport) -> None:
+        """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
+        and version) and load them."""
+        if self.engine.separate_weights:  # e.g. vLLM: its own copy takes whole tensors
+            self.load_weights(transport.receive(ticket, role=self.role, rank=self.rank))
+        else:  # bucket by bucket into the model: one bucket of extra memory, not one model
+            receive_into(transport, ticket, self.model.state_dict(), role=self.role, rank=self.rank)
+        self.engine.version = ticket_version(ticket)
 
     @register("all")
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:

@@ -9,13 +9,15 @@ denoising trajectory of an image generator:
         contracts: dict[str, Contract]     # the stage contracts of its batches
         train_rows: list[PromptRow]        # what the prompt loader draws from (after filtering)
         data_stats: dict[str, float]       # logged before training
-        def collect(rows, step, round_, version) -> Batch   # rollout + rewards ('rewarded')
+        def collect(rows, step, round_, version) -> (Batch, metrics)  # rollout + rewards
         def step_metrics(batch, seconds) -> dict[str, float]
         def validate(step) -> dict[str, float]
         def warm_start() -> dict[str, float]               # before RL (SFT); {} when none
 
-A workflow works with a *policy* — the roles that learn (``groupflow.policies``): it generates
-through the policy's ``rollout`` group, and the trainer hands its batches to the policy's
+A workflow's ``collect`` returns its batch ('rewarded' contract) and that stage's metrics (reward
+and episode statistics) as values; ``step_metrics`` computes what the trained batch itself shows.
+A workflow works with a *policy* through its ``PolicyView`` (``groupflow.policies.base``): it
+generates through the policy's ``rollout`` group, and the trainer hands its batches to the policy's
 ``prepare``/``update``. Every sample carries the ``version`` of the policy that generated it
 (the number of updates applied so far), contract-checked, for asynchronous rollout. There a
 second instance of the workflow is built on the rollout side (``groupflow.rollout_side``, a
@@ -61,7 +63,8 @@ class Workflow(Protocol):
     @property
     def train_rows(self) -> list[PromptRow]: ...
 
-    def collect(self, rows: list[PromptRow], step: int, round_: int, version: int) -> Batch: ...
+    def collect(self, rows: list[PromptRow], step: int, round_: int,
+                version: int) -> tuple[Batch, dict[str, float]]: ...  # fmt: skip
 
     def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]: ...
 

@@ -44,10 +44,11 @@ class Sampling:
 def collect_step(workflow, loader, sampling: Sampling, step: int,
                  version: int) -> tuple[Batch, dict[str, float]]:  # fmt: skip
     """Rollout + reward for ``step`` with the weights of ``version``; with dynamic sampling,
-    groups whose rewards are all equal are dropped and refilled from the loader."""
-    batch = workflow.collect(loader.next_batch(), step, 0, version)
+    groups whose rewards are all equal are dropped and refilled from the loader. Returns (batch,
+    metrics): the workflow's own (a refill round's override the first's) and the sampling's."""
+    batch, metrics = workflow.collect(loader.next_batch(), step, 0, version)
     if not sampling.dynamic:
-        return batch, {}
+        return batch, metrics
     kept, dropped, rounds = [], 0, 0
     while True:
         informative = informative_groups(batch)
@@ -57,12 +58,14 @@ def collect_step(workflow, loader, sampling: Sampling, step: int,
         have = sum(int(b["group_ids"].unique().numel()) for b in kept)
         if have >= sampling.prompts_per_step or rounds >= sampling.max_rounds:
             break
-        batch = workflow.collect(
+        batch, round_metrics = workflow.collect(
             loader.take(sampling.prompts_per_step - have), step, rounds, version
         )
+        metrics.update(round_metrics)
     batch = Batch.concat([b for b in kept if len(b)] or [batch])
     batch = first_groups(batch, sampling.prompts_per_step)
     return batch, {
+        **metrics,
         "sampling/rounds": rounds,
         "sampling/dropped_groups": dropped,
         "sampling/kept_groups": int(batch["group_ids"].unique().numel()),

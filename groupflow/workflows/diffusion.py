@@ -26,7 +26,7 @@ from groupflow.diffusion import rewards as _rewards  # noqa: F401  (registers th
 from groupflow.diffusion.worker import prompt_rows
 from groupflow.utils.progress import Progress
 from groupflow.utils.seeds import step_seeds
-from groupflow.workflows.llm import row_fields, with_prompt_info
+from groupflow.workflows.llm import finite_metrics, row_fields, with_prompt_info
 
 __all__ = ["DiffusionWorkflow", "save_image_grid"]
 
@@ -60,7 +60,8 @@ class DiffusionWorkflow:
     def train_rows(self) -> list[PromptRow]:
         return self._train_rows
 
-    def collect(self, rows: list[PromptRow], step: int, round_: int, version: int) -> Batch:
+    def collect(self, rows: list[PromptRow], step: int, round_: int,
+                version: int) -> tuple[Batch, dict[str, float]]:  # fmt: skip
         n = self.cfg.rollout.samples_per_prompt
         seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
         texts = [self.train_texts.get(id(r)) or _prompt_text(r) for r in rows]
@@ -73,8 +74,7 @@ class DiffusionWorkflow:
             list(batch["prompt"]), list(batch["images"]), **row_fields(batch["row"])
         )
         batch["rewards"] = result.total.float()
-        batch.meta["reward_metrics"] = result.metrics
-        return validate(batch, self.contracts["rewarded"])
+        return validate(batch, self.contracts["rewarded"]), finite_metrics(result.metrics)
 
     def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:
         rewards, adv = batch["rewards"], batch["advantages"]
@@ -91,9 +91,6 @@ class DiffusionWorkflow:
             "batch/trained_steps_per_sample": float(batch["response_mask"].sum(1).float().mean()),
             "perf/samples_per_s": len(batch) / max(seconds, 1e-9),
         }
-        for k, v in batch.meta.get("reward_metrics", {}).items():
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                m[k] = float(v)
         return m
 
     def warm_start(self) -> dict[str, float]:
@@ -113,7 +110,7 @@ class DiffusionWorkflow:
         start = time.perf_counter()
         inputs = Batch({"noise_seed": torch.tensor(seeds)}, {"prompt": texts})
         with Progress(progress_label, len(texts), unit="images", leave=False) as progress:
-            images = self.policy.actor.sample_images(inputs, sampler=d.eval_sampler)["images"]
+            images = self.policy.rollout.sample_images(inputs, sampler=d.eval_sampler)["images"]
             progress.update(len(texts))
         result = self.reward_fn(texts, list(images), **row_fields(rows))
         metrics = {

@@ -32,6 +32,7 @@ __all__ = [
     "row_fields",
     "with_prompt_info",
     "llm_step_metrics",
+    "finite_metrics",
     "build_rewards",
     "add_rewards",
     "PromptTable",
@@ -75,22 +76,31 @@ def build_rewards(cfg: Config, policy, rules, prompt_tables: Sequence):
     return reward_fn
 
 
-def add_rewards(reward_fn, batch: Batch, completions: list[str], **extra: list) -> Batch:
+def finite_metrics(metrics: dict) -> dict[str, float]:
+    """The numeric, finite entries of a reward runner's metrics (what a step logs)."""
+    return {
+        k: float(v) for k, v in metrics.items()
+        if isinstance(v, (int, float)) and math.isfinite(v)
+    }  # fmt: skip
+
+
+def add_rewards(reward_fn, batch: Batch, completions: list[str],
+                **extra: list) -> tuple[Batch, dict[str, float]]:  # fmt: skip
     """``rewards`` [B] from the reward runner, called with the dataset fields and ``extra``
-    per-sample fields (e.g. a trajectory's messages); metrics go to ``batch.meta``."""
+    per-sample fields (e.g. a trajectory's messages); (batch, the reward metrics)."""
     lengths = batch["response_mask"].sum(1).tolist()
     result = reward_fn(
         list(batch["prompt"]), completions, completion_lengths=lengths,
         **row_fields(batch["row"]), **extra,
     )  # fmt: skip
     batch["rewards"] = result.total.float()
-    batch.meta["reward_metrics"] = result.metrics
-    return batch
+    return batch, finite_metrics(result.metrics)
 
 
 def llm_step_metrics(batch: Batch, seconds: float) -> dict[str, float]:
     """Rewards, advantages and response lengths (model tokens only: observation tokens of a
-    multi-turn sample are not the policy's) of one training batch."""
+    multi-turn sample are not the policy's) of one training batch. The metrics of the stages
+    that produced it (rollout, rewards) are their own return values, not read from the batch."""
     rewards, adv = batch["rewards"], batch["advantages"]
     lengths = batch["response_mask"].sum(1).float()
     finished_by_length = sum(r == "length" for r in batch["finish_reason"]) / len(batch)
@@ -112,10 +122,6 @@ def llm_step_metrics(batch: Batch, seconds: float) -> dict[str, float]:
     # prompt tokens count once per sample, observation tokens not at all (they are not decoded)
     prompt = float(batch["prompt_mask"].sum()) if "prompt_mask" in batch else 0.0
     m["perf/tokens_per_s"] = (float(lengths.sum()) + prompt) / max(seconds, 1e-9)
-    m.update(batch.meta.get("rollout_metrics", {}))
-    for k, v in batch.meta.get("reward_metrics", {}).items():
-        if isinstance(v, (int, float)) and math.isfinite(v):
-            m[k] = float(v)
     return m
 
 
@@ -165,6 +171,6 @@ def llm_warm_start(cfg: Config, policy, examples, score: Scorer, train) -> dict[
         return {}
     greedy = replace(policy.sampling, temperature=0.0, n=1)
     return warm_start(
-        policy.actor, examples, lambda probe: score(probe, greedy, cfg.run.seed), train,
-        cfg.sft, cfg.run.seed, sync=policy.sync,
+        policy, examples, lambda probe: score(probe, greedy, cfg.run.seed), train,
+        cfg.sft, cfg.run.seed, sync=lambda: policy.sync(0),  # RL starts from version 0
     )  # fmt: skip

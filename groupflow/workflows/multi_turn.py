@@ -43,6 +43,7 @@ from groupflow.workflows.llm import (
     LLM_FIELDS,
     PromptTable,
     build_rewards,
+    finite_metrics,
     llm_step_metrics,
     llm_warm_start,
     row_fields,
@@ -128,7 +129,8 @@ class MultiTurnWorkflow:
         return _tokenizer_texts(cfg)
 
     # ----- the trainer's calls ------------------------------------------------------------------
-    def collect(self, rows: list[PromptRow], step: int, round_: int, version: int) -> Batch:
+    def collect(self, rows: list[PromptRow], step: int, round_: int,
+                version: int) -> tuple[Batch, dict[str, float]]:  # fmt: skip
         params = self.policy.sampling
         n = params.n
         seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
@@ -140,9 +142,9 @@ class MultiTurnWorkflow:
         batch = with_prompt_info(batch, rows, texts, n, f"{step}-{round_}", version)
         batch["completion"] = [e.turn_texts[-1] if e.turn_texts else "" for e in episodes]
         validate(batch, self.contracts["rollout"])
-        batch = self.add_rewards(batch, episodes)
-        batch.meta["rollout_metrics"] = episode_metrics(episodes)
-        return validate(batch, self.contracts["rewarded"])
+        batch, reward_metrics = self.add_rewards(batch, episodes)
+        metrics = {**episode_metrics(episodes), **reward_metrics}
+        return validate(batch, self.contracts["rewarded"]), metrics
 
     def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:
         return llm_step_metrics(batch, seconds)
@@ -165,7 +167,7 @@ class MultiTurnWorkflow:
             max_prompt_tokens=self.cfg.data.max_prompt_tokens,
         )  # fmt: skip
 
-    def add_rewards(self, batch: Batch, episodes: list[Episode]) -> Batch:
+    def add_rewards(self, batch: Batch, episodes: list[Episode]) -> tuple[Batch, dict]:
         fields = trajectory_fields(episodes, self.policy.tokenizer)
         lengths = batch["response_mask"].sum(1).tolist()
         result = self.reward_fn(
@@ -175,9 +177,8 @@ class MultiTurnWorkflow:
         batch["rewards"] = self.failed_to_failure_value(result.total.float(), episodes)
         batch["trajectory"] = fields["trajectory"]
         batch["messages"] = fields["messages"]
-        batch.meta["reward_metrics"] = result.metrics
         _log_first_failure(episodes)
-        return batch
+        return batch, finite_metrics(result.metrics)
 
     def failed_to_failure_value(
         self, rewards: torch.Tensor, episodes: list[Episode]

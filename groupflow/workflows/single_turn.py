@@ -56,7 +56,8 @@ class SingleTurnWorkflow:
         return self.train.rows
 
     # ----- the trainer's calls ------------------------------------------------------------------
-    def collect(self, rows: list[PromptRow], step: int, round_: int, version: int) -> Batch:
+    def collect(self, rows: list[PromptRow], step: int, round_: int,
+                version: int) -> tuple[Batch, dict[str, float]]:  # fmt: skip
         params = self.policy.sampling
         n = params.n
         seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
@@ -66,8 +67,8 @@ class SingleTurnWorkflow:
         batch = with_prompt_info(out, rows, texts, n, f"{step}-{round_}", version)
         batch["completion"] = self.decode(batch)
         validate(batch, self.contracts["rollout"])
-        batch = add_rewards(self.reward_fn, batch, list(batch["completion"]))
-        return validate(batch, self.contracts["rewarded"])
+        batch, metrics = add_rewards(self.reward_fn, batch, list(batch["completion"]))
+        return validate(batch, self.contracts["rewarded"]), metrics
 
     def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:
         return llm_step_metrics(batch, seconds)

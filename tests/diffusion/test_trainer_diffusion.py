@@ -198,8 +198,8 @@ def test_shuffle_advantages_permutes_them(tiny_dir, prompts_file, tmp_path):
     )
     batch, _ = trainer.collect(0)
     plain = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "plain"}))
-    shuffled = trainer.credit(batch.copy(), 0)["advantages"]
-    reference = plain.credit(batch.copy(), 0)["advantages"]
+    shuffled = trainer.credit(batch.copy(), 0)[0]["advantages"]
+    reference = plain.credit(batch.copy(), 0)[0]["advantages"]
     assert not torch.equal(shuffled, reference)
     assert torch.equal(shuffled.sort().values, reference.sort().values)
 

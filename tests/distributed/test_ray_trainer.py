@@ -179,3 +179,70 @@ def test_async_rollout_with_a_ray_rollout_pool_matches_the_local_process_worker(
         assert on_ray[step]["async/staleness"] == local[step]["async/staleness"]
         for k in KEYS:
             assert on_ray[step][k] == pytest.approx(local[step][k], rel=1e-5, abs=1e-7), (step, k)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(tmp_path, staleness):
+    """2 actor ranks, 1 rollout worker: the pool's worker generates every training batch (the
+    asynchronous side too), versions reach it through Ray's object store (weights/bytes_via_driver
+    is 0 at every step), and the run is the local run's (colocated, or the local child process)."""
+    k = f"rollout.max_staleness={staleness}"
+    local = run(tmp_path, "local", 3, k)
+    cfg = load_config(
+        None,
+        [*BASE, f"run.output_dir={tmp_path}", "run.name=pool", "run.total_steps=3", k,
+         "run.backend=ray", "run.num_workers=2",
+         "placement.actor={nodes: 1, workers_per_node: 2, cpus_per_worker: 0.5}",
+         "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}"],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+        pool = trainer.policy.rollout_pool.generated()
+        actor = trainer.policy.actor.generated()
+    finally:
+        trainer.shutdown()
+    rows = metrics(tmp_path / "pool")
+    assert [rows[s]["weights/bytes_via_driver"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
+    assert all(rows[s]["time/weight_transfer"] > 0 for s in (1, 2, 3))
+    train_samples = 3 * 4 * 4  # steps × prompts × samples per prompt
+    if staleness:  # the side generated exactly the training batches; the final validation
+        assert pool == [train_samples]  # ran on the actor (the current weights)
+    else:  # training batches and the final validation, all on the pool
+        assert pool[0] > train_samples and actor == [0, 0]
+    # the first batch comes from the initial weights on both: the very same sampled tokens
+    assert rows[1]["reward/mean"] == local[1]["reward/mean"]
+    assert rows[1]["response_length/mean"] == local[1]["response_length/mean"]
+    for step in (1, 2, 3):
+        for key in KEYS:
+            assert rows[step][key] == pytest.approx(local[step][key], rel=1e-5, abs=1e-7), (
+                step,
+                key,
+            )
+
+
+def test_pool_rollout_resume_is_exact_and_a_killed_rollout_worker_is_named(tmp_path):
+    """max_staleness 1 with a Ray rollout pool: a checkpoint keeps the in-flight version (read back
+    through the transport), a resume reproduces the uninterrupted run exactly; a rollout worker
+    killed mid-run stops it with an error naming the role, the rank and the policy version."""
+    from groupflow.async_rollout import RolloutError
+
+    pool = ["rollout.max_staleness=1", "run.backend=ray", "run.save_every=2",
+            "placement.actor={nodes: 1, workers_per_node: 1, cpus_per_worker: 0.5}",
+            "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}"]  # fmt: skip
+    full = run(tmp_path, "full", 4, *pool)
+    args = [*BASE, *pool, f"run.output_dir={tmp_path}", "run.name=crash"]
+    trainer = Trainer(load_config(None, [*args, "run.total_steps=2", "run.worker_timeout_s=60"]))
+    trainer.fit()
+    trainer.cfg.run.total_steps = 4
+    ray.kill(trainer.policy.rollout_pool._hosts[0])  # the rollout worker's process dies
+    with pytest.raises((RolloutError, WorkerError)) as err:
+        trainer.fit()
+    trainer.shutdown()
+    text = f"{err.value} {' '.join(getattr(err.value, '__notes__', []))}"
+    assert "InferenceWorker (rollout role) rank 0" in text and "the worker process died" in text
+    assert "batch of step 2, policy version 1" in text
+    resumed = run(tmp_path, "crash", 4, *pool)
+    for step in (3, 4):
+        for k in (*KEYS, "async/staleness"):
+            assert resumed[step][k] == full[step][k], (step, k)

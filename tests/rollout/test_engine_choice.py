@@ -6,13 +6,14 @@ from groupflow import builders
 from groupflow.config import ActorConfig, ConfigError
 from groupflow.policies.llm import old_logprobs_source, recompute_old_logprobs
 from groupflow.rollout import vllm_engine
+from groupflow.rollout.engine import HFOptions
 from groupflow.trainer import Trainer
 
 
 def test_default_engine_is_hf_and_builds_no_vllm_options(tiny_config):
     cfg = tiny_config()
     assert cfg.rollout.engine == "hf"
-    assert builders.build_rollout_engine(cfg) is None
+    assert builders.build_rollout_engine(cfg) == HFOptions()
 
 
 def test_vllm_options_pass_through(tiny_config, monkeypatch):

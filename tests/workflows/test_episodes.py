@@ -19,6 +19,7 @@ from groupflow.data.datasets import load_prompt_rows
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.rollout.batching import generate_batch
+from groupflow.rollout.engine import HFEngine
 from groupflow.rollout.hf import SamplingParams
 from groupflow.workers.update import batch_logprobs
 from groupflow.workflows.episodes import EpisodeLimits, episodes_batch, run_episodes
@@ -55,8 +56,9 @@ class Recorder:
         self.model, self.tok, self.calls = model, tok, []
 
     def __call__(self, batch, params, width):
-        out = generate_batch(self.model, self.tok, self.tok.pad_token_id, [self.tok.eos_token_id],
-                             batch, params, width)  # fmt: skip
+        engine = HFEngine(self.model, self.tok, eos_ids=[self.tok.eos_token_id],
+                          pad_id=self.tok.pad_token_id)  # fmt: skip
+        out = generate_batch(engine, self.tok.pad_token_id, batch, params, width)
         self.calls.append((batch, params, out))
         return out
 

@@ -43,7 +43,7 @@ def test_tool_run_calls_the_tool_masks_its_result_and_logs(tiny_config, monkeypa
     trainer.fit()
     tok = trainer.policy.tokenizer
     calls = 0
-    for batch in batches:
+    for batch, _ in batches:
         assert batch["version"].tolist() == [batch["version"][0].item()] * len(batch)
         for i in range(len(batch)):
             ids, mask = batch["responses"][i], batch["response_mask"][i]
@@ -229,9 +229,9 @@ def test_version_of_every_sample_is_checked(tiny_config, monkeypatch):
     original = trainer.workflow.collect
 
     def stale(rows, step, round_, version):
-        batch = original(rows, step, round_, version)
+        batch, metrics = original(rows, step, round_, version)
         batch["version"] = batch["version"] - 1
-        return batch
+        return batch, metrics
 
     monkeypatch.setattr(trainer.workflow, "collect", stale)
     with pytest.raises(ContractError, match="key 'version'.*max staleness 0"):

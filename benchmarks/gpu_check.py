@@ -174,6 +174,7 @@ GPU = Shapes(
     estimates_s={
         "lm_groupflow": 60,
         "lm_vs_trl": 90,
+        "weight_transfer": 30,
         "diffusion": 60,
         "demo": 120,
         "gpu_tests": 40,
@@ -787,17 +788,60 @@ def part_demo(ctx: Context) -> dict[str, Any]:
 
 
 def part_weight_transfer(ctx: Context) -> dict[str, Any]:
-    """HOOK for issue 21 item 9: time the new path's weight transfer (actor ranks ->
-    WeightTransport -> rollout worker; local backend, one GPU) once that path exists.
+    """Issue 21 item 9: one weight sync of the Qwen-shaped model through each one-host transport
+    (``driver``: in-process, the local backend's default; ``filesystem``: safetensors buckets,
+    what a cluster without a shared collective uses) into a second copy on the GPU, the way a
+    rollout worker receives: bucket by bucket into its own tensors. Reports bytes, seconds
+    (median of 3), GB/s and the peak extra GPU memory over the two copies; checks every tensor
+    arrived equal."""
+    from transformers import AutoModelForCausalLM
 
-    Fill in here: build the LM trainer (``build_lm_trainer``) with the rollout pool on the new
-    transport, time one ``after_update(version)`` sync (bytes moved, seconds, peak extra GPU
-    memory), and return those numbers; ``format_report`` prints whatever this returns."""
-    return {
-        "status": "skipped",
-        "reason": "not implemented yet: issue 21 item 9 (the new "
-        "weight-transfer path) fills this part in",
-    }
+    from groupflow.distributed.transport import DriverTransport, FileTransport, receive_into
+
+    path = qwen_shaped_model_dir(ctx)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    sender = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype).to(ctx.device)
+    receiver = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype).to(ctx.device)
+    with torch.no_grad():
+        for p in receiver.parameters():
+            p.zero_()
+    weights = {k: v.detach() for k, v in sender.state_dict().items()}
+    dest = receiver.state_dict()
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    out: dict[str, Any] = {"status": "ok", "bytes": nbytes, "transports": {}}
+    transports = [
+        DriverTransport(),
+        FileTransport(str(ctx.work / "weights"), bucket_bytes=(64 << 20) if ctx.cuda else 1 << 16),
+    ]
+    for version, transport in enumerate(transports):
+        times = []
+        reset_peak()
+        base = gpu_memory_mib()["allocated_mib"]
+        for repeat in range(3):
+            sync(ctx)
+            start = time.perf_counter()
+            ticket = transport.send(version * 3 + repeat, weights)
+            receive_into(transport, ticket, dest)
+            sync(ctx)
+            times.append(time.perf_counter() - start)
+        peak = gpu_memory_mib()["peak_mib"]
+        bad = [k for k, v in weights.items() if not torch.equal(v, dest[k])]
+        if bad:
+            raise CheckFailed(
+                f"{transport.name}: {len(bad)} tensors differ after the sync: {bad[:3]}"
+            )
+        seconds = _median(times)
+        out["transports"][transport.name] = {
+            "seconds": seconds,
+            "gb_per_s": nbytes / seconds / 1e9 if seconds else None,
+            "peak_extra_mib": (peak - base) if peak is not None and base is not None else None,
+        }
+        with torch.no_grad():
+            for p in receiver.parameters():
+                p.zero_()
+    del sender, receiver, weights, dest
+    free_memory()
+    return out
 
 
 def gpu_test_files() -> list[str]:
@@ -956,6 +1000,12 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{_fmt(r['val_greedy_acc_after'])} in {r['steps']} steps ({r['wall_s']:.0f} s, "
                 f"{r['device']})"
             )
+        elif name == "weight_transfer":
+            for transport, t in r["transports"].items():
+                lines.append(
+                    f"  {transport}: {r['bytes'] / 2**20:.0f} MiB in {t['seconds']:.3f} s "
+                    f"({_fmt(t['gb_per_s'])} GB/s), peak extra {_fmt(t['peak_extra_mib'], '.0f')} MiB"
+                )
         elif name == "gpu_tests":
             lines.append(f"  pytest -m gpu: {r['counts']} (exit {r['returncode']})")
     return "\n".join(lines)

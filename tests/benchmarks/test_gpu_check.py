@@ -110,8 +110,10 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path, gpu_check):
     assert demo["steps"] == 2 and demo["device"] == "cpu"
     assert 0 <= demo["val_greedy_acc_before"] <= 1 and 0 <= demo["val_greedy_acc_after"] <= 1
 
-    assert parts["weight_transfer"]["status"] == "skipped"
-    assert "issue 21 item 9" in parts["weight_transfer"]["reason"]
+    transfer = parts["weight_transfer"]
+    assert transfer["status"] == "ok" and transfer["bytes"] > 0, transfer
+    assert set(transfer["transports"]) == {"driver", "filesystem"}
+    assert all(t["seconds"] > 0 for t in transfer["transports"].values())
 
     tests = parts["gpu_tests"]
     assert tests["files"] == sorted(GPU_TEST_FILES)

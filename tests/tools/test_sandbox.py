@@ -213,40 +213,6 @@ def test_the_code_cannot_raise_its_limits():
 FORK_BOMB = "import os\nprint(os.getpid(), flush=True)\nwhile True:\n    os.fork()"
 
 
-def host_processes_with(marker: str) -> list[int]:
-    """Pids on this host whose command line contains ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_text():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def wait_until_gone(marker: str, seconds: float = 3.0) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while (left := host_processes_with(marker)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
-
-
-def test_fork_bomb_is_capped_and_leaves_no_process():
-    # Each child becomes "sleep 3141.5926" so the test can look for survivors on the host.
-    code = (
-        "import os\nn = 0\n"
-        "try:\n    while True:\n"
-        "        if os.fork() == 0:\n            os.execv('/bin/sleep', ['sleep', '3141.5926'])\n"
-        "        n += 1\n"
-        "except OSError as exc:\n    print(n, exc.errno, flush=True)\n"
-    )
-    result = run(code, timeout_s=5, max_processes=8)
-    count, errno = map(int, result.stdout.split())
-    assert errno == 11 and count < 8  # EAGAIN: RLIMIT_NPROC, counted for the sandbox's user
-    assert wait_until_gone("3141.5926") == []
-
-
 def test_fork_bomb_is_refused_by_the_guard_and_leaves_no_process():
     result = guarded(FORK_BOMB, timeout_s=2)
     assert result.limit == "guard" and result.exit_code == 1

@@ -216,6 +216,21 @@ def _gone(marker: str) -> bool:
     return host_processes_with(marker) == []
 
 
+def test_fork_bomb_is_capped_and_leaves_no_process():
+    # Each child becomes "sleep 3141.5926" so the test can look for survivors on the host.
+    code = (
+        "import os\nn = 0\n"
+        "try:\n    while True:\n"
+        "        if os.fork() == 0:\n            os.execv('/bin/sleep', ['sleep', '3141.5926'])\n"
+        "        n += 1\n"
+        "except OSError as exc:\n    print(n, exc.errno, flush=True)\n"
+    )
+    result = run(code, timeout_s=5, max_processes=8)
+    count, errno = map(int, result.stdout.split())
+    assert errno == 11 and count < 8  # EAGAIN: RLIMIT_NPROC, counted for the sandbox's user
+    assert _gone("3141.5926")
+
+
 @pytest.mark.parametrize(("name", "code", "holds"), ATTACKS, ids=[a[0] for a in ATTACKS])
 def test_attack_fails_in_the_os_sandbox(host, monkeypatch, name, code, holds):
     monkeypatch.setenv("GROUPFLOW_ATTACK_MARKER", "GROUPFLOW-in-parent-env")

@@ -40,7 +40,7 @@ from groupflow.tools.sandbox.limits import (
     SandboxResult,
     SandboxUnavailable,
 )
-from groupflow.tools.sandbox.process import Launch, child_environment, run_child
+from groupflow.tools.sandbox.process import Launch, child_config, child_environment, run_child
 
 CHILD_SCRIPT = Path(__file__).with_name("child.py")
 WORKDIR = "/sandbox"  # the working directory inside; the host's folders never appear at it
@@ -144,18 +144,8 @@ def build_argv(
     argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--chdir", WORKDIR]
     if uid is not None:
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    config = {
-        "mode": "isolated",
-        "filename": MAIN_FILE,
-        "cpu_time_s": limits.cpu_seconds,
-        "memory_bytes": limits.memory_mb * MB,
-        "file_bytes": limits.max_file_mb * MB,
-        "open_files": limits.max_open_files,
-        "processes": limits.max_processes if uid is not None else None,
-        "echo_last_expression": job.echo_last_expression,
-        "status_fd": status_fd,
-        "uid": uid,
-    }
+    processes = limits.max_processes if uid is not None else None
+    config = child_config("isolated", job, limits, processes, status_fd=status_fd, uid=uid)
     return [*argv, sys.executable, "-s", "-B", CHILD_INSIDE, json.dumps(config)]
 
 

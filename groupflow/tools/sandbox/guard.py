@@ -20,8 +20,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from groupflow.tools.sandbox.limits import MAIN_FILE, MB, Job, SandboxLimits, SandboxResult
-from groupflow.tools.sandbox.process import Launch, child_environment, run_child
+from groupflow.tools.sandbox.limits import MAIN_FILE, Job, SandboxLimits, SandboxResult
+from groupflow.tools.sandbox.process import Launch, child_config, child_environment, run_child
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +73,9 @@ class GuardSandbox:
                 Path(workdir, name).write_bytes(content)
             stdin_path = os.path.join(root, "stdin")
             Path(stdin_path).write_bytes(job.stdin)
-            config = {
-                "mode": "guard",
-                "filename": MAIN_FILE,
-                "cpu_time_s": limits.cpu_seconds,
-                "memory_bytes": limits.memory_mb * MB,
-                "file_bytes": limits.max_file_mb * MB,
-                "open_files": limits.max_open_files,
-                "processes": 0,  # enforced for non-root users only; the hook holds for root
-                "echo_last_expression": job.echo_last_expression,
-                "readable": [*python_roots(), *_SYSTEM_READABLE, *job.readable_paths],
-            }
+            readable = [*python_roots(), *_SYSTEM_READABLE, *job.readable_paths]
+            # RLIMIT_NPROC 0 binds non-root users only; the hook holds for root
+            config = child_config("guard", job, limits, 0, readable=readable)
             argv = [sys.executable, "-s", "-B", str(CHILD_SCRIPT), json.dumps(config)]
             launch = Launch(argv, workdir, child_environment(workdir), stdin_path)
             return run_child(launch, limits, self.name)

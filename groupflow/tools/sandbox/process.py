@@ -21,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from groupflow.tools.sandbox.limits import SandboxLimits, SandboxResult
+from groupflow.tools.sandbox.limits import MAIN_FILE, MB, Job, SandboxLimits, SandboxResult
 
 _CHUNK = 65536
 # The last line of a traceback: "pkg.module.SomeError: message" (or a bare "MemoryError").
@@ -49,6 +49,24 @@ def child_environment(workdir: str) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
+    }
+
+
+def child_config(
+    mode: str, job: Job, limits: SandboxLimits, processes: int | None, **extra
+) -> dict:
+    """What :mod:`groupflow.tools.sandbox.child` reads from its argument: the mode, the limits
+    it sets on itself and how to run ``main.py``; ``extra``: the mode's own entries."""
+    return {
+        "mode": mode,
+        "filename": MAIN_FILE,
+        "cpu_time_s": limits.cpu_seconds,
+        "memory_bytes": limits.memory_mb * MB,
+        "file_bytes": limits.max_file_mb * MB,
+        "open_files": limits.max_open_files,
+        "processes": processes,
+        "echo_last_expression": job.echo_last_expression,
+        **extra,
     }
 
 

@@ -262,12 +262,16 @@ def _load_split(d, files: list, python_rows: list | None, split: str):
     by ``data.columns`` / ``prompt_template`` / ``data_source`` (a Hub dataset's default
     ``data_source`` is its id, as verl writes it)."""
     from groupflow.data.columns import row_mapper
+    from groupflow.data.images import ImageLimits
     from groupflow.utils.hub import load_hub_rows, parse_hub_dataset
 
     mapper = row_mapper(d.columns, d.prompt_template, d.data_source)
+    images = ImageLimits(max_pixels=d.max_pixels, min_pixels=d.min_pixels)
     if python_rows is not None:
         name = f"{split}_dataset"
-        return load_prompt_rows(python_rows, on_bad_row=d.bad_rows, name=name, prepare=mapper)
+        return load_prompt_rows(
+            python_rows, on_bad_row=d.bad_rows, name=name, prepare=mapper, images=images
+        )
     key = f"data.{split}_files"
     sources: list = []
     for i, entry in enumerate(files):
@@ -280,7 +284,7 @@ def _load_split(d, files: list, python_rows: list | None, split: str):
         if d.data_source is None:
             rows = [_default_source(r, hub.name) for r in rows]
         sources.append(NamedRows(hub.label(), rows))
-    return load_prompt_rows(sources, on_bad_row=d.bad_rows, prepare=mapper)
+    return load_prompt_rows(sources, on_bad_row=d.bad_rows, prepare=mapper, images=images)
 
 
 def _default_source(raw, source: str):

@@ -125,6 +125,19 @@ class DataConfig(_Section):
     # prompts when the dataset is smaller than data.prompts_per_step)
     drop_last: bool = True
     max_val_prompts: int | None = Field(None, ge=1)
+    # prompt images are resized (aspect kept) to a pixel count within [min_pixels, max_pixels]
+    # at load (groupflow.data.images); the defaults are Qwen2.5-VL's usual 4..1280 28x28 patches
+    max_pixels: int = Field(1280 * 28 * 28, ge=1)
+    min_pixels: int = Field(4 * 28 * 28, ge=1)
+
+    @model_validator(mode="after")
+    def _pixels(self):
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"data.min_pixels ({self.min_pixels}) must not exceed data.max_pixels "
+                f"({self.max_pixels})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_source(self, info: ValidationInfo):

@@ -350,6 +350,9 @@ class LoraConfig(_Section):
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
+    # vision-language models: adapt the image tower's matching layers too (default: the language
+    # model only)
+    vision_tower: bool = False
 
 
 class ActorConfig(_Section):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from groupflow.algorithms.masks import response_span
+from groupflow.models.vision import collate_vision, multimodal_base, vision_positions
 
 __all__ = [
     "ModelLoadError",
@@ -278,6 +279,42 @@ def _shared_prompt_hidden(
     return torch.cat([first, rest], dim=1)
 
 
+def _image_prompt_hidden(model, prompt_ids, prompt_mask, responses, response_mask, vision):
+    """``response_hidden_states`` for rows that show images: the prompts through the multimodal
+    base (images embedded at their placeholders, positions from ``vision_positions``), then the
+    responses through the language model on that cache — as generation runs them, so a response
+    that happens to contain a placeholder token id is text, never matched against image features.
+    """
+    tensors = collate_vision(vision, prompt_ids.device)
+    positions, next_pos = vision_positions(model, prompt_ids, prompt_mask, tensors)
+    base = multimodal_base(model)
+    out = base(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+               use_cache=True, **tensors)  # fmt: skip
+    prompt_hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    first = prompt_hidden[:, -1:]  # left padding: every prompt's last token predicts token 0
+    t = responses.shape[1]
+    cache = output_cache(out)
+    if t == 1:
+        return first
+    if cache is None:
+        raise RuntimeError(
+            f"{type(model).__name__}: the multimodal prompt pass returned no cache (gradient "
+            "checkpointing drops it in training); set model.gradient_checkpointing=false for VLMs"
+        )
+    decoder = model.get_decoder()
+    span = response_span(response_mask)[:, : t - 1].to(prompt_mask.dtype)
+    steps = torch.arange(t - 1, device=prompt_ids.device)
+    out = decoder(
+        input_ids=responses[:, : t - 1],
+        attention_mask=torch.cat([prompt_mask, span], dim=1),
+        position_ids=next_pos[:, None] + steps[None, :],
+        use_cache=True,
+        **{cache_kwarg(decoder): cache},
+    )
+    rest = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return torch.cat([first, rest], dim=1)
+
+
 def response_hidden_states(
     model: nn.Module,
     prompt_ids: torch.Tensor,
@@ -286,6 +323,7 @@ def response_hidden_states(
     response_mask: torch.Tensor,
     *,
     share_prompt: bool | str = True,
+    vision=None,
 ) -> torch.Tensor:
     """Decoder states [B, T, H]: row b's state at t is the one that predicts ``responses[b, t]``.
 
@@ -302,9 +340,17 @@ def response_hidden_states(
     one pass over [prompt | response], with (G-1)/G of the prompt compute saved in forward and
     backward. Otherwise (no repeats, gradient checkpointing in training, no cache argument,
     sliding-window or recurrent layers) it is that one pass.
+
+    ``vision``: one ``models.vision.VisionInputs`` (or None) per row; with images, the prompts go
+    through the multimodal base and the responses through the language model on its cache, one
+    prompt pass per row (no sharing: reason in ``models/vision.py``).
     """
     if share_prompt not in (True, False, "always"):
         raise ValueError(f"share_prompt must be True, False or 'always', got {share_prompt!r}")
+    if vision is not None and any(v is not None and v.tensors for v in vision):
+        return _image_prompt_hidden(
+            model, prompt_ids, prompt_mask, responses, response_mask, vision
+        )
     if share_prompt:
         hidden = _shared_prompt_hidden(
             model, prompt_ids, prompt_mask, responses, response_mask,

@@ -71,6 +71,7 @@ def response_logprobs(
     share_prompt: bool | str = True,
     entropy_grad: bool = True,
     fused: bool = True,
+    vision=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of ``responses`` given left-padded prompts; entropy [B, T] if asked.
 
@@ -78,11 +79,13 @@ def response_logprobs(
     ``share_prompt``: encode each distinct prompt once (same result; falls back to one pass).
     ``entropy_grad``: whether gradients flow through the entropy (false: it is a metric).
     ``fused``: use the fused head where it applies (false: the autograd path, for comparison).
+    ``vision``: each row's images (``models.vision.VisionInputs`` or None), for a VLM.
     """
     temperature = temperature if temperature > 0 else 1.0
     hidden = response_hidden_states(
-        model, prompt_ids, prompt_mask, responses, response_mask, share_prompt=share_prompt
-    )
+        model, prompt_ids, prompt_mask, responses, response_mask, share_prompt=share_prompt,
+        vision=vision,
+    )  # fmt: skip
     t = responses.shape[1]
     head = model.get_output_embeddings()
     transform = logit_transform(model)

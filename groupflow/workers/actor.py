@@ -82,6 +82,11 @@ from groupflow.workers.update import (
 __all__ = ["ActorRolloutWorker"]
 
 
+def _vision(batch: Batch):
+    """The rows' images (``models.vision.VisionInputs`` per row), None for a text batch."""
+    return list(batch["vision"]) if "vision" in batch else None
+
+
 class _PolicyForward(nn.Module):
     """The FSDP root: its forward computes response log-probs, so root-level parameters (embeddings,
     final norm, LM head) are gathered by FSDP2's hooks around the whole chunked computation."""
@@ -102,8 +107,11 @@ class _PolicyForward(nn.Module):
         chunk_tokens,
         with_entropy,
         entropy_grad=True,
+        vision=None,
     ):
         share: bool | str = self.share_prompt_prefix
+        if vision is not None:  # image rows take one pass on every rank (models/vision.py)
+            share = False
         if share and self.sharded:
             # FSDP2 gathers each layer once per call: every rank must make the same decoder calls,
             # so the ranks share the prompt pass only if it applies on all of them.
@@ -112,7 +120,7 @@ class _PolicyForward(nn.Module):
         return response_logprobs(
             self.lm, prompt_ids, prompt_mask, responses, response_mask,
             temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-            share_prompt=share, entropy_grad=entropy_grad,
+            share_prompt=share, entropy_grad=entropy_grad, vision=vision,
         )  # fmt: skip
 
 
@@ -330,6 +338,7 @@ class ActorRolloutWorker:
         logp, entropy = self.policy(
             mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
             temperature, cfg.logprob_chunk_tokens, True, bool(cfg.entropy_coef),
+            _vision(mb),
         )  # fmt: skip
         # token weight of this micro-batch among the tokens the metrics cover
         share = float(mask.sum()) / max(1, metric_denominators["num_tokens"])
@@ -430,8 +439,9 @@ class ActorRolloutWorker:
         )
         self.policy.train()
         logp, _ = self.policy(
-            prompt_ids, prompt_mask, responses, mask, 1.0, self.cfg.logprob_chunk_tokens, False
-        )
+            prompt_ids, prompt_mask, responses, mask, 1.0, self.cfg.logprob_chunk_tokens, False,
+            True, _vision(batch),
+        )  # fmt: skip
         tokens = all_reduce(float(mask.sum()))
         loss = -(logp * mask).sum() / max(tokens, 1.0)
         self.sft_optimizer.zero_grad(set_to_none=True)

@@ -209,6 +209,7 @@ def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: Acto
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
                 temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens,
                 share_prompt=cfg.share_prompt_prefix,
+                vision=list(mb["vision"]) if "vision" in mb else None,
             )  # fmt: skip
             out[idx, : lp.shape[1]] = lp * mb["response_mask"]
     finally:

@@ -91,8 +91,10 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     gguf_file: str | None = None,
 ) -> nn.Module:
-    """Load an HF causal LM from a local directory (never from a hub: no network at run time)."""
-    from transformers import AutoModelForCausalLM
+    """Load an HF causal LM from a local directory (never from a hub: no network at run time).
+    A vision-language model (its config has a ``vision_config``: Qwen2.5-VL, SmolVLM, ...) loads
+    with its image encoder (``AutoModelForImageTextToText``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -107,10 +109,9 @@ def load_causal_lm(
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
+    auto = AutoModelForImageTextToText if _has_vision_config(path) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=resolve_dtype(dtype), **kwargs
-        )
+        model = auto.from_pretrained(str(path), dtype=resolve_dtype(dtype), **kwargs)
     except ValueError as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ModelLoadError(
@@ -118,6 +119,11 @@ def load_causal_lm(
             ) from e
         raise
     return model
+
+
+def _has_vision_config(path: Path) -> bool:
+    cfg = path / "config.json"
+    return cfg.is_file() and "vision_config" in json.loads(cfg.read_text())
 
 
 def read_model_type(path: str | Path) -> str | None:
@@ -279,6 +285,17 @@ def _shared_prompt_hidden(
     return torch.cat([first, rest], dim=1)
 
 
+def check_no_lost_images(model: nn.Module, prompt_ids: torch.Tensor) -> None:
+    """Image placeholder tokens without images mean the ``vision`` inputs were dropped on the way
+    (a text-only forward would silently train on placeholder embeddings): an error."""
+    token = getattr(getattr(model, "config", None), "image_token_id", None)
+    if token is not None and bool((prompt_ids == token).any()):
+        raise ValueError(
+            "prompts hold image placeholder tokens but no images reached the forward: pass each "
+            "row's models.vision.VisionInputs (Batch key 'vision') along with its ids"
+        )
+
+
 def _image_prompt_hidden(model, prompt_ids, prompt_mask, responses, response_mask, vision):
     """``response_hidden_states`` for rows that show images: the prompts through the multimodal
     base (images embedded at their placeholders, positions from ``vision_positions``), then the
@@ -351,6 +368,7 @@ def response_hidden_states(
         return _image_prompt_hidden(
             model, prompt_ids, prompt_mask, responses, response_mask, vision
         )
+    check_no_lost_images(model, prompt_ids)
     if share_prompt:
         hidden = _shared_prompt_hidden(
             model, prompt_ids, prompt_mask, responses, response_mask,

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["CHAT_TEMPLATE", "tiny_idefics3", "tiny_qwen2_vl", "IDEFICS3_TOKENS", "QWEN_VL_TOKENS"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "IDEFICS3_TOKENS",
+    "QWEN_VL_TOKENS",
+    "idefics3_processor",
+    "image_only_qwen_processor",
+    "load_processor",
+    "tiny_idefics3",
+    "tiny_qwen2_vl",
+]
 
 IDEFICS3_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -36,16 +45,10 @@ def _with_tokens(tokenizer, tokens) -> None:
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
 
 
-def tiny_idefics3(tokenizer, *, image_size: int = 32, patch_size: int = 8, scale_factor: int = 2,
-                  hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                  vision_hidden: int = 32, vision_layers: int = 1, seed: int = 0,
-                  max_positions: int = 256) -> tuple[nn.Module, object]:  # fmt: skip
-    """(model, processor): an Idefics3 with a ``vision_layers``-deep ViT over ``patch_size``
-    patches of an ``image_size`` square image, pixel-shuffled by ``scale_factor`` into
-    ``(image_size / patch_size / scale_factor)²`` image tokens, and a Llama language model.
-    ``tokenizer`` gains Idefics3's special tokens (in place)."""
-    import torch
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+def idefics3_processor(tokenizer, *, image_size: int = 32, patch_size: int = 8,
+                       scale_factor: int = 2):  # fmt: skip
+    """The Idefics3 processor of ``tiny_idefics3`` (``tokenizer`` gains its special tokens)."""
+    from transformers import Idefics3Processor
 
     try:
         from transformers import Idefics3ImageProcessorPil as ImageProcessor
@@ -59,14 +62,29 @@ def tiny_idefics3(tokenizer, *, image_size: int = 32, patch_size: int = 8, scale
             f"grid ({side}) a multiple of scale_factor {scale_factor}"
         )
     _with_tokens(tokenizer, IDEFICS3_TOKENS)
-    seq_len = (side // scale_factor) ** 2
     edge = {"longest_edge": image_size}
     images = ImageProcessor(do_resize=True, size=edge, do_image_splitting=False,
                             max_image_size=edge)  # fmt: skip
-    processor = Idefics3Processor(
-        image_processor=images, tokenizer=tokenizer, image_seq_len=seq_len,
+    return Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=(side // scale_factor) ** 2,
         chat_template=CHAT_TEMPLATE,
     )  # fmt: skip
+
+
+def tiny_idefics3(tokenizer, *, image_size: int = 32, patch_size: int = 8, scale_factor: int = 2,
+                  hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                  vision_hidden: int = 32, vision_layers: int = 1, seed: int = 0,
+                  max_positions: int = 256) -> tuple[nn.Module, object]:  # fmt: skip
+    """(model, processor): an Idefics3 with a ``vision_layers``-deep ViT over ``patch_size``
+    patches of an ``image_size`` square image, pixel-shuffled by ``scale_factor`` into
+    ``(image_size / patch_size / scale_factor)²`` image tokens, and a Llama language model.
+    ``tokenizer`` gains Idefics3's special tokens (in place)."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    processor = idefics3_processor(
+        tokenizer, image_size=image_size, patch_size=patch_size, scale_factor=scale_factor
+    )
     config = Idefics3Config(
         text_config=dict(
             model_type="llama", vocab_size=len(tokenizer), hidden_size=hidden_size,
@@ -153,3 +171,47 @@ def image_only_qwen_processor(**kwargs):
             return ["image_processor", "tokenizer"]
 
     return ImageOnlyQwen2VLProcessor(**kwargs)
+
+
+def load_processor(path: str, tokenizer=None, trust_remote_code: bool = False):
+    """The processor of a local VLM directory (``AutoProcessor``). Qwen-VL processors of this
+    transformers need torchvision for their video half; without it, the image half is assembled
+    from the directory's image processor, tokenizer and chat template."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        return AutoProcessor.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (ImportError, AttributeError, TypeError) as err:
+        if "qwen" not in _model_type(path):
+            raise
+        reason = err
+    tok = tokenizer or AutoTokenizer.from_pretrained(path, local_files_only=True)
+    template = _chat_template(path) or getattr(tok, "chat_template", None)
+    if template is None:
+        raise ValueError(f"{path}: no chat template for its processor ({reason})")
+    return image_only_qwen_processor(
+        image_processor=AutoImageProcessor.from_pretrained(path, local_files_only=True),
+        tokenizer=tok, chat_template=template,
+    )  # fmt: skip
+
+
+def _model_type(path: str) -> str:
+    import json
+    from pathlib import Path
+
+    cfg = Path(path) / "config.json"
+    return json.loads(cfg.read_text()).get("model_type", "") if cfg.is_file() else ""
+
+
+def _chat_template(path: str) -> str | None:
+    import json
+    from pathlib import Path
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        f = Path(path) / name
+        if f.is_file():
+            text = f.read_text()
+            return json.loads(text)["chat_template"] if name.endswith(".json") else text
+    return None

@@ -1,0 +1,124 @@
+"""GRPO on prompts with images through the whole trainer: the shapes task with the tiny VLM
+(model.tiny.vision), resume, a VLM loaded from a directory with a dataset of image files, and
+the errors for image prompts given to a text-only model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import groupflow
+from groupflow.config import config_from_dict
+from groupflow.data import DataError
+from groupflow.data.images import prompt_images
+from groupflow.data.shapes import CELL, COLOURS, make_shape_rows
+from groupflow.tracking import read_metrics
+from groupflow.trainer import Trainer
+
+VISION = {"image_size": 32, "patch_size": 8, "scale_factor": 2, "hidden_size": 16, "num_layers": 1}
+
+
+def _cfg(tiny_config_data, **over):
+    data = tiny_config_data(**over)
+    data["model"] = {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                              "max_positions": 32, "vision": VISION},
+                     "freeze_vision": False}  # fmt: skip
+    data["data"] = {"task": {"name": "shapes", "num_train": 64, "num_val": 8},
+                    "min_pixels": 1024, "prompts_per_step": 4}  # fmt: skip
+    data["rollout"] = {"samples_per_prompt": 4, "max_new_tokens": 2}
+    return data
+
+
+def test_shapes_rows_are_deterministic_disjoint_balanced_and_drawn_as_asked():
+    train, val = make_shape_rows(400, 100, seed=3)
+    again, _ = make_shape_rows(400, 100, seed=3)
+    key = lambda r: (prompt_images(r["prompt"])[0].tobytes(), r["prompt"][0]["content"][1]["text"])  # noqa: E731
+    assert [key(r) for r in train] == [key(r) for r in again]
+    assert not {key(r) for r in train} & {key(r) for r in val}
+    counts = np.bincount([int(r["answer"]) for r in train], minlength=5)
+    assert counts.min() > 50  # about 80 each: a policy blind to the image scores 20 %
+    for r in train[:50]:
+        img = np.asarray(prompt_images(r["prompt"])[0])
+        colour = r["prompt"][0]["content"][1]["text"].rstrip("?")
+        centres = img[CELL // 2 :: CELL, CELL // 2 :: CELL].reshape(-1, 3)
+        assert (centres == COLOURS[colour]).all(-1).sum() == int(r["answer"])
+
+
+def test_a_tiny_vlm_trains_on_images_and_resumes_identically(tiny_config_data):
+    data = _cfg(tiny_config_data, run__total_steps=4, run__save_every=2)
+    data["sft"] = {"steps": 2, "batch_samples": 4}
+    data["validation"] = {"before_training": True, "every_steps": 4, "samples_per_prompt": 1}
+    cfg = config_from_dict(data)
+    first = Trainer(cfg)
+    first.fit()
+    run_dir = Path(first.run_dir)
+    logged = {int(r["step"]): r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0}
+    assert sorted(logged) == [1, 2, 3, 4]
+    assert all(math.isfinite(logged[s]["actor/loss"]) for s in logged)
+    assert logged[1]["actor/ratio_max"] == pytest.approx(1.0)  # sampling == training forward
+    # resume from step 2 replays steps 3-4 exactly
+    ckpts = run_dir / "checkpoints"
+    data["run"]["resume"] = str(ckpts / "step_2")
+    data["run"]["name"] = "tiny"
+    second = Trainer(config_from_dict(data))
+    assert second.maybe_resume() and second.step == 2
+    second.fit()
+    again = {int(r["step"]): r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0}
+    for step in (3, 4):
+        for k in ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
+            assert again[step][k] == logged[step][k], (step, k)
+
+
+def test_image_prompts_for_a_text_only_model_are_a_data_error(tiny_config_data):
+    data = _cfg(tiny_config_data)
+    data["model"]["tiny"].pop("vision")
+    with pytest.raises(DataError, match="the model is text-only"):
+        _ = groupflow.Run(config_from_dict(data)).trainer
+
+
+def _qwen_dir(out: Path):
+    from groupflow.data.tokenizer import train_char_tokenizer
+    from groupflow.models.tiny_vlm import chat_template, tiny_qwen2_vl
+
+    tok = train_char_tokenizer()
+    model, proc = tiny_qwen2_vl(tok)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    proc.image_processor.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(
+        chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    )
+    return model
+
+
+def test_a_vlm_directory_trains_on_a_jsonl_dataset_of_image_files(tiny_config_data, tmp_path):
+    from PIL import Image
+
+    model_dir = tmp_path / "qwen2vl"
+    model_dir.mkdir()
+    _qwen_dir(model_dir)
+    (tmp_path / "imgs").mkdir()
+    rows = []
+    for i in range(8):
+        Image.new("RGB", (40 + 4 * i, 30), (30 * i, 0, 0)).save(tmp_path / "imgs" / f"{i}.png")
+        rows.append({"prompt": [{"role": "user", "content": [
+            {"type": "image", "image": f"imgs/{i}.png"}, {"type": "text", "text": "red?"}]}],
+            "answer": str(i % 5), "data_source": "groupflow/shapes"})  # fmt: skip
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = tiny_config_data(run__total_steps=2)
+    data["model"] = {"path": str(model_dir)}
+    data["data"] = {"train_files": [str(path)], "prompts_per_step": 2, "min_pixels": 784,
+                    "max_pixels": 112 * 112}  # fmt: skip
+    data["rollout"] = {"samples_per_prompt": 2, "max_new_tokens": 3}
+    data["validation"] = {"before_training": False}
+    trainer = groupflow.Run(config_from_dict(data)).trainer
+    trainer.fit()
+    rows = read_metrics(Path(trainer.run_dir) / "metrics.jsonl")
+    logged = [r for r in rows if r["step"] > 0]
+    assert len(logged) == 2 and logged[-1]["actor/ratio_max"] == pytest.approx(1.0)
+    assert rows[0]["data/train_rows"] == 8.0

@@ -122,3 +122,18 @@ def test_a_vlm_directory_trains_on_a_jsonl_dataset_of_image_files(tiny_config_da
     logged = [r for r in rows if r["step"] > 0]
     assert len(logged) == 2 and logged[-1]["actor/ratio_max"] == pytest.approx(1.0)
     assert rows[0]["data/train_rows"] == 8.0
+
+
+def test_a_reward_can_ask_for_the_prompts_images(tiny_config_data, helpers_on_path):
+    import vlm_reward_helpers
+
+    data = _cfg(tiny_config_data, run__total_steps=1)
+    data["reward"] = {"functions": [{"function": "vlm_reward_helpers:red_share"}]}
+    data["validation"] = {"before_training": False}
+    trainer = Trainer(config_from_dict(data))
+    vlm_reward_helpers.SEEN.clear()
+    trainer.fit()
+    (logged,) = [r for r in read_metrics(Path(trainer.run_dir) / "metrics.jsonl") if r["step"] > 0]
+    assert vlm_reward_helpers.SEEN and set(vlm_reward_helpers.SEEN) == {1}
+    assert 0.0 <= logged["reward/mean"] < 0.5  # red pixels share of boards with 0-4 red squares
+    assert logged["reward/std"] > 0.0  # differs per prompt: each sample saw its own image

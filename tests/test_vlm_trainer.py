@@ -137,3 +137,37 @@ def test_a_reward_can_ask_for_the_prompts_images(tiny_config_data, helpers_on_pa
     assert vlm_reward_helpers.SEEN and set(vlm_reward_helpers.SEEN) == {1}
     assert 0.0 <= logged["reward/mean"] < 0.5  # red pixels share of boards with 0-4 red squares
     assert logged["reward/std"] > 0.0  # differs per prompt: each sample saw its own image
+
+
+def test_the_geo3k_example_maps_geometry3k_rows_to_image_prompts(tmp_path):
+    """examples/geo3k_qwen2_5_vl_3b.yaml's data section on rows shaped like hiyouga/geometry3k
+    (an `images` column of {bytes, path} structs, `<image>` in `problem`, `answer`)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from groupflow.builders import build_data, build_reward
+    from groupflow.config import load_config
+
+    buf = io.BytesIO()
+    Image.new("RGB", (2000, 1000), (9, 9, 9)).save(buf, format="PNG")
+    rows = [{"images": [{"bytes": buf.getvalue(), "path": None}],
+             "problem": "<image>Find x. Round to the nearest tenth.", "answer": "8.5"}]  # fmt: skip
+    path = tmp_path / "geo3k_train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    example = Path(__file__).resolve().parents[1] / "examples" / "geo3k_qwen2_5_vl_3b.yaml"
+    cfg = load_config(example, [f"data.train_files=[{path}]", "data.val_files=[]"])
+    train, _, stats = build_data(cfg, build_reward(cfg))
+    (row,) = train
+    content = row.prompt[0]["content"]
+    assert [p["type"] for p in content] == ["image", "text"]
+    assert content[1]["text"].startswith("Find x. Round to the nearest tenth. You FIRST think")
+    assert content[1]["text"].endswith(r"MUST BE put in \boxed{}.")
+    w, h = content[0]["image"].size
+    assert w * h <= cfg.data.max_pixels and abs(w / h - 2) < 0.01  # resized, aspect kept
+    assert row.fields["data_source"] == "hiyouga/geometry3k" and row.fields["answer"] == "8.5"
+    reward = build_reward(cfg)
+    result = reward(["p"], [r"<think>x</think> \boxed{8.5}"], answer=["8.5"])
+    assert float(result.total[0]) == 1.0

@@ -6,6 +6,7 @@ objects it returns take plain arguments and never see the config again (style.md
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -179,6 +180,14 @@ def _prompt_text(prompt) -> str:
     return "\n".join(out)
 
 
+def _is_vlm_config(cfg: Config) -> bool:
+    m = cfg.model
+    if m.tiny is not None:
+        return m.tiny.vision is not None
+    cfg_file = Path(m.path).expanduser() / "config.json"
+    return cfg_file.is_file() and "vision_config" in json.loads(cfg_file.read_text())
+
+
 def build_processor(cfg: Config, tokenizer):
     """The processor that turns prompts with images into ids and image tensors: the tiny VLM's
     (``model.tiny.vision``) or the model directory's; None for a text-only model."""
@@ -189,11 +198,9 @@ def build_processor(cfg: Config, tokenizer):
             return None
         return idefics3_processor(tokenizer, image_size=v.image_size, patch_size=v.patch_size,
                                   scale_factor=v.scale_factor)  # fmt: skip
-    path = Path(m.path).expanduser()
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file() or "vision_config" not in cfg_file.read_text():
+    if not _is_vlm_config(cfg):
         return None
-    return load_processor(str(path), tokenizer, m.trust_remote_code)
+    return load_processor(str(Path(m.path).expanduser()), tokenizer, m.trust_remote_code)
 
 
 # Files a Hugging Face tokenizer directory has at least one of.
@@ -495,6 +502,11 @@ def build_rollout_engine(cfg: Config):
 
     if cfg.rollout.engine == "hf":
         return HF
+    if _is_vlm_config(cfg):
+        raise ModelLoadError(
+            "rollout.engine=vllm: the model is a vision-language model, and the vLLM engine does "
+            "not take prompts with images yet; set rollout.engine=hf"
+        )
     require_vllm()
     v = cfg.rollout.vllm
     return VLLMOptions(

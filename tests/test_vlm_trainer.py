@@ -171,3 +171,21 @@ def test_the_geo3k_example_maps_geometry3k_rows_to_image_prompts(tmp_path):
     reward = build_reward(cfg)
     result = reward(["p"], [r"<think>x</think> \boxed{8.5}"], answer=["8.5"])
     assert float(result.total[0]) == 1.0
+
+
+def test_the_vllm_engine_refuses_a_vision_language_model_at_start(tiny_config_data, tmp_path):
+    from groupflow.builders import build_rollout_engine
+    from groupflow.config import ConfigError
+    from groupflow.models.causal_lm import ModelLoadError
+
+    data = _cfg(tiny_config_data)
+    data["rollout"]["engine"] = "vllm"
+    with pytest.raises(ConfigError, match="vLLM engine does not take prompts with images"):
+        config_from_dict(data)
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "config.json").write_text(json.dumps({"vision_config": {}}))
+    data = tiny_config_data()
+    data["model"] = {"path": str(tmp_path / "vlm")}
+    data["rollout"]["engine"] = "vllm"
+    with pytest.raises(ModelLoadError, match="vLLM engine does not take prompts with images"):
+        build_rollout_engine(config_from_dict(data))

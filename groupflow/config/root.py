@@ -269,6 +269,11 @@ class Config(_Section):
                 f"(data.prompts_per_step × rollout.samples_per_prompt = {samples})"
             )
         tiny = self.model.tiny if self.model is not None else None
+        if self.rollout.engine == "vllm" and tiny is not None and tiny.vision is not None:
+            raise ValueError(
+                "rollout.engine=vllm: model.tiny.vision makes a vision-language model, and the "
+                "vLLM engine does not take prompts with images yet; set rollout.engine=hf"
+            )
         if self.rollout.engine == "vllm" and tiny is not None:
             head_dim = tiny.hidden_size // tiny.num_heads
             if head_dim not in VLLM_HEAD_DIMS:

@@ -296,7 +296,9 @@ def build_data(
 
         train, val = make_instruction_rows(d.task.num_train, d.task.num_val, d.task.seed)
     elif d.task is not None and d.task.name == "shapes":
-        train, val = make_shape_rows(d.task.num_train, d.task.num_val, d.task.seed)
+        train, val = make_shape_rows(
+            d.task.num_train, d.task.num_val, d.task.seed, grid=d.task.grid
+        )
     elif d.task is not None:
         train, val = make_task_rows(
             d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits

@@ -33,19 +33,30 @@ def _cfg(tiny_config_data, **over):
     return data
 
 
-def test_shapes_rows_are_deterministic_disjoint_balanced_and_drawn_as_asked():
-    train, val = make_shape_rows(400, 100, seed=3)
-    again, _ = make_shape_rows(400, 100, seed=3)
+def _centres(row):
+    img = np.asarray(prompt_images(row["prompt"])[0])
+    return img[CELL // 2 :: CELL, CELL // 2 :: CELL].reshape(-1, 3)
+
+
+@pytest.mark.parametrize("ask_colour", [False, True])
+def test_shapes_rows_are_deterministic_disjoint_balanced_and_drawn_as_asked(ask_colour):
+    train, val = make_shape_rows(400, 100, seed=3, ask_colour=ask_colour)
+    again, _ = make_shape_rows(400, 100, seed=3, ask_colour=ask_colour)
     key = lambda r: (prompt_images(r["prompt"])[0].tobytes(), r["prompt"][0]["content"][1]["text"])  # noqa: E731
     assert [key(r) for r in train] == [key(r) for r in again]
     assert not {key(r) for r in train} & {key(r) for r in val}
-    counts = np.bincount([int(r["answer"]) for r in train], minlength=5)
-    assert counts.min() > 50  # about 80 each: a policy blind to the image scores 20 %
+    values, counts = np.unique([int(r["answer"]) for r in train], return_counts=True)
+    assert list(values) == (list(range(6)) if ask_colour else [1, 2, 3, 4, 5])
+    assert counts.min() > 50  # balanced: a policy blind to the image scores 1/5 (1/6)
     for r in train[:50]:
-        img = np.asarray(prompt_images(r["prompt"])[0])
-        colour = r["prompt"][0]["content"][1]["text"].rstrip("?")
-        centres = img[CELL // 2 :: CELL, CELL // 2 :: CELL].reshape(-1, 3)
-        assert (centres == COLOURS[colour]).all(-1).sum() == int(r["answer"])
+        question = r["prompt"][0]["content"][1]["text"]
+        centres = _centres(r)
+        if ask_colour:
+            hits = (centres == COLOURS[question.rstrip("?")]).all(-1).sum()
+        else:
+            assert question == "how many?"
+            hits = (centres != 255).any(-1).sum()  # every coloured square counts
+        assert hits == int(r["answer"])
 
 
 def test_a_tiny_vlm_trains_on_images_and_resumes_identically(tiny_config_data):

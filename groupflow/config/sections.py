@@ -109,6 +109,7 @@ class TaskConfig(_Section):
     # vision-language model, e.g. model.tiny.vision; digits does not apply)
     name: Literal["reverse", "add", "calc", "instructions", "shapes"] = "reverse"
     digits: int = Field(6, ge=1, le=32)
+    grid: int = Field(4, ge=2, le=8)  # shapes: the board's side in 8-pixel cells
     num_train: int = Field(20000, ge=1)
     num_val: int = Field(256, ge=1)
     seed: int = 1234

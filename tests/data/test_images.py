@@ -192,3 +192,10 @@ def test_load_image_accepts_every_value_shape(tmp_path):
     for value in (str(tmp_path / "a.png"), f"file://{tmp_path / 'a.png'}", png(4, 4),
                   {"bytes": None, "path": str(tmp_path / "a.png")}, Image.new("RGBA", (4, 4))):  # fmt: skip
         assert load_image(value, "f", None, lim).size == (4, 4)
+
+
+def test_the_shapes_count_reward_gives_exact_and_near_credit():
+    from groupflow.data.shapes import count_reward
+
+    got = count_reward(["3", "2<eos>", " 4", "1", "x", ""], ["3", "3", "3", "3", "3", "3"])
+    assert got == [1.0, 0.25, 0.25, 0.0, 0.0, 0.0]

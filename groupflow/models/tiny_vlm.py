@@ -110,10 +110,11 @@ def tiny_idefics3(tokenizer, *, image_size: int = 32, patch_size: int = 8, scale
 
 def tiny_qwen2_vl(tokenizer, *, hidden_size: int = 32, num_layers: int = 2, seed: int = 0,
                   min_pixels: int = 56 * 56, max_pixels: int = 112 * 112,
-                  qwen25: bool = False) -> tuple[nn.Module, object]:  # fmt: skip
-    """(model, processor): a Qwen2-VL (or Qwen2.5-VL) with a one-block vision tower (14-pixel
-    patches, 2x2 merge) and multimodal RoPE. The processor handles images only: this
-    transformers' video processor needs torchvision, which groupflow does not require."""
+                  qwen25: bool = False, qwen3: bool = False) -> tuple[nn.Module, object]:  # fmt: skip
+    """(model, processor): a Qwen2-VL (Qwen2.5-VL, Qwen3-VL) with a one-block vision tower
+    (14-pixel patches, 16 for Qwen3-VL; 2x2 merge) and multimodal RoPE. The processor handles
+    images only: this transformers' video processor needs torchvision, which groupflow does not
+    require."""
     import torch
     from transformers import Qwen2VLProcessor
 
@@ -123,7 +124,8 @@ def tiny_qwen2_vl(tokenizer, *, hidden_size: int = 32, num_layers: int = 2, seed
         from transformers import Qwen2VLImageProcessor as ImageProcessor
 
     _with_tokens(tokenizer, QWEN_VL_TOKENS)
-    images = ImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14,
+    patch = 16 if qwen3 else 14
+    images = ImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch,
                             merge_size=2, temporal_patch_size=2)  # fmt: skip
     processor = image_only_qwen_processor(
         image_processor=images, tokenizer=tokenizer,
@@ -141,7 +143,19 @@ def tiny_qwen2_vl(tokenizer, *, hidden_size: int = 32, num_layers: int = 2, seed
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )  # fmt: skip
-    if qwen25:
+    if qwen3:
+        from transformers import Qwen3VLConfig as Config
+        from transformers import Qwen3VLForConditionalGeneration as Model
+
+        text = {k: v for k, v in text.items() if k != "rope_scaling"}
+        text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                 "mrope_section": [1, 1, 2],
+                                                 "mrope_interleaved": True})  # fmt: skip
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0])  # fmt: skip
+    elif qwen25:
         from transformers import Qwen2_5_VLConfig as Config
         from transformers import Qwen2_5_VLForConditionalGeneration as Model
 

@@ -18,7 +18,7 @@ from groupflow.models.vision import (
 )
 from groupflow.rollout.hf import SamplingParams, generate
 
-ARCHS = ["idefics3", "qwen2_vl", "qwen2_5_vl"]
+ARCHS = ["idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 def build(arch: str, seed: int = 0):
@@ -26,7 +26,9 @@ def build(arch: str, seed: int = 0):
     if arch == "idefics3":
         model, proc = tiny_idefics3(tok, seed=seed)
     else:
-        model, proc = tiny_qwen2_vl(tok, seed=seed, qwen25=arch == "qwen2_5_vl")
+        model, proc = tiny_qwen2_vl(
+            tok, seed=seed, qwen25=arch == "qwen2_5_vl", qwen3=arch == "qwen3_vl"
+        )
     return model.eval(), proc, tok
 
 

@@ -188,6 +188,21 @@ def _is_vlm_config(cfg: Config) -> bool:
     return cfg_file.is_file() and "vision_config" in json.loads(cfg_file.read_text())
 
 
+def save_processor(cfg: Config, tokenizer, out: Path) -> None:
+    """Write a vision-language model's processor next to its exported weights, so the export
+    loads with ``AutoProcessor`` (nothing for a text model). Qwen-VL's image-only processor
+    (no torchvision here) is written as its image processor and chat template, which
+    ``models.tiny_vlm.load_processor`` reads back."""
+    processor = build_processor(resolve_hub_models(cfg), tokenizer)
+    if processor is None:
+        return
+    if type(processor).__name__.startswith("ImageOnly"):
+        processor.image_processor.save_pretrained(str(out))
+        (Path(out) / "chat_template.jinja").write_text(processor.chat_template)
+    else:
+        processor.save_pretrained(str(out))
+
+
 def build_processor(cfg: Config, tokenizer):
     """The processor that turns prompts with images into ids and image tensors: the tiny VLM's
     (``model.tiny.vision``) or the model directory's; None for a text-only model."""

@@ -216,3 +216,49 @@ def test_the_image_demo_learns_to_count(tmp_path, capsys):
     assert accs[0] <= 0.5  # the warm start stops while the policy is right only sometimes
     assert accs[-1] >= 0.8 and accs[-1] - accs[0] >= 0.4, accs
     assert "held-out greedy accuracy: before" in capsys.readouterr().out
+
+
+def test_eval_and_export_of_a_tiny_vlm_run(tiny_config_data, tmp_path, capsys):
+    """``groupflow eval`` scores held-out image prompts with the checkpoint; ``groupflow export``
+    writes weights, tokenizer and processor that transformers loads back with the same
+    log-probs."""
+    import torch
+    import yaml
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from groupflow.cli import main
+    from groupflow.models.vision import encode_image_prompt
+
+    data = _cfg(tiny_config_data, run__total_steps=2, run__save_every=2)
+    data["validation"] = {"before_training": False}
+    config_file = tmp_path / "vlm.yaml"
+    config_file.write_text(yaml.safe_dump(data))
+    assert main(["train", str(config_file)]) == 0
+    run_dir = Path(data["run"]["output_dir"]) / data["run"]["name"]
+    records = tmp_path / "eval.jsonl"
+    assert main(["eval", str(config_file), "--checkpoint", str(run_dir),
+                 "--output", str(records)]) == 0  # fmt: skip
+    lines = [json.loads(x) for x in records.read_text().splitlines()]
+    assert len(lines) == 8 and all("completion" in x for x in lines)
+    out = tmp_path / "hf"
+    assert main(["export", str(config_file), "--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    model = AutoModelForImageTextToText.from_pretrained(str(out)).eval()
+    proc = AutoProcessor.from_pretrained(str(out))
+    trainer = Trainer(config_from_dict(data), inference_run_dir=run_dir)
+    rows = trainer.workflow.val.rows
+    _, ids, vis = encode_image_prompt(proc, rows[0].prompt)
+    assert ids == trainer.workflow.val.ids[0]  # the exported processor encodes as training did
+    from groupflow.models.logprobs import response_logprobs
+
+    prompt = torch.tensor([ids])
+    resp = torch.tensor([[proc.tokenizer.convert_tokens_to_ids("3"), proc.tokenizer.eos_token_id]])
+    from groupflow.checkpoint import find_latest_checkpoint, load_checkpoint
+
+    ours = trainer.policy.actor.model.eval()
+    ours.load_state_dict(load_checkpoint(find_latest_checkpoint(run_dir / "checkpoints"))["model"])
+    args = (prompt, torch.ones_like(prompt), resp, torch.ones_like(resp))
+    with torch.no_grad():
+        exported, _ = response_logprobs(model, *args, vision=[vis])
+        trained, _ = response_logprobs(ours, *args, vision=[vis])
+    torch.testing.assert_close(exported, trained, atol=1e-5, rtol=0)
+    assert "exported HF model" in capsys.readouterr().out

@@ -91,9 +91,19 @@ def collate_vision(items: Sequence[VisionInputs | None], device=None) -> dict[st
     for k in keys:
         parts = [v.tensors[k] for v in present]
         per_row = all(p.dim() >= 4 and p.shape[0] == 1 for p in parts)
+        if per_row and len({p.shape[2:] for p in parts}) > 1:
+            parts = _pad_trailing(parts)  # Idefics3 pads images of one call to the largest
         t = torch.cat(parts, dim=1 if per_row else 0) if len(parts) > 1 else parts[0]
         out[k] = t.to(device) if device is not None else t
     return out
+
+
+def _pad_trailing(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zero-pad [1, n, ..., H, W] tensors to the largest H, W (pixels and their attention mask:
+    padded pixels are masked out, as the processor pads within one call)."""
+    h = max(p.shape[-2] for p in parts)
+    w = max(p.shape[-1] for p in parts)
+    return [torch.nn.functional.pad(p, (0, w - p.shape[-1], 0, h - p.shape[-2])) for p in parts]
 
 
 def _rope_index_fn(model: nn.Module):

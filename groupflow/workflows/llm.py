@@ -140,7 +140,7 @@ class PromptTable:
 
     def vision(self, rows: Sequence[PromptRow]) -> list | None:
         """Each row's images (``models.vision.VisionInputs`` or None); None when no row has any."""
-        if self.encoded.vision is None:
+        if getattr(self.encoded, "vision", None) is None:
             return None
         by_row = {id(r): v for r, v in zip(self.encoded.rows, self.encoded.vision)}
         return [by_row[id(r)] for r in rows]

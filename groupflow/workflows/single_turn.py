@@ -106,7 +106,7 @@ class SingleTurnWorkflow:
         from ``sft.target_field``."""
         tok, field = self.policy.tokenizer, self.cfg.sft.target_field
         out = []
-        vision = encoded.vision or [None] * len(encoded.rows)
+        vision = getattr(encoded, "vision", None) or [None] * len(encoded.rows)
         for row, ids, images in zip(encoded.rows, encoded.ids, vision):
             if field not in row.fields:
                 raise ValueError(
@@ -127,7 +127,8 @@ class SingleTurnWorkflow:
             rows = encoded.rows[start : start + chunk_prompts]
             ids = encoded.ids[start : start + chunk_prompts]
             texts = encoded.texts[start : start + chunk_prompts]
-            vision = encoded.vision[start : start + chunk_prompts] if encoded.vision else None
+            images = getattr(encoded, "vision", None)  # None: text prompts (or a bare table)
+            vision = images[start : start + chunk_prompts] if images else None
             seeds = [seed * 7919 + (start * n + i) for i in range(len(rows) * n)]
             per_prompt = [seeds[i * n : (i + 1) * n] for i in range(len(ids))]
             out = self.policy.rollout.generate(

@@ -181,3 +181,22 @@ def test_the_worker_generates_scores_and_updates_image_prompts(arch, lora):
     b1, b2 = _rollout(worker, proc), _rollout(again, proc)
     assert torch.equal(b1["responses"], b2["responses"])
     torch.testing.assert_close(b1["rollout_logprobs"], b2["rollout_logprobs"], atol=1e-6, rtol=0)
+
+
+def test_idefics3_rows_with_differently_padded_images_collate():
+    from groupflow.models.vision import VisionInputs, collate_vision
+
+    a = VisionInputs(
+        {
+            "pixel_values": torch.ones(1, 1, 3, 32, 24),
+            "pixel_attention_mask": torch.ones(1, 1, 32, 24, dtype=torch.long),
+        },
+        1,
+    )
+    b = VisionInputs({"pixel_values": torch.ones(1, 2, 3, 24, 32),
+                      "pixel_attention_mask": torch.ones(1, 2, 24, 32, dtype=torch.long)}, 2)  # fmt: skip
+    out = collate_vision([a, None, b])
+    assert out["pixel_values"].shape == (1, 3, 3, 32, 32)
+    assert out["pixel_attention_mask"].shape == (1, 3, 32, 32)
+    assert out["pixel_attention_mask"][0, 0].sum() == 32 * 24  # padding stays masked out
+    assert out["pixel_values"][0, 0, :, :, 24:].abs().sum() == 0

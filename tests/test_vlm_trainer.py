@@ -262,3 +262,11 @@ def test_eval_and_export_of_a_tiny_vlm_run(tiny_config_data, tmp_path, capsys):
         trained, _ = response_logprobs(ours, *args, vision=[vis])
     torch.testing.assert_close(exported, trained, atol=1e-5, rtol=0)
     assert "exported HF model" in capsys.readouterr().out
+
+
+def test_multi_turn_runs_refuse_image_prompts_at_start(tiny_config_data):
+    data = _cfg(tiny_config_data)
+    data["rollout"].update(max_turns=2, tools=[{"name": "calculator"}])
+    cfg = config_from_dict(data)
+    with pytest.raises(DataError, match="not supported by multi-turn workflows yet"):
+        _ = groupflow.Run(cfg).trainer

@@ -6,6 +6,7 @@ objects it returns take plain arguments and never see the config again (style.md
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,10 +22,19 @@ from groupflow.data import (
     render_prompt,
     train_char_tokenizer,
 )
+from groupflow.data.images import ImageLimits, prompt_images
+from groupflow.data.shapes import make_shape_rows
 from groupflow.data.tokenizer import DEFAULT_ALPHABET
 from groupflow.distributed import PoolSpec, RayOptions, WorkerGroup
 from groupflow.models.causal_lm import ModelLoadError, build_tiny_llama, load_causal_lm
 from groupflow.models.logit_transform import check_logit_transform
+from groupflow.models.tiny_vlm import (
+    IDEFICS3_TOKENS,
+    idefics3_processor,
+    load_processor,
+    tiny_idefics3,
+)
+from groupflow.models.vision import encode_image_prompt, freeze_vision_tower, is_vision_model
 from groupflow.rewards import build_reward_runner
 
 log = logging.getLogger("groupflow")
@@ -66,6 +76,15 @@ class EncodedPrompts:
     texts: list[str]
     ids: list[list[int]]
     num_filtered: int = 0
+    # per row: its images as ``models.vision.VisionInputs`` (None: a text row); None: no images
+    vision: list | None = None
+
+    def subset(self, idx) -> EncodedPrompts:
+        """The rows at ``idx`` (a slice or indices), with their texts, ids and images."""
+        pick = (lambda xs: xs[idx]) if isinstance(idx, slice) else (lambda xs: [xs[i] for i in idx])
+        vision = pick(self.vision) if self.vision is not None else None
+        return EncodedPrompts(pick(self.rows), pick(self.texts), pick(self.ids), self.num_filtered,
+                              vision)  # fmt: skip
 
 
 def resolve_hub_models(cfg: Config) -> Config:
@@ -117,12 +136,12 @@ def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = (),
         saved = run_dir / "tokenizer"
         if saved.is_dir():  # resume: reuse the exact tokenizer the run started with
             return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
-        texts = (
-            [str(r.prompt) for r in corpus]
-            + [str(v) for r in corpus for v in r.fields.values()]
-            + list(extra_texts)
-        )
+        texts = [_prompt_text(r.prompt) for r in corpus] + [
+            str(v) for r in corpus for k, v in r.fields.items() if k != "images"
+        ] + list(extra_texts)  # fmt: skip
         tok = train_char_tokenizer(texts, base_alphabet="" if corpus else DEFAULT_ALPHABET)
+        if m.tiny.vision is not None:  # the image processor's special tokens, saved with it
+            tok.add_special_tokens({"additional_special_tokens": list(IDEFICS3_TOKENS)})
         tok.save_pretrained(str(saved))
         return tok
     key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
@@ -145,6 +164,59 @@ def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = (),
         # Padding is masked everywhere, so any id works; EOS is the usual choice (as TRL does).
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _prompt_text(prompt) -> str:
+    """The characters of a prompt (image parts have none; their PIL repr must not enter a
+    character vocabulary)."""
+    if isinstance(prompt, str):
+        return prompt
+    out = []
+    for m in prompt:
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out += [p.get("text", "") for p in content if p.get("type") == "text"]
+    return "\n".join(out)
+
+
+def _is_vlm_config(cfg: Config) -> bool:
+    m = cfg.model
+    if m.tiny is not None:
+        return m.tiny.vision is not None
+    cfg_file = Path(m.path).expanduser() / "config.json"
+    return cfg_file.is_file() and "vision_config" in json.loads(cfg_file.read_text())
+
+
+def save_processor(cfg: Config, tokenizer, out: Path) -> None:
+    """Write a vision-language model's processor next to its exported weights, so the export
+    loads with ``AutoProcessor`` (nothing for a text model). Qwen-VL's image-only processor
+    (no torchvision here) is written as its image processor and chat template, which
+    ``models.tiny_vlm.load_processor`` reads back."""
+    processor = build_processor(resolve_hub_models(cfg), tokenizer)
+    if processor is None:
+        return
+    if type(processor).__name__.startswith("ImageOnly"):
+        processor.image_processor.save_pretrained(str(out))
+        (Path(out) / "chat_template.jinja").write_text(processor.chat_template)
+    else:
+        processor.save_pretrained(str(out))
+
+
+def build_processor(cfg: Config, tokenizer):
+    """The processor that turns prompts with images into ids and image tensors: the tiny VLM's
+    (``model.tiny.vision``) or the model directory's; None for a text-only model."""
+    m = cfg.model
+    if m.tiny is not None:
+        v = m.tiny.vision
+        if v is None:
+            return None
+        return idefics3_processor(tokenizer, image_size=v.image_size, patch_size=v.patch_size,
+                                  scale_factor=v.scale_factor)  # fmt: skip
+    if not _is_vlm_config(cfg):
+        return None
+    return load_processor(str(Path(m.path).expanduser()), tokenizer, m.trust_remote_code)
 
 
 # Files a Hugging Face tokenizer directory has at least one of.
@@ -226,7 +298,15 @@ def eos_ids(tokenizer, model) -> list[int]:
 def build_model(m: ModelConfig, tokenizer, seed: int):
     """The policy model: a tiny Llama built from ``m.tiny`` (initialised from ``seed`` unless it sets
     its own) or an HF model loaded from the local directory ``m.path``."""
-    if m.tiny is not None:
+    if m.tiny is not None and m.tiny.vision is not None:
+        t, v = m.tiny, m.tiny.vision
+        model, _ = tiny_idefics3(
+            tokenizer, image_size=v.image_size, patch_size=v.patch_size,
+            scale_factor=v.scale_factor, hidden_size=t.hidden_size, num_layers=t.num_layers,
+            num_heads=t.num_heads, vision_hidden=v.hidden_size, vision_layers=v.num_layers,
+            max_positions=t.max_positions, seed=seed if t.seed is None else t.seed,
+        )  # fmt: skip
+    elif m.tiny is not None:
         t = m.tiny
         model = build_tiny_llama(
             len(tokenizer),
@@ -242,6 +322,8 @@ def build_model(m: ModelConfig, tokenizer, seed: int):
         )
     else:
         model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    if m.freeze_vision and is_vision_model(model):
+        freeze_vision_tower(model)
     check_logit_transform(model)  # training log-probs must be those the model samples from
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -265,13 +347,18 @@ def build_data(
         from groupflow.data.instructions import make_instruction_rows
 
         train, val = make_instruction_rows(d.task.num_train, d.task.num_val, d.task.seed)
+    elif d.task is not None and d.task.name == "shapes":
+        train, val = make_shape_rows(
+            d.task.num_train, d.task.num_val, d.task.seed, grid=d.task.grid
+        )
     elif d.task is not None:
         train, val = make_task_rows(
             d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits
         )
     if d.task is not None:
-        train_set = load_prompt_rows(train)
-        val_set = load_prompt_rows(val) if inputs.val_rows is None else None
+        images = ImageLimits(max_pixels=d.max_pixels, min_pixels=d.min_pixels)
+        train_set = load_prompt_rows(train, images=images)
+        val_set = load_prompt_rows(val, images=images) if inputs.val_rows is None else None
     else:
         train_set = _load_split(d, d.train_files, inputs.train_rows, "train")
         val_set = None
@@ -302,9 +389,10 @@ def _load_split(d, files: list, python_rows: list | None, split: str):
     from groupflow.utils.hub import load_hub_rows, parse_hub_dataset
 
     mapper = row_mapper(d.columns, d.prompt_template, d.data_source)
+    images = ImageLimits(max_pixels=d.max_pixels, min_pixels=d.min_pixels)
     if python_rows is not None:  # rows, never file paths (a list of strings is bad rows)
         rows = NamedRows(f"{split}_dataset", python_rows)
-        return load_prompt_rows(rows, on_bad_row=d.bad_rows, prepare=mapper)
+        return load_prompt_rows(rows, on_bad_row=d.bad_rows, prepare=mapper, images=images)
     key = f"data.{split}_files"
     sources: list = []
     for i, entry in enumerate(files):
@@ -317,7 +405,7 @@ def _load_split(d, files: list, python_rows: list | None, split: str):
         if d.data_source is None:
             rows = [_default_source(r, hub.name) for r in rows]
         sources.append(NamedRows(hub.label(), rows))
-    return load_prompt_rows(sources, on_bad_row=d.bad_rows, prepare=mapper)
+    return load_prompt_rows(sources, on_bad_row=d.bad_rows, prepare=mapper, images=images)
 
 
 def _default_source(raw, source: str):
@@ -361,19 +449,25 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str, *,
     ones. ``render(row, tokenizer, use_chat_template)`` may be a workflow's own (tools described);
     ``templated`` says whether its text carries the template's special tokens (None: per row)."""
     d = cfg.data
-    texts = [render(r, tokenizer, d.use_chat_template) for r in rows]
-    # A chat template writes its own special tokens into the text; a plain prompt gets the
-    # tokenizer's usual BOS (if it has one).
-    templated = [
-        (r.is_chat or bool(d.use_chat_template)) if templated is None else templated for r in rows
-    ]
-    ids = [
-        tokenizer(t, add_special_tokens=not chat)["input_ids"] for t, chat in zip(texts, templated)
-    ]
+    if any(prompt_images(r.prompt) for r in rows):
+        texts, ids, vision = _encode_image_prompts(rows, tokenizer, cfg, split)
+    else:
+        vision = None
+        texts = [render(r, tokenizer, d.use_chat_template) for r in rows]
+        # A chat template writes its own special tokens into the text; a plain prompt gets the
+        # tokenizer's usual BOS (if it has one).
+        templated = [
+            (r.is_chat or bool(d.use_chat_template)) if templated is None else templated
+            for r in rows
+        ]
+        ids = [
+            tokenizer(t, add_special_tokens=not chat)["input_ids"]
+            for t, chat in zip(texts, templated)
+        ]
     keep = []
-    for r, t, i in zip(rows, texts, ids):
-        if len(i) <= d.max_prompt_tokens:
-            keep.append((r, t, i))
+    for j, (r, t, i) in enumerate(zip(rows, texts, ids)):
+        if len(i) <= d.max_prompt_tokens:  # image placeholder tokens count
+            keep.append((r, t, i, vision[j] if vision is not None else None))
         elif d.overlong_prompts == "error":
             raise DataError(
                 f"the {split} prompt has {len(i)} tokens, more than data.max_prompt_tokens="
@@ -397,8 +491,32 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str, *,
             "(raise it)",
             source=", ".join(dict.fromkeys(r.source for r in rows)),
         )
-    rows_, texts_, ids_ = (list(x) for x in zip(*keep))
-    return EncodedPrompts(rows_, texts_, ids_, filtered)
+    rows_, texts_, ids_, vision_ = (list(x) for x in zip(*keep))
+    return EncodedPrompts(rows_, texts_, ids_, filtered, vision_ if vision is not None else None)
+
+
+def _encode_image_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str):
+    """Texts, ids (image placeholders expanded) and VisionInputs (None for text rows) through the
+    model's processor; a text-only model is an error naming the first row with images."""
+    processor = build_processor(cfg, tokenizer)
+    if processor is None:
+        first = next(r for r in rows if prompt_images(r.prompt))
+        raise DataError(
+            "this prompt shows images but the model is text-only (model.path has no "
+            "vision_config; use a vision-language model such as Qwen2.5-VL or SmolVLM, or "
+            "model.tiny.vision)",
+            source=first.source, index=first.index, field="prompt",
+        )  # fmt: skip
+    texts, ids, vision = [], [], []
+    for r in rows:
+        messages = (
+            r.prompt if isinstance(r.prompt, list) else [{"role": "user", "content": r.prompt}]
+        )
+        text, i, v = encode_image_prompt(processor, messages)
+        texts.append(text)
+        ids.append(i)
+        vision.append(v if v.tensors else None)
+    return texts, ids, vision
 
 
 def build_reward(cfg: Config, functions: tuple = ()):
@@ -436,6 +554,11 @@ def build_rollout_engine(cfg: Config):
 
     if cfg.rollout.engine == "hf":
         return HF
+    if _is_vlm_config(cfg):
+        raise ModelLoadError(
+            "rollout.engine=vllm: the model is a vision-language model, and the vLLM engine does "
+            "not take prompts with images yet; set rollout.engine=hf"
+        )
     require_vllm()
     v = cfg.rollout.vllm
     return VLLMOptions(

@@ -162,10 +162,13 @@ def _generate(args) -> int:
 
 
 def _export(args) -> int:
+    from groupflow.builders import save_processor
+
     trainer = _load_trainer_for_inference(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer.policy.actor.save_pretrained(str(out))
+    save_processor(trainer.cfg, trainer.policy.tokenizer, out)
     print(f"exported HF model to {out}")
     return 0
 

@@ -24,8 +24,9 @@ log = logging.getLogger("groupflow")
 
 __all__ = ["warm_start"]
 
-# (prompt ids, target ids, target loss mask or None: every target token is trained)
-Example = tuple[list[int], list[int], list[int] | None]
+# (prompt ids, target ids, target loss mask or None: every target token is trained), optionally
+# followed by the prompt's images (``models.vision.VisionInputs`` or None)
+Example = tuple
 
 
 def warm_start(
@@ -47,13 +48,15 @@ def warm_start(
     loss, acc, step = float("nan"), 0.0, 0
     for step in range(1, cfg.steps + 1):
         chosen = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_samples)]
-        batch = Batch(
-            non_tensors={
-                "prompt_token_ids": [p for p, _, _ in chosen],
-                "target_ids": [t for _, t, _ in chosen],
-                "target_mask": [m if m is not None else [1] * len(t) for _, t, m in chosen],
-            }
-        )
+        objects = {
+            "prompt_token_ids": [e[0] for e in chosen],
+            "target_ids": [e[1] for e in chosen],
+            "target_mask": [e[2] if e[2] is not None else [1] * len(e[1]) for e in chosen],
+        }
+        images = [e[3] if len(e) > 3 else None for e in chosen]
+        if any(v is not None for v in images):
+            objects["vision"] = images
+        batch = Batch(non_tensors=objects)
         loss = learner.sft_step(batch, cfg.lr)
         if cfg.stop_at_accuracy is not None and step % cfg.check_every == 0:
             if sync is not None:
@@ -68,6 +71,8 @@ def warm_start(
 def _probe(encoded, n: int, seed: int):
     """A fixed slice of training prompts used to decide when to stop the warm start."""
     idx = random.Random(seed + 1).sample(range(len(encoded.rows)), min(n, len(encoded.rows)))
+    if hasattr(encoded, "subset"):  # builders.EncodedPrompts: its images follow the rows
+        return encoded.subset(idx)
     return replace(
         encoded,
         rows=[encoded.rows[i] for i in idx],

@@ -57,3 +57,13 @@ def test_sequence_parallel_is_for_llm_policies_and_wan_transformers():
         load_config(EXAMPLES / "diffusion_demo.yaml", over)
     cfg = load_config(EXAMPLES / "mmdancegrpo_wan.yaml", ["parallel.sequence_parallel=2"])
     assert cfg.parallel.sequence_parallel == 2
+
+
+
+def test_sequence_parallel_refuses_a_vision_language_model():
+    data = _base(
+        run={"backend": "ray", "num_workers": 2},
+        parallel={"sequence_parallel": 2},
+        model={"tiny": {"vision": {"image_size": 32, "patch_size": 8}}},
+    )
+    assert "does not support vision-language models yet" in _error(data)

@@ -133,6 +133,11 @@ class Config(_Section):
                 f"{self.run.num_workers} (the actor's workers form groups of {n})"
             )
         tiny = self.model.tiny if self.model is not None else None
+        if tiny is not None and tiny.vision is not None:
+            raise ValueError(
+                f"parallel.sequence_parallel={n} does not support vision-language models yet "
+                "(model.tiny.vision is set): use parallel.sequence_parallel: 1"
+            )
         if tiny is not None and tiny.num_heads % n:
             raise ValueError(
                 f"parallel.sequence_parallel={n} must divide model.tiny.num_heads={tiny.num_heads} "
@@ -350,6 +355,11 @@ class Config(_Section):
                 f"(data.prompts_per_step × rollout.samples_per_prompt = {samples})"
             )
         tiny = self.model.tiny if self.model is not None else None
+        if self.rollout.engine == "vllm" and tiny is not None and tiny.vision is not None:
+            raise ValueError(
+                "rollout.engine=vllm: model.tiny.vision makes a vision-language model, and the "
+                "vLLM engine does not take prompts with images yet; set rollout.engine=hf"
+            )
         if self.rollout.engine == "vllm" and tiny is not None:
             head_dim = tiny.hidden_size // tiny.num_heads
             if head_dim not in VLLM_HEAD_DIMS:

@@ -46,6 +46,29 @@ FloatPair = Annotated[tuple[float, float], BeforeValidator(_list_as_tuple)]
 IntPair = Annotated[tuple[int, int], BeforeValidator(_list_as_tuple)]
 
 
+class TinyVisionConfig(_Section):
+    """A tiny image encoder in front of the tiny LM: an Idefics3 (SmolVLM's architecture) whose
+    ViT reads ``patch_size`` patches of an ``image_size`` square image, pixel-shuffled by
+    ``scale_factor`` into (image_size / patch_size / scale_factor)² image tokens."""
+
+    image_size: int = Field(32, ge=8)
+    patch_size: int = Field(8, ge=2)
+    scale_factor: int = Field(2, ge=1)
+    hidden_size: int = Field(32, ge=8)
+    num_layers: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _grid(self):
+        side = self.image_size // self.patch_size
+        if side * self.patch_size != self.image_size or side % self.scale_factor:
+            raise ValueError(
+                f"model.tiny.vision: image_size ({self.image_size}) must be a multiple of "
+                f"patch_size ({self.patch_size}), and the patch grid ({side}) a multiple of "
+                f"scale_factor ({self.scale_factor})"
+            )
+        return self
+
+
 class TinyModelConfig(_Section):
     """A small Llama-style model built from scratch (tests, the CPU demo)."""
 
@@ -55,6 +78,7 @@ class TinyModelConfig(_Section):
     intermediate_size: int | None = Field(None, ge=8)
     max_positions: int = Field(128, ge=8)
     seed: int | None = None  # initialisation seed; None: run.seed
+    vision: TinyVisionConfig | None = None  # set: a tiny vision-language model (Idefics3)
 
 
 class ModelConfig(_Section):
@@ -67,6 +91,8 @@ class ModelConfig(_Section):
     trust_remote_code: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     gradient_checkpointing: bool = False
+    # vision-language models: no gradient into the image encoder and its projector
+    freeze_vision: bool = True
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -82,8 +108,11 @@ class TaskConfig(_Section):
 
     # calc: multiplication with a calculator tool; instructions: IFEval-style constraints for a
     # real chat model (groupflow.data.instructions; digits does not apply)
-    name: Literal["reverse", "add", "calc", "instructions"] = "reverse"
+    # shapes: count the squares of a colour in a synthetic image (groupflow.data.shapes; needs a
+    # vision-language model, e.g. model.tiny.vision; digits does not apply)
+    name: Literal["reverse", "add", "calc", "instructions", "shapes"] = "reverse"
     digits: int = Field(6, ge=1, le=32)
+    grid: int = Field(4, ge=2, le=8)  # shapes: the board's side in 8-pixel cells
     num_train: int = Field(20000, ge=1)
     num_val: int = Field(256, ge=1)
     seed: int = 1234
@@ -128,6 +157,19 @@ class DataConfig(_Section):
     # prompts when the dataset is smaller than data.prompts_per_step)
     drop_last: bool = True
     max_val_prompts: int | None = Field(None, ge=1)
+    # prompt images are resized (aspect kept) to a pixel count within [min_pixels, max_pixels]
+    # at load (groupflow.data.images); the defaults are Qwen2.5-VL's usual 4..1280 28x28 patches
+    max_pixels: int = Field(1280 * 28 * 28, ge=1)
+    min_pixels: int = Field(4 * 28 * 28, ge=1)
+
+    @model_validator(mode="after")
+    def _pixels(self):
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"data.min_pixels ({self.min_pixels}) must not exceed data.max_pixels "
+                f"({self.max_pixels})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_source(self, info: ValidationInfo):
@@ -365,6 +407,9 @@ class LoraConfig(_Section):
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
+    # vision-language models: adapt the image tower's matching layers too (default: the language
+    # model only)
+    vision_tower: bool = False
 
 
 class ActorConfig(_Section):

@@ -25,6 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from groupflow.data.columns import RowMappingError
+from groupflow.data.images import (
+    ImageLimits,
+    ImageProblem,
+    has_image_input,
+    normalize_image_prompt,
+    prompt_images,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +143,8 @@ def _validate_messages(messages: list) -> None:
                 f"{where}.role", f"role must be a non-empty string, got {msg['role']!r}"
             )
         if not isinstance(msg["content"], str):
-            # Multimodal content parts are out of scope for text prompts; say so instead of
-            # letting the chat template fail later with a less specific message.
+            # Content-part lists (images) take groupflow.data.images' path before this; anything
+            # else is named here rather than by the chat template later.
             raise _RowProblem(
                 f"{where}.content", f"content must be a string, got {_type_name(msg['content'])}"
             )
@@ -227,17 +234,50 @@ def _warn_whole_floats(source: str, seen: dict[str, list[Any]]) -> None:
 
 
 def _normalize(
-    raw: Any, source: str, index: int, seen: dict[str, list[Any]] | None = None
+    raw: Any,
+    source: str,
+    index: int,
+    seen: dict[str, list[Any]] | None = None,
+    images: ImageLimits | None = None,
 ) -> PromptRow:
     if not isinstance(raw, dict):
         raise _RowProblem(None, f"row must be a JSON object / dict, got {_type_name(raw)}")
     if raw.get("prompt") is None:
         raise _RowProblem("prompt", f"missing prompt (row keys: {sorted(raw)})")
+    if has_image_input(raw):
+        return _normalize_with_images(raw, source, index, seen, images or ImageLimits())
     prompt = _validate_prompt(raw["prompt"])
     _check_optional_type(raw, "data_source", (str,), "a string")
     _check_optional_type(raw, "ability", (str,), "a string")
     _check_optional_type(raw, "extra_info", (dict,), "a struct / dict")
     fields = {k: v for k, v in raw.items() if k != "prompt"}
+    _lift_ground_truth(raw, fields)
+    _whole_floats_to_ints(fields, {} if seen is None else seen)
+    return PromptRow(prompt=prompt, fields=fields, source=source, index=index)
+
+
+def _normalize_with_images(
+    raw: dict, source: str, index: int, seen, limits: ImageLimits
+) -> PromptRow:
+    """A row that shows images (``groupflow.data.images``): its prompt becomes chat messages with
+    decoded image parts; ``fields["images"]`` holds the decoded images for rewards that look at
+    them, in place of the raw image column. Relative image paths resolve against the file's
+    directory."""
+    root = None if source == IN_MEMORY_SOURCE or "://" in source else Path(source).parent
+    try:
+        prompt, column = normalize_image_prompt(raw, root, limits)
+    except ImageProblem as problem:
+        raise _RowProblem(problem.field, problem.reason) from None
+    for i, msg in enumerate(prompt):
+        if not isinstance(msg.get("role"), str) or not msg["role"].strip():
+            raise _RowProblem(
+                f"prompt[{i}].role", f"role must be a non-empty string, got {msg.get('role')!r}"
+            )
+    _check_optional_type(raw, "data_source", (str,), "a string")
+    _check_optional_type(raw, "ability", (str,), "a string")
+    _check_optional_type(raw, "extra_info", (dict,), "a struct / dict")
+    fields = {k: v for k, v in raw.items() if k not in ("prompt", column)}
+    fields["images"] = prompt_images(prompt)
     _lift_ground_truth(raw, fields)
     _whole_floats_to_ints(fields, {} if seen is None else seen)
     return PromptRow(prompt=prompt, fields=fields, source=source, index=index)
@@ -362,6 +402,7 @@ def load_prompt_rows(
     on_bad_row: str = "error",
     name: str = IN_MEMORY_SOURCE,
     prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    images: ImageLimits | None = None,
 ) -> PromptDataset:
     """Load and validate prompt rows.
 
@@ -372,6 +413,7 @@ def load_prompt_rows(
     name: what errors call an in-memory list (e.g. "train_dataset").
     prepare: maps each raw row before validation (``groupflow.data.columns.row_mapper``); its
         ``RowMappingError`` is reported with the row's location.
+    images: the pixel budget of prompt images (``groupflow.data.images``; None: its defaults).
     Raises `DataError` also when no valid rows remain (an empty dataset cannot train).
     """
     if on_bad_row not in ON_BAD_ROW_CHOICES:
@@ -387,7 +429,7 @@ def load_prompt_rows(
                     raise DataError(parse_error, source=name, index=index, line=line)
                 if prepare is not None:
                     raw = _located_prepare(prepare, raw, name, index, line)
-                row = _located_normalize(raw, name, index, line, whole_floats)
+                row = _located_normalize(raw, name, index, line, whole_floats, images)
             except DataError as err:
                 if on_bad_row == "error":
                     raise
@@ -464,10 +506,15 @@ def _located_prepare(prepare, raw: Any, source: str, index: int, line: int | Non
 
 
 def _located_normalize(
-    raw: Any, source: str, index: int, line: int | None, seen: dict[str, list[Any]] | None = None
+    raw: Any,
+    source: str,
+    index: int,
+    line: int | None,
+    seen: dict[str, list[Any]] | None = None,
+    images: ImageLimits | None = None,
 ) -> PromptRow:
     try:
-        return _normalize(raw, source, index, seen)
+        return _normalize(raw, source, index, seen, images)
     except _RowProblem as problem:
         raise DataError(
             problem.reason, source=source, index=index, line=line, field=problem.field

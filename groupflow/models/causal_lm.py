@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from groupflow.algorithms.masks import response_span
+from groupflow.models.vision import collate_vision, multimodal_base, vision_positions
 
 __all__ = [
     "ModelLoadError",
@@ -90,8 +91,10 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     gguf_file: str | None = None,
 ) -> nn.Module:
-    """Load an HF causal LM from a local directory (never from a hub: no network at run time)."""
-    from transformers import AutoModelForCausalLM
+    """Load an HF causal LM from a local directory (never from a hub: no network at run time).
+    A vision-language model (its config has a ``vision_config``: Qwen2.5-VL, SmolVLM, ...) loads
+    with its image encoder (``AutoModelForImageTextToText``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -106,10 +109,9 @@ def load_causal_lm(
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
+    auto = AutoModelForImageTextToText if _has_vision_config(path) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=resolve_dtype(dtype), **kwargs
-        )
+        model = auto.from_pretrained(str(path), dtype=resolve_dtype(dtype), **kwargs)
     except ValueError as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ModelLoadError(
@@ -117,6 +119,11 @@ def load_causal_lm(
             ) from e
         raise
     return model
+
+
+def _has_vision_config(path: Path) -> bool:
+    cfg = path / "config.json"
+    return cfg.is_file() and "vision_config" in json.loads(cfg.read_text())
 
 
 def read_model_type(path: str | Path) -> str | None:
@@ -278,6 +285,53 @@ def _shared_prompt_hidden(
     return torch.cat([first, rest], dim=1)
 
 
+def check_no_lost_images(model: nn.Module, prompt_ids: torch.Tensor) -> None:
+    """Image placeholder tokens without images mean the ``vision`` inputs were dropped on the way
+    (a text-only forward would silently train on placeholder embeddings): an error."""
+    token = getattr(getattr(model, "config", None), "image_token_id", None)
+    if token is not None and bool((prompt_ids == token).any()):
+        raise ValueError(
+            "prompts hold image placeholder tokens but no images reached the forward: pass each "
+            "row's models.vision.VisionInputs (Batch key 'vision') along with its ids"
+        )
+
+
+def _image_prompt_hidden(model, prompt_ids, prompt_mask, responses, response_mask, vision):
+    """``response_hidden_states`` for rows that show images: the prompts through the multimodal
+    base (images embedded at their placeholders, positions from ``vision_positions``), then the
+    responses through the language model on that cache — as generation runs them, so a response
+    that happens to contain a placeholder token id is text, never matched against image features.
+    """
+    tensors = collate_vision(vision, prompt_ids.device)
+    positions, next_pos = vision_positions(model, prompt_ids, prompt_mask, tensors)
+    base = multimodal_base(model)
+    out = base(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+               use_cache=True, **tensors)  # fmt: skip
+    prompt_hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    first = prompt_hidden[:, -1:]  # left padding: every prompt's last token predicts token 0
+    t = responses.shape[1]
+    cache = output_cache(out)
+    if t == 1:
+        return first
+    if cache is None:
+        raise RuntimeError(
+            f"{type(model).__name__}: the multimodal prompt pass returned no cache (gradient "
+            "checkpointing drops it in training); set model.gradient_checkpointing=false for VLMs"
+        )
+    decoder = model.get_decoder()
+    span = response_span(response_mask)[:, : t - 1].to(prompt_mask.dtype)
+    steps = torch.arange(t - 1, device=prompt_ids.device)
+    out = decoder(
+        input_ids=responses[:, : t - 1],
+        attention_mask=torch.cat([prompt_mask, span], dim=1),
+        position_ids=next_pos[:, None] + steps[None, :],
+        use_cache=True,
+        **{cache_kwarg(decoder): cache},
+    )
+    rest = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return torch.cat([first, rest], dim=1)
+
+
 def response_hidden_states(
     model: nn.Module,
     prompt_ids: torch.Tensor,
@@ -286,6 +340,7 @@ def response_hidden_states(
     response_mask: torch.Tensor,
     *,
     share_prompt: bool | str = True,
+    vision=None,
 ) -> torch.Tensor:
     """Decoder states [B, T, H]: row b's state at t is the one that predicts ``responses[b, t]``.
 
@@ -302,9 +357,18 @@ def response_hidden_states(
     one pass over [prompt | response], with (G-1)/G of the prompt compute saved in forward and
     backward. Otherwise (no repeats, gradient checkpointing in training, no cache argument,
     sliding-window or recurrent layers) it is that one pass.
+
+    ``vision``: one ``models.vision.VisionInputs`` (or None) per row; with images, the prompts go
+    through the multimodal base and the responses through the language model on its cache, one
+    prompt pass per row (no sharing: reason in ``models/vision.py``).
     """
     if share_prompt not in (True, False, "always"):
         raise ValueError(f"share_prompt must be True, False or 'always', got {share_prompt!r}")
+    if vision is not None and any(v is not None and v.tensors for v in vision):
+        return _image_prompt_hidden(
+            model, prompt_ids, prompt_mask, responses, response_mask, vision
+        )
+    check_no_lost_images(model, prompt_ids)
     if share_prompt:
         hidden = _shared_prompt_hidden(
             model, prompt_ids, prompt_mask, responses, response_mask,

@@ -53,6 +53,7 @@ MODEL_KEYS = (
     "old_logprobs",
     "ref_logprobs",
     "rollout_logprobs",  # for truncated importance sampling (actor.tis_cap)
+    "vision",  # prompt images (models.vision.VisionInputs per sample), for a VLM
 )
 
 

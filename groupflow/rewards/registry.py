@@ -331,5 +331,7 @@ for _source in CODE_DATA_SOURCES:
 # The built-in synthetic tasks (groupflow.data.synthetic) score by exact match with partial credit.
 register_data_source("groupflow/reverse", "groupflow.data.synthetic:reverse_reward", name="reverse")
 register_data_source("groupflow/add", "groupflow.data.synthetic:add_reward", name="add")
+# the image demo's task (groupflow.data.shapes): a count, scored like the text tasks' answers
+register_data_source("groupflow/shapes", "groupflow.data.shapes:count_reward", name="shapes")
 register_data_source("groupflow/calc", "groupflow.data.synthetic:answer_match_reward", name="calc")
 register_data_source("groupflow/instructions", "instructions")

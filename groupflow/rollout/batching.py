@@ -22,13 +22,17 @@ __all__ = ["prompts_batch", "generate_batch"]
 
 
 def prompts_batch(
-    token_ids: Sequence[Sequence[int]], seeds: Sequence[Sequence[int]], group_ids: Sequence[int]
+    token_ids: Sequence[Sequence[int]],
+    seeds: Sequence[Sequence[int]],
+    group_ids: Sequence[int],
+    vision: Sequence | None = None,
 ) -> Batch:
-    """The input of ``generate``: one row per prompt with its token ids and one seed per sample."""
-    return Batch(
-        {"group_ids": torch.as_tensor(list(group_ids), dtype=torch.long)},
-        {"prompt_token_ids": [list(t) for t in token_ids], "seeds": [list(s) for s in seeds]},
-    )
+    """The input of ``generate``: one row per prompt with its token ids and one seed per sample;
+    ``vision``: each prompt's images (``models.vision.VisionInputs`` or None), when any has some."""
+    objects = {"prompt_token_ids": [list(t) for t in token_ids], "seeds": [list(s) for s in seeds]}
+    if vision is not None and any(v is not None for v in vision):
+        objects["vision"] = list(vision)
+    return Batch({"group_ids": torch.as_tensor(list(group_ids), dtype=torch.long)}, objects)
 
 
 def _pad_to(t: torch.Tensor, width: int, value: int | float, left: bool) -> torch.Tensor:
@@ -44,7 +48,11 @@ def generate_batch(engine: RolloutEngine, pad_id: int, prompts: Batch, params: S
     """Generate ``params.n`` samples per prompt row into fixed-width, CPU tensors (see
     ``ActorRolloutWorker.generate``) with the worker's ``engine``."""
     seeds = [s for per_prompt in prompts["seeds"] for s in per_prompt]
-    out = engine.generate(list(prompts["prompt_token_ids"]), params, seeds=seeds)
+    # Images travel only where a prompt has some: an engine without image support is never
+    # handed an argument it does not take on text batches.
+    vision = list(prompts["vision"]) if "vision" in prompts else None
+    extra = {"vision": vision} if vision is not None else {}
+    out = engine.generate(list(prompts["prompt_token_ids"]), params, seeds=seeds, **extra)
     width = max(prompt_width, out.prompt_ids.shape[1])
     tensors = {
         "prompt_ids": _pad_to(out.prompt_ids, width, pad_id, left=True),
@@ -55,4 +63,7 @@ def generate_batch(engine: RolloutEngine, pad_id: int, prompts: Batch, params: S
     }
     tensors = {k: v.cpu() for k, v in tensors.items()}
     tensors["group_ids"] = prompts["group_ids"].repeat_interleave(params.n)
-    return Batch(tensors, {"finish_reason": out.finish_reasons})
+    objects: dict = {"finish_reason": out.finish_reasons}
+    if vision is not None:  # each sample keeps its prompt's images for log-probs and updates
+        objects["vision"] = [v for v in vision for _ in range(params.n)]
+    return Batch(tensors, objects)

@@ -34,8 +34,9 @@ class RolloutEngine(Protocol):
     version: int  # the policy version of the weights it generates with (-1: the initial ones)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 seeds: Sequence[int]) -> GenerationOutput:  # fmt: skip
-        """``params.n`` samples per prompt (sample j of prompt i at i*n + j), one seed each."""
+                 seeds: Sequence[int], vision: Sequence | None = None) -> GenerationOutput:  # fmt: skip
+        """``params.n`` samples per prompt (sample j of prompt i at i*n + j), one seed each;
+        ``vision``: each prompt's ``models.vision.VisionInputs`` or None (images, if any)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
@@ -61,10 +62,10 @@ class HFEngine:
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
         self.version = -1
 
-    def generate(self, prompts, params: SamplingParams, *, seeds) -> GenerationOutput:
+    def generate(self, prompts, params: SamplingParams, *, seeds, vision=None) -> GenerationOutput:
         return generate(
             self.model, prompts, params, seeds=seeds, pad_id=self.pad_id, eos_ids=self.eos_ids,
-            tokenizer=self.tokenizer,
+            tokenizer=self.tokenizer, vision=vision,
         )  # fmt: skip
 
     def load_weights(self, weights, version: int = -1) -> float:

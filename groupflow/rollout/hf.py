@@ -25,6 +25,7 @@ from torch import nn
 
 from groupflow.algorithms import apply_sampling_filters
 from groupflow.models.causal_lm import cache_kwarg, output_cache, token_positions
+from groupflow.models.vision import collate_vision, vision_positions
 from groupflow.rollout.static_cache import StaticDecoder
 
 __all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
@@ -162,23 +163,27 @@ def generate(
     pad_id: int,
     eos_ids: Sequence[int],
     tokenizer=None,
+    vision: Sequence | None = None,
 ) -> GenerationOutput:
     """Sample ``params.n`` responses per prompt.
 
     ``seeds`` has one entry per output sample (len(prompts) * n). ``tokenizer`` is needed only for
-    stop strings.
+    stop strings. ``vision``: one ``models.vision.VisionInputs`` (or None) per prompt, for a
+    vision-language model: the prefill embeds the images, positions come from
+    ``vision_positions``, and decoding uses the dynamic cache (``groupflow.models.vision``).
     """
     # Inference mode skips autograd's version counters and view tracking on every decode op
     # (~5-10% of generation on CPU). Its tensors cannot be saved for backward, and the training
     # forward indexes with these ids, so they are cloned back to normal tensors outside it.
     with torch.inference_mode():
-        out = _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer)
+        out = _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer, vision)
     return dataclasses.replace(
         out, **{k: v.clone() for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
     )
 
 
-def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer) -> GenerationOutput:
+def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
+              vision=None) -> GenerationOutput:  # fmt: skip
     n_out = len(prompts) * params.n
     if len(seeds) != n_out:
         raise ValueError(f"generate: need one seed per output sample ({n_out}), got {len(seeds)}")
@@ -193,19 +198,31 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer) -> Gene
 
     was_training = model.training
     model.eval()
+    images: dict[str, torch.Tensor] = {}
+    if vision is not None:
+        if len(vision) != len(prompts):
+            raise ValueError(
+                f"generate: need one vision entry per prompt ({len(prompts)}), got {len(vision)}"
+            )
+        images = collate_vision(vision, device)
     try:
         # Prefill once per prompt, then share the cache across its n samples.
+        if images:
+            positions, next_pos = vision_positions(model, prompt_ids, prompt_mask, images)
+        else:
+            positions, next_pos = token_positions(prompt_mask), prompt_mask.sum(-1)
         out = model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            position_ids=token_positions(prompt_mask),
+            position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
+            **images,
         )
         cache = output_cache(out)
         logits = out.logits[:, -1]
         decoder = None
-        if params.static_kv_cache:
+        if params.static_kv_cache and not images:  # image prompts: see models/vision.py
             decoder = StaticDecoder.build(
                 model, cache, prompt_mask, params.n, params.max_new_tokens
             )
@@ -215,8 +232,9 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer) -> Gene
             logits = logits.repeat_interleave(params.n, dim=0)
             prompt_ids = prompt_ids.repeat_interleave(params.n, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(params.n, dim=0)
-
-        next_pos = prompt_mask.sum(-1)  # position of the first generated token, per row
+            next_pos = next_pos.repeat_interleave(params.n, dim=0)
+        # next_pos: the position of the first generated token, per row (the row's length for
+        # text; after the image grid's positions for multimodal RoPE)
         tokens_out, logps_out = [], []
         alive = torch.ones(n_out, dtype=torch.bool, device=device)
         done_at = torch.full((n_out,), params.max_new_tokens, dtype=torch.long, device=device)

@@ -197,8 +197,16 @@ class VLLMEngine:
         params: SamplingParams,
         *,
         seeds: Sequence[int],
+        vision: Sequence | None = None,
     ) -> GenerationOutput:
         """``params.n`` samples per prompt (sample j of prompt i at i*n+j), one seed per sample."""
+        if vision is not None and any(v is not None for v in vision):
+            # groupflow hands engines processor ids with the image placeholders already expanded
+            # plus processed pixel tensors; vLLM's multimodal inputs take raw images and expand
+            # the placeholders itself. Bridging the two is not done yet (issue 23 item 5).
+            raise NotImplementedError(
+                "rollout.engine=vllm does not take prompts with images yet; use rollout.engine=hf"
+            )
         n_out = len(prompts) * params.n
         if len(seeds) != n_out:
             raise ValueError(

@@ -77,6 +77,7 @@ from groupflow.workers.update import (
     REDUCE_OP,
     accumulate,
     batch_logprobs,
+    check_text_only,
     combine_steps,
     drop_padding,
     global_denominators,
@@ -88,6 +89,11 @@ from groupflow.workers.update import (
 )
 
 __all__ = ["ActorRolloutWorker"]
+
+
+def _vision(batch: Batch):
+    """The rows' images (``models.vision.VisionInputs`` per row), None for a text batch."""
+    return list(batch["vision"]) if "vision" in batch else None
 
 
 class _PolicyForward(nn.Module):
@@ -117,14 +123,18 @@ class _PolicyForward(nn.Module):
         chunk_tokens,
         with_entropy,
         entropy_grad=True,
+        vision=None,
     ):
         if self.sp is not None:  # one pass over whole rows, 1/N of each on this rank
+            check_text_only(vision)
             return sequence_parallel_logprobs(
                 self.lm, prompt_ids, prompt_mask, responses, response_mask, self.sp,
                 temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                 entropy_grad=entropy_grad,
             )  # fmt: skip
         share: bool | str = self.share_prompt_prefix
+        if vision is not None:  # image rows take one pass on every rank (models/vision.py)
+            share = False
         if share and self.sharded:
             # FSDP2 gathers each layer once per call: every rank must make the same decoder calls,
             # so the ranks share the prompt pass only if it applies on all of them.
@@ -133,7 +143,7 @@ class _PolicyForward(nn.Module):
         return response_logprobs(
             self.lm, prompt_ids, prompt_mask, responses, response_mask,
             temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-            share_prompt=share, entropy_grad=entropy_grad,
+            share_prompt=share, entropy_grad=entropy_grad, vision=vision,
         )  # fmt: skip
 
 
@@ -382,6 +392,7 @@ class ActorRolloutWorker:
         logp, entropy = self.policy(
             mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
             temperature, cfg.logprob_chunk_tokens, True, bool(cfg.entropy_coef),
+            _vision(mb),
         )  # fmt: skip
         # token weight of this micro-batch among the tokens the metrics cover
         share = float(mask.sum()) / max(1, metric_denominators["num_tokens"])
@@ -484,8 +495,9 @@ class ActorRolloutWorker:
         )
         self.policy.train()
         logp, _ = self.policy(
-            prompt_ids, prompt_mask, responses, mask, 1.0, self.cfg.logprob_chunk_tokens, False
-        )
+            prompt_ids, prompt_mask, responses, mask, 1.0, self.cfg.logprob_chunk_tokens, False,
+            True, _vision(batch),
+        )  # fmt: skip
         tokens = all_reduce(float(mask.sum())) / self.sp_size
         loss = -(logp * mask).sum() / max(tokens, 1.0)
         self.sft_optimizer.zero_grad(set_to_none=True)

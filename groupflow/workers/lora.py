@@ -12,6 +12,8 @@ import copy
 import torch
 from torch import nn
 
+from groupflow.models.vision import vision_tower_modules
+
 __all__ = ["apply_lora", "set_adapters", "merged_lora_copy"]
 
 
@@ -24,9 +26,17 @@ def apply_lora(model: nn.Module, lora) -> nn.Module:
     """
     from peft import LoraConfig, inject_adapter_in_model
 
+    # A vision-language model's image tower has q_proj/k_proj/... layers too: LoRA adapts the
+    # language part unless actor.lora.vision_tower asks for both.
+    exclude = None
+    if not getattr(lora, "vision_tower", False):
+        towers = {id(m) for m in vision_tower_modules(model)}
+        tower_names = [n for n, m in model.named_modules() if id(m) in towers]
+        exclude = [n for n, _ in model.named_modules()
+                   if any(n == t or n.startswith(t + ".") for t in tower_names)] or None  # fmt: skip
     config = LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=lora.target_modules, bias="none",
+        target_modules=lora.target_modules, bias="none", exclude_modules=exclude,
     )  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -46,6 +46,15 @@ __all__ = [
 ]
 
 
+def check_text_only(vision) -> None:
+    """Sequence parallelism splits token sequences; image rows are not implemented for it."""
+    if vision is not None and any(v is not None for v in vision):
+        raise ValueError(
+            "parallel.sequence_parallel > 1 does not support prompts with images yet; "
+            "set parallel.sequence_parallel: 1 for a vision-language model"
+        )
+
+
 def micro_batches(
     lengths: Sequence[int | tuple[int, int]], max_samples: int | None, max_tokens: int | None
 ) -> list[list[int]]:
@@ -212,14 +221,16 @@ def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: Acto
         ):
             mb = trim(batch.index(idx))
             rows = mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
+            vision = list(mb["vision"]) if "vision" in mb else None
             if sp is not None:
+                check_text_only(vision)
                 lp, _ = sequence_parallel_logprobs(
                     model, *rows, sp, temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens
                 )
             else:
                 lp, _ = response_logprobs(
                     model, *rows, temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens,
-                    share_prompt=cfg.share_prompt_prefix,
+                    share_prompt=cfg.share_prompt_prefix, vision=vision,
                 )  # fmt: skip
             out[idx, : lp.shape[1]] = lp * mb["response_mask"]
     finally:

@@ -145,6 +145,13 @@ class PromptTable:
         texts, ids = zip(*(self._by_row[id(r)] for r in rows))
         return list(texts), list(ids)
 
+    def vision(self, rows: Sequence[PromptRow]) -> list | None:
+        """Each row's images (``models.vision.VisionInputs`` or None); None when no row has any."""
+        if getattr(self.encoded, "vision", None) is None:
+            return None
+        by_row = {id(r): v for r, v in zip(self.encoded.rows, self.encoded.vision)}
+        return [by_row[id(r)] for r in rows]
+
 
 Scorer = Callable[[Any, SamplingParams, int], list[dict[str, Any]]]
 

@@ -34,6 +34,7 @@ from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import DataError, PromptRow
+from groupflow.data.images import prompt_images
 from groupflow.evaluation import records_from_scores, report_progress
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.imports import resolve_import_path
@@ -96,6 +97,7 @@ class MultiTurnWorkflow:
                     str(exc), source=row.source, index=row.index, field="prompt"
                 ) from None
 
+        _refuse_images(train_rows + list(val_rows or []))
         self.train = PromptTable(
             builders.encode_prompts(
                 train_rows, tok, cfg, "train", render=render, templated=templated
@@ -356,3 +358,15 @@ def _log_first_failure(episodes: list[Episode]) -> None:
                 "reward.failure_value; further failures are counted in rollout/env_failures",
                 e.failure_kind, e.row.index, e.row.source, e.failure,
             )  # fmt: skip
+
+
+def _refuse_images(rows: list[PromptRow]) -> None:
+    """Multi-turn episodes decode each later turn from token ids alone, so a prompt's images would
+    be lost after turn 1: refused at start, naming the first such row (issue 23 item 3)."""
+    row = next((r for r in rows if prompt_images(r.prompt)), None)
+    if row is not None:
+        raise DataError(
+            "prompts with images are not supported by multi-turn workflows yet "
+            "(rollout.max_turns > 1 or tools / an environment); use a single-turn run",
+            source=row.source, index=row.index, field="prompt",
+        )  # fmt: skip

@@ -62,7 +62,7 @@ class SingleTurnWorkflow:
         n = params.n
         seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
         texts, ids = self.train.lookup(rows)
-        prompts = prompts_batch(ids, seeds, group_ids)
+        prompts = prompts_batch(ids, seeds, group_ids, self.train.vision(rows))
         out = self.policy.rollout.generate(prompts, params, max(len(i) for i in ids))
         batch = with_prompt_info(out, rows, texts, n, f"{step}-{round_}", version)
         batch["completion"] = self.decode(batch)
@@ -105,17 +105,19 @@ class SingleTurnWorkflow:
         return self.policy.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def sft_examples(self, encoded) -> list[tuple[list[int], list[int], None]]:
-        """(prompt ids, target ids, None: every target token trained) from ``sft.target_field``."""
+        """(prompt ids, target ids, None: every target token trained, the prompt's images or None)
+        from ``sft.target_field``."""
         tok, field = self.policy.tokenizer, self.cfg.sft.target_field
         out = []
-        for row, ids in zip(encoded.rows, encoded.ids):
+        vision = getattr(encoded, "vision", None) or [None] * len(encoded.rows)
+        for row, ids, images in zip(encoded.rows, encoded.ids, vision):
             if field not in row.fields:
                 raise ValueError(
                     f"sft: row {row.index} of {row.source} has no '{field}' field to use as the "
                     "SFT target (sft.target_field)"
                 )
             target = tok(str(row.fields[field]), add_special_tokens=False)["input_ids"]
-            out.append((ids, target + [tok.eos_token_id], None))
+            out.append((ids, target + [tok.eos_token_id], None, images))
         return out
 
     def score(self, encoded, params: SamplingParams, seed: int, progress=None,
@@ -128,11 +130,14 @@ class SingleTurnWorkflow:
             rows = encoded.rows[start : start + chunk_prompts]
             ids = encoded.ids[start : start + chunk_prompts]
             texts = encoded.texts[start : start + chunk_prompts]
+            images = getattr(encoded, "vision", None)  # None: text prompts (or a bare table)
+            vision = images[start : start + chunk_prompts] if images else None
             seeds = [seed * 7919 + (start * n + i) for i in range(len(rows) * n)]
             per_prompt = [seeds[i * n : (i + 1) * n] for i in range(len(ids))]
             out = self.policy.rollout.generate(
-                prompts_batch(ids, per_prompt, range(len(ids))), params, max(len(i) for i in ids)
-            )
+                prompts_batch(ids, per_prompt, range(len(ids)), vision), params,
+                max(len(i) for i in ids),
+            )  # fmt: skip
             masks = out["response_mask"].bool()
             resp = [r[m].tolist() for r, m in zip(out["responses"], masks)]
             completions = self.policy.tokenizer.batch_decode(resp, skip_special_tokens=True)

@@ -140,7 +140,8 @@ BAD_ROWS = [
         "missing 'content'",
     ),
     ({"prompt": [{"role": "", "content": "hi"}]}, "prompt[0].role", "non-empty string"),
-    ({"prompt": [{"role": "user", "content": ["x"]}]}, "prompt[0].content", "got list"),
+    # content parts (groupflow.data.images) are dicts
+    ({"prompt": [{"role": "user", "content": ["x"]}]}, "prompt[0].content[0]", "dict, got str"),
     ({"prompt": [{"role": "user", "content": " "}]}, "prompt", "every chat message has empty"),
     ({"prompt": "p", "data_source": 3}, "data_source", "must be a string, got int"),
     ({"prompt": "p", "ability": ["math"]}, "ability", "must be a string, got list"),

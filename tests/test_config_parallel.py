@@ -59,7 +59,6 @@ def test_sequence_parallel_is_for_llm_policies_and_wan_transformers():
     assert cfg.parallel.sequence_parallel == 2
 
 
-
 def test_sequence_parallel_refuses_a_vision_language_model():
     data = _base(
         run={"backend": "ray", "num_workers": 2},

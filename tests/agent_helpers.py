@@ -152,6 +152,11 @@ class RaisingEnv:
         raise KeyError("the simulator crashed")
 
 
+class UnbuildableEnv:
+    def __init__(self, host: str = "sim.local"):
+        raise ConnectionError(f"cannot reach the simulator at {host}")
+
+
 class HangingEnv:
     def reset(self, row):
         return None

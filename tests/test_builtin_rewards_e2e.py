@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -63,7 +65,33 @@ def _length_rewards_match_the_responses(metrics: dict) -> None:
     assert -1.0 <= metrics["reward/overlong_penalty/mean"] <= 0.0
 
 
-def test_every_single_turn_builtin_in_one_run(tmp_path, tiny_config_data):
+@pytest.fixture
+def judge_url():
+    """A stub OpenAI-compatible judge on 127.0.0.1 that gives every response a score of 1."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            reply = {"choices": [{"message": {"role": "assistant", "content": "Score: 1"}}]}
+            body = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_every_single_turn_builtin_in_one_run(tmp_path, tiny_config_data, judge_url):
     rows = [
         {
             "prompt": f"add {i} and {i + 1}",
@@ -76,11 +104,15 @@ def test_every_single_turn_builtin_in_one_run(tmp_path, tiny_config_data):
     ]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    judge = {"name": "judge", "kwargs": {"base_url": judge_url, "model": "stub",
+                                         "rubric": "Score the answer from 0 to 1."}}  # fmt: skip
+    rewards = {**SINGLE_TURN, "judge": judge}
     metrics = _train(
-        tmp_path, tiny_config_data, SINGLE_TURN, data__task=None,
+        tmp_path, tiny_config_data, rewards, data__task=None,
         data__train_files=[str(data)], data__val_files=[str(data)],
     )  # fmt: skip
-    _used_cleanly(metrics, SINGLE_TURN)
+    _used_cleanly(metrics, rewards)
+    assert metrics["reward/judge/mean"] == 1.0
     _length_rewards_match_the_responses(metrics)
 
 
@@ -98,4 +130,5 @@ def test_every_multi_turn_builtin_in_one_run(tmp_path, tiny_config_data):
 
 
 def test_the_end_to_end_tests_cover_every_builtin():
-    assert set(reward_names()) == set(SINGLE_TURN) | set(MULTI_TURN) | set(IMAGE)
+    judge = {"judge"}  # in the single-turn run, against a stub endpoint
+    assert set(reward_names()) == set(SINGLE_TURN) | judge | set(MULTI_TURN) | set(IMAGE)

@@ -98,3 +98,70 @@ def sync_agent(client, row):
 def messages_reward(prompts, completions, messages, agent_calls, **_):
     """The number of messages of the final conversation plus 10 × the agent's calls."""
     return [float(len(m)) + 10 * c for m, c in zip(messages, agent_calls)]
+
+
+# ----- agent frameworks (imported inside: the tests skip where a package is missing) -------------
+CALC_QUESTION = "2+3"
+INSTRUCTIONS = "You are a calculator agent."
+
+
+def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: e.g. 2+3
+    """
+    from groupflow.tools.calculator import calculator
+
+    return calculator(expression)
+
+
+async def openai_sdk_agent(client, row):
+    """The official client with function calling (as examples/agents/calc_agent.py)."""
+    import json
+
+    messages = [{"role": "system", "content": INSTRUCTIONS},
+                {"role": "user", "content": CALC_QUESTION}]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}},
+        "required": ["expression"]}}}]  # fmt: skip
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            break
+        messages.append(message.model_dump(exclude_none=True))
+        for c in message.tool_calls:
+            result = calc(**json.loads(c.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
+    return float((message.content or "").strip() == "5")
+
+
+async def agents_sdk_agent(client, row):
+    """The OpenAI Agents SDK: an Agent with a function tool, run by its Runner."""
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[function_tool(calc)],
+                  model=OpenAIChatCompletionsModel(model="m", openai_client=client))  # fmt: skip
+    result = await Runner.run(agent, CALC_QUESTION, max_turns=4)
+    return float(str(result.final_output).strip() == "5")
+
+
+async def langgraph_agent(client, row):
+    """LangGraph's prebuilt ReAct agent over langchain-openai's ChatOpenAI."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    llm = ChatOpenAI(model="m", base_url=str(client.base_url), api_key=client.api_key,
+                     max_retries=0, timeout=30)  # fmt: skip
+    graph = create_react_agent(llm, [tool(calc)], prompt=INSTRUCTIONS)
+    out = await graph.ainvoke({"messages": [("user", CALC_QUESTION)]}, {"recursion_limit": 8})
+    return float(str(out["messages"][-1].content).strip() == "5")

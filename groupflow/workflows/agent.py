@@ -35,13 +35,14 @@ import json
 import logging
 import math
 import statistics
+import threading
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from groupflow.agents.calls import is_async_callable, run_async
+from groupflow.agents.calls import is_async_callable
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.contracts import validate
@@ -108,6 +109,25 @@ class AgentServer:
     def close(self) -> None:
         self.thread.stop()
         self.core.batcher.close()
+
+
+class AgentLoop:
+    """One event loop for every episode of the run, in a thread of its own: agent libraries keep
+    loop-bound objects between calls (langchain-openai caches its async HTTP client), so a fresh
+    loop per step (``asyncio.run``) would break them from the second step on."""
+
+    def __init__(self):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="groupflow-agents")  # fmt: skip
+        self._thread.start()
+
+    def run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
 
 
 @dataclass
@@ -178,6 +198,7 @@ class AgentWorkflow:
         r = cfg.rollout
         self.width = r.max_response_tokens or r.max_new_tokens * r.max_turns
         self._server: AgentServer | None = None
+        self._loop: AgentLoop | None = None
         self._logged: set[str] = set()
 
     @property
@@ -200,10 +221,19 @@ class AgentWorkflow:
             self._server = AgentServer(self.cfg, self.policy)
         return self._server
 
+    @property
+    def loop(self) -> AgentLoop:
+        if self._loop is None:
+            self._loop = AgentLoop()
+        return self._loop
+
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
 
     # ----- the trainer's calls ------------------------------------------------------------------
     def collect(self, rows: list[PromptRow], step: int, round_: int,
@@ -267,7 +297,7 @@ class AgentWorkflow:
 
     # ----- episodes -----------------------------------------------------------------------------
     def run(self, episodes: list[AgentEpisode], params: SamplingParams) -> None:
-        run_async(self._run_all(episodes, params))
+        self.loop.run(self._run_all(episodes, params))
         for e in episodes:
             if e.failure is not None and e.failure_kind not in self._logged:
                 self._logged.add(e.failure_kind)

@@ -314,7 +314,9 @@ class ServeConfig(_Section):
     max_conversations: int = Field(1024, ge=1)  # answered conversations kept for continuation
     max_batch_samples: int = Field(64, ge=1)  # samples per engine call (concurrent requests)
     max_pending_samples: int = Field(1024, ge=1)  # samples waiting for the engine; beyond: 429
-    batch_wait_ms: float = Field(2.0, ge=0)  # how long a batch waits for requests sent with it
+    # an idle server's first request waits while more arrive: until batch_wait_ms passes without
+    # one (at most 10 × batch_wait_ms), so calls sent together share one engine call
+    batch_wait_ms: float = Field(5.0, ge=0)
     # false: the request's tools are not written into the prompt (a small model trained to call
     # them by the parser's format, e.g. the tag parser's <calc>...</calc>)
     describe_tools: bool = True

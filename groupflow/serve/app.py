@@ -18,18 +18,19 @@ expect, without token-by-token latency.
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
 import random
+import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.batcher import Completion, DynamicBatcher, Overloaded
@@ -101,6 +102,11 @@ class Access(Protocol):
 
     def record(self, key: str | None, call: CallRecord) -> None: ...
 
+    def scripted(self, key: str | None, count: int) -> list[list[int]] | None:
+        """Ids to answer with instead of sampling (a demonstration played through the agent),
+        or None: sample."""
+        ...
+
 
 class OpenAccess:
     """``groupflow serve``: an optional API key, the request's own sampling, nothing recorded."""
@@ -122,6 +128,9 @@ class OpenAccess:
         return [seed + j for j in range(count)]
 
     def record(self, key, call: CallRecord) -> None:
+        return None
+
+    def scripted(self, key, count: int) -> None:
         return None
 
 
@@ -170,6 +179,12 @@ class ServerCore:
 
     async def _sample(self, key, prompt_ids: list[int], params: SamplingParams, n: int,
                       seed: int | None) -> list[Completion]:  # fmt: skip
+        try:
+            script = self.access.scripted(key, n)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        if script is not None:  # a demonstration: its ids, as if sampled (log-probs unknown: 0)
+            return [Completion(list(ids), [0.0] * len(ids), "stop") for ids in script]
         seeds = self.access.seeds(key, n, seed)
         try:
             return await self.batcher.submit([prompt_ids] * n, params, seeds)
@@ -228,7 +243,7 @@ class ServerCore:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         self.access.record(key, CallRecord(prompt.ids, completions, messages, responses, calls))
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "id": f"chatcmpl-{_next_id()}", "object": "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": choices,
             "usage": _usage(len(prompt.ids), completions), "prompt_token_ids": prompt.ids,
         }  # fmt: skip
@@ -260,9 +275,17 @@ class ServerCore:
                 })  # fmt: skip
             u = _usage(len(ids), completions)
             usage = {k: usage[k] + u[k] for k in usage}
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+        return {"id": f"cmpl-{_next_id()}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": choices,
                 "usage": usage}  # fmt: skip
+
+
+_IDS = itertools.count()
+_ID_PREFIX = secrets.token_hex(6)
+
+
+def _next_id() -> str:
+    return f"{_ID_PREFIX}{next(_IDS):x}"
 
 
 def _prompt_param(req) -> str:
@@ -373,7 +396,7 @@ def build_app(core: ServerCore) -> FastAPI:
     async def chat(req: ChatRequest, request: Request):
         out = await core.chat(_bearer(request.headers), req)
         if not req.stream:
-            return out
+            return _json(out)
         usage = req.stream_options is not None and req.stream_options.include_usage
         return StreamingResponse(_chat_events(out, usage), media_type="text/event-stream")
 
@@ -381,11 +404,16 @@ def build_app(core: ServerCore) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         out = await core.complete(_bearer(request.headers), req)
         if not req.stream:
-            return out
+            return _json(out)
         usage = req.stream_options is not None and req.stream_options.include_usage
         return StreamingResponse(_completion_events(out, usage), media_type="text/event-stream")
 
     return Guard(app, core.access, core.limits.max_body_bytes)
+
+
+def _json(obj: dict[str, Any]) -> Response:
+    """Plain JSON (the body is built of lists, dicts and numbers: no encoder pass needed)."""
+    return Response(json.dumps(obj), media_type="application/json")
 
 
 def _sse(obj: dict[str, Any]) -> str:

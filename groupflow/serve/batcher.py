@@ -5,7 +5,10 @@ Design decision: the rollout engine decodes a batch of prompts at once (``Rollou
 prompt and seed, never on its batch-mates (``rollout.hf``). So the server need not decode
 requests one after another: while one engine call runs, arriving requests queue; when it
 returns, everything queued with the same sampling settings goes into the next call (up to
-``max_batch_samples``), each request cut back to its own ``max_tokens`` afterwards. Engine calls
+``max_batch_samples``), each request cut back to its own ``max_tokens`` afterwards. An idle
+batcher that gets a request waits while more keep arriving (``wait_s`` without one ends the
+wait, at most ``10 × wait_s``): agents started together send their calls a few milliseconds
+apart, and one call for all of them decodes far faster than several small ones. Engine calls
 run one at a time on one thread — the model is not shared across threads — while the event loop
 keeps accepting requests. This is request-level batching, not continuous batching: a request
 that arrives mid-call waits for that call to end.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,16 +100,18 @@ class DynamicBatcher:
     """``await submit(prompts, params, seeds)`` → completions; see the module docstring."""
 
     def __init__(self, generate: GenerateFn, *, max_batch_samples: int = 64,
-                 max_pending_samples: int = 1024, wait_s: float = 0.002):  # fmt: skip
+                 max_pending_samples: int = 1024, wait_s: float = 0.005):  # fmt: skip
         self.generate = generate
         self.max_batch_samples, self.max_pending_samples = max_batch_samples, max_pending_samples
         self.wait_s = wait_s
+        self.expected: Callable[[], int] | None = None  # requests to wait for (see _gather)
         self._queue: list[_Pending] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="groupflow-decode")
         self.engine_calls = 0
         self.samples = 0
+        self.engine_seconds = 0.0  # wall time inside the engine (the rest is HTTP and clients)
 
     @property
     def pending_samples(self) -> int:
@@ -135,13 +141,14 @@ class DynamicBatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await asyncio.sleep(self.wait_s)  # requests sent together arrive a moment apart
+            await self._gather()
             while self._queue:
                 group = self._take()
                 prompts = [p for item in group for p in item.prompts]
                 seeds = [s for item in group for s in item.seeds]
                 width = max(item.params.max_new_tokens for item in group)
                 params = dataclasses.replace(group[0].params, max_new_tokens=width)
+                start = time.perf_counter()
                 try:
                     outs = await loop.run_in_executor(
                         self._executor, self.generate, prompts, params, seeds
@@ -151,14 +158,36 @@ class DynamicBatcher:
                         if not item.future.done():
                             item.future.set_exception(exc)
                     continue
+                self.engine_seconds += time.perf_counter() - start
                 self.engine_calls += 1
                 self.samples += len(prompts)
-                start = 0
+                first = 0
                 for item in group:
-                    mine = outs[start : start + len(item.prompts)]
-                    start += len(item.prompts)
+                    mine = outs[first : first + len(item.prompts)]
+                    first += len(item.prompts)
                     if not item.future.done():  # the client may have gone
                         item.future.set_result([_cut(c, item.params.max_new_tokens) for c in mine])
+                await self._gather()  # the answered conversations' next calls are on their way
+
+    async def _gather(self) -> None:
+        """Requests sent together arrive a moment apart (each client builds its own): wait while
+        they keep coming — until ``wait_s`` passes without one, the batch is full, or
+        ``10 × wait_s`` in all. With ``expected`` (a training run: its open episodes, each of
+        which will send a request), until that many are queued, or ``4 × wait_s`` without a new
+        one, or ``20 × wait_s``."""
+        quiet, limit = (4, 20) if self.expected is not None else (1, 10)
+        waited, since = 0.0, 0.0
+        seen = self.pending_samples
+        while waited < limit * self.wait_s and since < quiet * self.wait_s:
+            pending = self.pending_samples
+            if pending >= self.max_batch_samples or (
+                self.expected is not None and pending >= self.expected()
+            ):
+                return
+            await asyncio.sleep(self.wait_s)
+            waited += self.wait_s
+            since = 0.0 if self.pending_samples != seen else since + self.wait_s
+            seen = self.pending_samples
 
     def _take(self) -> list[_Pending]:
         """The oldest request and the queued ones that sample like it, up to the batch size."""

@@ -23,9 +23,10 @@ call's.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-import uuid
+import secrets
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class ChatPrompts:
             )
         self.template_calls = "tool_calls" in template
         self._memory: OrderedDict[tuple, list[int]] = OrderedDict()
+        self._formats: dict[str, ChatFormat] = {}
 
     # ----- requests → ids ---------------------------------------------------------------------
     def prompt(self, conversation: str, messages: list[ChatMessage],
@@ -179,7 +181,13 @@ class ChatPrompts:
 
     def _format(self, tools: list[ToolSpec] | None) -> ChatFormat:
         schemas = [t.model_dump() for t in tools or []] if self.describe_tools else []
-        return ChatFormat(self.tokenizer, schemas)
+        key = json.dumps(schemas, sort_keys=True)
+        fmt = self._formats.get(key)
+        if fmt is None:  # one per tool set: agents send the same tools with every call
+            fmt = self._formats[key] = ChatFormat(self.tokenizer, schemas)
+            if len(self._formats) > 64:
+                self._formats.pop(next(iter(self._formats)))
+        return fmt
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -246,9 +254,13 @@ def _tool(spec: ToolSpec) -> Tool:
         "type": "function", "function": spec.function.model_dump()})  # fmt: skip
 
 
+_CALL_IDS = itertools.count()
+_CALL_PREFIX = secrets.token_hex(4)  # ids unique across restarts without a system call each
+
+
 def _openai_call(call: ToolCall) -> dict[str, Any]:
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": f"call_{_CALL_PREFIX}{next(_CALL_IDS):x}",
         "type": "function",
         "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
     }

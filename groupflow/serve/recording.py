@@ -33,6 +33,7 @@ class _Open:
     sampling: SamplingParams
     calls: list[CallRecord] = field(default_factory=list)
     sampled: int = 0  # completions drawn so far (the seed counter)
+    script: list[list[int]] | None = None  # a demonstration's turns, answered in order
 
 
 class EpisodeRecorder:
@@ -45,16 +46,24 @@ class EpisodeRecorder:
         self.overrides = 0  # requests whose sampling settings the run's replaced
         self.late_calls = 0  # calls that finished after their episode closed (dropped)
 
-    def open(self, seed: int, sampling: SamplingParams) -> str:
+    def open(self, seed: int, sampling: SamplingParams,
+             script: list[list[int]] | None = None) -> str:  # fmt: skip
+        """A new episode's API key. ``script``: the ids of a demonstration's model turns — each
+        call is answered with the next one instead of a sample (the warm start plays
+        demonstrations through the agent itself, so its tools write the observations)."""
         key = f"gf-episode-{secrets.token_hex(12)}"
         with self._lock:
-            self._open[key] = _Open(seed, sampling)
+            self._open[key] = _Open(seed, sampling, script=None if script is None else list(script))
         return key
 
     def close(self, key: str) -> list[CallRecord]:
         with self._lock:
             episode = self._open.pop(key, None)
         return episode.calls if episode is not None else []
+
+    def open_count(self) -> int:
+        """Episodes open now: how many requests the batcher can expect at once."""
+        return len(self._open)
 
     # ----- Access -----------------------------------------------------------------------------
     def authorize(self, key: str | None) -> bool:
@@ -85,6 +94,24 @@ class EpisodeRecorder:
             start = episode.sampled
             episode.sampled += count
         return [call_seed(episode.seed, start + j) for j in range(count)]
+
+    def scripted(self, key: str | None, count: int) -> list[list[int]] | None:
+        with self._lock:
+            episode = self._open.get(key)
+            if episode is None or episode.script is None:
+                return None
+            if count != 1 or not episode.script:
+                raise ValueError(
+                    "the demonstration has no model turn left for this call"
+                    if count == 1
+                    else "a demonstration answers one choice per call (n = 1)"
+                )
+            return [episode.script.pop(0)]
+
+    def remaining_script(self, key: str) -> int:
+        with self._lock:
+            episode = self._open.get(key)
+            return len(episode.script or []) if episode is not None else 0
 
     def record(self, key: str | None, call: CallRecord) -> None:
         with self._lock:

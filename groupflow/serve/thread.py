@@ -35,7 +35,10 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        # keep-alive far beyond uvicorn's 5 s: a pooled connection closed between two training
+        # steps would fail the next episode's first call
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_keep_alive=3600)  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,

@@ -44,6 +44,7 @@ import torch
 
 from groupflow.agents.calls import is_async_callable
 from groupflow.batch import Batch
+from groupflow.builders import EncodedPrompts
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptRow
@@ -53,6 +54,7 @@ from groupflow.serve.batcher import group_generate
 from groupflow.serve.build import server_core
 from groupflow.serve.recording import Chain, EpisodeRecorder, merge_calls
 from groupflow.serve.thread import ServerThread
+from groupflow.sft import warm_start
 from groupflow.utils.imports import resolve_import_path
 from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.episodes import Episode, episodes_batch
@@ -61,6 +63,8 @@ from groupflow.workflows.llm import build_rewards, finite_metrics, llm_step_metr
 log = logging.getLogger("groupflow")
 
 __all__ = ["AgentWorkflow", "AgentEpisode", "resolve_agent", "AgentServer", "AGENT_FIELDS"]
+
+_MAX_DEMOS = 1024  # rows whose demonstrations the warm start plays through the agent
 
 # Per-episode fields a reward function may ask for by name (besides the dataset's).
 AGENT_FIELDS = ("messages", "agent_calls")
@@ -103,6 +107,7 @@ class AgentServer:
             replace(policy.sampling, n=1), self.recorder,
         )  # fmt: skip
         self.core = core
+        core.batcher.expected = self.recorder.open_count  # each open episode will call
         self.thread = ServerThread(build_app(core), "127.0.0.1", 0).start()
         self.url = self.thread.url
 
@@ -121,11 +126,23 @@ class AgentLoop:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="groupflow-agents")  # fmt: skip
         self._thread.start()
+        self.http = None  # one connection pool for every episode's client (made on the loop)
 
     def run(self, coro) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def client(self, url: str, key: str, timeout_s: float):
+        """An ``openai.AsyncOpenAI`` for one episode. They share one HTTP client: building an
+        HTTP client per episode (its TLS context) cost more than the episode's calls."""
+        openai = _openai()
+        if self.http is None:
+            self.http = openai.DefaultAsyncHttpxClient(timeout=timeout_s)
+        return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout_s,
+                                  http_client=self.http)  # fmt: skip
+
     def close(self) -> None:
+        if self.http is not None:
+            self.run(self.http.aclose())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
@@ -180,12 +197,12 @@ class AgentWorkflow:
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow],
                  val_rows: list[PromptRow], rewards=None):  # fmt: skip
-        if cfg.sft.steps:
-            raise ValueError(
-                "sft.steps: the agent workflow has no supervised warm start; warm-start the model "
-                "in another run and point model.path at its export"
-            )
         _openai()
+        # the agents' HTTP clients log every request at INFO: one line per call would bury the
+        # run's console (a level set explicitly by the user is kept)
+        for name in ("httpx", "httpx2", "openai"):
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         self.cfg, self.policy = cfg, policy
         self.agent = resolve_agent(cfg.rollout.agent)
         self._train_rows, self.val_rows = list(train_rows), list(val_rows)
@@ -246,6 +263,8 @@ class AgentWorkflow:
             for j in range(n)
         ]  # fmt: skip
         overrides = self.server.recorder.overrides
+        batcher = self.server.core.batcher
+        calls, samples, seconds = batcher.engine_calls, batcher.samples, batcher.engine_seconds
         self.run(episodes, params)
         rewards, reward_metrics = self.rewards(episodes)
         batch, counts = self.samples_batch(episodes, rewards, f"{step}-{round_}", version)
@@ -254,6 +273,13 @@ class AgentWorkflow:
         metrics["rollout/agent/sampling_overrides"] = float(
             self.server.recorder.overrides - overrides
         )
+        # how well concurrent calls shared decode steps, and the engine's share of the time
+        engine_calls = batcher.engine_calls - calls
+        metrics["rollout/agent/engine_calls"] = float(engine_calls)
+        metrics["rollout/agent/samples_per_engine_call"] = (batcher.samples - samples) / max(
+            engine_calls, 1
+        )
+        metrics["time/agent_engine"] = batcher.engine_seconds - seconds
         return validate(batch, self.contracts["rewarded"]), metrics
 
     def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:
@@ -293,7 +319,68 @@ class AgentWorkflow:
         return (metrics, records) if return_records else metrics
 
     def warm_start(self) -> dict[str, float]:
-        return {}
+        """The supervised warm start (``sft.steps``) on demonstrations played through the agent
+        (``sft_examples``), probed with greedy episodes of the agent."""
+        if not self.cfg.sft.steps:
+            return {}
+        rows = self._train_rows
+        train = EncodedPrompts(rows, [_prompt_key(r) for r in rows], [[0] for _ in rows])
+        greedy = replace(self.policy.sampling, temperature=0.0, n=1)
+        return warm_start(
+            self.policy, self.sft_examples, lambda probe: self.score(probe.rows, greedy), train,
+            self.cfg.sft, self.cfg.run.seed, sync=self.policy.sync,
+        )  # fmt: skip
+
+    def score(self, rows: list[PromptRow], params: SamplingParams) -> list[dict[str, Any]]:
+        """One episode per row; records with the episode's reward."""
+        episodes = [AgentEpisode(r, self.cfg.run.seed + i, i) for i, r in enumerate(rows)]
+        self.run(episodes, params)
+        rewards, _ = self.rewards(episodes)
+        return [{"reward": float(r)} for r in rewards.tolist()]
+
+    def sft_examples(self, encoded) -> list[tuple[list[int], list[int], list[int]]]:
+        """Demonstrations from the rows' ``sft.target_field`` (a list of model turns, or one
+        string), each played through the agent: the server answers the agent's k-th call with
+        the k-th turn instead of a sample, so the tool results, the chat template and the
+        agent's own messages in between are real — and masked out of the loss. Up to
+        ``_MAX_DEMOS`` rows; a demonstration the agent does not follow to its end (it stops
+        calling early, or the calls do not form one conversation) is left out and counted."""
+        field = self.cfg.sft.target_field
+        tok = self.policy.tokenizer
+        rows = encoded.rows[:_MAX_DEMOS]
+        scripts = []
+        for row in rows:
+            turns = row.fields.get(field)
+            turns = [turns] if isinstance(turns, str) else turns
+            if (
+                not isinstance(turns, list)
+                or not turns
+                or not all(isinstance(t, str) for t in turns)
+            ):
+                raise ValueError(
+                    f"sft: row {row.index} of {row.source}: field '{field}' (sft.target_field) "
+                    "must be a model turn or a non-empty list of model turns (strings)"
+                )
+            ids = [tok(t, add_special_tokens=False)["input_ids"] for t in turns]
+            ids[-1] = ids[-1] + [tok.eos_token_id]
+            scripts.append(ids)
+        episodes = [AgentEpisode(r, self.cfg.run.seed + i, i) for i, r in enumerate(rows)]
+        left = self.loop.run(self._run_all(episodes, self.policy.sampling, scripts))
+        examples = []
+        for e, remaining in zip(episodes, left):
+            chains = merge_calls(e.calls)
+            if e.failure is None and remaining == 0 and len(chains) == 1:
+                examples.append((chains[0].prompt_ids, chains[0].ids, chains[0].mask))
+        skipped = len(episodes) - len(examples)
+        if not examples:
+            raise ValueError(
+                f"sft: none of {len(episodes)} demonstrations was followed by the agent to its end "
+                f"(field '{field}'); e.g. {episodes[0].failure or 'it stopped calling early'}"
+            )
+        if skipped:
+            log.warning("sft: %d of %d demonstrations were not followed by the agent to their "
+                        "end and are left out", skipped, len(episodes))  # fmt: skip
+        return examples
 
     # ----- episodes -----------------------------------------------------------------------------
     def run(self, episodes: list[AgentEpisode], params: SamplingParams) -> None:
@@ -307,17 +394,21 @@ class AgentWorkflow:
                     e.failure_kind, e.row.index, e.row.source, e.failure,
                 )  # fmt: skip
 
-    async def _run_all(self, episodes: list[AgentEpisode], params: SamplingParams) -> None:
+    async def _run_all(self, episodes: list[AgentEpisode], params: SamplingParams,
+                       scripts: list | None = None) -> list[int]:  # fmt: skip
         gate = asyncio.Semaphore(self.cfg.rollout.agent_concurrency)
-        await asyncio.gather(*(self._episode(e, params, gate) for e in episodes))
+        scripts = scripts or [None] * len(episodes)
+        return await asyncio.gather(
+            *(self._episode(e, params, gate, s) for e, s in zip(episodes, scripts))
+        )
 
-    async def _episode(self, e: AgentEpisode, params: SamplingParams, gate) -> None:
-        openai = _openai()
+    async def _episode(self, e: AgentEpisode, params: SamplingParams, gate, script=None) -> int:
+        """Run one episode; returns how many scripted turns it left unused."""
         r = self.cfg.rollout
+        left = 0
         async with gate:
-            key = self.server.recorder.open(e.seed, replace(params, n=1))
-            client = openai.AsyncOpenAI(base_url=self.server.url, api_key=key, max_retries=0,
-                                        timeout=r.agent_timeout_s)  # fmt: skip
+            key = self.server.recorder.open(e.seed, replace(params, n=1), script)
+            client = self.loop.client(self.server.url, key, r.agent_timeout_s)
             result = None
             try:
                 result = await asyncio.wait_for(self.agent(client, _row_dict(e.row)),
@@ -329,12 +420,13 @@ class AgentWorkflow:
             except Exception as exc:  # user code: counted and logged, the step goes on
                 e.fail("raised", f"{type(exc).__name__}: {exc}")
             finally:
-                e.calls = self.server.recorder.close(key)
-                await client.close()
+                left = self.server.recorder.remaining_script(key)
+                e.calls = self.server.recorder.close(key)  # later calls of this key: refused
         if e.failure is None and not e.calls:
             e.fail("no_call", "the agent made no call to the server")
         if e.failure is None:
             self._take_result(e, result)
+        return left
 
     def _take_result(self, e: AgentEpisode, result: Any) -> None:
         wants_value = self.cfg.rollout.agent_reward != "functions"

@@ -6,6 +6,7 @@ conversation continues, split (sharing the episode's advantage) when it was edit
 agents get reward.failure_value, counted per kind; config errors name the key."""
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +199,36 @@ def test_the_agent_must_be_an_async_function_of_client_and_row(agents):
         resolve_agent("serve_agents:sync_agent")
     with pytest.raises(ValueError, match="rollout.agent"):
         resolve_agent("serve_agents:missing")
+
+
+def test_warm_start_plays_demonstrations_through_the_agent(tiny_base, tmp_path):
+    """The server answers the agent's calls with the row's demonstrated turns: the calculator's
+    result and the chat template's tool turn come from the real agent, masked out of the loss."""
+    from types import SimpleNamespace
+
+    from groupflow.trainer import Trainer
+
+    agent = Path(__file__).resolve().parents[2] / "examples/agents/calc_agent.py"
+    cfg = _agent_config(tiny_base, tmp_path, **{
+        "rollout.agent": f"{agent}:calc_agent", "rollout.stop": ["</calc>"],
+        "rollout.max_new_tokens": 16, "sft.target_field": "demo",
+    })  # fmt: skip
+    t = Trainer(cfg)
+    try:
+        wf, tok = t.workflow, t.policy.tokenizer
+        rows = wf.train_rows[:6]
+        examples = wf.sft_examples(SimpleNamespace(rows=rows))
+    finally:
+        t.workflow.close()
+        t.policy.shutdown()
+    assert len(examples) == len(rows)
+    for row, (prompt, target, mask) in zip(rows, examples):
+        assert tok.decode(prompt) == f"user: {row.prompt}\nassistant:"
+        answer = row.fields["answer"]
+        trained = tok.decode([i for i, m in zip(target, mask) if m])
+        if len(row.fields["demo"]) == 2:  # call, then the answer copied from the tool's result
+            call = row.fields["demo"][0]
+            assert tok.decode(target) == f"{call}\ntool: {answer}\nassistant:{answer}<eos>"
+            assert trained == f"{call}{answer}<eos>"
+        else:
+            assert tok.decode(target) == trained == f"{answer}<eos>"

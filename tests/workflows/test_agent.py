@@ -232,3 +232,18 @@ def test_warm_start_plays_demonstrations_through_the_agent(tiny_base, tmp_path):
             assert trained == f"{call}{answer}<eos>"
         else:
             assert tok.decode(target) == trained == f"{answer}<eos>"
+
+
+@pytest.mark.slow
+def test_asynchronous_rollout_runs_the_server_on_the_rollout_side(agents, tiny_base, tmp_path):
+    """max_staleness 1: the rollout side (a child process) builds its own workflow and server."""
+    from groupflow.trainer import Trainer
+
+    cfg = _agent_config(tiny_base, tmp_path, **{"rollout.max_staleness": 1, "run.total_steps": 3})
+    t = Trainer(cfg)
+    try:
+        final = t.fit()
+    finally:
+        t.workflow.close()
+    assert final["rollout/agent/calls/mean"] == 2 and final["rollout/agent/failures"] == 0
+    assert final["rollout/agent/samples_per_episode"] == 1

@@ -27,6 +27,7 @@ import itertools
 import json
 import re
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,7 @@ class ChatPrompts:
         self.template_calls = "tool_calls" in template
         self._memory: OrderedDict[tuple, list[int]] = OrderedDict()
         self._formats: dict[str, ChatFormat] = {}
+        self._lock = threading.Lock()
 
     # ----- requests → ids ---------------------------------------------------------------------
     def prompt(self, conversation: str, messages: list[ChatMessage],
@@ -154,21 +156,25 @@ class ChatPrompts:
         """The conversation of ``key`` answered with ``turn`` is ``full_ids`` (prompt + sampled)."""
         conversation, tkey, norms = key
         answered = (conversation, tkey, (*norms, _norm(turn.message())))
-        self._memory[answered] = list(full_ids)
-        self._memory.move_to_end(answered)
-        while len(self._memory) > self.max_conversations:
-            self._memory.popitem(last=False)
+        with self._lock:
+            self._memory[answered] = list(full_ids)
+            self._memory.move_to_end(answered)
+            while len(self._memory) > self.max_conversations:
+                self._memory.popitem(last=False)
 
     def forget(self, conversation: str) -> None:
-        for k in [k for k in self._memory if k[0] == conversation]:
-            del self._memory[k]
+        """Drop a finished episode's conversations (called from another thread)."""
+        with self._lock:
+            for k in [k for k in self._memory if k[0] == conversation]:
+                del self._memory[k]
 
     def _continue(self, conversation, tkey, messages, norms, fmt):
         """(ids, True) when the messages extend a remembered answer, else (None, False)."""
         for j in range(len(messages) - 1, 0, -1):
             if norms[j - 1][0] != "assistant":
                 continue
-            base = self._memory.get((conversation, tkey, tuple(norms[:j])))
+            with self._lock:
+                base = self._memory.get((conversation, tkey, tuple(norms[:j])))
             if base is None:
                 continue
             new = [self._template_message(m) for m in messages[j:]]

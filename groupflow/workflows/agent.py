@@ -422,6 +422,8 @@ class AgentWorkflow:
             finally:
                 left = self.server.recorder.remaining_script(key)
                 e.calls = self.server.recorder.close(key)  # later calls of this key: refused
+                if self.server.core.chat_prompts is not None:  # its conversations are done
+                    self.server.core.chat_prompts.forget(key)
         if e.failure is None and not e.calls:
             e.fail("no_call", "the agent made no call to the server")
         if e.failure is None:

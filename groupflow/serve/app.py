@@ -17,6 +17,7 @@ expect, without token-by-token latency.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import json
@@ -257,9 +258,14 @@ class ServerCore:
                 raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})",
                                f"prompt.{i}")  # fmt: skip
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for i, ids in enumerate(prompts):
-            params = self._params(key, req, req.max_tokens, len(ids), "max_tokens")
-            completions = await self._sample(key, ids, params, req.n, req.seed)
+        settings = [self._params(key, req, req.max_tokens, len(i), "max_tokens") for i in prompts]
+        # all prompts of the request in flight together: they share engine calls
+        seeds = None if req.seed is None else [req.seed + i * req.n for i in range(len(prompts))]
+        sampled = await asyncio.gather(*(
+            self._sample(key, ids, p, req.n, None if seeds is None else seeds[i])
+            for i, (ids, p) in enumerate(zip(prompts, settings))
+        ))  # fmt: skip
+        for i, (ids, params, completions) in enumerate(zip(prompts, settings, sampled)):
             texts = [self._text(c.ids, params.stop) for c in completions]
             self.access.record(key, CallRecord(ids, completions, None, list(texts)))
             for j, (c, text) in enumerate(zip(completions, texts)):

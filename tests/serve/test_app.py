@@ -81,6 +81,11 @@ def test_completions_take_token_ids_and_return_n_choices(served):
         assert 1 <= len(c.model_extra["token_ids"]) <= 4
     text = _client(server).completions.create(model="tiny", prompt="abc", max_tokens=3)
     assert text.choices[0].model_extra["prompt_token_ids"] == tok("abc")["input_ids"]
+    calls = served[1].batcher.engine_calls
+    both = _client(server).completions.create(model="tiny", prompt=["ab", "cd"], max_tokens=3)
+    assert [c.model_extra["prompt_token_ids"] for c in both.choices] == [
+        tok("ab")["input_ids"], tok("cd")["input_ids"]]  # fmt: skip
+    assert served[1].batcher.engine_calls == calls + 1  # the request's prompts share one call
 
 
 def test_streaming_delivers_the_same_completion(served):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import string
@@ -59,7 +60,7 @@ def _load(model_dir: str | None):
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model_dir, tok, model.eval()
 
 
@@ -188,7 +189,7 @@ def main() -> None:
                 secs, toks, _, _ = run_server(server.url, k, args.turns, args.new_tokens, True)
                 rows["seq"].append(toks / secs)
         med = {key: statistics.median(v) if v else float("nan") for key, v in rows.items()}
-        p90 = sorted(lat)[int(0.9 * (len(lat) - 1))]
+        p90 = sorted(lat)[max(0, math.ceil(0.9 * len(lat)) - 1)]  # nearest rank
         print(f"{k:>13} | {med['in']:>16.0f} | {med['srv']:>12.0f} | "
               f"{med['srv'] / med['in']:>5.2f} | {statistics.mean(lat):>8.3f} / {p90:<7.3f} | "
               f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f}"

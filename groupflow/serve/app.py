@@ -174,7 +174,8 @@ class ServerCore:
             top_k=None if top_k is not None and top_k <= 0 else top_k,
             min_p=d.min_p if req.min_p is None else req.min_p,
             max_new_tokens=min(max_tokens or lim.max_tokens, lim.max_tokens, room),
-            stop=tuple(req.stop or ()), n=1,
+            # the run's rollout.stop always holds (e.g. a tag parser's closing tag ends a call)
+            stop=tuple(dict.fromkeys((*(req.stop or ()), *d.stop))), n=1,
         )  # fmt: skip
         return self.access.params(key, params)
 

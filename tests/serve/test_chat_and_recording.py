@@ -192,3 +192,26 @@ def test_credit_gives_every_sample_of_an_episode_its_episode_advantage():
     assert out["advantages"][0] > 0 > out["advantages"][3]  # the split counted once: ±0.707
     assert torch.allclose(out["advantages"][:4], torch.tensor([1.0, 1.0, 1.0, -1.0]) * 0.7071,
                           atol=1e-3)  # fmt: skip
+
+
+def test_the_served_run_stop_strings_hold_for_every_request(tok):
+    """A served checkpoint's rollout.stop (a tag call's closing tag) ends a turn whatever stop
+    the client sends; the request's own stop strings are added to it."""
+    from groupflow.serve.app import ServerCore
+    from groupflow.serve.protocol import ChatRequest
+
+    seen = []
+
+    def generate(prompts, params, seeds):
+        seen.append(params.stop)
+        return [Completion([5], [-1.0], "stop") for _ in prompts]
+
+    core = ServerCore(tok, DynamicBatcher(generate), SamplingParams(stop=("</calc>",)),
+                      model_name="m", tool_parser="tag")  # fmt: skip
+    for stop in (None, ["x"]):
+        req = ChatRequest.model_validate(
+            {"messages": [{"role": "user", "content": "q"}], "stop": stop, "max_tokens": 4}
+        )
+        asyncio.run(core.chat(None, req))
+    assert seen == [("</calc>",), ("x", "</calc>")]
+    core.batcher.close()

@@ -235,6 +235,15 @@ class RolloutConfig(_Section):
     # Models without a chat template: each observation message is appended as this text (fields
     # {content}, {role}, {name}); None: rendered by the tokenizer's chat template.
     observation_template: str | None = None
+    # ---- workflow "agent": your own agent code, trained through the run's OpenAI-compatible
+    # server (groupflow.workflows.agent). "module:function" or "path/file.py:function":
+    # `async def agent(client, row) -> float | dict`, client an openai.AsyncOpenAI for one episode.
+    agent: str | None = None
+    agent_concurrency: int = Field(16, ge=1)  # episodes running at once
+    agent_timeout_s: float = Field(120.0, gt=0)  # one episode, all its calls; then failure_value
+    # where an episode's reward comes from: "return" (the agent's return value), "functions"
+    # (the configured reward functions on the final conversation), "both" (their sum)
+    agent_reward: Literal["return", "functions", "both"] = "return"
     # ---- asynchronous rollout (groupflow.async_rollout)
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
@@ -250,32 +259,6 @@ class RolloutConfig(_Section):
     # (never staler than k; fresher when generation is the bottleneck), at the price of
     # reproducibility: which version that is depends on timing.
     async_mode: Literal["deterministic", "eager"] = "deterministic"
-    # ---- workflow "agent": your own agent code, trained through the run's OpenAI-compatible
-    # server (groupflow.workflows.agent). "module:function" or "path/file.py:function":
-    # `async def agent(client, row) -> float | dict`, client an openai.AsyncOpenAI for one episode.
-    agent: str | None = None
-    agent_concurrency: int = Field(16, ge=1)  # episodes running at once
-    agent_timeout_s: float = Field(120.0, gt=0)  # one episode, all its calls; then failure_value
-    # where an episode's reward comes from: "return" (the agent's return value), "functions"
-    # (the configured reward functions on the final conversation), "both" (their sum)
-    agent_reward: Literal["return", "functions", "both"] = "return"
-
-    @model_validator(mode="after")
-    def _agent(self):
-        if (self.workflow == "agent") != (self.agent is not None):
-            raise ValueError(
-                "rollout.workflow=agent and rollout.agent go together: set rollout.agent to "
-                "'module:function' or 'path/file.py:function' with rollout.workflow=agent"
-                if self.workflow == "agent"
-                else f"rollout.agent is set but rollout.workflow={self.workflow!r}; set "
-                "rollout.workflow=agent"
-            )
-        if self.agent is not None and (self.tools or self.environment is not None):
-            raise ValueError(
-                "rollout.workflow=agent: the agent brings its own tools (the OpenAI tools API); "
-                "drop rollout.tools / rollout.environment"
-            )
-        return self
 
     @model_validator(mode="after")
     def _multi_turn(self):
@@ -293,6 +276,23 @@ class RolloutConfig(_Section):
             raise ValueError(
                 f"rollout.max_response_tokens={self.max_response_tokens} is below "
                 f"rollout.max_new_tokens={self.max_new_tokens} (one model turn)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _agent(self):
+        if (self.workflow == "agent") != (self.agent is not None):
+            raise ValueError(
+                "rollout.workflow=agent and rollout.agent go together: set rollout.agent to "
+                "'module:function' or 'path/file.py:function' with rollout.workflow=agent"
+                if self.workflow == "agent"
+                else f"rollout.agent is set but rollout.workflow={self.workflow!r}; set "
+                "rollout.workflow=agent"
+            )
+        if self.agent is not None and (self.tools or self.environment is not None):
+            raise ValueError(
+                "rollout.workflow=agent: the agent brings its own tools (the OpenAI tools API); "
+                "drop rollout.tools / rollout.environment"
             )
         return self
 

@@ -24,7 +24,11 @@ kind; the step goes on. Episodes run concurrently (``rollout.agent_concurrency``
 event loop while the server decodes their requests in shared batches.
 
 The run's sampling settings hold for every call (the training forward assumes them): a request's
-own temperature/top-p is replaced and counted (``rollout/agent/sampling_overrides``).
+own temperature/top-p is replaced and counted (``rollout/agent/sampling_overrides``). The warm
+start (``sft.steps``) plays the rows' demonstrations through the agent itself: the server answers
+the agent's k-th call with the k-th demonstrated turn, so what lies between the turns (tool
+results, the template's turns) is real. All episodes of the run share one event loop in a thread
+of their own (``AgentLoop``) and one HTTP connection pool.
 """
 
 from __future__ import annotations

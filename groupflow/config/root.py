@@ -28,6 +28,7 @@ from groupflow.config.sections import (
     RewardModelConfig,
     RolloutConfig,
     RunConfig,
+    ServeConfig,
     SFTConfig,
     TeacherConfig,
     ValidationConfig,
@@ -52,6 +53,7 @@ class Config(_Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     critic: CriticConfig | None = None  # PPO's value model (needs algorithm.estimator=gae)
     reward_model: RewardModelConfig | None = None
@@ -295,7 +297,7 @@ class Config(_Section):
     def _workflow(self):
         r = self.rollout
         name = r.workflow
-        builtin = ("auto", "single_turn", "multi_turn", "diffusion")
+        builtin = ("auto", "single_turn", "multi_turn", "diffusion", "agent")
         if name not in builtin and ":" not in name:
             raise ValueError(
                 f"rollout.workflow={name!r}: use one of {', '.join(builtin)} or the import path of "
@@ -307,6 +309,8 @@ class Config(_Section):
                 "rollout.max_turns / tools / environment and the single- and multi-turn workflows "
                 "are for LLM policies, not with a 'diffusion' policy"
             )
+        if self.diffusion is not None and name == "agent":
+            raise ValueError("rollout.workflow=agent trains an LLM policy, not a 'diffusion' one")
         if self.diffusion is None and name == "diffusion":
             raise ValueError("rollout.workflow=diffusion needs a 'diffusion' section")
         if multi and r.observation_template is None and self.data.use_chat_template is False:

@@ -283,6 +283,15 @@ class RolloutConfig(_Section):
     # Models without a chat template: each observation message is appended as this text (fields
     # {content}, {role}, {name}); None: rendered by the tokenizer's chat template.
     observation_template: str | None = None
+    # ---- workflow "agent": your own agent code, trained through the run's OpenAI-compatible
+    # server (groupflow.workflows.agent). "module:function" or "path/file.py:function":
+    # `async def agent(client, row) -> float | dict`, client an openai.AsyncOpenAI for one episode.
+    agent: str | None = None
+    agent_concurrency: int = Field(16, ge=1)  # episodes running at once
+    agent_timeout_s: float = Field(120.0, gt=0)  # one episode, all its calls; then failure_value
+    # where an episode's reward comes from: "return" (the agent's return value), "functions"
+    # (the configured reward functions on the final conversation), "both" (their sum)
+    agent_reward: Literal["return", "functions", "both"] = "return"
     # ---- asynchronous rollout (groupflow.async_rollout)
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
@@ -314,7 +323,7 @@ class RolloutConfig(_Section):
                 "rollout.tools and rollout.environment are exclusive: give the environment the "
                 "tools it needs (groupflow.agents.ToolEnvironment) or use tools alone"
             )
-        if self.max_turns > 1 and not self.tools and self.environment is None:
+        if self.max_turns > 1 and not self.tools and self.environment is None and not self.agent:
             raise ValueError(
                 f"rollout.max_turns={self.max_turns}: nothing answers the model between turns; "
                 "set rollout.tools or rollout.environment"
@@ -325,6 +334,48 @@ class RolloutConfig(_Section):
                 f"rollout.max_new_tokens={self.max_new_tokens} (one model turn)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _agent(self):
+        if (self.workflow == "agent") != (self.agent is not None):
+            raise ValueError(
+                "rollout.workflow=agent and rollout.agent go together: set rollout.agent to "
+                "'module:function' or 'path/file.py:function' with rollout.workflow=agent"
+                if self.workflow == "agent"
+                else f"rollout.agent is set but rollout.workflow={self.workflow!r}; set "
+                "rollout.workflow=agent"
+            )
+        if self.agent is not None and (self.tools or self.environment is not None):
+            raise ValueError(
+                "rollout.workflow=agent: the agent brings its own tools (the OpenAI tools API); "
+                "drop rollout.tools / rollout.environment"
+            )
+        return self
+
+
+class ServeConfig(_Section):
+    """The OpenAI-compatible server: ``groupflow serve``, and the in-process server a run with
+    ``rollout.workflow: agent`` trains through (groupflow.serve). Tool calls are parsed with
+    ``rollout.tool_parser``."""
+
+    host: str = "127.0.0.1"  # any other address needs an API key (--api-key / GROUPFLOW_API_KEY)
+    port: int = Field(
+        8000, ge=0, le=65535
+    )  # groupflow serve's; a run's own server takes a free one
+    model_name: str | None = None  # the model id /v1/models lists; None: run.name
+    max_body_bytes: int = Field(1_000_000, ge=1024)  # a larger request body gets a 413
+    max_tokens: int = Field(1024, ge=1)  # one completion (a request asking more gets a 400)
+    max_context_tokens: int | None = Field(None, ge=2)  # prompt + completion; None: the model's
+    max_n: int = Field(16, ge=1)  # choices per request
+    max_conversations: int = Field(1024, ge=1)  # answered conversations kept for continuation
+    max_batch_samples: int = Field(64, ge=1)  # samples per engine call (concurrent requests)
+    max_pending_samples: int = Field(1024, ge=1)  # samples waiting for the engine; beyond: 429
+    # an idle server's first request waits while more arrive: until batch_wait_ms passes without
+    # one (at most 10 × batch_wait_ms), so calls sent together share one engine call
+    batch_wait_ms: float = Field(5.0, ge=0)
+    # false: the request's tools are not written into the prompt (a small model trained to call
+    # them by the parser's format, e.g. the tag parser's <calc>...</calc>)
+    describe_tools: bool = True
 
 
 class ValidationConfig(_Section):

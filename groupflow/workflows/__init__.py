@@ -28,7 +28,8 @@ of the policy than that (its ``validate``/``warm_start`` run in the trainer as a
 
 Built-in workflows (``rollout.workflow``): ``single_turn``, ``multi_turn`` (tools or an
 environment; chosen automatically when ``rollout.max_turns > 1``, ``rollout.tools`` or
-``rollout.environment`` is set), ``diffusion`` (with a ``diffusion:`` section). A custom one is
+``rollout.environment`` is set), ``diffusion`` (with a ``diffusion:`` section), ``agent`` (your
+own agent code through the run's OpenAI-compatible server, ``rollout.agent``). A custom one is
 an import path (``package.module:Class`` or ``path/to/file.py:Class``) whose constructor takes
 ``(cfg, policy, train_rows, val_rows, rewards)`` — ``rewards`` is the configured reward runner,
 or None when a reward model alone scores — and may declare ``provided_fields`` (per-sample fields
@@ -106,6 +107,10 @@ def workflow_class(cfg: Config) -> type:
         from groupflow.workflows.multi_turn import MultiTurnWorkflow
 
         return MultiTurnWorkflow
+    if name == "agent":
+        from groupflow.workflows.agent import AgentWorkflow
+
+        return AgentWorkflow
     from groupflow.utils.imports import resolve_import_path
 
     return resolve_import_path(name, "rollout.workflow")

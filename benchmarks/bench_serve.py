@@ -1,0 +1,203 @@
+"""Completion tokens/s through ``groupflow serve``'s HTTP server vs the in-process engine, side by side.
+
+Methodology:
+
+- The work is K agent conversations of ``--turns`` calls each (call, a user turn appended,
+  call again …), ``--new-tokens`` new tokens per call at temperature 1, for K in ``--concurrency``
+  (default 1, 8, 32), with one torch thread.
+- **in-process**: the HF engine (``groupflow.rollout.engine.HFEngine``) decodes the K
+  conversations' calls of one turn in one ``generate`` call — the best batching there is.
+- **server**: a server in a thread of the same process (uvicorn on 127.0.0.1, the dynamic
+  batcher, ``ServerCore``) and K concurrent ``openai.AsyncOpenAI`` clients sending
+  ``/v1/chat/completions`` requests, each conversation continuing on the ids the server sampled.
+  Per-call latency (mean, p90) is measured at the client.
+- **server, sequential**: the same K conversations sent one after another (what a server without
+  a batcher would do), for K > 1.
+- The same prompts and seeds, so both paths decode the same tokens (checked: the completion
+  token ids must match, else the run says so); reported are completion tokens/s and the
+  server/in-process ratio. Variants alternate in ``--reps`` rounds and the median is kept, so the
+  load of a shared machine hits all alike; the load average is printed.
+
+Models: the demo's tiny Llama (a character tokenizer; default) and, with ``--model DIR``, any HF
+model directory (e.g. SmolLM2-135M-Instruct from ``groupflow convert-gguf``).
+
+    python benchmarks/bench_serve.py
+    python benchmarks/bench_serve.py --model models/smollm2-135m-instruct --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import statistics
+import string
+import time
+
+import torch
+
+from groupflow.rollout.engine import HF
+from groupflow.rollout.hf import SamplingParams
+from groupflow.serve.app import ServeLimits, ServerCore, build_app
+from groupflow.serve.batcher import DynamicBatcher, engine_generate
+from groupflow.serve.thread import ServerThread
+
+
+def _load(model_dir: str | None):
+    if model_dir is None:
+        from groupflow.data.tokenizer import train_char_tokenizer
+        from groupflow.models.causal_lm import build_tiny_llama
+
+        tok = train_char_tokenizer(string.ascii_uppercase)
+        model = build_tiny_llama(
+            len(tok), hidden_size=64, num_layers=4, num_heads=4, max_positions=512, seed=0,
+            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        )  # fmt: skip
+        return "tiny demo model (0.2M)", tok, model.eval()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model_dir, tok, model.eval()
+
+
+def _question(i: int) -> str:
+    return f"what is {i} + {2 * i + 1}? answer with a number."
+
+
+def _seed(conv: int, turn: int) -> int:
+    return 1000 * conv + turn
+
+
+def run_inprocess(engine, tok, k: int, turns: int, new_tokens: int) -> tuple[float, int, list]:
+    """The K conversations, each turn of all K in one generate call (no EOS stop)."""
+    contexts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": _question(i)}], tokenize=False, add_generation_prompt=True
+        )  # fmt: skip
+        for i in range(k)
+    ]
+    ids = [tok(c, add_special_tokens=False)["input_ids"] for c in contexts]
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    tokens, sampled = 0, []
+    start = time.perf_counter()
+    for t in range(turns):
+        out = engine.generate(ids, params, seeds=[_seed(i, t) for i in range(k)])
+        new = []
+        for i in range(k):
+            m = out.response_mask[i].bool()
+            got = out.responses[i][m].tolist()
+            sampled.append(got)
+            tokens += len(got)
+            if t + 1 < turns:  # the server's continuation: the template's turns after ours
+                new.append(ids[i] + got + _follow_up(tok, got))
+        ids = new
+    return time.perf_counter() - start, tokens, sampled
+
+
+def _follow_up(tok, sampled: list[int]) -> list[int]:
+    from groupflow.agents.formats import ChatFormat
+
+    return ChatFormat(tok).observation_ids([{"role": "user", "content": "and then?"}], sampled[-1])
+
+
+async def _conversation(client, i: int, turns: int, new_tokens: int, latencies: list) -> list:
+    messages = [{"role": "user", "content": _question(i)}]
+    sampled = []
+    for t in range(turns):
+        start = time.perf_counter()
+        reply = await client.chat.completions.create(
+            model="m", messages=messages, max_tokens=new_tokens, seed=_seed(i, t),
+            temperature=1.0,
+        )  # fmt: skip
+        latencies.append(time.perf_counter() - start)
+        sampled.append(reply.choices[0].model_extra["token_ids"])
+        messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "and then?"}]  # fmt: skip
+    return sampled
+
+
+def run_server(url: str, k: int, turns: int, new_tokens: int, sequential: bool):
+    import openai
+
+    async def main():
+        http = openai.DefaultAsyncHttpxClient()
+        client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=600,
+                                    http_client=http)  # fmt: skip
+        latencies: list[float] = []
+        start = time.perf_counter()
+        if sequential:
+            convs = [await _conversation(client, i, turns, new_tokens, latencies) for i in range(k)]
+        else:
+            convs = await asyncio.gather(
+                *(_conversation(client, i, turns, new_tokens, latencies) for i in range(k))
+            )
+        seconds = time.perf_counter() - start
+        await http.aclose()
+        return seconds, convs, latencies
+
+    seconds, convs, latencies = asyncio.run(main())
+    # the same order as the in-process run: turn by turn, conversation by conversation
+    sampled = [convs[i][t] for t in range(turns) for i in range(k)]
+    return seconds, sum(len(s) for s in sampled), sampled, latencies
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="an HF model directory (default: the tiny model)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--turns", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    name, tok, model = _load(args.model)
+    # no EOS: every call decodes exactly --new-tokens (equal work on both paths)
+    engine = HF.build(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    limits = ServeLimits(max_tokens=args.new_tokens, max_context_tokens=100_000,
+                         max_batch_samples=max(args.concurrency))  # fmt: skip
+    core = ServerCore(tok, DynamicBatcher(engine_generate(engine),
+                                          max_batch_samples=max(args.concurrency)),
+                      SamplingParams(), model_name="m", limits=limits)  # fmt: skip
+    server = ServerThread(build_app(core)).start()
+    print(f"model: {name}; {args.turns} calls per conversation, {args.new_tokens} new tokens per "
+          f"call, {args.threads} torch thread(s); load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    run_inprocess(engine, tok, 2, 1, 4)  # warm-up
+    run_server(server.url, 2, 1, 4, False)
+    header = (f"{'conversations':>13} | {'in-process tok/s':>16} | {'server tok/s':>12} | "
+              f"{'ratio':>5} | {'latency mean/p90 s':>18} | {'sequential tok/s':>16} | "
+              f"{'batched/seq':>11}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    for k in args.concurrency:
+        rows = {"in": [], "srv": [], "seq": []}
+        lat: list[float] = []
+        same = True
+        for _ in range(args.reps):
+            secs, toks, ref = run_inprocess(engine, tok, k, args.turns, args.new_tokens)
+            rows["in"].append(toks / secs)
+            secs, toks, got, latencies = run_server(server.url, k, args.turns, args.new_tokens,
+                                                    False)  # fmt: skip
+            rows["srv"].append(toks / secs)
+            lat += latencies
+            same &= got == ref
+            if k > 1:
+                secs, toks, _, _ = run_server(server.url, k, args.turns, args.new_tokens, True)
+                rows["seq"].append(toks / secs)
+        med = {key: statistics.median(v) if v else float("nan") for key, v in rows.items()}
+        p90 = sorted(lat)[max(0, math.ceil(0.9 * len(lat)) - 1)]  # nearest rank
+        print(f"{k:>13} | {med['in']:>16.0f} | {med['srv']:>12.0f} | "
+              f"{med['srv'] / med['in']:>5.2f} | {statistics.mean(lat):>8.3f} / {p90:<7.3f} | "
+              f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f}"
+              + ("" if same else "  (tokens differ from in-process!)"))  # fmt: skip
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    server.stop()
+    core.batcher.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The server from a run's config: ``serve`` section limits, ``rollout`` sampling and parser.
+
+Design decision: ``groupflow serve`` and a training run's in-process server are built by this one
+function from the same config, over any generate function (a policy's rollout group, or an
+engine), so what a checkpoint serves is what the run trained through.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from groupflow.config import Config
+from groupflow.rollout.hf import SamplingParams
+from groupflow.serve.app import Access, ServeLimits, ServerCore
+from groupflow.serve.batcher import DynamicBatcher, GenerateFn
+
+__all__ = ["server_core", "context_length"]
+
+_FALLBACK_CONTEXT = 4096
+
+
+def context_length(cfg: Config) -> int:
+    """``serve.max_context_tokens``, else the model's positions (tiny config or config.json)."""
+    if cfg.serve.max_context_tokens is not None:
+        return cfg.serve.max_context_tokens
+    if cfg.model.tiny is not None:
+        return cfg.model.tiny.max_positions
+    config = Path(cfg.model.path).expanduser() / "config.json"
+    if config.is_file():
+        n = json.loads(config.read_text()).get("max_position_embeddings")
+        if isinstance(n, int) and n > 0:
+            return n
+    return _FALLBACK_CONTEXT
+
+
+def server_core(cfg: Config, tokenizer, generate: GenerateFn, defaults: SamplingParams,
+                access: Access | None = None) -> ServerCore:  # fmt: skip
+    s = cfg.serve
+    limits = ServeLimits(
+        max_body_bytes=s.max_body_bytes, max_tokens=s.max_tokens,
+        max_context_tokens=context_length(cfg), max_n=s.max_n,
+        max_conversations=s.max_conversations, max_batch_samples=s.max_batch_samples,
+        max_pending_samples=s.max_pending_samples,
+    )  # fmt: skip
+    batcher = DynamicBatcher(
+        generate, max_batch_samples=s.max_batch_samples,
+        max_pending_samples=s.max_pending_samples, wait_s=s.batch_wait_ms / 1000,
+    )  # fmt: skip
+    return ServerCore(
+        tokenizer, batcher, defaults, model_name=s.model_name or cfg.run.name, limits=limits,
+        access=access, tool_parser=cfg.rollout.tool_parser, describe_tools=s.describe_tools,
+    )  # fmt: skip

@@ -1,0 +1,167 @@
+"""Agents referenced by import path (``serve_agents:<name>``) in the agent-workflow tests.
+
+Each is a plain ``openai``-client agent with one controlled behaviour (continue the conversation,
+edit it, fail in a known way), and each appends what the server *returned* to it to ``SEEN`` —
+the ids the client saw — so a test can compare them with the ids the run trains on. Not
+collected by pytest (no ``test_`` prefix); tests put ``tests/`` on the path with the
+``helpers_on_path`` fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+SEEN: list[dict] = []  # one entry per call: row prompt, prompt_token_ids, token_ids, token_logprobs
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}},
+    "required": ["expression"]}}}]  # fmt: skip
+
+
+def _see(row, reply):
+    for choice in reply.choices:
+        SEEN.append({"prompt": row["prompt"], "prompt_ids": reply.model_extra["prompt_token_ids"],
+                     "ids": choice.model_extra["token_ids"],
+                     "logprobs": choice.model_extra["token_logprobs"]})  # fmt: skip
+
+
+async def two_calls(client, row):
+    """Ask, send the answer back with a tool result (or a user turn), ask again: one sample."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                                 temperature=1.7)  # fmt: skip
+    _see(row, reply)
+    message = reply.choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    if message.tool_calls:
+        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "7"})
+    else:
+        messages.append({"role": "user", "content": "again"})
+    reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    _see(row, reply)
+    return 1.0 if len(reply.choices[0].message.content or "") % 2 else 0.0
+
+
+async def edits_history(client, row):
+    """The second call rewrites the first answer: the calls are separate samples."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    reply = await client.chat.completions.create(model="m", messages=messages)
+    _see(row, reply)
+    messages += [{"role": "assistant", "content": "edited"}, {"role": "user", "content": "go"}]
+    reply = await client.chat.completions.create(model="m", messages=messages)
+    _see(row, reply)
+    return {"reward": float(row["answer"][-1]) / 10, "edits": 1}
+
+
+async def completions_api(client, row):
+    """Token-in: the second call's prompt is the first's ids plus its completion."""
+    first = await client.completions.create(model="m", prompt=row["prompt"], max_tokens=4)
+    ids = (
+        first.choices[0].model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    )
+    second = await client.completions.create(model="m", prompt=ids + [5], max_tokens=4)
+    SEEN.append({"prompt": row["prompt"], "first": first.choices[0].model_extra["token_ids"],
+                 "second": second.choices[0].model_extra["token_ids"]})  # fmt: skip
+    return 0.5
+
+
+async def raises(client, row):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    raise RuntimeError("agent bug")
+
+
+async def sleeps(client, row):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    await asyncio.sleep(60)
+    return 1.0
+
+
+async def no_call(client, row):
+    return 1.0
+
+
+async def bad_return(client, row):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    return "yes"
+
+
+async def no_reward(client, row):
+    """Returns nothing: the configured reward functions score the conversation."""
+    await two_calls(client, row)
+    return None
+
+
+def sync_agent(client, row):
+    return 1.0
+
+
+def messages_reward(prompts, completions, messages, agent_calls, **_):
+    """The number of messages of the final conversation plus 10 × the agent's calls."""
+    return [float(len(m)) + 10 * c for m, c in zip(messages, agent_calls)]
+
+
+# ----- agent frameworks (imported inside: the tests skip where a package is missing) -------------
+CALC_QUESTION = "2+3"
+INSTRUCTIONS = "You are a calculator agent."
+
+
+def calc(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: e.g. 2+3
+    """
+    from groupflow.tools.calculator import calculator
+
+    return calculator(expression)
+
+
+async def openai_sdk_agent(client, row):
+    """The official client with function calling (as examples/agents/calc_agent.py)."""
+    import json
+
+    messages = [{"role": "system", "content": INSTRUCTIONS},
+                {"role": "user", "content": CALC_QUESTION}]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}},
+        "required": ["expression"]}}}]  # fmt: skip
+    for _ in range(3):
+        reply = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            break
+        messages.append(message.model_dump(exclude_none=True))
+        for c in message.tool_calls:
+            result = calc(**json.loads(c.function.arguments))
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
+    return float((message.content or "").strip() == "5")
+
+
+async def agents_sdk_agent(client, row):
+    """The OpenAI Agents SDK: an Agent with a function tool, run by its Runner."""
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[function_tool(calc)],
+                  model=OpenAIChatCompletionsModel(model="m", openai_client=client))  # fmt: skip
+    result = await Runner.run(agent, CALC_QUESTION, max_turns=4)
+    return float(str(result.final_output).strip() == "5")
+
+
+async def langgraph_agent(client, row):
+    """LangGraph's prebuilt ReAct agent over langchain-openai's ChatOpenAI."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    llm = ChatOpenAI(model="m", base_url=str(client.base_url), api_key=client.api_key,
+                     max_retries=0, timeout=30)  # fmt: skip
+    graph = create_react_agent(llm, [tool(calc)], prompt=INSTRUCTIONS)
+    out = await graph.ainvoke({"messages": [("user", CALC_QUESTION)]}, {"recursion_limit": 8})
+    return float(str(out["messages"][-1].content).strip() == "5")

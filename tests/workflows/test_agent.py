@@ -1,0 +1,249 @@
+"""The agent workflow on a tiny model: agents written against the ``openai`` client train through
+the run's in-process server (127.0.0.1, one torch thread, agent_timeout_s bounds every episode).
+For every recorded call the ids trained are the ids the client was sent, and the training
+forward's log-probs equal the sampling log-probs; calls merge into one sample when the
+conversation continues, split (sharing the episode's advantage) when it was edited; failing
+agents get reward.failure_value, counted per kind; config errors name the key."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from groupflow.config import ConfigError, config_from_dict
+from groupflow.policies.llm import model_inputs
+
+openai = pytest.importorskip("openai", reason="needs the openai package (pip install openai)")
+
+TESTS = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+
+
+def _agent_config(tiny_base, out, **overrides):
+    base, with_overrides = tiny_base
+    d = with_overrides(base(out), {
+        "model.tiny.max_positions": 256, "data.task": {"name": "calc", "digits": 2,
+                                                       "num_train": 64, "num_val": 4},
+        "data.prompts_per_step": 2, "rollout.samples_per_prompt": 2,
+        "rollout.max_new_tokens": 8, "rollout.max_response_tokens": 64,
+        "rollout.workflow": "agent", "rollout.agent": "serve_agents:two_calls",
+        "rollout.agent_timeout_s": 5, "reward.failure_value": -1.0, "serve.describe_tools": False,
+        "rollout.tool_parser": "tag", **overrides,
+    })  # fmt: skip
+    return config_from_dict(d, "<agent test>")
+
+
+@pytest.fixture(scope="module")
+def agents():
+    sys.path.insert(0, TESTS)
+    import serve_agents
+
+    yield serve_agents
+    sys.path.remove(TESTS)
+
+
+@pytest.fixture(scope="module")
+def trainer(agents, tiny_base, tmp_path_factory):
+    from groupflow.trainer import Trainer
+
+    torch.set_num_threads(1)
+    t = Trainer(_agent_config(tiny_base, tmp_path_factory.mktemp("agent")))
+    yield t
+    t.workflow.close()
+    t.policy.shutdown()
+
+
+def _collect(trainer, agents, agent: str):
+    from groupflow.workflows.agent import resolve_agent
+
+    wf = trainer.workflow
+    wf.agent = resolve_agent(f"serve_agents:{agent}")
+    agents.SEEN.clear()
+    batch, metrics = wf.collect(wf.train_rows[:2], 0, 0, 0)
+    return batch, metrics
+
+
+def _trained(batch, i):
+    m = batch["response_mask"][i].bool()
+    return batch["responses"][i][m].tolist(), batch["rollout_logprobs"][i][m].tolist()
+
+
+def _check_training_forward(trainer, batch):
+    t = trainer.policy.sampling.temperature
+    forward = trainer.policy.actor.compute_logprobs(model_inputs(batch), temperature=t)["logprobs"]
+    mask = batch["response_mask"].bool()
+    assert mask.sum() > 0
+    assert torch.allclose(forward[mask], batch["rollout_logprobs"][mask], atol=1e-5)
+
+
+def test_a_continued_conversation_is_one_sample_of_exactly_the_sampled_tokens(trainer, agents):
+    batch, m = _collect(trainer, agents, "two_calls")
+    n_episodes = 4
+    assert len(batch) == n_episodes and batch["episode_ids"].tolist() == [0, 1, 2, 3]
+    assert m["rollout/agent/samples_per_episode"] == 1 and m["rollout/agent/calls/mean"] == 2
+    assert m["rollout/agent/split_episodes"] == 0
+    # the first call asked for temperature 1.7; the run's 1.0 was used (what training assumes)
+    assert m["rollout/agent/sampling_overrides"] == n_episodes
+    seen = agents.SEEN
+    assert len(seen) == 2 * n_episodes
+    for i in range(n_episodes):
+        ids, lps = _trained(batch, i)
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        # the call this sample starts with, then the call that continued it (2 episodes per row
+        # share a prompt: told apart by their sampled ids)
+        first = next(
+            s for s in seen if s["prompt_ids"] == prompt and ids[: len(s["ids"])] == s["ids"]
+        )
+        head = prompt + first["ids"]
+        second = next(s for s in seen if s["prompt_ids"][: len(head)] == head)
+        # trained ids = the first completion, the tokens in between (masked), the second completion
+        assert ids == first["ids"] + second["ids"]
+        assert lps == pytest.approx(first["logprobs"] + second["logprobs"], abs=1e-6)
+        between = second["prompt_ids"][len(prompt) + len(first["ids"]) :]
+        row = batch["responses"][i][: len(first["ids"]) + len(between)].tolist()
+        assert row == first["ids"] + between
+    _check_training_forward(trainer, batch)
+    assert torch.equal(batch["rewards"], batch["rewards"].clamp(0, 1))  # the agents' 0/1 values
+
+
+def test_token_in_completions_merge_too(trainer, agents):
+    batch, m = _collect(trainer, agents, "completions_api")
+    assert m["rollout/agent/samples_per_episode"] == 1
+    for i in range(4):
+        ids, _ = _trained(batch, i)
+        seen = next(s for s in agents.SEEN if ids == s["first"] + s["second"])
+        first = seen["first"]  # then the prompt's extra token [5], masked out
+        assert batch["response_mask"][i][: len(first) + 1].tolist() == [1] * len(first) + [0]
+        assert batch["responses"][i][len(first)] == 5
+    _check_training_forward(trainer, batch)
+    assert batch["rewards"].tolist() == [0.5] * 4
+
+
+def test_an_edited_history_splits_the_episode_and_shares_its_advantage(trainer, agents):
+    from groupflow.credit import CreditAssignment
+
+    batch, m = _collect(trainer, agents, "edits_history")
+    assert len(batch) == 8 and m["rollout/agent/split_episodes"] == 4
+    assert m["rollout/agent/samples_per_episode"] == 2 and m["rollout/agent/edits"] == 1
+    assert batch["episode_ids"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    for i in range(8):  # each sample is one call, exactly as sampled
+        ids, lps = _trained(batch, i)
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        assert any(s["prompt_ids"] == prompt and s["ids"] == ids for s in agents.SEEN)
+    _check_training_forward(trainer, batch)
+    adv, _ = CreditAssignment(trainer.cfg.algorithm, 0)(batch, 0)
+    a = adv["advantages"].view(4, 2)
+    assert torch.equal(a[:, 0], a[:, 1])
+
+
+@pytest.mark.parametrize("agent, kind", [("raises", "raised"), ("sleeps", "timeout"),
+                                         ("no_call", "no_call"), ("bad_return", "invalid")])  # fmt: skip
+def test_failing_agents_get_the_failure_value_and_are_counted(trainer, agents, agent, kind, caplog):
+    batch, m = _collect(trainer, agents, agent)
+    assert batch["rewards"].tolist() == [-1.0] * 4
+    assert m["rollout/agent/failures"] == 4 and m[f"rollout/agent/failures/{kind}"] == 4
+    assert len(batch) == 4  # every episode still counts in its group
+
+
+def test_reward_functions_score_the_final_conversation(agents, tiny_base, tmp_path):
+    from groupflow.trainer import Trainer
+
+    cfg = _agent_config(
+        tiny_base, tmp_path, **{"rollout.agent": "serve_agents:no_reward",
+                                "rollout.agent_reward": "functions",
+                                "reward.functions": [{"function": "serve_agents:messages_reward"}]},
+    )  # fmt: skip
+    t = Trainer(cfg)
+    try:
+        batch, _ = t.workflow.collect(t.workflow.train_rows[:2], 0, 0, 0)
+    finally:
+        t.workflow.close()
+        t.policy.shutdown()
+    # user, assistant, tool/user, assistant = 4 messages; 2 calls
+    assert batch["rewards"].tolist() == [24.0] * 4
+    assert [len(m) for m in batch["messages"]] == [4] * 4
+
+
+def test_two_training_steps_through_the_server(agents, tiny_base, tmp_path):
+    from groupflow.trainer import Trainer
+
+    t = Trainer(_agent_config(tiny_base, tmp_path, **{"run.total_steps": 2}))
+    try:
+        final = t.fit()
+    finally:
+        t.workflow.close()
+    assert final["rollout/agent/calls/mean"] == 2 and "val/greedy/acc" in final
+    assert final["weights/bytes_via_driver"] == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"rollout.agent": None}, "rollout.workflow=agent and rollout.agent go together"),
+        ({"rollout.workflow": "auto"}, "set rollout.workflow=agent"),
+        ({"rollout.tools": [{"name": "calculator"}]}, "the agent brings its own tools"),
+        ({"rollout.agent_concurrency": 0}, "agent_concurrency"),
+    ],
+)
+def test_config_errors_name_the_key(tiny_base, tmp_path, overrides, match):
+    with pytest.raises((ConfigError, ValueError), match=match):
+        _agent_config(tiny_base, tmp_path, **overrides)
+
+
+def test_the_agent_must_be_an_async_function_of_client_and_row(agents):
+    from groupflow.workflows.agent import resolve_agent
+
+    with pytest.raises(
+        ValueError, match="rollout.agent: 'serve_agents:sync_agent' must be an async"
+    ):
+        resolve_agent("serve_agents:sync_agent")
+    with pytest.raises(ValueError, match="rollout.agent"):
+        resolve_agent("serve_agents:missing")
+
+
+def test_warm_start_plays_demonstrations_through_the_agent(tiny_base, tmp_path):
+    """The server answers the agent's calls with the row's demonstrated turns: the calculator's
+    result and the chat template's tool turn come from the real agent, masked out of the loss."""
+    from types import SimpleNamespace
+
+    from groupflow.trainer import Trainer
+
+    agent = Path(__file__).resolve().parents[2] / "examples/agents/calc_agent.py"
+    cfg = _agent_config(tiny_base, tmp_path, **{
+        "rollout.agent": f"{agent}:calc_agent", "rollout.stop": ["</calc>"],
+        "rollout.max_new_tokens": 16, "sft.target_field": "demo",
+    })  # fmt: skip
+    t = Trainer(cfg)
+    try:
+        wf, tok = t.workflow, t.policy.tokenizer
+        rows = wf.train_rows[:6]
+        examples = wf.sft_examples(SimpleNamespace(rows=rows))
+    finally:
+        t.workflow.close()
+        t.policy.shutdown()
+    assert len(examples) == len(rows)
+    for row, (prompt, target, mask) in zip(rows, examples):
+        assert tok.decode(prompt) == f"user: {row.prompt}\nassistant:"
+        answer = row.fields["answer"]
+        trained = tok.decode([i for i, m in zip(target, mask) if m])
+        if len(row.fields["demo"]) == 2:  # call, then the answer copied from the tool's result
+            call = row.fields["demo"][0]
+            assert tok.decode(target) == f"{call}\ntool: {answer}\nassistant:{answer}<eos>"
+            assert trained == f"{call}{answer}<eos>"
+        else:
+            assert tok.decode(target) == trained == f"{answer}<eos>"
+
+
+@pytest.mark.slow
+def test_asynchronous_rollout_runs_the_server_on_the_rollout_side(agents, tiny_base, tmp_path):
+    """max_staleness 1: the rollout side (a child process) builds its own workflow and server."""
+    from groupflow.trainer import Trainer
+
+    cfg = _agent_config(tiny_base, tmp_path, **{"rollout.max_staleness": 1, "run.total_steps": 3})
+    t = Trainer(cfg)
+    try:
+        final = t.fit()
+    finally:
+        t.workflow.close()
+    assert final["rollout/agent/calls/mean"] == 2 and final["rollout/agent/failures"] == 0
+    assert final["rollout/agent/samples_per_episode"] == 1

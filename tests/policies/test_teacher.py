@@ -88,13 +88,13 @@ def test_credit_mixes_the_teacher_signal_into_per_token_advantages():
         }
     )
     teacher = TeacherConfig(path="unused", coef=0.5, reward_weight=2.0)
-    out = CreditAssignment(AlgorithmConfig(estimator="dr_grpo"), 0, teacher)(batch, step=0)
+    out, metrics = CreditAssignment(AlgorithmConfig(estimator="dr_grpo"), 0, teacher)(batch, step=0)
     # dr_grpo: group 0 -> [0.5, -0.5], group 1 -> [0, 0]; times 2, plus 0.5 * (teacher - student)
     expected = torch.tensor([[1.0 + 0.25, 1.0 - 0.5], [-1.0 + 0.5, 0.0], [0.0, -0.5], [0.5, 0.0]])
     torch.testing.assert_close(out["advantages"], expected)
     # mean k1 reverse KL over the 7 valid tokens: sum(student - teacher) / 7
     kl = (-0.5 + 1.0 - 1.0 + 0.0 + 1.0 - 1.0 + 0.0) / 7
-    assert out.meta["reward_metrics"]["distill/reverse_kl"] == pytest.approx(kl)
+    assert metrics["distill/reverse_kl"] == pytest.approx(kl)
 
 
 # ----- a tiny run ----------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def _run(tiny_config, tmp_path, teacher_dir, name, **over):
     trainer = Trainer(cfg)
     seen = []
     real = trainer.credit.distill
-    trainer.credit.distill = lambda batch: seen.append(real(batch)) or seen[-1]
+    trainer.credit.distill = lambda batch: seen.append(real(batch)) or seen[-1]  # (adv, metrics)
     trainer.fit()
     return seen, read_metrics(trainer.run_dir)
 
@@ -118,13 +118,14 @@ def test_a_run_distils_from_the_teacher(tiny_config, tmp_path):
     # the teacher IS the student's initial model: no signal at the first step
     same = save_teacher(tmp_path / "same", seed=0)
     seen, metrics = _run(tiny_config, tmp_path, same, "same")
-    assert seen[0].shape[0] == 16 and seen[0].dim() == 2
-    assert seen[0].abs().max() < 1e-4
+    advantages = seen[0][0]
+    assert advantages.shape[0] == 16 and advantages.dim() == 2
+    assert advantages.abs().max() < 1e-4
     first = next(m for m in metrics if m.get("step") == 1)
     assert abs(first["distill/reverse_kl"]) < 1e-5
     # another teacher: the advantages carry its per-token signal, and the student moves toward it
     other = save_teacher(tmp_path / "other", seed=7)
     seen, metrics = _run(tiny_config, tmp_path, other, "other", actor__lr=1e-2)
-    assert seen[0].abs().max() > 0.1
+    assert seen[0][0].abs().max() > 0.1
     kls = [m["distill/reverse_kl"] for m in metrics if "distill/reverse_kl" in m]
     assert len(kls) == 2 and all(math.isfinite(k) for k in kls)

@@ -209,6 +209,8 @@ def test_multi_turn_on_ray_matches_local(tiny_config):
         tiny_config(run__total_steps=2, run__name="local", **{**CALC, "sft__steps": 20})
     )
     local.fit()
+    ray = pytest.importorskip("ray")
+    ray.shutdown()  # a fresh local instance sized for this run, whatever earlier tests left
     ray_run = Trainer(
         tiny_config(run__total_steps=2, run__name="ray", run__backend="ray", run__num_workers=1,
                     **{**CALC, "sft__steps": 20})

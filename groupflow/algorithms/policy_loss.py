@@ -89,8 +89,7 @@ def importance_ratio(
 
 
 def _validate_ppo_options(ratio_level, eps_low, eps_high, clip_ratio_c, delta, log_ratio_clamp):
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
+    _check_level(ratio_level, log_ratio_clamp)
     if not 0.0 <= eps_low < 1.0:
         raise ValueError(f"clip_eps_low must be in [0, 1), got {eps_low!r}")
     if not eps_high >= 0.0:
@@ -99,8 +98,6 @@ def _validate_ppo_options(ratio_level, eps_low, eps_high, clip_ratio_c, delta, l
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c!r}")
     if delta is not None and not delta > 1.0 + eps_high:
         raise ValueError(f"delta must be > 1 + clip_eps_high = {1.0 + eps_high}, got {delta!r}")
-    if not log_ratio_clamp > 0:
-        raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp!r}")
 
 
 @register_policy_loss("ppo_clip", zero_advantage_inert=True)

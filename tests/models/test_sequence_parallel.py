@@ -102,6 +102,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         results[FULL_PROMPTS] = r
         if rank == 0:
             torch.save(results, out)
+        dist.barrier()  # neither rank tears gloo down while its peer still talks
     finally:
         dist.destroy_process_group()
 

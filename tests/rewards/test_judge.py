@@ -118,10 +118,13 @@ def _run(fn, completions, prompts=None, **fields):
 def test_scores_every_sample_and_sends_rubric_prompt_and_model(stub):
     scores = _run(_judge(stub), ["a", "banana", "xyz"], prompts=["q1", "q2", "q3"])
     assert scores == [1.0, 3.0, 0.0]
-    first = stub.requests[0]
-    assert first["model"] == "stub-judge" and first["temperature"] == 0.0
-    assert "count the a's" in first["messages"][0]["content"]
-    assert first["messages"][1]["content"] == "PROMPT:\nq1\n\nRESPONSE:\na"
+    # requests run concurrently, so they arrive in any order: find q1's by its prompt
+    users = sorted(r["messages"][1]["content"] for r in stub.requests)
+    assert users == [f"PROMPT:\n{q}\n\nRESPONSE:\n{c}" for q, c in
+                     [("q1", "a"), ("q2", "banana"), ("q3", "xyz")]]  # fmt: skip
+    for request in stub.requests:
+        assert request["model"] == "stub-judge" and request["temperature"] == 0.0
+        assert "count the a's" in request["messages"][0]["content"]
     assert stub.auth == [None, None, None]  # no key configured: no header
 
 

@@ -126,6 +126,7 @@ def _rank(rank: int, world: int, store: str, out: str, variants: dict) -> None:
             for name, r in results.items():  # the ranks' log-probs, in batch order
                 r["logprobs"] = torch.cat([g[name] for g in gathered])
             torch.save(results, out)
+        dist.barrier()  # neither rank tears gloo down while its peer still talks
     finally:
         dist.destroy_process_group()
 

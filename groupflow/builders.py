@@ -641,4 +641,6 @@ def total_cpus(cfg: Config) -> float:
         r for r in ("rollout", "reference") if getattr(cfg.placement, r) != "colocated"
     ]
     roles += [r for r in ("critic", "reward_model", "teacher") if getattr(cfg, r) is not None]
+    if cfg.diffusion is not None and "teacher" in roles:  # held inside the diffusion actor
+        roles.remove("teacher")
     return sum(pool_spec(cfg, r).world_size * pool_spec(cfg, r).cpus_per_worker for r in roles)

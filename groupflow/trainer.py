@@ -77,7 +77,9 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.policy, self.workflow, self.data_stats = build_run(built_cfg, self.run_dir, inputs)
         self.contracts = self.workflow.contracts
-        self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed, cfg.teacher)
+        # a diffusion teacher is a loss term in the actor (groupflow.diffusion.distillation)
+        teacher = cfg.teacher if cfg.diffusion is None else None
+        self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed, teacher)
         # warns once if the policy dies (e.g. a far too high actor.lr)
         self.collapse = CollapseMonitor(cfg.actor.lr, getattr(self.policy, "max_entropy", None))
         self.loader = prompt_loader(cfg, self.workflow.train_rows)

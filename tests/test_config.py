@@ -157,7 +157,7 @@ def test_teacher_section_is_typed_and_not_for_gae():
     )
     gae = {"teacher.path": "/t", "algorithm.estimator": "gae", "critic": {}}
     msg = _error(apply_overrides(_base(), gae))
-    assert "does not combine with diffusion or algorithm.estimator=gae" in msg
+    assert "does not combine with algorithm.estimator=gae" in msg
 
 
 def test_kl_bias_correction_needs_a_kl_loss_and_an_llm_policy():

@@ -254,14 +254,17 @@ class Config(_Section):
             raise ValueError(
                 "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"
             )
-        if self.teacher is not None and (
-            self.diffusion is not None or self.algorithm.estimator == "gae"
+        if (
+            self.teacher is not None
+            and self.diffusion is None
+            and self.algorithm.estimator == "gae"
         ):
             raise ValueError(
                 "teacher (on-policy distillation) gives LLM policies per-token advantages on top "
-                "of an outcome estimator; it does not combine with diffusion or "
-                "algorithm.estimator=gae"
+                "of an outcome estimator; it does not combine with algorithm.estimator=gae"
             )
+        if self.teacher is not None and self.diffusion is not None:
+            self._check_diffusion_teacher()
         if self.diffusion is not None and self.algorithm.preset is not None:
             raise ValueError(
                 f"algorithm.preset={self.algorithm.preset!r} sets LLM loss keys (clip ranges, "
@@ -292,6 +295,29 @@ class Config(_Section):
                     f"actor.loss_fn={self.actor.loss_fn!r}"
                 )
         return self
+
+    def _check_diffusion_teacher(self) -> None:
+        """A diffusion teacher (groupflow.diffusion.distillation) scores the student's SDE step
+        means inside the actor worker: one local model directory, the student's kind, sampler
+        and noise level; it needs the step means of objective grpo or flow_dppo."""
+        t, d = self.teacher, self.diffusion
+        if d.objective not in ("grpo", "flow_dppo"):
+            raise ValueError(
+                f"teacher with diffusion.objective={d.objective!r}: diffusion distillation compares "
+                "the SDE step means of the student and the teacher; use objective grpo or flow_dppo"
+            )
+        if t.coef == 0 and t.reward_weight == 0:
+            raise ValueError("teacher.coef and teacher.reward_weight are both 0: no loss term left")
+        defaults = {"revision": None, "trust_remote_code": False, "dtype": "float32"}
+        unsupported = [f"teacher.{k}" for k, v in defaults.items() if getattr(t, k) != v]
+        unsupported += ["placement.teacher"] if self.placement.teacher is not None else []
+        unsupported += ["diffusion.fsdp"] if d.fsdp else []
+        unsupported += ["parallel.sequence_parallel"] if self.parallel.sequence_parallel > 1 else []
+        if unsupported:
+            raise ValueError(
+                f"{', '.join(unsupported)}: not with a diffusion teacher (a local model directory "
+                "of the student's kind, held replicated in each actor worker, in the student's dtype)"
+            )
 
     @model_validator(mode="after")
     def _workflow(self):

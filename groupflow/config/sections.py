@@ -672,7 +672,13 @@ class TeacherConfig(_Section):
     ``-coef * (log pi_student - log pi_teacher)`` (the per-token reverse KL, undiscounted) on top
     of ``reward_weight`` times the outcome advantage of the rewards (0: distillation alone).
     The teacher runs in its own worker group: placed like the actor (the same processes and
-    devices) unless ``placement.teacher`` gives it a pool."""
+    devices) unless ``placement.teacher`` gives it a pool.
+
+    With a ``diffusion`` policy the teacher is a flow model of the student's kind, latent and
+    conditioning (checked at load), held frozen inside each actor worker; it predicts the
+    velocity on the student's SDE states, and the exact per-step KL between the two transition
+    Gaussians is a loss term: ``reward_weight * L_pg + coef * L_kl``
+    (``groupflow.diffusion.distillation``)."""
 
     path: str
     revision: str | None = None  # of a Hub id in path

@@ -39,6 +39,7 @@ __all__ = [
     "DiffusersFlowModel",
     "check_latents",
     "check_latent_fits",
+    "check_teacher_model",
     "load_tiny_model",
     "save_tiny_model",
     "load_diffusers_model",
@@ -366,3 +367,47 @@ def load_diffusers_model(
             f"diffusion.model.latent_shape has {int(latent_shape[0])}"
         )
     return DiffusersFlowModel(transformer, kind, latent_shape, prompt_encoder, decoder)
+
+
+# ----- a distillation teacher (groupflow.diffusion.distillation) ---------------------------------
+
+# What must agree for the teacher's velocity at the student's state to mean the same thing: the
+# latent (shape, channels, patching) and the conditioning (the tiny model's label indices; a
+# transformer's text-embedding widths, whose inputs the student's prompt encoder makes).
+_TEACHER_KEYS = {
+    "tiny": ("type", "channels", "image_size", "labels"),
+    "sd3": ("_class_name", "in_channels", "out_channels", "patch_size", "joint_attention_dim",
+            "pooled_projection_dim"),
+    "wan": ("_class_name", "in_channels", "out_channels", "patch_size", "text_dim"),
+}  # fmt: skip
+
+
+def _model_config(path: str | Path, key: str) -> dict:
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        raise ModelPathError(f"{key}: '{file.parent}' holds no flow model (no config.json)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{key}: '{file}' is not valid JSON ({e})") from None
+
+
+def check_teacher_model(teacher_path: str | Path, student_path: str | Path, kind: str) -> None:
+    """Refuse a teacher whose latent or conditioning differs from the student's, reading only
+    the two ``config.json`` files (before any worker starts): errors name ``teacher.path`` and
+    each differing field with both values."""
+    if kind != "tiny":
+        _check_kind(kind)
+    teacher = _model_config(teacher_path, "teacher.path")
+    student = _model_config(student_path, "diffusion.model.path")
+    differ = [
+        f"{k}: student {student.get(k)!r}, teacher {teacher.get(k)!r}"
+        for k in _TEACHER_KEYS[kind]
+        if teacher.get(k) != student.get(k)
+    ]
+    if differ:
+        raise ValueError(
+            f"teacher.path: the teacher at '{teacher_path}' does not match the student's latent "
+            f"or conditioning ({'; '.join(differ)}); distillation scores the student's own states, "
+            "so both must take the same latents and conditions"
+        )

@@ -56,6 +56,7 @@ class DiffusionSettings:
     nft: dict = field(default_factory=dict)
     flow_dppo: dict = field(default_factory=dict)  # {kl_mask_threshold}
     awm: dict = field(default_factory=dict)  # {weighting}
+    distill: dict | None = None  # on-policy distillation {coef, reward_weight}; None: no teacher
     adv_clip_max: float = 5.0  # DiffusionNFT maps advantages to [0, 1] through it
     fsdp: bool = False  # shard the model over the ranks (FSDP2) instead of replicating it
     activation_checkpointing: bool = False  # recompute block activations in backward

@@ -30,6 +30,13 @@ instead of log-probs; ``objective="flow_dppo"`` replaces the ratio clip by the e
 asymmetric mask; ``objective="awm"`` (Advantage Weighted Matching) re-noises final latents like
 DiffusionNFT and hands the flow-matching loss, as a log-likelihood surrogate, to the PPO loss
 against the "old" copy (the weights before the update: an EMA with decay 0).
+
+On-policy distillation (``teacher``; ``diffusion.distillation``): a frozen teacher flow model,
+built beside the policy in each worker (never in an optimizer or a checkpoint), predicts the
+velocity on the stored states of the trained steps with no grad; its step mean against the
+policy's gives the exact step KL, added to the loss with ``teacher.coef`` (the policy-gradient
+term weighted by ``teacher.reward_weight``). It is recomputed with each update's forward, as the
+reference's is: the states are stored and the teacher frozen, so every epoch sees the same means.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.diffusion import objectives as obj
 from groupflow.diffusion.build import build_worker_models, meta_init
+from groupflow.diffusion.distillation import distillation_loss, teacher_step_kl
 from groupflow.diffusion.models import check_latents
 from groupflow.diffusion.samplers import (
     flow_kl,
@@ -102,12 +110,14 @@ class DiffusionWorker:
         world_size: int = 1,
         weights: str | None = None,
         sequence_parallel: int = 1,
+        teacher: nn.Module | None = None,
     ):
         """``weights``: ``model`` was built with meta parameters (``empty_parameters``); after
         sharding, each rank reads its shards from this diffusers directory.
         ``sequence_parallel``: Ulysses groups of that many ranks over the Wan transformer's
         latent tokens; a group pools its rows (``gather_rows``) for every call, so each sample
-        is held by that many ranks (sums over ranks are divided by it)."""
+        is held by that many ranks (sums over ranks are divided by it).
+        ``teacher``: the frozen distillation teacher (with ``settings.distill``)."""
         self.rank, self.world_size = rank, world_size
         self.sp = sequence_groups(rank, world_size, sequence_parallel)
         self.sp_size = sequence_parallel
@@ -123,6 +133,7 @@ class DiffusionWorker:
         )
         self.peft, self.ref_model, self.old_model = held.peft, held.ref, held.old
         self.sharded = held.sharded
+        self.teacher = self._frozen_teacher(teacher)
         self.sigmas = sigma_schedule(settings.num_steps, settings.shift)
         self.spec = get_sampler(settings.sampler)
         self.noise_level = (
@@ -140,6 +151,18 @@ class DiffusionWorker:
         self.nonfinite_in_a_row = self.nonfinite_total = 0
         self.load_peak_rss = peak_rss_bytes()  # the high-water mark of building and loading
 
+    def _frozen_teacher(self, teacher: nn.Module | None) -> nn.Module | None:
+        if (teacher is None) != (self.settings.distill is None):
+            raise ValueError("DiffusionWorker: a teacher model and settings.distill go together")
+        if teacher is None:
+            return None
+        if tuple(teacher.latent_shape) != tuple(self.flow.latent_shape):
+            raise ValueError(
+                f"teacher.path: the teacher's latent shape {list(teacher.latent_shape)} differs "
+                f"from the student's {list(self.flow.latent_shape)}"
+            )
+        return teacher.to(self.device).eval().requires_grad_(False)
+
     @classmethod
     def create(
         cls,
@@ -152,17 +175,21 @@ class DiffusionWorker:
         total_steps: int,
         pg_timeout_s: float = 600.0,
         sequence_parallel: int = 1,
+        teacher_spec=None,
     ):
-        """Factory used by WorkerGroup: join the process group, then build the model in this process."""
+        """Factory used by WorkerGroup: join the process group, then build the model (and the
+        distillation teacher from ``teacher_spec``) in this process."""
         init_process_group(rank, world_size, pg_timeout_s)
+        teacher = teacher_spec.build() if teacher_spec is not None else None
         if meta_init(spec, settings, world_size):  # no rank ever holds the full transformer
             return cls(
                 spec.build(empty=True), settings, cfg, total_steps=total_steps, rank=rank,
                 world_size=world_size, weights=spec.path, sequence_parallel=sequence_parallel,
+                teacher=teacher,
             )  # fmt: skip
         model = spec.build().to(worker_device(rank))
         return cls(model, settings, cfg, total_steps=total_steps, rank=rank, world_size=world_size,
-                   sequence_parallel=sequence_parallel)  # fmt: skip
+                   sequence_parallel=sequence_parallel, teacher=teacher)  # fmt: skip
 
     def _pool(self, batch: Batch) -> tuple[Batch, slice | None]:
         """Sequence parallelism: the group's rows on every member, and where this rank's sit."""
@@ -180,16 +207,21 @@ class DiffusionWorker:
         cond: dict[str, Tensor],
         reference: bool = False,
         old: bool = False,
+        teacher: bool = False,
     ) -> Tensor:
         # bf16: FSDP2 casts parameters, autocast the ops diffusers upcasts to fp32 (Wan's
         # modulation and norms), so mixed-dtype matmuls run in bf16; velocities return in fp32
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.settings.bf16):
-            return self._guided(x, sigma, cond, reference, old)
+            return self._guided(x, sigma, cond, reference, old, teacher)
 
-    def _guided(self, x: Tensor, sigma: Tensor, cond, reference: bool, old: bool) -> Tensor:
+    def _guided(
+        self, x: Tensor, sigma: Tensor, cond, reference: bool, old: bool, teacher: bool = False
+    ) -> Tensor:
         null = self.flow.null_cond(x.shape[0]) if self.settings.cfg_scale != 1.0 else None
         if null is not None:
             null = {k: v.to(self.device) for k, v in null.items()}
+        if teacher:  # the same conditioning contract (checked at load), the student's CFG scale
+            return guided_velocity(self.teacher, x, sigma, cond, null, self.settings.cfg_scale)
         if old and self.old_model is not None:
             return guided_velocity(self.old_model, x, sigma, cond, null, self.settings.cfg_scale)
         if not reference:
@@ -304,13 +336,17 @@ class DiffusionWorker:
         return self._own(Batch({"images": self.flow.decode(traj.final).cpu()}), mine)
 
     # ----- log-probs --------------------------------------------------------------------------
-    def _step_terms(self, mb: Batch, mask: Tensor, with_kl: bool, means: bool = False):
+    def _step_terms(
+        self, mb: Batch, mask: Tensor, with_kl: bool, means: bool = False, distill: bool = False
+    ):
         """Log-probs [b, N] of the masked transitions (0 elsewhere; differentiable) and the
         Flow-GRPO KL [b, N] (or None), computed step by step as they were sampled. With
-        ``ratio_norm`` also GRPO-Guard's bias and std [b, N]; ``means``: also the step means."""
+        ``ratio_norm`` also GRPO-Guard's bias and std [b, N]; ``means``: also the step means;
+        ``distill``: also the step KL to the teacher [b, N] (differentiable), else None."""
         b, n = mask.shape
         logp = torch.zeros(b, n, device=self.device)
         kl = torch.zeros(b, n, device=self.device) if with_kl else None
+        to_teacher = torch.zeros(b, n, device=self.device) if distill else None
         guard = self._needs_step_kl()
         bias = torch.zeros(b, n, device=self.device) if guard else None
         stds = torch.ones(b, n, device=self.device) if guard else None
@@ -337,6 +373,13 @@ class DiffusionWorker:
                 old = mb["old_means"][rows, t] if "old_means" in mb else mean.detach()
                 bias = bias.index_put(at, obj.guard_bias(mean, old, std))
                 stds = stds.index_put(at, std.to(stds.dtype))
+            if distill:  # the teacher's step mean at the student's own state
+                with torch.no_grad():
+                    v_teacher = self._velocity(x, s, c, teacher=True)
+                    t_mean, _ = self.spec.step(
+                        x, v_teacher, s, s_next, noise_level=self.noise_level
+                    )
+                to_teacher = to_teacher.index_put(at, teacher_step_kl(mean, t_mean, std))
             if with_kl:
                 with torch.no_grad():
                     ref_mean, _ = self.spec.step(
@@ -349,7 +392,7 @@ class DiffusionWorker:
                 kl = kl.index_put(
                     (rows, torch.full_like(rows, t)), flow_kl(mean, ref_mean, std, s_next - s)
                 )
-        return logp, kl, (bias, stds), step_means
+        return logp, kl, (bias, stds), step_means, to_teacher
 
     def _needs_step_kl(self) -> bool:
         """GRPO-Guard's bias and Flow-DPPO's trust region: ‖μ_θ − μ_old‖²/(2s²) per step."""
@@ -370,7 +413,7 @@ class DiffusionWorker:
         batch = batch.to(self.device)
         self._train_mode(False)
         guard = self._needs_step_kl()
-        logp, _, _, means = self._step_terms(batch, batch["response_mask"], False, means=guard)
+        logp, _, _, means, _ = self._step_terms(batch, batch["response_mask"], False, means=guard)
         out = {"logprobs": (logp * batch["response_mask"]).cpu()}  # placeholders (FSDP) out
         if guard:  # GRPO-Guard's bias and Flow-DPPO's KL need the old policy's step means
             out["old_means"] = means.cpu()
@@ -424,9 +467,11 @@ class DiffusionWorker:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         with_kl = cfg.kl_coef > 0
+        distill = self.teacher is not None
         for start in starts:
             mb = mini.index(slice(start, start + size))
             mask = mb["response_mask"]
+            to_teacher = None
             if self.settings.objective == "nft":
                 per_step, kl = self._nft_terms(mb, mask, with_kl)
                 loss = aggregate(per_step, mask, cfg.loss_agg, **denominators)
@@ -438,7 +483,9 @@ class DiffusionWorker:
                     **self.loss_options, **denominators,
                 )  # fmt: skip
             elif self.settings.objective == "flow_dppo":
-                logp, kl, (step_kl, _), _ = self._step_terms(mb, mask, with_kl)
+                logp, kl, (step_kl, _), _, to_teacher = self._step_terms(
+                    mb, mask, with_kl, distill=distill
+                )
                 old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
                 threshold = self.settings.flow_dppo.get("kl_mask_threshold", 1e-5)
                 per_step, parts = obj.flow_dppo_loss(
@@ -452,7 +499,9 @@ class DiffusionWorker:
                     "ratio_mean": torch.where(valid.any(), masked_mean(parts["ratio"], valid), 1.0),
                 }
             else:
-                logp, kl, (bias, stds), _ = self._step_terms(mb, mask, with_kl)
+                logp, kl, (bias, stds), _, to_teacher = self._step_terms(
+                    mb, mask, with_kl, distill=distill
+                )
                 old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
                 adv = mb["advantages"]
                 if self.settings.ratio_norm:
@@ -465,6 +514,11 @@ class DiffusionWorker:
                 )  # fmt: skip
             share = float(mask.sum()) / max(1, denominators["num_tokens"])
             stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + float(loss.detach())
+            if to_teacher is not None:
+                kl_teacher = aggregate(to_teacher, mask, cfg.loss_agg, **denominators)
+                key = "actor/distill_kl"
+                stats[key] = stats.get(key, 0.0) + float(kl_teacher.detach())
+                loss = distillation_loss(loss, kl_teacher, **self.settings.distill)
             if with_kl:
                 kl_term = aggregate(kl, mask, cfg.loss_agg, **denominators)
                 stats["actor/kl_loss"] = stats.get("actor/kl_loss", 0.0) + float(kl_term.detach())

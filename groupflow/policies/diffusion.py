@@ -4,6 +4,9 @@ Design decision: a flow-matching policy's actions are its SDE denoising steps, s
 four calls mean here: ``prepare`` — old log-probs of the stored transitions (recomputed only when
 a batch gets several optimizer steps); ``update`` — the PPO-clip update of the velocity model;
 ``sync`` — nothing (the worker samples with the weights it trains); and its checkpoint state.
+With a ``teacher`` (on-policy distillation, ``groupflow.diffusion.distillation``) the actor
+workers also hold the frozen teacher, checked against the student at load (latent and
+conditioning) and never checkpointed; the asynchronous rollout side samples without one.
 Rollout, rewards and the online test are the diffusion *workflow*'s
 (``groupflow.workflows.diffusion``); advantages are the shared credit stage's.
 """
@@ -11,15 +14,17 @@ Rollout, rewards and the online test are the diffusion *workflow*'s
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from groupflow import builders
 from groupflow.batch import Batch
-from groupflow.config import Config, DiffusionConfig
+from groupflow.config import Config, DiffusionConfig, TeacherConfig
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
+from groupflow.diffusion.models import check_teacher_model
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport
 from groupflow.utils.timing import StageTimer
@@ -72,7 +77,10 @@ class FlowModelSpec:
         )
 
 
-def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -> DiffusionSettings:
+def settings_from_config(
+    d: DiffusionConfig, adv_clip_max: float | None = 5.0, teacher: TeacherConfig | None = None
+) -> DiffusionSettings:
+    distill = {"coef": teacher.coef, "reward_weight": teacher.reward_weight} if teacher else None
     return DiffusionSettings(
         sampler=d.sampler, noise_level=d.noise_level, num_steps=d.num_steps, shift=d.shift,
         cfg_scale=d.cfg_scale, same_noise_per_group=d.same_noise_per_group,
@@ -82,7 +90,7 @@ def settings_from_config(d: DiffusionConfig, adv_clip_max: float | None = 5.0) -
         objective=d.objective, nft=d.nft.model_dump(), flow_dppo=d.flow_dppo.model_dump(),
         awm=d.awm.model_dump(), adv_clip_max=adv_clip_max or 5.0,
         fsdp=d.fsdp, activation_checkpointing=d.activation_checkpointing, bf16=d.bf16,
-        cpu_offload=d.cpu_offload,
+        cpu_offload=d.cpu_offload, distill=distill,
     )  # fmt: skip
 
 
@@ -135,11 +143,20 @@ class DiffusionPolicy:
             include={"text_encoder_path", "tokenizer_path", "max_sequence_length", "vae_path"}
         )
         spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape, parts)
+        settings = settings_from_config(d, cfg.algorithm.adv_clip_max, cfg.teacher)
+        teacher_spec = None
+        if cfg.teacher is not None:  # same kind and text encoder: one conditioning contract
+            check_teacher_model(cfg.teacher.path, d.model.path, d.model.kind)
+            teacher_spec = FlowModelSpec(
+                d.model.kind, cfg.teacher.path, d.model.latent_shape, parts
+            )
+        # the asynchronous rollout side samples with the student alone: no teacher, no distill
         self._worker_kwargs = dict(spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
-                                   settings=settings_from_config(d, cfg.algorithm.adv_clip_max))  # fmt: skip
+                                   settings=replace(settings, distill=None))  # fmt: skip
         self.actor = builders.role_group(
-            cfg, "actor", DiffusionWorker, **self._worker_kwargs,
+            cfg, "actor", DiffusionWorker, **{**self._worker_kwargs, "settings": settings},
             pg_timeout_s=cfg.run.worker_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
+            teacher_spec=teacher_spec,
         )  # fmt: skip
         self.rollout = self.actor
 

@@ -24,6 +24,15 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """Another tiny flow model of the same latent and labels: a distillation teacher."""
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("teacher-flow")
+    save_tiny_model(TinyFlowModel(list(COLORS), image_size=8, width=8), path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": c}) + "\n" for c in ("red", "blue", "green")))
@@ -96,6 +105,12 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"diffusion.objective": "awm", "diffusion.sampler": "ode"}, "same_noise_per_group: false"),
         ({"diffusion.flow_dppo.kl_mask_threshold": 0}, "'diffusion.flow_dppo.kl_mask_threshold'"),
         ({"diffusion.awm.weighting": "sqrt"}, "'diffusion.awm.weighting'"),
+        # a distillation teacher: step means (grpo / flow_dppo), one local dir, colocated
+        ({"teacher.path": "t", "diffusion.objective": "awm"}, "teacher with diffusion.objective='awm'"),
+        ({"teacher.path": "t", "teacher.coef": 0, "teacher.reward_weight": 0}, "both 0"),
+        ({"teacher.path": "t", "teacher.dtype": "bfloat16"}, "teacher.dtype: not with a diffusion teacher"),
+        ({"teacher.path": "t", "placement.teacher": {}}, "placement.teacher: not with a diffusion"),
+        ({"teacher.path": "t", "diffusion.fsdp": True}, "diffusion.fsdp: not with a diffusion"),
     ],
 )  # fmt: skip
 def test_bad_diffusion_config_names_the_key(tiny_dir, prompts_file, tmp_path, override, message):
@@ -137,6 +152,39 @@ def test_each_algorithm_switch_trains_and_resumes_exactly(tiny_dir, prompts_file
     sa, sb = full.policy.actor.state_dict(), resumed.policy.actor.state_dict()
     for part in ("model", "nft_old"):
         assert all(torch.equal(sa[part][k], sb[part][k]) for k in sa.get(part, {}))
+
+
+def test_a_teacher_trains_resumes_exactly_and_is_not_checkpointed(
+    tiny_dir, teacher_dir, prompts_file, tmp_path
+):
+    teacher = {"teacher.path": str(teacher_dir), "teacher.coef": 0.5}
+
+    def run(**more):
+        t = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{**teacher, **more}))
+        t.fit()
+        return t
+
+    full = run(**{"run.name": "full", "run.total_steps": 3, "validation.every_steps": 0})
+    rows = read_metrics(full.run_dir / "metrics.jsonl")
+    trained = [r for r in rows if "actor/loss" in r]
+    assert len(trained) == 3 and all(r["actor/distill_kl"] > 0 for r in trained)
+    assert not any("distill/reverse_kl" in r for r in rows)  # the LLM credit stage is not used
+    state = full.policy.actor.state_dict()
+    assert set(state["model"]) == set(full.policy.actor.local_worker().flow.state_dict())
+    run(**{"run.name": "part", "run.save_every": 1, "validation.every_steps": 0})
+    resumed = run(**{"run.name": "part", "run.total_steps": 3, "validation.every_steps": 0})
+    a = read_metrics(full.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
+    for key in ("reward/mean", "actor/grad_norm", "actor/loss", "actor/distill_kl"):
+        assert a[key] == b[key], key
+
+
+def test_a_teacher_of_other_labels_is_refused_at_start(tiny_dir, prompts_file, tmp_path):
+    other = tmp_path / "other"
+    save_tiny_model(TinyFlowModel(["red", "blue", "green"], image_size=8, width=8), other)
+    cfg = _cfg(tmp_path, tiny_dir, prompts_file, **{"teacher.path": str(other)})
+    with pytest.raises(ValueError, match=r"teacher.path: .* does not match .*labels: student"):
+        Trainer(cfg)
 
 
 def test_missing_model_and_unknown_prompt_are_clear(tiny_dir, prompts_file, tmp_path):
@@ -227,13 +275,16 @@ def test_cli_pretrains_the_tiny_model(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_one_ray_worker_gives_the_local_numbers(tiny_dir, prompts_file, tmp_path):
+def test_one_ray_worker_gives_the_local_numbers(tiny_dir, teacher_dir, prompts_file, tmp_path):
     pytest.importorskip("ray")
-    local = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "local"}))
+    # with a distillation teacher: it is built and scored inside each Ray worker alike
+    teacher = {"teacher.path": str(teacher_dir)}
+    local = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "local", **teacher}))
     local.fit()
     ray_run = Trainer(
-        _cfg(tmp_path, tiny_dir, prompts_file, **{"run.name": "ray", "run.backend": "ray"})
-    )
+        _cfg(tmp_path, tiny_dir, prompts_file,
+             **{"run.name": "ray", "run.backend": "ray", **teacher})
+    )  # fmt: skip
     try:
         ray_run.fit()
     finally:
@@ -241,7 +292,7 @@ def test_one_ray_worker_gives_the_local_numbers(tiny_dir, prompts_file, tmp_path
     a = read_metrics(local.run_dir / "metrics.jsonl")
     b = read_metrics(ray_run.run_dir / "metrics.jsonl")
     for ra, rb in zip(a, b):
-        for key in ("reward/mean", "actor/grad_norm", "val/reward/mean"):
+        for key in ("reward/mean", "actor/grad_norm", "val/reward/mean", "actor/distill_kl"):
             if key in ra:
                 assert ra[key] == rb[key], (ra["step"], key)
 

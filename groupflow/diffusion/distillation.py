@@ -19,8 +19,7 @@ function of the state x_t, which earlier steps chose, not of the step-t action.)
 the policy-gradient loss through the teacher section's two keys, as on the LLM side:
 ``loss = reward_weight · L_pg + coef · L_kl`` (reward_weight 0: distillation alone). The KL of a
 step with std 0 (an ODE step) is undefined; there the unit-variance surrogate ½‖Δμ‖² is used, as
-verl-omni does (such steps carry no mask weight in GRPO training, but FSDP2 placeholders may run
-them).
+verl-omni does (GRPO training masks such steps out; the surrogate keeps a stray one finite).
 """
 
 from __future__ import annotations

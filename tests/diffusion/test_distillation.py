@@ -103,14 +103,15 @@ def test_bad_input_is_refused(call, message):
 # ----- the teacher check at load -------------------------------------------------------------
 
 
-def _tiny(path, labels=("red", "blue"), size=8, seed=0):
+def _tiny(path, labels=("red", "blue"), size=8, seed=0, width=8):
     torch.manual_seed(seed)
-    return save_tiny_model(TinyFlowModel(list(labels), image_size=size, width=8), path)
+    return save_tiny_model(TinyFlowModel(list(labels), image_size=size, width=width), path)
 
 
 def test_a_teacher_of_another_latent_or_conditioning_is_refused(tmp_path):
     student = _tiny(tmp_path / "s")
     check_teacher_model(_tiny(tmp_path / "ok", seed=1), student, "tiny")  # other weights: fine
+    check_teacher_model(_tiny(tmp_path / "wide", width=16), student, "tiny")  # a larger teacher
     with pytest.raises(ValueError, match=r"teacher.path: .*image_size: student 8, teacher 16"):
         check_teacher_model(_tiny(tmp_path / "big", size=16), student, "tiny")
     with pytest.raises(ValueError, match=r"labels: student \['red', 'blue'\], teacher \['blue'"):

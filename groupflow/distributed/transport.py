@@ -121,18 +121,19 @@ class Layout:
                    tuple(d["offsets"]), int(d["total"]))  # fmt: skip
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+def _as_bytes(t: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    return t.detach().contiguous().to(device).reshape(-1).view(torch.uint8)
 
 
-def pack_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int):
-    """Yield (index, uint8 bucket [<= bucket_bytes]) over the weights' byte stream, in order; at
-    most one bucket is held at a time (tensors may straddle two buckets)."""
+def pack_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int,
+                 device: torch.device | str = "cpu"):  # fmt: skip
+    """Yield (index, uint8 bucket [<= bucket_bytes]) over the weights' byte stream, in order, on
+    ``device``; at most one bucket is held at a time (tensors may straddle two buckets)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     parts, size, index = [], 0, 0
     for t in weights.values():
-        data, at = _as_bytes(t), 0
+        data, at = _as_bytes(t, device), 0
         while at < data.numel():
             take = min(bucket_bytes - size, data.numel() - at)
             parts.append(data[at : at + take])
@@ -191,7 +192,11 @@ def scatter_bucket(layout: Layout, bucket: torch.Tensor, start: int,
 def receive_into(transport, ticket: Any, dest: dict[str, torch.Tensor], *, role: str = "rollout",
                  rank: int = 0) -> None:  # fmt: skip
     """Load a ticket's weights into ``dest`` (name → tensor, e.g. a model's state dict) in place:
-    bucket by bucket where the transport streams them (``buckets``), else from the whole dict."""
+    bucket by bucket where the transport streams them (``buckets``), or its own way (a collective
+    transport's ``receive_into``), else from the whole dict."""
+    own = getattr(transport, "receive_into", None)
+    if own is not None:
+        return own(ticket, dest, role=role, rank=rank)
     stream = getattr(transport, "buckets", None)
     if stream is None:
         weights = transport.receive(ticket, role=role, rank=rank)

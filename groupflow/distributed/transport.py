@@ -16,7 +16,9 @@ tensor bytes inside tickets (``ticket_nbytes``, logged as ``weights/bytes_via_dr
 - ``filesystem``: safetensors buckets under a directory both sides see, a manifest written last;
   for clusters without a shared collective;
 - ``ray``: buckets put into Ray's object store *by the sending rank*; the ticket holds object
-  references, the receivers fetch the buckets from the sender's node, never from the driver.
+  references, the receivers fetch the buckets from the sender's node, never from the driver;
+- ``collective`` (``groupflow.distributed.collective``): every actor rank broadcasts its shard
+  to the rollout workers over a process group of their own (gloo/NCCL); the ticket is the version.
 
 The weights travel as a byte stream cut into fixed-size buckets (``rollout.weight_bucket_mb``),
 each with its version and a CRC32; a bucket whose checksum or version does not match, or one that
@@ -339,7 +341,19 @@ class FileTransport:
 class RayObjectTransport:
     """Buckets put into Ray's object store by the sending process (an actor rank); the ticket
     carries their object references and checksums. Receivers fetch each bucket from the sender's
-    node; the driver, which forwards the ticket, never holds a byte of the weights."""
+    node; the driver, which forwards the ticket, never holds a byte of the weights.
+
+    Memory: the sending process's heap holds one bucket at a time (each is copied into the object
+    store and dropped), but the object store holds the whole version until the last ticket naming
+    it is dropped — by design, not by accident: a ticket is fetched *later* (the asynchronous
+    rollout fetches a version when it starts a batch, several workers fetch it one after the
+    other, a checkpoint reads in-flight versions back), while the actor has already moved on to
+    the next update, so no bucket can be cut lazily from the live weights. Bounding it to a few
+    buckets would need the sender to wait for every reader (a streaming generator with
+    backpressure blocks the actor until all readers are done, i.e. a collective in disguise).
+    Bounds: shared memory of the sender's node (spillable to disk by Ray), at most the versions
+    whose tickets are held (``TicketStore``: ``max_staleness + 2``). Where the receivers read at
+    once (a synchronous rollout pool) ``CollectiveTransport`` keeps every process at ~one bucket."""
 
     bucket_bytes: int = 64 << 20
     timeout_s: float = 600.0

@@ -1,9 +1,10 @@
 """Weight sync to a Ray rollout pool: the old path (actor rank 0 → driver → pool) against the Ray
-weight transport (rank 0 → Ray object store → pool; the driver forwards a ticket), side by side.
+weight transport (rank 0 → Ray object store → pool; the driver forwards a ticket) and the
+collective one (every actor rank broadcasts its FSDP2 shard to the pool over gloo), side by side.
 
 Methodology: one Trainer per model on ``run.backend=ray`` with 2 actor workers (FSDP2) and a
-rollout pool of 1 worker, one torch thread each. For each of ``--repeats`` rounds the two paths
-run back to back (old, new, old, new, ...; same machine load), each a full sync of the actor's
+rollout pool of 1 worker, one torch thread each. For each of ``--repeats`` rounds the three paths
+run back to back (old, ray, collective, old, ...; same machine load), each a full sync of the actor's
 current weights into the pool. Per path: the median wall time, the bytes that passed through the
 driver (tensor bytes it received or sent), and the peak extra RSS of the driver, of the busiest
 actor rank and of the rollout worker (the kernel's high-water mark, reset before each sync after every
@@ -45,6 +46,7 @@ def build(model: str, out_dir: str, bucket_mb: float):
         "run.worker_timeout_s=1200", "placement.actor={nodes: 1, workers_per_node: 2, cpus_per_worker: 0.5}",
         "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}",
         f"rollout.weight_bucket_mb={bucket_mb}", "validation.before_training=false", "sft.steps=0",
+        "rollout.weight_transport=collective",
     ]  # fmt: skip
     return Trainer(load_config(None, overrides))
 
@@ -113,12 +115,17 @@ def old_path(policy, version: int) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
-def new_path(policy, version: int) -> int:
-    from groupflow.distributed.transport import ticket_nbytes
+def ray_path(policy, version: int) -> int:
+    """The ``ray`` transport: rank 0 puts the buckets into the object store, the pool fetches."""
+    return policy._transfer(policy.rollout.receive_weights, version, policy.side_transport)
 
-    ticket = policy.publish(version)
-    policy.rollout.receive_weights(ticket, policy.transport)
-    return ticket_nbytes(ticket)
+
+def collective_path(policy, version: int) -> int:
+    """The ``collective`` transport: each actor rank broadcasts its shard while the pool receives."""
+    return policy._transfer(policy.rollout.receive_weights, version, policy.transport)
+
+
+PATHS = {"old": old_path, "ray": ray_path, "collective": collective_path}
 
 
 def measure(model: str, repeats: int, bucket_mb: float) -> dict:
@@ -126,12 +133,13 @@ def measure(model: str, repeats: int, bucket_mb: float) -> dict:
         trainer = build(model, out, bucket_mb)
         try:
             policy = trainer.policy
-            assert policy.transport.name == "ray", policy.transport
+            assert policy.transport.name == "collective", policy.transport
+            assert policy.side_transport.name == "ray", policy.side_transport
             nbytes = sum(t.numel() * t.element_size() for t in policy.snapshot().values())
             groups = (policy.actor, policy.rollout_pool)
-            rows = {"old": [], "new": []}
-            for r in range(repeats + 1):  # the first round warms both up, not counted
-                for name, fn in (("old", old_path), ("new", new_path)):
+            rows = {name: [] for name in PATHS}
+            for r in range(repeats + 1):  # the first round warms every path up, not counted
+                for name, fn in PATHS.items():
                     with PeakRSS(groups) as mem:
                         start = time.perf_counter()
                         via_driver = fn(policy, r)
@@ -154,13 +162,13 @@ def measure(model: str, repeats: int, bucket_mb: float) -> dict:
 
 
 def report(results: list[dict]) -> None:
-    print(f"{'model':<10}{'MB':>8}  {'path':<5}{'s':>8}{'ratio':>7}{'via driver MB':>15}"
+    print(f"{'model':<10}{'MB':>8}  {'path':<11}{'s':>8}{'ratio':>7}{'via driver MB':>15}"
           f"{'driver +MB':>12}{'actor +MB':>11}{'rollout +MB':>13}")  # fmt: skip
     for r in results:
-        for name in ("old", "new"):
+        for name in PATHS:
             p = r[name]
             ratio = p["seconds"] / r["old"]["seconds"]
-            print(f"{r['model']:<10}{r['bytes'] / 2**20:>8.1f}  {name:<5}{p['seconds']:>8.3f}"
+            print(f"{r['model']:<10}{r['bytes'] / 2**20:>8.1f}  {name:<11}{p['seconds']:>8.3f}"
                   f"{ratio:>7.2f}{p['bytes_via_driver'] / 2**20:>15.1f}"
                   f"{p['driver_peak_extra_mb']:>12.1f}{p['actor_rank_peak_extra_mb']:>11.1f}"
                   f"{p['rollout_worker_peak_extra_mb']:>13.1f}")  # fmt: skip
@@ -168,9 +176,10 @@ def report(results: list[dict]) -> None:
     print(f"\nextrapolated from {big['model']}'s seconds per byte (this machine, linear):")
     for label, params in (("7B", 7e9), ("70B", 70e9)):
         nbytes = params * 2  # bf16
-        cost = {n: big[n]["seconds"] / big["bytes"] * nbytes for n in ("old", "new")}
-        print(f"  {label} bf16 ({nbytes / 1e9:.0f} GB): old {cost['old']:.0f} s, "
-              f"new {cost['new']:.0f} s per sync; driver holds {nbytes / 1e9:.0f} GB (old) vs 0 (new)")  # fmt: skip
+        cost = {n: big[n]["seconds"] / big["bytes"] * nbytes for n in PATHS}
+        print(f"  {label} bf16 ({nbytes / 1e9:.0f} GB): old {cost['old']:.0f} s, ray "
+              f"{cost['ray']:.0f} s, collective {cost['collective']:.0f} s per sync; driver "
+              f"holds {nbytes / 1e9:.0f} GB (old) vs 0 (ray, collective)")  # fmt: skip
 
 
 def main() -> None:

@@ -573,17 +573,23 @@ def build_rollout_engine(cfg: Config):
     )
 
 
-def build_weight_transport(cfg: Config, run_dir: Path):
-    """The configured weight transport (``groupflow.distributed.transport``); ``auto``: Ray's object
-    store on run.backend=ray (nothing passes the driver), in-process tensors otherwise."""
+def build_weight_transport(cfg: Config, run_dir: Path, kind: str | None = None):
+    """The configured weight transport (``groupflow.distributed.transport``); ``auto``: on
+    run.backend=ray the collective one where it applies (a rollout pool fed synchronously: each
+    actor rank broadcasts its shard), else Ray's object store (nothing passes the driver either
+    way); in-process tensors otherwise. ``kind``: instead of ``rollout.weight_transport``."""
+    from groupflow.config.root import collective_refusal
+    from groupflow.distributed.collective import CollectiveTransport
     from groupflow.distributed.transport import DriverTransport, FileTransport, RayObjectTransport
 
     r = cfg.rollout
-    kind = r.weight_transport
-    if kind == "auto":
-        kind = "ray" if cfg.run.backend == "ray" else "driver"
+    kind = kind or r.weight_transport
+    if kind == "auto" and cfg.run.backend == "ray":
+        kind = "ray" if collective_refusal(cfg) else "collective"
     bucket = max(1, int(r.weight_bucket_mb * (1 << 20)))
     timeout = cfg.run.worker_timeout_s
+    if kind == "collective":
+        return CollectiveTransport(bucket_bytes=bucket, timeout_s=timeout)
     if kind == "ray":
         return RayObjectTransport(bucket_bytes=bucket, timeout_s=timeout)
     if kind == "filesystem":

@@ -35,7 +35,22 @@ from groupflow.config.sections import (
     _Section,
 )
 
-__all__ = ["Config"]
+__all__ = ["Config", "collective_refusal"]
+
+
+def collective_refusal(cfg: Config) -> str | None:
+    """Why the collective weight transport cannot serve this run, or None: its senders and
+    receivers must meet for every transfer (``groupflow.distributed.collective``)."""
+    if cfg.run.backend != "ray":
+        return f"needs run.backend=ray (got {cfg.run.backend!r})"
+    if cfg.placement.rollout == "colocated":
+        return "needs a rollout pool (placement.rollout): a colocated rollout has the weights"
+    if cfg.rollout.max_staleness:
+        return (
+            f"needs rollout.max_staleness=0 (got {cfg.rollout.max_staleness}): the asynchronous "
+            "rollout fetches each version when it starts a batch, which a broadcast cannot wait for"
+        )
+    return None
 
 
 class Config(_Section):
@@ -154,6 +169,10 @@ class Config(_Section):
                 f"rollout.weight_transport=ray needs run.backend=ray (got {self.run.backend!r}); "
                 "use auto, driver or filesystem"
             )
+        if self.rollout.weight_transport == "collective":
+            why = collective_refusal(self)
+            if why:
+                raise ValueError(f"rollout.weight_transport=collective {why}; use auto or ray")
         return self
 
     @model_validator(mode="after")

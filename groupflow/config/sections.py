@@ -308,11 +308,16 @@ class RolloutConfig(_Section):
     # reproducibility: which version that is depends on timing.
     async_mode: Literal["deterministic", "eager"] = "deterministic"
     # ---- weight transport (groupflow.distributed.transport): how a new version reaches a
-    # rollout pool, the reference or a critic. auto: "ray" on run.backend=ray (the actor's rank
-    # puts buckets into Ray's object store, the pool fetches them: nothing passes the driver),
-    # else "driver" (in-process). "filesystem": safetensors buckets under weight_dir, a directory
-    # both sides see. The asynchronous rollout on one host uses the shared-memory ring.
-    weight_transport: Literal["auto", "driver", "filesystem", "ray"] = "auto"
+    # rollout pool, the reference or a critic. "collective" (groupflow.distributed.collective):
+    # every actor rank broadcasts its shard to the rollout pool over a process group of their
+    # own (gloo on CPU, NCCL on GPU): one bucket of extra memory anywhere; needs run.backend=ray,
+    # a rollout pool and max_staleness 0 (sender and receivers meet; the reference and a critic
+    # get the "ray" transport). "ray": the actor's rank 0 puts the version's buckets into Ray's
+    # object store, receivers fetch them whenever they want (asynchronous rollout, checkpoints).
+    # auto: "collective" where it applies, else "ray" on run.backend=ray, else "driver"
+    # (in-process). "filesystem": safetensors buckets under weight_dir, a directory both sides
+    # see. The asynchronous rollout on one host uses the shared-memory ring.
+    weight_transport: Literal["auto", "driver", "filesystem", "ray", "collective"] = "auto"
     weight_bucket_mb: float = Field(64.0, gt=0)  # bytes per bucket (each checked with a CRC32)
     weight_dir: str | None = None  # filesystem transport; None: <run dir>/weights
 

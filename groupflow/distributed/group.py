@@ -140,7 +140,7 @@ class WorkerGroup:
             getattr(factory, "create", factory),
         )  # a class may bring a factory classmethod
         self.startup_timeout_s = max(startup_timeout_s, timeout_s)
-        self._factory = factory
+        self._factory, self._cls = factory, cls
         self._pool: RayPool | None = None
         env = {"GROUPFLOW_WORLD_SIZE": str(world_size)}
         if world_size > 1:
@@ -221,19 +221,35 @@ class WorkerGroup:
         return call
 
     def execute(self, method: str, mode: str, *args, **kwargs) -> Any:
+        return self._start(method, mode, *args, **kwargs)()
+
+    def submit(self, method: str, *args, **kwargs) -> Callable[[], Any]:
+        """Start a registered method on the workers without waiting; returns the function that
+        waits (same timeout and errors) and gives what the method's call would have. On Ray the
+        workers run meanwhile — e.g. a collective weight transfer whose other side the caller
+        starts next; in-process backends run the method here, before returning."""
+        mode = dispatch_mode(getattr(self._cls, method, None))
+        if mode is None:
+            raise AttributeError(f"{self.name} has no registered method '{method}'")
+        return self._start(method, mode, *args, **kwargs)
+
+    def _start(self, method: str, mode: str, *args, **kwargs) -> Callable[[], Any]:
         per_rank, pad = split_args(mode, self.world_size, args, kwargs)
         ranks = [0] if mode == "one" else range(self.world_size)
-        if self.backend == "local":
-            results = [self._call_local(r, method, *per_rank[r]) for r in ranks]
-        elif self.backend == "process":
-            results = [self._call_process(r, method, *per_rank[r]) for r in ranks]
-        else:
+        inputs = len(args[0]) if mode == "dp" else 0
+        if self.backend == "ray":
             import ray
 
             futures = [self._hosts[r].call.remote(method, *per_rank[r]) for r in ranks]
-            results = self._ray_get(ray, futures, method)
-        inputs = len(args[0]) if mode == "dp" else 0
-        return collect(mode, results, inputs=inputs, pad=pad)
+            return lambda: collect(
+                mode, self._ray_get(ray, futures, method), inputs=inputs, pad=pad
+            )
+        if self.backend == "local":
+            results = [self._call_local(r, method, *per_rank[r]) for r in ranks]
+        else:
+            results = [self._call_process(r, method, *per_rank[r]) for r in ranks]
+        out = collect(mode, results, inputs=inputs, pad=pad)
+        return lambda: out
 
     def _call_local(self, rank: int, method: str, args: tuple, kwargs: dict) -> Any:
         # In-process: the original exception propagates (its type matters to callers), with a note

@@ -16,7 +16,9 @@ tensor bytes inside tickets (``ticket_nbytes``, logged as ``weights/bytes_via_dr
 - ``filesystem``: safetensors buckets under a directory both sides see, a manifest written last;
   for clusters without a shared collective;
 - ``ray``: buckets put into Ray's object store *by the sending rank*; the ticket holds object
-  references, the receivers fetch the buckets from the sender's node, never from the driver.
+  references, the receivers fetch the buckets from the sender's node, never from the driver;
+- ``collective`` (``groupflow.distributed.collective``): every actor rank broadcasts its shard
+  to the rollout workers over a process group of their own (gloo/NCCL); the ticket is the version.
 
 The weights travel as a byte stream cut into fixed-size buckets (``rollout.weight_bucket_mb``),
 each with its version and a CRC32; a bucket whose checksum or version does not match, or one that
@@ -121,18 +123,19 @@ class Layout:
                    tuple(d["offsets"]), int(d["total"]))  # fmt: skip
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+def _as_bytes(t: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    return t.detach().contiguous().to(device).reshape(-1).view(torch.uint8)
 
 
-def pack_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int):
-    """Yield (index, uint8 bucket [<= bucket_bytes]) over the weights' byte stream, in order; at
-    most one bucket is held at a time (tensors may straddle two buckets)."""
+def pack_buckets(weights: dict[str, torch.Tensor], bucket_bytes: int,
+                 device: torch.device | str = "cpu"):  # fmt: skip
+    """Yield (index, uint8 bucket [<= bucket_bytes]) over the weights' byte stream, in order, on
+    ``device``; at most one bucket is held at a time (tensors may straddle two buckets)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     parts, size, index = [], 0, 0
     for t in weights.values():
-        data, at = _as_bytes(t), 0
+        data, at = _as_bytes(t, device), 0
         while at < data.numel():
             take = min(bucket_bytes - size, data.numel() - at)
             parts.append(data[at : at + take])
@@ -191,7 +194,11 @@ def scatter_bucket(layout: Layout, bucket: torch.Tensor, start: int,
 def receive_into(transport, ticket: Any, dest: dict[str, torch.Tensor], *, role: str = "rollout",
                  rank: int = 0) -> None:  # fmt: skip
     """Load a ticket's weights into ``dest`` (name → tensor, e.g. a model's state dict) in place:
-    bucket by bucket where the transport streams them (``buckets``), else from the whole dict."""
+    bucket by bucket where the transport streams them (``buckets``), or its own way (a collective
+    transport's ``receive_into``), else from the whole dict."""
+    own = getattr(transport, "receive_into", None)
+    if own is not None:
+        return own(ticket, dest, role=role, rank=rank)
     stream = getattr(transport, "buckets", None)
     if stream is None:
         weights = transport.receive(ticket, role=role, rank=rank)
@@ -334,7 +341,19 @@ class FileTransport:
 class RayObjectTransport:
     """Buckets put into Ray's object store by the sending process (an actor rank); the ticket
     carries their object references and checksums. Receivers fetch each bucket from the sender's
-    node; the driver, which forwards the ticket, never holds a byte of the weights."""
+    node; the driver, which forwards the ticket, never holds a byte of the weights.
+
+    Memory: the sending process's heap holds one bucket at a time (each is copied into the object
+    store and dropped), but the object store holds the whole version until the last ticket naming
+    it is dropped — by design, not by accident: a ticket is fetched *later* (the asynchronous
+    rollout fetches a version when it starts a batch, several workers fetch it one after the
+    other, a checkpoint reads in-flight versions back), while the actor has already moved on to
+    the next update, so no bucket can be cut lazily from the live weights. Bounding it to a few
+    buckets would need the sender to wait for every reader (a streaming generator with
+    backpressure blocks the actor until all readers are done, i.e. a collective in disguise).
+    Bounds: shared memory of the sender's node (spillable to disk by Ray), at most the versions
+    whose tickets are held (``TicketStore``: ``max_staleness + 2``). Where the receivers read at
+    once (a synchronous rollout pool) ``CollectiveTransport`` keeps every process at ~one bucket."""
 
     bucket_bytes: int = 64 << 20
     timeout_s: float = 600.0

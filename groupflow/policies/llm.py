@@ -150,6 +150,12 @@ class LLMPolicy:
                 cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout",
                 role_name="rollout",  # errors name the role: the class serves two
             )  # fmt: skip
+        # The reference and a critic (fed once) are outside the collective transport's group:
+        # Ray's object store serves them; the group spans the actor's ranks and the rollout pool.
+        self.side_transport = self.transport
+        if self.transport.name == "collective":
+            self.transport.open(self.actor.world_size, self.rollout.world_size)
+            self.side_transport = builders.build_weight_transport(cfg, run_dir, kind="ray")
         self.reference = None
         if needs_reference:
             self.reference = self.actor
@@ -253,10 +259,16 @@ class LLMPolicy:
         (for Ray or the filesystem: references, not weights) is what the driver forwards."""
         return self.actor.send_weights(version, self.transport)
 
-    def _transfer(self, receive, version: int) -> int:
+    def _transfer(self, receive, version: int, transport=None) -> int:
         """Actor → a role's workers through the transport; the bytes that passed the driver."""
-        ticket = self.publish(version)
-        receive(ticket, self.transport)
+        transport = transport or self.transport
+        if transport.name == "collective":  # both sides at once: the ranks broadcast meanwhile
+            sent = self.actor.submit("send_weights", version, transport)
+            receive(transport.ticket(version), transport)
+            sent()
+            return 0
+        ticket = self.actor.send_weights(version, transport)
+        receive(ticket, transport)
         return ticket_nbytes(ticket)
 
     def sft_step(self, batch: Batch, lr: float) -> float:
@@ -271,10 +283,10 @@ class LLMPolicy:
             if self.reference is self.actor:
                 self.actor.reset_reference()
             elif self.reference is not None:
-                self._transfer(self.reference.receive_weights, 0)
+                self._transfer(self.reference.receive_weights, 0, self.side_transport)
         c = self.cfg.critic
         if self.critic is not None and c.path is None and c.tiny is None:
-            self._transfer(self.critic.receive_backbone, 0)
+            self._transfer(self.critic.receive_backbone, 0, self.side_transport)
 
     # ----- asynchronous rollout (groupflow.async_rollout) -------------------------------------
     @property
@@ -342,6 +354,8 @@ class LLMPolicy:
                  self.reward_model)  # fmt: skip
         for group in dict.fromkeys(g for g in roles if g is not None):
             group.shutdown()
+        if hasattr(self.transport, "close"):
+            self.transport.close()  # the collective transport's rendezvous store
 
 
 class RolloutPolicy:

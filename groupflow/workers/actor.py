@@ -616,7 +616,11 @@ class ActorRolloutWorker:
     def send_weights(self, version: int, transport):
         """Send the current full weights from rank 0 with ``transport``
         (``groupflow.distributed.transport``); returns rank 0's ticket — for a Ray or filesystem
-        transport a few references, not the weights."""
+        transport a few references, not the weights. The collective transport: every rank
+        broadcasts the rows it holds (its FSDP2 shard), nothing is gathered."""
+        if transport.name == "collective":
+            held = self.model.state_dict() if self.cfg.lora is None else self.full_weights(False)
+            return transport.send(version, held, rank=self.rank)  # LoRA: merged, from rank 0
         in_process = transport.name == "driver"  # the ticket holds the tensors: a copy
         if self.cfg.lora is None:
             # The unsharded generation copy (sharded training) or the training model itself is

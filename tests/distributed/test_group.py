@@ -45,6 +45,13 @@ def test_all_and_rank0_and_one(group):
     assert "not_exposed" not in vars(group)  # undecorated methods are not group methods
 
 
+def test_submit_returns_a_wait_that_gives_the_call_result(group):
+    wait = group.submit("scaled", 3.0)  # Ray: running meanwhile; in-process: already ran
+    assert wait() == 30.0 and group.submit("whoami")() == [(0, 3), (1, 3), (2, 3)]
+    with pytest.raises(AttributeError, match="no registered method 'not_exposed'"):
+        group.submit("not_exposed")
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 9])
 def test_dp_uneven_sizes_roundtrip(group, n):
     b = Batch({"x": torch.arange(n)}, {"s": [f"s{i}" for i in range(n)]})

@@ -184,8 +184,10 @@ def test_async_rollout_with_a_ray_rollout_pool_matches_the_local_process_worker(
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(tmp_path, staleness):
     """2 actor ranks, 1 rollout worker: the pool's worker generates every training batch (the
-    asynchronous side too), versions reach it through Ray's object store (weights/bytes_via_driver
-    is 0 at every step), and the run is the local run's (colocated, or the local child process)."""
+    asynchronous side too), versions reach it without the driver (weights/bytes_via_driver is 0
+    at every step) — synchronously broadcast by both actor ranks (the collective transport, the
+    default there), asynchronously through Ray's object store — and the run is the local run's
+    (colocated, or the local child process)."""
     k = f"rollout.max_staleness={staleness}"
     local = run(tmp_path, "local", 3, k)
     cfg = load_config(
@@ -197,6 +199,7 @@ def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(tmp_path, s
     )  # fmt: skip
     trainer = Trainer(cfg)
     try:
+        assert trainer.policy.transport.name == ("ray" if staleness else "collective")
         trainer.fit()
         pool = trainer.policy.rollout_pool.generated()
         actor = trainer.policy.actor.generated()

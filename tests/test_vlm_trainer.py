@@ -264,9 +264,36 @@ def test_eval_and_export_of_a_tiny_vlm_run(tiny_config_data, tmp_path, capsys):
     assert "exported HF model" in capsys.readouterr().out
 
 
-def test_multi_turn_runs_refuse_image_prompts_at_start(tiny_config_data):
+def test_a_multi_turn_vlm_run_sees_observation_images_and_trains(tiny_config_data,
+                                                                 helpers_on_path):  # fmt: skip
+    """Image prompts, an environment that answers with a picture of a number, two GRPO steps:
+    the sampling log-probs are the training forward's (ratio 1 on the first update) although
+    each sample's later turns show the images of its prompt and of its observations."""
+    data = _cfg(tiny_config_data, run__total_steps=2)
+    data["model"]["tiny"]["max_positions"] = 96
+    data["data"].update(prompts_per_step=2, max_prompt_tokens=64)
+    data["rollout"].update(max_turns=2, max_new_tokens=3, max_response_tokens=40,
+                           environment={"class": "agent_helpers:NumberPictureEnv"})  # fmt: skip
+    data["validation"] = {"before_training": False}
+    data["actor"]["recompute_old_logprobs"] = "always"  # logs rollout/logprob_diff_max
+    # a short warm start on the answers (one turn each) teaches "digit, EOS": turns then end
+    # and the environment answers with its picture
+    data["sft"] = {"steps": 20, "batch_samples": 16, "lr": 2e-2, "check_every": 100}
+    trainer = Trainer(config_from_dict(data))
+    trainer.fit()
+    logged = {int(r["step"]): r for r in read_metrics(Path(trainer.run_dir) / "metrics.jsonl")
+              if r["step"] > 0}  # fmt: skip
+    assert sorted(logged) == [1, 2]
+    assert logged[1]["actor/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert all(math.isfinite(logged[s]["actor/loss"]) for s in logged)
+    # token-in/token-out with images in the prompt and the observations
+    assert logged[1]["rollout/logprob_diff_max"] < 1e-4
+    assert max(r["rollout/observation_tokens/mean"] for r in logged.values()) > 0
+
+
+def test_image_prompts_for_a_multi_turn_text_model_are_a_data_error(tiny_config_data):
     data = _cfg(tiny_config_data)
+    data["model"]["tiny"].pop("vision")
     data["rollout"].update(max_turns=2, tools=[{"name": "calculator"}])
-    cfg = config_from_dict(data)
-    with pytest.raises(DataError, match="not supported by multi-turn workflows yet"):
-        _ = groupflow.Run(cfg).trainer
+    with pytest.raises(DataError, match="text-only"):
+        _ = groupflow.Run(config_from_dict(data)).trainer

@@ -46,6 +46,9 @@ __all__ = [
     "vision_positions",
     "freeze_vision_tower",
     "encode_image_prompt",
+    "encode_text_with_images",
+    "join_vision",
+    "placeholder_ids",
 ]
 
 # Per-token outputs of processors that groupflow recomputes from the ids, not per-prompt tensors.
@@ -194,14 +197,39 @@ def encode_image_prompt(processor, messages: list[dict[str, Any]],
     text = processor.apply_chat_template(
         plain, tokenize=False, add_generation_prompt=add_generation_prompt
     )
+    return text, *encode_text_with_images(processor, text, images)
+
+
+def encode_text_with_images(processor, text: str, images: list) -> tuple[list[int], VisionInputs]:
+    """Token ids of ``text`` (a templated prompt, or a fragment such as an observation) with its
+    image placeholders expanded for ``images`` (decoded PIL images, in placeholder order), and
+    their VisionInputs (empty without images)."""
     if not images:
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, list(ids), VisionInputs()
+        return list(ids), VisionInputs()
     enc = processor(text=[text], images=_images_arg(processor, images), return_tensors="pt",
                     add_special_tokens=False)  # fmt: skip
     ids = enc["input_ids"][0].tolist()
     tensors = {k: v for k, v in enc.items() if k not in _PER_TOKEN and isinstance(v, torch.Tensor)}
-    return text, ids, VisionInputs(tensors, len(images))
+    return ids, VisionInputs(tensors, len(images))
+
+
+def join_vision(items: Sequence[VisionInputs | None]) -> VisionInputs | None:
+    """One row's VisionInputs from the parts of its sequence in order (a prompt's images, then
+    each observation's): the tensors ``collate_vision`` makes of them, as one row. None: no
+    images in any part."""
+    present = [v for v in items if v is not None and v.tensors]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+    return VisionInputs(collate_vision(present), sum(v.num_images for v in present))
+
+
+def placeholder_ids(model_config) -> list[int]:
+    """The token ids the multimodal base replaces by image (or video) features."""
+    ids = [getattr(model_config, k, None) for k in ("image_token_id", "video_token_id")]
+    return [int(i) for i in ids if i is not None]
 
 
 def _images_arg(processor, images: list):

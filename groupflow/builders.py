@@ -559,13 +559,10 @@ def build_rollout_engine(cfg: Config):
 
     if cfg.rollout.engine == "hf":
         return HF
-    if _is_vlm_config(cfg):
-        raise ModelLoadError(
-            "rollout.engine=vllm: the model is a vision-language model, and the vLLM engine does "
-            "not take prompts with images yet; set rollout.engine=hf"
-        )
     require_vllm()
     v = cfg.rollout.vllm
+    # a vision-language model: vLLM's multimodal processor reads the directory's processor files
+    processor_path = str(Path(cfg.model.path).expanduser()) if _is_vlm_config(cfg) else None
     return VLLMOptions(
         gpu_memory_utilization=v.gpu_memory_utilization,
         sleep_mode=v.sleep_mode,
@@ -575,6 +572,7 @@ def build_rollout_engine(cfg: Config):
         enforce_eager=v.enforce_eager,
         enable_prefix_caching=v.enable_prefix_caching,
         seed=cfg.run.seed,
+        processor_path=processor_path,
     )
 
 

@@ -184,22 +184,29 @@ def test_the_geo3k_example_maps_geometry3k_rows_to_image_prompts(tmp_path):
     assert float(result.total[0]) == 1.0
 
 
-def test_the_vllm_engine_refuses_a_vision_language_model_at_start(tiny_config_data, tmp_path):
+def test_the_vllm_engine_refuses_the_tiny_vlm_and_names_a_vlm_directorys_processor(
+    tiny_config_data, tmp_path
+):
     from groupflow.builders import build_rollout_engine
     from groupflow.config import ConfigError
-    from groupflow.models.causal_lm import ModelLoadError
+    from groupflow.rollout.vllm_engine import VLLMUnavailableError, vllm_available
 
     data = _cfg(tiny_config_data)
     data["rollout"]["engine"] = "vllm"
-    with pytest.raises(ConfigError, match="vLLM engine does not take prompts with images"):
+    with pytest.raises(ConfigError, match="vLLM's multimodal inputs need one"):
         config_from_dict(data)
+    # a VLM directory: vLLM's options name it as the processor's (tests/rollout/test_vllm.py
+    # runs the engine on images in .venv-vllm)
     (tmp_path / "vlm").mkdir()
     (tmp_path / "vlm" / "config.json").write_text(json.dumps({"vision_config": {}}))
     data = tiny_config_data()
     data["model"] = {"path": str(tmp_path / "vlm")}
     data["rollout"]["engine"] = "vllm"
-    with pytest.raises(ModelLoadError, match="vLLM engine does not take prompts with images"):
-        build_rollout_engine(config_from_dict(data))
+    if vllm_available():
+        assert build_rollout_engine(config_from_dict(data)).processor_path == str(tmp_path / "vlm")
+    else:
+        with pytest.raises(VLLMUnavailableError):
+            build_rollout_engine(config_from_dict(data))
 
 
 @pytest.mark.slow

@@ -238,3 +238,15 @@ class BrokenPictureEnv:
             0.0,
             False,
         )
+
+
+class PictureFirstEnv:
+    """Shows a picture at reset (the first observation extends the prompt); one turn."""
+
+    def reset(self, row):
+        from PIL import Image
+
+        return {"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (30, 30))}]}
+
+    def step(self, text):
+        return None, 1.0, True

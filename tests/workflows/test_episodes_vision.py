@@ -177,3 +177,48 @@ def test_text_only_formats_refuse_image_observations():
         ChatFormat(tok).observation_ids(obs, None)
     with pytest.raises(ValueError, match="a list of text and image parts"):
         normalize_observation({"role": "user", "content": [{"type": "image"}]})
+
+
+def test_a_first_observation_with_an_image_extends_the_prompt(vlm, helpers):
+    arch, model, proc, tok = vlm
+    prompts = [[{"role": "user", "content": "what is shown?"}]]
+    episodes, _ = _run(model, proc, tok, helpers.PictureFirstEnv, prompts, n=2, max_turns=1)
+    assert all(e.failure is None for e in episodes)
+    for e in episodes:
+        assert e.vision.num_images == 1 and model.config.image_token_id in e.prompt_ids
+    batch = episodes_batch(episodes, tok.pad_token_id, 200)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch["prompt_ids"], batch["prompt_mask"],
+                                  batch["responses"], batch["response_mask"],
+                                  vision=list(batch["vision"]))  # fmt: skip
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(lp[mask], batch["rollout_logprobs"][mask], atol=3e-5, rtol=0)
+
+
+def test_a_sampled_placeholder_token_ends_the_episode_before_it(vlm, helpers):
+    """A turn that samples an image placeholder is cut before it and counted as a failure, so no
+    later context holds a placeholder without its image."""
+    from groupflow.batch import Batch
+
+    arch, model, proc, tok = vlm
+    place = model.config.image_token_id
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+
+    def generate(batch, params, width):
+        k = len(batch["prompt_token_ids"]) * params.n
+        return Batch({"responses": torch.tensor([[a, place, b]] * k),
+                      "response_mask": torch.ones(k, 3, dtype=torch.long),
+                      "rollout_logprobs": torch.full((k, 3), -1.0)},
+                     {"finish_reason": ["stop"] * k})  # fmt: skip
+
+    fmt = VisionChatFormat(proc, limits=LIMITS)
+    row = PromptRow([{"role": "user", "content": "hi"}], {}, "mem", 3)
+    episodes = run_episodes(
+        [row], [tok("<user>hi<assistant>")["input_ids"]], [1, 2], [0], n=2, generate=generate,
+        params=SamplingParams(max_new_tokens=3, n=2), make_env=helpers.NumberPictureEnv, fmt=fmt,
+        tokenizer=tok, limits=EpisodeLimits(max_turns=3, max_new_tokens=3, max_response_tokens=50),
+    )  # fmt: skip
+    for e in episodes:
+        assert e.ids == [a] and e.mask == [1] and e.logprobs == [-1.0]
+        assert e.finish == "env_failure" and e.failure_kind == "invalid"
+        assert f"turn 1: the model sampled an image placeholder token (id {place})" in e.failure

@@ -337,8 +337,8 @@ def _image_prompt_hidden(model, prompt_ids, prompt_mask, responses, response_mas
     return torch.cat([first, rest], dim=1)
 
 
-def _observation_images(model: nn.Module, responses: torch.Tensor,
-                        response_mask: torch.Tensor) -> bool:  # fmt: skip
+def observation_images(model: nn.Module, responses: torch.Tensor,
+                       response_mask: torch.Tensor) -> bool:  # fmt: skip
     """Whether some response shows images: placeholder tokens in a gap (an observation, mask 0)."""
     ids = placeholder_ids(model.config)
     if not ids:
@@ -381,6 +381,7 @@ def response_hidden_states(
     *,
     share_prompt: bool | str = True,
     vision=None,
+    whole_sequence: bool | None = None,
 ) -> torch.Tensor:
     """Decoder states [B, T, H]: row b's state at t is the one that predicts ``responses[b, t]``.
 
@@ -400,12 +401,17 @@ def response_hidden_states(
 
     ``vision``: one ``models.vision.VisionInputs`` (or None) per row; with images, the prompts go
     through the multimodal base and the responses through the language model on its cache, one
-    prompt pass per row (no sharing: reason in ``models/vision.py``).
+    prompt pass per row (no sharing: reason in ``models/vision.py``). Rows whose observations show
+    images (multi-turn) take one pass over prompt and response instead (``_image_sequence_hidden``);
+    ``whole_sequence`` forces that choice (None: ``observation_images`` of these rows decides) —
+    FSDP ranks pass the same value, so that they make the same calls.
     """
     if share_prompt not in (True, False, "always"):
         raise ValueError(f"share_prompt must be True, False or 'always', got {share_prompt!r}")
     if vision is not None and any(v is not None and v.tensors for v in vision):
-        if _observation_images(model, responses, response_mask):
+        if whole_sequence is None:
+            whole_sequence = observation_images(model, responses, response_mask)
+        if whole_sequence:
             return _image_sequence_hidden(
                 model, prompt_ids, prompt_mask, responses, response_mask, vision
             )

@@ -444,13 +444,18 @@ def rows_with_reward_fields(
 
 
 def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str, *, render=render_prompt,
-                   templated: bool | None = None) -> EncodedPrompts:  # fmt: skip
+                   templated: bool | None = None, encode_images=None) -> EncodedPrompts:  # fmt: skip
     """Render (chat template where asked) and tokenize each prompt once; filter or reject over-long
     ones. ``render(row, tokenizer, use_chat_template)`` may be a workflow's own (tools described);
-    ``templated`` says whether its text carries the template's special tokens (None: per row)."""
+    ``templated`` says whether its text carries the template's special tokens (None: per row).
+    ``encode_images(row) -> (text, ids, VisionInputs | None)``: a workflow's own encoding of
+    prompts with images (None: the model's processor, ``models.vision.encode_image_prompt``)."""
     d = cfg.data
     if any(prompt_images(r.prompt) for r in rows):
-        texts, ids, vision = _encode_image_prompts(rows, tokenizer, cfg, split)
+        if encode_images is not None:
+            texts, ids, vision = (list(x) for x in zip(*(encode_images(r) for r in rows)))
+        else:
+            texts, ids, vision = _encode_image_prompts(rows, tokenizer, cfg, split)
     else:
         vision = None
         texts = [render(r, tokenizer, d.use_chat_template) for r in rows]
@@ -554,13 +559,10 @@ def build_rollout_engine(cfg: Config):
 
     if cfg.rollout.engine == "hf":
         return HF
-    if _is_vlm_config(cfg):
-        raise ModelLoadError(
-            "rollout.engine=vllm: the model is a vision-language model, and the vLLM engine does "
-            "not take prompts with images yet; set rollout.engine=hf"
-        )
     require_vllm()
     v = cfg.rollout.vllm
+    # a vision-language model: vLLM's multimodal processor reads the directory's processor files
+    processor_path = str(Path(cfg.model.path).expanduser()) if _is_vlm_config(cfg) else None
     return VLLMOptions(
         gpu_memory_utilization=v.gpu_memory_utilization,
         sleep_mode=v.sleep_mode,
@@ -570,6 +572,7 @@ def build_rollout_engine(cfg: Config):
         enforce_eager=v.enforce_eager,
         enable_prefix_caching=v.enable_prefix_caching,
         seed=cfg.run.seed,
+        processor_path=processor_path,
     )
 
 

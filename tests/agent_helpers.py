@@ -202,3 +202,51 @@ def record_trajectory(prompts, completions, messages, turns, tool_calls, env_rew
 def needs_env_rewards(prompts, completions, env_rewards):
     """A reward that only a multi-turn workflow can feed."""
     return [float(sum(r)) for r in env_rewards]
+
+
+class NumberPictureEnv:
+    """Answers each model turn with a picture of a number (the turn count drawn as that many
+    dark bars) and a question; done after three pictures. A vision-language test environment."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        from PIL import Image, ImageDraw
+
+        self.turns += 1
+        img = Image.new("RGB", (48, 32), (255, 255, 255))
+        draw = ImageDraw.Draw(img)
+        for k in range(self.turns):
+            draw.rectangle([4 + 8 * k, 4, 8 + 8 * k, 28], fill=(0, 0, 0))
+        content = [{"type": "image", "image": img}, {"type": "text", "text": "how many?"}]
+        return {"role": "user", "content": content}, float(len(text) % 2), self.turns >= 3
+
+
+class BrokenPictureEnv:
+    """Answers with an image file that does not exist."""
+
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        return (
+            {"role": "user", "content": [{"type": "image", "image": "/nonexistent/x.png"}]},
+            0.0,
+            False,
+        )
+
+
+class PictureFirstEnv:
+    """Shows a picture at reset (the first observation extends the prompt); one turn."""
+
+    def reset(self, row):
+        from PIL import Image
+
+        return {"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (30, 30))}]}
+
+    def step(self, text):
+        return None, 1.0, True

@@ -184,22 +184,29 @@ def test_the_geo3k_example_maps_geometry3k_rows_to_image_prompts(tmp_path):
     assert float(result.total[0]) == 1.0
 
 
-def test_the_vllm_engine_refuses_a_vision_language_model_at_start(tiny_config_data, tmp_path):
+def test_the_vllm_engine_refuses_the_tiny_vlm_and_names_a_vlm_directorys_processor(
+    tiny_config_data, tmp_path
+):
     from groupflow.builders import build_rollout_engine
     from groupflow.config import ConfigError
-    from groupflow.models.causal_lm import ModelLoadError
+    from groupflow.rollout.vllm_engine import VLLMUnavailableError, vllm_available
 
     data = _cfg(tiny_config_data)
     data["rollout"]["engine"] = "vllm"
-    with pytest.raises(ConfigError, match="vLLM engine does not take prompts with images"):
+    with pytest.raises(ConfigError, match="vLLM's multimodal inputs need one"):
         config_from_dict(data)
+    # a VLM directory: vLLM's options name it as the processor's (tests/rollout/test_vllm.py
+    # runs the engine on images in .venv-vllm)
     (tmp_path / "vlm").mkdir()
     (tmp_path / "vlm" / "config.json").write_text(json.dumps({"vision_config": {}}))
     data = tiny_config_data()
     data["model"] = {"path": str(tmp_path / "vlm")}
     data["rollout"]["engine"] = "vllm"
-    with pytest.raises(ModelLoadError, match="vLLM engine does not take prompts with images"):
-        build_rollout_engine(config_from_dict(data))
+    if vllm_available():
+        assert build_rollout_engine(config_from_dict(data)).processor_path == str(tmp_path / "vlm")
+    else:
+        with pytest.raises(VLLMUnavailableError):
+            build_rollout_engine(config_from_dict(data))
 
 
 @pytest.mark.slow
@@ -264,9 +271,36 @@ def test_eval_and_export_of_a_tiny_vlm_run(tiny_config_data, tmp_path, capsys):
     assert "exported HF model" in capsys.readouterr().out
 
 
-def test_multi_turn_runs_refuse_image_prompts_at_start(tiny_config_data):
+def test_a_multi_turn_vlm_run_sees_observation_images_and_trains(tiny_config_data,
+                                                                 helpers_on_path):  # fmt: skip
+    """Image prompts, an environment that answers with a picture of a number, two GRPO steps:
+    the sampling log-probs are the training forward's (ratio 1 on the first update) although
+    each sample's later turns show the images of its prompt and of its observations."""
+    data = _cfg(tiny_config_data, run__total_steps=2)
+    data["model"]["tiny"]["max_positions"] = 96
+    data["data"].update(prompts_per_step=2, max_prompt_tokens=64)
+    data["rollout"].update(max_turns=2, max_new_tokens=3, max_response_tokens=40,
+                           environment={"class": "agent_helpers:NumberPictureEnv"})  # fmt: skip
+    data["validation"] = {"before_training": False}
+    data["actor"]["recompute_old_logprobs"] = "always"  # logs rollout/logprob_diff_max
+    # a short warm start on the answers (one turn each) teaches "digit, EOS": turns then end
+    # and the environment answers with its picture
+    data["sft"] = {"steps": 20, "batch_samples": 16, "lr": 2e-2, "check_every": 100}
+    trainer = Trainer(config_from_dict(data))
+    trainer.fit()
+    logged = {int(r["step"]): r for r in read_metrics(Path(trainer.run_dir) / "metrics.jsonl")
+              if r["step"] > 0}  # fmt: skip
+    assert sorted(logged) == [1, 2]
+    assert logged[1]["actor/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert all(math.isfinite(logged[s]["actor/loss"]) for s in logged)
+    # token-in/token-out with images in the prompt and the observations
+    assert logged[1]["rollout/logprob_diff_max"] < 1e-4
+    assert max(r["rollout/observation_tokens/mean"] for r in logged.values()) > 0
+
+
+def test_image_prompts_for_a_multi_turn_text_model_are_a_data_error(tiny_config_data):
     data = _cfg(tiny_config_data)
+    data["model"]["tiny"].pop("vision")
     data["rollout"].update(max_turns=2, tools=[{"name": "calculator"}])
-    cfg = config_from_dict(data)
-    with pytest.raises(DataError, match="not supported by multi-turn workflows yet"):
-        _ = groupflow.Run(cfg).trainer
+    with pytest.raises(DataError, match="text-only"):
+        _ = groupflow.Run(config_from_dict(data)).trainer

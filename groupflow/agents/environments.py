@@ -8,8 +8,10 @@ its own episode state without locks and a group's samples never see each other:
     step(text) -> (observation, reward, done)            text: the model's turn, decoded
 
 Either may be ``async def``. An observation is text, a chat message, or a list of chat messages
-(a tool environment answers with ``role: tool`` messages); the workflow tokenizes it once and
-appends it to the sequence, masked out of the loss. Tools are an environment too
+(a tool environment answers with ``role: tool`` messages); a message's content may be a list of
+text and image parts (as in prompts: a PIL image, bytes, a path or a ``data:`` URL), for a
+vision-language policy. The workflow tokenizes it once and appends it to the sequence, masked
+out of the loss; its images travel with the sample (``groupflow.agents.formats.VisionChatFormat``). Tools are an environment too
 (:class:`ToolEnvironment`): a turn with tool calls gets their results, a turn without ends the
 episode. Everything user code can do wrong — raise (``SystemExit`` and ``KeyboardInterrupt``
 included), hang, return garbage — is contained here: :func:`reset_env` and :func:`step_env` never
@@ -31,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 from groupflow.agents.calls import CallTimeout, StuckCallsError, call_with_timeout, error_text
 from groupflow.agents.parsers import ToolCallParser
 from groupflow.agents.tools import Tool, tool_result_text
+from groupflow.data.images import is_pil_image as _is_pil
 
 log = logging.getLogger("groupflow")
 
@@ -42,6 +45,7 @@ __all__ = [
     "reset_env",
     "step_env",
     "normalize_observation",
+    "has_image_parts",
 ]
 
 Observation = str | Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
@@ -78,16 +82,60 @@ def normalize_observation(obs: Any, role: str = "user") -> list[dict[str, Any]] 
     if isinstance(obs, Sequence) and all(isinstance(m, Mapping) for m in obs):
         out = []
         for m in obs:
-            if not isinstance(m.get("content"), str) or not isinstance(m.get("role", role), str):
+            content = m.get("content")
+            if not isinstance(m.get("role", role), str) or not (
+                isinstance(content, str) or _is_parts(content)
+            ):
                 raise ValueError(
-                    "an observation message needs string 'role' and 'content', "
-                    f"got {dict(m)!r:.200}"
+                    "an observation message needs a string 'role' and 'content' (text, or a list "
+                    "of text and image parts: {'type': 'text', 'text': ...}, "
+                    f"{{'type': 'image', 'image': ...}}), got {dict(m)!r:.200}"
                 )
-            out.append({**m, "role": m.get("role", role)})
+            if not isinstance(content, str):
+                content = [_image_part(p) for p in content]
+            out.append({**m, "role": m.get("role", role), "content": content})
         return out
     raise ValueError(
         "an observation must be text, a chat message or a list of chat messages, "
         f"got {type(obs).__name__}"
+    )
+
+
+def _is_parts(content: Any) -> bool:
+    """A content-part list: text parts with string text, image parts (HF or OpenAI shape)."""
+    if not isinstance(content, list) or not content:
+        return False
+    for p in content:
+        if not isinstance(p, Mapping):
+            return False
+        kind = p.get("type")
+        if kind == "text" and isinstance(p.get("text"), str):
+            continue
+        if kind == "image" and any(p.get(k) is not None for k in ("image", "path", "url")):
+            continue
+        if kind == "image_url" and p.get("image_url") is not None:
+            continue
+        return False
+    return True
+
+
+def _image_part(part: Mapping[str, Any]) -> dict[str, Any]:
+    """A content part in the one shape formats read: ``{"type": "image", "image": value}``
+    (the value still undecoded: the turn format decodes and resizes it) or a text part."""
+    if part["type"] == "text":
+        return {"type": "text", "text": part["text"]}
+    if part["type"] == "image_url":
+        ref = part["image_url"]
+        return {"type": "image", "image": ref.get("url") if isinstance(ref, Mapping) else ref}
+    value = next(part[k] for k in ("image", "path", "url") if part.get(k) is not None)
+    return {"type": "image", "image": value}
+
+
+def has_image_parts(messages: Sequence[Mapping[str, Any]] | None) -> bool:
+    """Whether any message's content holds an image part."""
+    return any(
+        isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
+        for m in messages or ()
     )
 
 
@@ -177,10 +225,10 @@ class ToolEnvironment:
         messages.extend(self._message(c.name, r) for c, r in zip(calls, results))
         return messages, 0.0, False
 
-    def _message(self, name: str, content: str) -> dict[str, Any]:
+    def _message(self, name: str, content: str | list) -> dict[str, Any]:
         return {"role": "tool", "name": name, "content": content}
 
-    async def _run(self, call) -> str:
+    async def _run(self, call) -> str | list[dict[str, Any]]:
         self.stats["tool_calls"] += 1
         tool = self.tools.get(call.name)
         if tool is None:
@@ -202,6 +250,23 @@ class ToolEnvironment:
         except Exception as exc:  # the model's observation, not ours (SystemExit included)
             self.stats["tool_errors"] += 1
             return f"Error: {error_text(exc)}"
+        if _is_pil(value):  # a tool may answer with an image (TRL's multimodal tool responses)
+            return [{"type": "image", "image": value}]
+        if (
+            isinstance(value, list)
+            and value
+            and all(
+                isinstance(p, Mapping) and p.get("type") in ("text", "image", "image_url")
+                for p in value
+            )
+        ):  # content parts: text and images
+            if not _is_parts(value):
+                self.stats["tool_errors"] += 1
+                return (
+                    f"Error: {call.name} returned content parts that are not text or image parts "
+                    f"with a value: {value!r:.200}"
+                )
+            return [_image_part(p) for p in value]
         try:
             return tool_result_text(value, self.max_result_chars)
         except Exception as exc:  # the value's own __str__ raised: the tool's failure too

@@ -18,6 +18,15 @@ each observation message through a text template such as ``"={content}\\n"``.
 
 Tools are described to a chat model by its template's own ``tools=`` support when it has one;
 otherwise a Hermes-style system message lists their JSON schemas and the ``<tool_call>`` format.
+
+A vision-language policy (:class:`VisionChatFormat`) renders through its processor's chat template
+instead, and an observation may show images (TRL's multimodal tool responses): the template
+writes their placeholders into the observation's text, the processor expands them and makes the
+images' tensors (``models.vision.VisionInputs``), which travel with the sample so that later turns
+and the training forward embed the same pixels. Images are decoded and resized within
+``data.min_pixels`` / ``data.max_pixels`` as prompt images are; one that cannot be used is a
+ValueError naming the message and part (the episode counts it as an environment failure). The
+text formats refuse image observations the same way (a text-only model cannot see them).
 """
 
 from __future__ import annotations
@@ -26,7 +35,21 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-__all__ = ["TurnFormat", "ChatFormat", "PlainFormat", "TemplateError", "tools_system_prompt"]
+from groupflow.data.images import ImageLimits, ImageProblem, load_image
+from groupflow.models.vision import (
+    VisionInputs,
+    encode_text_with_images,
+    template_messages,
+)
+
+__all__ = [
+    "TurnFormat",
+    "ChatFormat",
+    "PlainFormat",
+    "VisionChatFormat",
+    "TemplateError",
+    "tools_system_prompt",
+]
 
 _PROBE_USER = "groupflow probe question"
 _PROBE_ASSISTANT = "groupflow probe answer 7f3a"
@@ -91,7 +114,7 @@ class ChatFormat:
         return self.render(messages, add_generation_prompt=True)
 
     def observation_ids(self, messages: list[dict], last_token: int | None) -> list[int]:
-        text = self.observation_text(messages, last_token)
+        text = self.observation_text(_text_only(messages), last_token)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def observation_text(self, messages: list[dict], last_token: int | None) -> str:
@@ -126,6 +149,83 @@ class ChatFormat:
         return tail + after[len(before) :]
 
 
+def _text_only(messages: list[dict]) -> list[dict]:
+    """Messages with string contents (text parts joined); image parts are a ValueError: a
+    text-only policy cannot see them."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            if any(p.get("type") != "text" for p in content):
+                raise ValueError(
+                    f"observation message {i} shows an image, but the policy is a text-only "
+                    "model (use a vision-language model, or answer with text)"
+                )
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        out.append(m)
+    return out
+
+
+class VisionChatFormat:
+    """A vision-language policy's turns, rendered by its processor's chat template; prompts and
+    observations may show images (see the module docstring). ``placeholder_ids``: the token ids
+    the processor expands images into — a model turn must never contain them (the episode ends
+    there), so that every placeholder in a sequence stands for an image that was shown."""
+
+    def __init__(self, processor, tool_schemas: Sequence[Mapping[str, Any]] = (),
+                 limits: ImageLimits | None = None):  # fmt: skip
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.chat = ChatFormat(processor, tool_schemas)  # its template, through the processor
+        self.limits = limits or ImageLimits()  # data.min_pixels / max_pixels
+        tokens = [getattr(processor, k, None) for k in ("image_token", "video_token")]
+        unk = self.tokenizer.unk_token_id
+        ids = [self.tokenizer.convert_tokens_to_ids(str(t)) for t in tokens if t is not None]
+        self.placeholder_ids = sorted({i for i in ids if i is not None and i != unk})
+
+    def prompt_text(self, prompt, first_observation=None) -> str:
+        plain, _ = template_messages(_as_messages(prompt) + list(first_observation or []))
+        return self.chat.render(plain, add_generation_prompt=True)
+
+    def prompt_inputs(self, prompt, first_observation=None
+                      ) -> tuple[str, list[int], VisionInputs | None]:  # fmt: skip
+        """(text, ids with placeholders expanded, the images' tensors or None) of a prompt
+        followed by an environment's first observation."""
+        messages = _as_messages(prompt) + list(first_observation or [])
+        plain, _ = template_messages(messages)
+        text = self.chat.render(plain, add_generation_prompt=True)
+        return text, *self._encode(text, messages)
+
+    def observation_ids(self, messages: list[dict], last_token: int | None) -> list[int]:
+        ids, vision = self.observation_inputs(messages, last_token)
+        if vision is not None:
+            raise ValueError("an observation with images needs observation_inputs (its pixels)")
+        return ids
+
+    def observation_inputs(self, messages: list[dict], last_token: int | None
+                           ) -> tuple[list[int], VisionInputs | None]:  # fmt: skip
+        """The observation's ids (placeholders expanded) and its images' tensors (or None)."""
+        plain, _ = template_messages(messages)
+        return self._encode(self.chat.observation_text(plain, last_token), messages)
+
+    def _encode(self, text: str, messages: list[dict]) -> tuple[list[int], VisionInputs | None]:
+        images = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            parts = content if isinstance(content, list) else []
+            who = m.get("role", "?") + (f" {m['name']!r}" if m.get("name") else "")
+            for k, p in enumerate(parts):
+                if p.get("type") != "image":
+                    continue
+                try:
+                    images.append(load_image(p.get("image"), f"message {i} ({who}) content[{k}]",
+                                             limits=self.limits))  # fmt: skip
+                except ImageProblem as exc:
+                    raise ValueError(f"{exc.field}: {exc.reason}") from None
+        ids, vision = encode_text_with_images(self.processor, text, images)
+        return ids, vision if vision.tensors else None
+
+
 def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     if messages and messages[0].get("role") == "system":
         first = dict(messages[0])
@@ -158,7 +258,9 @@ class PlainFormat:
         return prompt + self._render(first_observation or [])
 
     def observation_ids(self, messages: list[dict], last_token: int | None) -> list[int]:
-        return self.tokenizer(self._render(messages), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self._render(_text_only(messages)), add_special_tokens=False)[
+            "input_ids"
+        ]
 
     def _render(self, messages: list[dict]) -> str:
         return "".join(

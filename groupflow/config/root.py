@@ -406,8 +406,9 @@ class Config(_Section):
         tiny = self.model.tiny if self.model is not None else None
         if self.rollout.engine == "vllm" and tiny is not None and tiny.vision is not None:
             raise ValueError(
-                "rollout.engine=vllm: model.tiny.vision makes a vision-language model, and the "
-                "vLLM engine does not take prompts with images yet; set rollout.engine=hf"
+                "rollout.engine=vllm: model.tiny.vision builds a vision-language model with no "
+                "model directory, and vLLM's multimodal inputs need one (its processor files); "
+                "use a VLM directory (model.path) or set rollout.engine=hf"
             )
         if self.rollout.engine == "vllm" and tiny is not None:
             head_dim = tiny.hidden_size // tiny.num_heads

@@ -36,6 +36,7 @@ __all__ = [
     "ImageLimits",
     "ImageProblem",
     "has_images",
+    "is_pil_image",
     "load_image",
     "normalize_image_prompt",
     "prompt_images",
@@ -76,6 +77,11 @@ def _pil():
     from PIL import Image
 
     return Image
+
+
+def is_pil_image(value: Any) -> bool:
+    """Whether ``value`` is a PIL image (False where Pillow is missing)."""
+    return _is_pil(value)
 
 
 def _is_pil(value: Any) -> bool:

@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from groupflow.algorithms.masks import response_span
-from groupflow.models.vision import collate_vision, multimodal_base, vision_positions
+from groupflow.models.vision import (
+    collate_vision,
+    multimodal_base,
+    placeholder_ids,
+    vision_positions,
+)
 
 __all__ = [
     "ModelLoadError",
@@ -332,6 +337,41 @@ def _image_prompt_hidden(model, prompt_ids, prompt_mask, responses, response_mas
     return torch.cat([first, rest], dim=1)
 
 
+def observation_images(model: nn.Module, responses: torch.Tensor,
+                       response_mask: torch.Tensor) -> bool:  # fmt: skip
+    """Whether some response shows images: placeholder tokens in a gap (an observation, mask 0)."""
+    ids = placeholder_ids(model.config)
+    if not ids:
+        return False
+    hits = torch.isin(responses, torch.tensor(ids, device=responses.device))
+    return bool((hits & (response_mask == 0) & response_span(response_mask).bool()).any())
+
+
+def _image_sequence_hidden(model, prompt_ids, prompt_mask, responses, response_mask, vision):
+    """``response_hidden_states`` for rows whose observations show images (multi-turn): the whole
+    [prompt | response] through the multimodal base in one pass, every placeholder — the
+    prompt's and the observations' — embedding its image, positions from ``vision_positions``
+    over the whole row (as each later turn's prefill computed them for its context). A model
+    turn never holds a placeholder (``workflows.episodes`` cuts the turn before one), so all
+    placeholders stand for images; one in an action is an error rather than a wrong number."""
+    ids = torch.tensor(placeholder_ids(model.config), device=responses.device)
+    if bool((torch.isin(responses, ids) & (response_mask == 1)).any()):
+        raise ValueError(
+            "a response action is an image placeholder token in a row whose observations show "
+            "images: multi-turn episodes end a turn before such a token (workflows.episodes)"
+        )
+    tensors = collate_vision(vision, prompt_ids.device)
+    span = response_span(response_mask).to(prompt_mask.dtype)
+    input_ids = torch.cat([prompt_ids, responses], dim=1)
+    attention = torch.cat([prompt_mask, span], dim=1)
+    positions, _ = vision_positions(model, input_ids, attention, tensors)
+    out = multimodal_base(model)(input_ids=input_ids, attention_mask=attention,
+                                 position_ids=positions, use_cache=False, **tensors)  # fmt: skip
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    p, t = prompt_ids.shape[1], responses.shape[1]
+    return hidden[:, p - 1 : p + t - 1]
+
+
 def response_hidden_states(
     model: nn.Module,
     prompt_ids: torch.Tensor,
@@ -341,6 +381,7 @@ def response_hidden_states(
     *,
     share_prompt: bool | str = True,
     vision=None,
+    whole_sequence: bool | None = None,
 ) -> torch.Tensor:
     """Decoder states [B, T, H]: row b's state at t is the one that predicts ``responses[b, t]``.
 
@@ -360,11 +401,20 @@ def response_hidden_states(
 
     ``vision``: one ``models.vision.VisionInputs`` (or None) per row; with images, the prompts go
     through the multimodal base and the responses through the language model on its cache, one
-    prompt pass per row (no sharing: reason in ``models/vision.py``).
+    prompt pass per row (no sharing: reason in ``models/vision.py``). Rows whose observations show
+    images (multi-turn) take one pass over prompt and response instead (``_image_sequence_hidden``);
+    ``whole_sequence`` forces that choice (None: ``observation_images`` of these rows decides) —
+    FSDP ranks pass the same value, so that they make the same calls.
     """
     if share_prompt not in (True, False, "always"):
         raise ValueError(f"share_prompt must be True, False or 'always', got {share_prompt!r}")
     if vision is not None and any(v is not None and v.tensors for v in vision):
+        if whole_sequence is None:
+            whole_sequence = observation_images(model, responses, response_mask)
+        if whole_sequence:
+            return _image_sequence_hidden(
+                model, prompt_ids, prompt_mask, responses, response_mask, vision
+            )
         return _image_prompt_hidden(
             model, prompt_ids, prompt_mask, responses, response_mask, vision
         )

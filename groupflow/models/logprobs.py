@@ -72,6 +72,7 @@ def response_logprobs(
     entropy_grad: bool = True,
     fused: bool = True,
     vision=None,
+    whole_sequence: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of ``responses`` given left-padded prompts; entropy [B, T] if asked.
 
@@ -79,11 +80,12 @@ def response_logprobs(
     ``share_prompt``: encode each distinct prompt once (same result; falls back to one pass).
     ``entropy_grad``: whether gradients flow through the entropy (false: it is a metric).
     ``fused``: use the fused head where it applies (false: the autograd path, for comparison).
-    ``vision``: each row's images (``models.vision.VisionInputs`` or None), for a VLM.
+    ``vision``: each row's images (``models.vision.VisionInputs`` or None), for a VLM;
+    ``whole_sequence``: see ``causal_lm.response_hidden_states``.
     """
     hidden = response_hidden_states(
         model, prompt_ids, prompt_mask, responses, response_mask, share_prompt=share_prompt,
-        vision=vision,
+        vision=vision, whole_sequence=whole_sequence,
     )  # fmt: skip
     return hidden_logprobs(
         model, hidden, responses, temperature=temperature, chunk_tokens=chunk_tokens,

@@ -46,8 +46,14 @@ __all__ = [
     "vision_positions",
     "freeze_vision_tower",
     "encode_image_prompt",
+    "encode_text_with_images",
+    "join_vision",
+    "placeholder_ids",
+    "collapse_placeholders",
 ]
 
+# Idefics3's (SmolVLM's) image block markers, in its processor's vocabulary.
+IDEFICS3_MARKS = ("<fake_token_around_image>", "<global-img>")
 # Per-token outputs of processors that groupflow recomputes from the ids, not per-prompt tensors.
 _PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
@@ -55,11 +61,13 @@ _PER_TOKEN = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_id
 @dataclass(eq=False)
 class VisionInputs:
     """The processor's image tensors of one prompt (CPU), e.g. ``pixel_values`` and
-    ``image_grid_thw``; ``num_images`` for logging and checks. Compared by identity: the G
-    samples of a prompt share one object (pickled once)."""
+    ``image_grid_thw``; ``num_images`` for logging and checks; ``images``: the decoded images
+    themselves, in placeholder order, for engines that take raw images (vLLM's multimodal
+    inputs). Compared by identity: the G samples of a prompt share one object (pickled once)."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     num_images: int = 0
+    images: list = field(default_factory=list)
 
 
 def is_vision_model(model: nn.Module) -> bool:
@@ -194,14 +202,81 @@ def encode_image_prompt(processor, messages: list[dict[str, Any]],
     text = processor.apply_chat_template(
         plain, tokenize=False, add_generation_prompt=add_generation_prompt
     )
+    return text, *encode_text_with_images(processor, text, images)
+
+
+def encode_text_with_images(processor, text: str, images: list) -> tuple[list[int], VisionInputs]:
+    """Token ids of ``text`` (a templated prompt, or a fragment such as an observation) with its
+    image placeholders expanded for ``images`` (decoded PIL images, in placeholder order), and
+    their VisionInputs (empty without images)."""
     if not images:
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text, list(ids), VisionInputs()
+        return list(ids), VisionInputs()
     enc = processor(text=[text], images=_images_arg(processor, images), return_tensors="pt",
                     add_special_tokens=False)  # fmt: skip
     ids = enc["input_ids"][0].tolist()
     tensors = {k: v for k, v in enc.items() if k not in _PER_TOKEN and isinstance(v, torch.Tensor)}
-    return text, ids, VisionInputs(tensors, len(images))
+    return ids, VisionInputs(tensors, len(images), list(images))
+
+
+def join_vision(items: Sequence[VisionInputs | None]) -> VisionInputs | None:
+    """One row's VisionInputs from the parts of its sequence in order (a prompt's images, then
+    each observation's): the tensors ``collate_vision`` makes of them, as one row. None: no
+    images in any part."""
+    present = [v for v in items if v is not None and v.tensors]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+    return VisionInputs(
+        collate_vision(present),
+        sum(v.num_images for v in present),
+        [im for v in present for im in v.images],
+    )
+
+
+def collapse_placeholders(ids: Sequence[int], model_config, tokenizer) -> list[int]:
+    """``ids`` with each image's expanded placeholder block put back to the one token the chat
+    template writes for it — the token prompt vLLM's multimodal processor expands itself.
+
+    Idefics3 / SmolVLM: a block runs from ``<fake_token_around_image>`` to the one that closes
+    its ``<global-img>`` image run (tiles and their row/column tokens included) and becomes
+    ``<image>``. Qwen-VL and others: each run of image (video) tokens becomes one token."""
+    image = getattr(model_config, "image_token_id", None)
+    kind = getattr(model_config, "model_type", "")
+    out: list[int] = []
+    if kind in ("idefics3", "smolvlm"):
+        fake, glob = (tokenizer.convert_tokens_to_ids(t) for t in IDEFICS3_MARKS)
+        i = 0
+        while i < len(ids):
+            if ids[i] != fake:
+                out.append(ids[i])
+                i += 1
+                continue
+            j, seen_global = i + 1, False
+            while j < len(ids):
+                seen_global |= ids[j] == glob
+                if ids[j] == fake and seen_global and ids[j - 1] == image:
+                    break
+                j += 1
+            if j == len(ids):  # a stray marker, not an image block
+                out.append(ids[i])
+                i += 1
+                continue
+            out.append(image)
+            i = j + 1
+        return out
+    runs = set(placeholder_ids(model_config))
+    for t in ids:
+        if not (t in runs and out and out[-1] == t):
+            out.append(t)
+    return out
+
+
+def placeholder_ids(model_config) -> list[int]:
+    """The token ids the multimodal base replaces by image (or video) features."""
+    ids = [getattr(model_config, k, None) for k in ("image_token_id", "video_token_id")]
+    return [int(i) for i in ids if i is not None]
 
 
 def _images_arg(processor, images: list):

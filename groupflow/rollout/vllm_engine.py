@@ -18,12 +18,21 @@ Design decisions:
   that actually sampled (the HF engine records the untruncated ones, algorithms.md §5). Because
   vLLM's kernels differ numerically from the training forward anyway, the trainer recomputes old
   log-probs when this engine is used and logs the difference.
+- Images (a vision-language model, ``processor_path`` set): groupflow's prompt ids carry the
+  image placeholders already expanded by the HF processor, while vLLM's multimodal processor
+  expands them itself from a token prompt. So each request gets the ids with every image block
+  collapsed back to the template's one placeholder (``models.vision.collapse_placeholders``) and
+  the images as ``multi_modal_data``; the prompt ids vLLM expands them to must equal ours — else
+  the request is an error, since the trained ids would not be the ids sampled from. vLLM resizes
+  the images with the processor config copied from ``processor_path``; they arrive already within
+  ``data.min_pixels`` / ``max_pixels``, so both processors see the same pixels.
 - ``vllm`` is imported only when an engine is built, so everything else runs without it;
   ``require_vllm`` gives the install command when it is missing.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -36,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from groupflow.models.vision import collapse_placeholders
 from groupflow.rollout.hf import GenerationOutput, SamplingParams, left_pad
 
 __all__ = [
@@ -83,6 +93,10 @@ class VLLMOptions:
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
+    # a vision-language model: the directory whose processor files (image processor config,
+    # chat template) vLLM's multimodal processor reads; None: a text model
+    processor_path: str | None = None
+    max_images_per_prompt: int = 8
 
     def build(self, model: nn.Module, tokenizer, *, eos_ids: Sequence[int],
               pad_id: int) -> VLLMEngine:  # fmt: skip
@@ -136,8 +150,16 @@ class VLLMEngine:
         self.version = -1
         # Config and tokenizer only: the weights arrive through load_weights below.
         self._dir = tempfile.mkdtemp(prefix="groupflow-vllm-")
-        model.config.save_pretrained(self._dir)
+        config = copy.deepcopy(model.config)
+        if not getattr(config, "architectures", None):  # a model built from a config, never
+            config.architectures = [type(model).__name__]  # saved: vLLM picks its class by this
+        config.save_pretrained(self._dir)
         tokenizer.save_pretrained(self._dir)
+        self.model_config, self.tokenizer = model.config, tokenizer
+        extra = {}
+        if options.processor_path is not None:
+            _copy_processor_files(options.processor_path, self._dir)
+            extra["limit_mm_per_prompt"] = {"image": options.max_images_per_prompt, "video": 0}
         dtype = options.dtype
         if dtype == "auto":
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -158,6 +180,7 @@ class VLLMEngine:
                 enable_sleep_mode=options.sleep_mode,
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # our SamplingParams only, not the model's defaults
+                **extra,
             )
         except Exception:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -200,12 +223,11 @@ class VLLMEngine:
         vision: Sequence | None = None,
     ) -> GenerationOutput:
         """``params.n`` samples per prompt (sample j of prompt i at i*n+j), one seed per sample."""
-        if vision is not None and any(v is not None for v in vision):
-            # groupflow hands engines processor ids with the image placeholders already expanded
-            # plus processed pixel tensors; vLLM's multimodal inputs take raw images and expand
-            # the placeholders itself. Bridging the two is not done yet (issue 23 item 5).
-            raise NotImplementedError(
-                "rollout.engine=vllm does not take prompts with images yet; use rollout.engine=hf"
+        has_images = vision is not None and any(v is not None for v in vision)
+        if has_images and self.options.processor_path is None:
+            raise ValueError(
+                "rollout.engine=vllm got prompts with images but was built for a text model "
+                "(VLLMOptions.processor_path is None: the model directory's processor files)"
             )
         n_out = len(prompts) * params.n
         if len(seeds) != n_out:
@@ -216,11 +238,14 @@ class VLLMEngine:
         self.resume()
         requests, sampling = [], []
         for i, prompt in enumerate(prompts):
+            request = self._request(i, prompt, vision[i] if has_images else None)
             for j in range(params.n):
-                requests.append({"prompt_token_ids": [int(t) for t in prompt]})
+                requests.append(request)
                 sampling.append(vllm_sampling_params(params, seeds[i * params.n + j], self.eos_ids))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         self.pause()  # between rollouts (sleep mode only)
+        if has_images:
+            _check_expanded(outputs, prompts, params.n)
         out = _to_generation_output(outputs, self.pad_id)
         return GenerationOutput(
             prompt_ids.repeat_interleave(params.n, dim=0),
@@ -228,12 +253,67 @@ class VLLMEngine:
             *out,
         )
 
+    def _request(self, index: int, prompt: Sequence[int], vision) -> dict:
+        """One prompt as a vLLM request: token ids (image blocks collapsed, the images as
+        ``multi_modal_data``: see the module docstring)."""
+        ids = [int(t) for t in prompt]
+        if vision is None or not vision.num_images:
+            return {"prompt_token_ids": ids}
+        if len(vision.images) != vision.num_images:
+            raise ValueError(
+                "rollout.engine=vllm needs the decoded images of each prompt (VisionInputs.images)"
+                f"; got {len(vision.images)} of {vision.num_images}"
+            )
+        collapsed = collapse_placeholders(ids, self.model_config, self.tokenizer)
+        shown = collapsed.count(self.model_config.image_token_id)
+        if shown != vision.num_images:
+            raise ValueError(
+                f"generate: prompt {index} shows {shown} image placeholder(s) but comes with "
+                f"{vision.num_images} image(s)"
+            )
+        return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": list(vision.images)}}
+
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __del__(self):  # the temporary config directory; the engine itself goes with the process
         if getattr(self, "_dir", None):
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja",
+                    "chat_template.json")  # fmt: skip
+
+
+def _copy_processor_files(src: str, dst: str) -> None:
+    """The processor's files of a VLM directory, next to the config vLLM starts from."""
+    from pathlib import Path
+
+    found = [f for f in _PROCESSOR_FILES if (Path(src) / f).is_file()]
+    if not any(f.endswith("config.json") for f in found):
+        raise ValueError(
+            f"rollout.engine=vllm: '{src}' holds no processor config ({_PROCESSOR_FILES[0]} or "
+            f"{_PROCESSOR_FILES[1]}); vLLM's multimodal processor needs it for image prompts"
+        )
+    for f in found:
+        shutil.copy(Path(src) / f, Path(dst) / f)
+
+
+def _check_expanded(outputs, prompts: Sequence[Sequence[int]], n: int) -> None:
+    """vLLM's expanded prompt ids must be ours (token-in/token-out with images)."""
+    for k, req in enumerate(outputs):
+        ours = [int(t) for t in prompts[k // n]]
+        theirs = list(req.prompt_token_ids or [])
+        if theirs != ours:
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                      min(len(ours), len(theirs)))  # fmt: skip
+            raise RuntimeError(
+                f"vLLM expanded the image placeholders of prompt {k // n} differently from the "
+                f"HF processor ({len(theirs)} ids vs {len(ours)}; first difference at position "
+                f"{at}): the trained ids would not be the sampled ones. Check that the model "
+                "directory's processor config (image size, splitting) is the one used to encode "
+                "the prompts, or use rollout.engine=hf"
+            )
 
 
 def vllm_sampling_params(params: SamplingParams, seed: int, eos_ids: Sequence[int]):

@@ -55,7 +55,7 @@ from groupflow.distributed.parallel import (
     shard,
 )
 from groupflow.distributed.ulysses import SequenceGroup, gather_rows, sequence_groups
-from groupflow.models.causal_lm import prompt_sharing_applies
+from groupflow.models.causal_lm import observation_images, prompt_sharing_applies
 from groupflow.models.logprobs import response_logprobs
 from groupflow.models.sequence_parallel import check_heads, sequence_parallel_logprobs
 from groupflow.rollout.batching import generate_batch
@@ -133,8 +133,13 @@ class _PolicyForward(nn.Module):
                 entropy_grad=entropy_grad,
             )  # fmt: skip
         share: bool | str = self.share_prompt_prefix
+        whole = None
         if vision is not None:  # image rows take one pass on every rank (models/vision.py)
             share = False
+            if self.sharded:  # the same calls on every rank: one pass over whole rows if any
+                # rank's rows show observation images (multi-turn), else prompt then response
+                shows = observation_images(self.lm, responses, response_mask)
+                whole = bool(all_reduce(int(shows), op="max"))
         if share and self.sharded:
             # FSDP2 gathers each layer once per call: every rank must make the same decoder calls,
             # so the ranks share the prompt pass only if it applies on all of them.
@@ -143,7 +148,7 @@ class _PolicyForward(nn.Module):
         return response_logprobs(
             self.lm, prompt_ids, prompt_mask, responses, response_mask,
             temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-            share_prompt=share, entropy_grad=entropy_grad, vision=vision,
+            share_prompt=share, entropy_grad=entropy_grad, vision=vision, whole_sequence=whole,
         )  # fmt: skip
 
 

@@ -23,6 +23,13 @@ token limits. Its default, :data:`CHARS_PER_TOKEN_BOUND` characters per token of
 observation's budget (BPE tokens average about 4), drops in practice only text the token limits
 would drop anyway.
 
+Images (a vision-language policy, ``agents.formats.VisionChatFormat``): an episode keeps the
+``VisionInputs`` of its prompt and of each observation that showed images, in order; every turn
+decodes its context with all of them (``Episode.vision``), and the batch carries them per sample
+for the training forward. A model turn that samples an image placeholder token is cut before it
+and ends the episode as an ``env_failure`` (``invalid``): otherwise the next turn's context would
+hold a placeholder with no image behind it.
+
 An episode ends when its environment says done (a tool environment: a turn without a tool call),
 when a model turn is cut by a limit (``length``), at the turn limit (``max_turns``), or when its
 environment fails (``env_failure``: raised, timed out or returned garbage — counted, and the
@@ -44,6 +51,7 @@ from groupflow.agents.environments import StepResult, reset_env, step_env
 from groupflow.agents.formats import TurnFormat
 from groupflow.batch import Batch
 from groupflow.data import PromptRow
+from groupflow.models.vision import VisionInputs, join_vision
 from groupflow.rollout.batching import prompts_batch
 from groupflow.rollout.hf import SamplingParams
 
@@ -98,6 +106,7 @@ class Episode:
     turn_texts: list[str] = field(default_factory=list)
     env_rewards: list[float] = field(default_factory=list)
     observation_tokens: int = 0
+    images: list[VisionInputs] = field(default_factory=list)  # the prompt's, then observations'
     finish: str = ""
     failure: str | None = None
     failure_kind: str | None = None
@@ -110,6 +119,11 @@ class Episode:
     def context(self) -> list[int]:
         return self.prompt_ids + self.ids
 
+    @property
+    def vision(self) -> VisionInputs | None:
+        """The images of the whole sequence (prompt and observations), in placeholder order."""
+        return join_vision(self.images)
+
     def add_model_turn(self, ids: list[int], logprobs: list[float], text: str) -> None:
         self.ids += ids
         self.mask += [1] * len(ids)
@@ -117,7 +131,10 @@ class Episode:
         self.turn_texts.append(text)
         self.messages.append({"role": "assistant", "content": text})
 
-    def add_observation(self, ids: list[int], messages: list[dict[str, Any]]) -> None:
+    def add_observation(self, ids: list[int], messages: list[dict[str, Any]],
+                        vision: VisionInputs | None = None) -> None:  # fmt: skip
+        if vision is not None:
+            self.images.append(vision)
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -151,16 +168,20 @@ def run_episodes(
     tokenizer,
     limits: EpisodeLimits,
     max_prompt_tokens: int | None = None,
+    vision: Sequence[VisionInputs | None] | None = None,
 ) -> list[Episode]:
     """Run ``n`` episodes per row (sample j of row i at i*n + j, seed ``seeds[i*n + j]``).
 
-    ``prompt_ids`` are the rows' encoded prompts; an environment whose ``reset`` returns a first
-    observation extends its sample's prompt (rendered again with it)."""
+    ``prompt_ids`` are the rows' encoded prompts, ``vision`` their images (None: text prompts);
+    an environment whose ``reset`` returns a first observation extends its sample's prompt
+    (rendered again with it)."""
     episodes = [
-        Episode(row, make_env(), seeds[i * n + j], group_ids[i], list(prompt_ids[i]))
+        Episode(row, make_env(), seeds[i * n + j], group_ids[i], list(prompt_ids[i]),
+                images=[vision[i]] if vision is not None and vision[i] is not None else [])
         for i, row in enumerate(rows)
         for j in range(n)
-    ]
+    ]  # fmt: skip
+    placeholders = getattr(fmt, "placeholder_ids", ())
     try:
         _reset(episodes, fmt, tokenizer, limits, max_prompt_tokens)
         for turn in range(limits.max_turns):
@@ -171,7 +192,7 @@ def run_episodes(
             width = min(limits.max_new_tokens, max(budget))
             batch, per_prompt = _turn_inputs(live, turn, n, prompts_batch)
             out = generate(batch, replace(params, max_new_tokens=max(1, width), n=per_prompt), 0)
-            _take_turn(live, out, budget, limits, tokenizer)
+            _take_turn(live, out, budget, limits, tokenizer, turn, placeholders)
             stepping = [e for e in live if not e.done]
             if not stepping:
                 continue
@@ -201,8 +222,14 @@ def _reset(episodes: list[Episode], fmt: TurnFormat, tokenizer, limits: EpisodeL
             e.fail(r)
             continue
         if r.observation:
-            text = fmt.prompt_text(e.row.prompt, r.observation)
-            e.prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            try:
+                e.prompt_ids, images = _first_prompt(fmt, e.row.prompt, r.observation, tokenizer)
+            except ValueError as exc:  # e.g. an image that cannot be used
+                e.fail(StepResult(None, failure=f"{type(e.env).__qualname__}.reset: {exc}",
+                                  failure_kind="invalid"))  # fmt: skip
+                continue
+            if images is not None:
+                e.images = [images]
             e.messages += r.observation
             if max_prompt_tokens is not None and len(e.prompt_ids) > max_prompt_tokens:
                 e.fail(StepResult(None, failure=f"the first observation makes the prompt "
@@ -216,6 +243,18 @@ def _reset(episodes: list[Episode], fmt: TurnFormat, tokenizer, limits: EpisodeL
                 "GRPO compares answers to the same prompt, so reset must depend only on the row "
                 "(draw any randomness from a row field, e.g. a seed column)"
             )
+
+
+def _first_prompt(fmt: TurnFormat, prompt, observation: list[dict],
+                  tokenizer) -> tuple[list[int], VisionInputs | None]:  # fmt: skip
+    """The ids (and images) of a prompt followed by the environment's first observation."""
+    inputs = getattr(fmt, "prompt_inputs", None)
+    if inputs is not None:
+        _, ids, images = inputs(prompt, observation)
+        return ids, images
+    return tokenizer(fmt.prompt_text(prompt, observation), add_special_tokens=False)[
+        "input_ids"
+    ], None
 
 
 async def _reset_all(episodes: list[Episode], timeout_s: float | None) -> list[StepResult]:
@@ -242,16 +281,18 @@ def _turn_inputs(live: list[Episode], turn: int, n: int, prompts_batch) -> tuple
                 [e.context for e in firsts],
                 [[e.seed for e in live[k * n : (k + 1) * n]] for k in range(len(firsts))],
                 [e.group for e in firsts],
+                [e.vision for e in firsts],
             ), n
     return prompts_batch(
         [e.context for e in live],
         [[turn_seed(e.seed, turn)] for e in live],
         [e.group for e in live],
+        [e.vision for e in live],
     ), 1
 
 
 def _take_turn(live: list[Episode], out: Batch, budget: list[int], limits: EpisodeLimits,
-               tokenizer) -> None:  # fmt: skip
+               tokenizer, turn: int = 0, placeholders: Sequence[int] = ()) -> None:  # fmt: skip
     responses, mask, logps = out["responses"], out["response_mask"], out["rollout_logprobs"]
     for k, e in enumerate(live):
         m = mask[k].bool()
@@ -259,8 +300,15 @@ def _take_turn(live: list[Episode], out: Batch, budget: list[int], limits: Episo
         reason = out["finish_reason"][k]
         if len(ids) > budget[k]:  # the batch decoded to the longest budget; this one has less
             ids, lps, reason = ids[: budget[k]], lps[: budget[k]], "length"
+        cut = next((j for j, t in enumerate(ids) if t in placeholders), None)
+        if cut is not None:  # see the module docstring: no placeholder without its image
+            ids, lps = ids[:cut], lps[:cut]
         e.add_model_turn(ids, lps, tokenizer.decode(ids, skip_special_tokens=True))
-        if reason == "length":
+        if cut is not None:
+            e.fail(StepResult(None, failure=f"turn {turn + 1}: the model sampled an image "
+                              f"placeholder token (id {responses[k][m][cut].item()}); the turn is "
+                              "cut before it", failure_kind="invalid"))  # fmt: skip
+        elif reason == "length":
             e.finish = "length"
 
 
@@ -283,16 +331,15 @@ def _apply(e: Episode, r: StepResult, turn: int, fmt: TurnFormat, tokenizer,
     last = e.ids[-1] if e.ids else None
     observation = cap_chars(r.observation, limits.observation_chars)
     try:
-        messages, ids = _observation(fmt, observation, last, limits.max_observation_tokens)
-    except ValueError as exc:  # the environment's observation cannot be rendered
-        e.fail(
-            StepResult(None, failure=f"{type(e.env).__qualname__}: {exc}", failure_kind="invalid")
-        )
+        messages, ids, vision = _observation(fmt, observation, last, limits.max_observation_tokens)
+    except ValueError as exc:  # the environment's observation cannot be rendered (or an image)
+        e.fail(StepResult(None, failure=f"{type(e.env).__qualname__}: turn {turn + 1}: {exc}",
+                          failure_kind="invalid"))  # fmt: skip
         return
     if len(e.ids) + len(ids) >= limits.max_response_tokens:  # no room left for a model token
         e.finish = "length"
         return
-    e.add_observation(ids, messages)
+    e.add_observation(ids, messages, vision)
 
 
 def cap_chars(messages: list[dict], max_chars: int) -> list[dict]:
@@ -301,6 +348,17 @@ def cap_chars(messages: list[dict], max_chars: int) -> list[dict]:
     left = max_chars
     out = []
     for m in messages:
+        if isinstance(m["content"], list):  # content parts: the text parts count, images stay
+            parts = []
+            for p in m["content"]:
+                if p.get("type") == "text":
+                    text = p["text"]
+                    if len(text) > left:
+                        p = {**p, "text": text[:left] + _TRUNCATED}
+                    left = max(0, left - len(text))
+                parts.append(p)
+            out.append({**m, "content": parts})
+            continue
         text = m["content"]
         if len(text) > left:
             m = {**m, "content": text[:left] + _TRUNCATED}
@@ -309,23 +367,44 @@ def cap_chars(messages: list[dict], max_chars: int) -> list[dict]:
     return out
 
 
-def _observation(fmt: TurnFormat, messages: list[dict], last: int | None,
-                 max_tokens: int | None) -> tuple[list[dict], list[int]]:  # fmt: skip
-    """The observation's ids; over ``max_tokens``, its texts are cut (marked) until they fit."""
-    ids = fmt.observation_ids(messages, last)
+def _cut_text(content, keep: float):
+    """``content`` (text or parts) with each text cut to ``keep`` of its length, marked."""
+    if isinstance(content, list):
+        return [
+            {**p, "text": p["text"][: int(len(p["text"]) * keep)] + _TRUNCATED}
+            if p.get("type") == "text" else p
+            for p in content
+        ]  # fmt: skip
+    return content[: int(len(content) * keep)] + _TRUNCATED
+
+
+def _observation_inputs(fmt: TurnFormat, messages: list[dict], last: int | None
+                        ) -> tuple[list[int], VisionInputs | None]:  # fmt: skip
+    inputs = getattr(fmt, "observation_inputs", None)
+    if inputs is not None:
+        return inputs(messages, last)
+    return fmt.observation_ids(messages, last), None
+
+
+def _observation(fmt: TurnFormat, messages: list[dict], last: int | None, max_tokens: int | None
+                 ) -> tuple[list[dict], list[int], VisionInputs | None]:  # fmt: skip
+    """The observation's ids and images; over ``max_tokens``, its texts are cut (marked) until
+    they fit (image placeholder tokens are never cut: an image is shown whole or not at all)."""
+    ids, vision = _observation_inputs(fmt, messages, last)
     if max_tokens is None or len(ids) <= max_tokens:
-        return messages, ids
+        return messages, ids, vision
     original = [m["content"] for m in messages]
     keep = 1.0  # the share of each message's text that is kept
     for _ in range(12):
         keep *= 0.9 * max_tokens / len(ids)
-        cut = [{**m, "content": text[: int(len(text) * keep)] + _TRUNCATED}
-               for m, text in zip(messages, original)]  # fmt: skip
-        ids = fmt.observation_ids(cut, last)
+        cut = [{**m, "content": _cut_text(content, keep)}
+               for m, content in zip(messages, original)]  # fmt: skip
+        ids, vision = _observation_inputs(fmt, cut, last)
         if len(ids) <= max_tokens:
-            return cut, ids
+            return cut, ids, vision
     raise ValueError(
-        f"the observation's template alone is longer than max_observation_tokens={max_tokens}"
+        f"the observation's template (and images) alone are longer than max_observation_tokens="
+        f"{max_tokens}"
     )
 
 
@@ -349,6 +428,10 @@ def episodes_batch(episodes: list[Episode], pad_id: int, width: int) -> Batch:
             responses[i, :t] = torch.tensor(e.ids)
             response_mask[i, :t] = torch.tensor(e.mask)
             logprobs[i, :t] = torch.tensor(e.logprobs)
+    objects: dict[str, Any] = {"finish_reason": [e.finish for e in episodes]}
+    vision = [e.vision for e in episodes]
+    if any(v is not None for v in vision):  # each sample's images, for log-probs and updates
+        objects["vision"] = vision
     return Batch(
         {
             "prompt_ids": prompt_ids,
@@ -358,5 +441,5 @@ def episodes_batch(episodes: list[Episode], pad_id: int, width: int) -> Batch:
             "rollout_logprobs": logprobs,
             "group_ids": torch.tensor([e.group for e in episodes], dtype=torch.long),
         },
-        {"finish_reason": [e.finish for e in episodes]},
+        objects,
     )

@@ -11,6 +11,10 @@ per-step tool metrics. Reward functions get, besides the dataset fields:
 - ``messages``: the conversation after the prompt as chat messages (assistant / tool / user);
 - ``turns``, ``tool_calls``: counts; ``env_rewards``: the environment's reward per step.
 
+A vision-language policy (the model has a processor) renders prompts and observations with
+``agents.formats.VisionChatFormat``: prompts and observations may show images, which each later
+turn and the training forward see with the sample (``workflows.episodes``).
+
 A sample whose environment failed (raised, timed out, returned garbage) gets
 ``reward.failure_value`` whatever its reward functions say, and is counted in
 ``rollout/env_failures``.
@@ -27,15 +31,16 @@ import torch
 
 from groupflow import builders
 from groupflow.agents.environments import environment_factory
-from groupflow.agents.formats import ChatFormat, PlainFormat, TemplateError
+from groupflow.agents.formats import ChatFormat, PlainFormat, TemplateError, VisionChatFormat
 from groupflow.agents.parsers import build_parser
 from groupflow.agents.tools import build_tools
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import DataError, PromptRow
-from groupflow.data.images import prompt_images
+from groupflow.data.images import ImageLimits
 from groupflow.evaluation import records_from_scores, report_progress
+from groupflow.models.vision import join_vision
 from groupflow.rollout.hf import SamplingParams
 from groupflow.utils.imports import resolve_import_path
 from groupflow.utils.seeds import step_seeds
@@ -82,9 +87,15 @@ class MultiTurnWorkflow:
             max_result_chars=r.max_tool_result_chars,
         )  # fmt: skip
         schemas = [t.schema for t in self.tools]
+        processor = builders.build_processor(cfg, tok)
         if r.observation_template is not None:
             self.format = PlainFormat(tok, r.observation_template)
             templated = False
+        elif processor is not None:  # a vision-language model: prompts and observations may
+            # show images, rendered by the processor's template (agents.formats)
+            limits = ImageLimits(max_pixels=cfg.data.max_pixels, min_pixels=cfg.data.min_pixels)
+            self.format = VisionChatFormat(processor, schemas, limits)
+            templated = True
         else:
             self.format = ChatFormat(tok, schemas)
             templated = True
@@ -97,16 +108,24 @@ class MultiTurnWorkflow:
                     str(exc), source=row.source, index=row.index, field="prompt"
                 ) from None
 
-        _refuse_images(train_rows + list(val_rows or []))
-        self.train = PromptTable(
-            builders.encode_prompts(
-                train_rows, tok, cfg, "train", render=render, templated=templated
-            )
-        )
+        def encode_images(row: PromptRow):
+            if not isinstance(self.format, VisionChatFormat):
+                raise DataError(
+                    "this prompt shows images but the model is text-only, or its turns are "
+                    "plain text (rollout.observation_template); use a vision-language model "
+                    "with its chat template", source=row.source, index=row.index, field="prompt",
+                )  # fmt: skip
+            try:
+                return self.format.prompt_inputs(row.prompt)
+            except (TemplateError, ValueError) as exc:
+                raise DataError(
+                    str(exc), source=row.source, index=row.index, field="prompt"
+                ) from None
+
+        encode = dict(render=render, templated=templated, encode_images=encode_images)
+        self.train = PromptTable(builders.encode_prompts(train_rows, tok, cfg, "train", **encode))
         self.val = (
-            builders.encode_prompts(
-                val_rows, tok, cfg, "validation", render=render, templated=templated
-            )
+            builders.encode_prompts(val_rows, tok, cfg, "validation", **encode)
             if val_rows
             else None
         )
@@ -137,7 +156,8 @@ class MultiTurnWorkflow:
         n = params.n
         seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
         texts, ids = self.train.lookup(rows)
-        episodes = self.run(rows, ids, [s for per in seeds for s in per], group_ids, params)
+        episodes = self.run(rows, ids, [s for per in seeds for s in per], group_ids, params,
+                            self.train.vision(rows))  # fmt: skip
         batch = episodes_batch(
             episodes, self.policy.tokenizer.pad_token_id, self.limits.max_response_tokens
         )
@@ -161,12 +181,14 @@ class MultiTurnWorkflow:
         )
 
     # ----- episodes -----------------------------------------------------------------------------
-    def run(self, rows, prompt_ids, seeds, group_ids, params: SamplingParams) -> list[Episode]:
+    def run(self, rows, prompt_ids, seeds, group_ids, params: SamplingParams,
+            vision=None) -> list[Episode]:  # fmt: skip
+        """``vision``: each row's prompt images (``models.vision.VisionInputs`` or None)."""
         return run_episodes(
             rows, prompt_ids, seeds, group_ids, n=params.n, generate=self.policy.rollout.generate,
             params=params, make_env=self.make_env, fmt=self.format,
             tokenizer=self.policy.tokenizer, limits=self.limits,
-            max_prompt_tokens=self.cfg.data.max_prompt_tokens,
+            max_prompt_tokens=self.cfg.data.max_prompt_tokens, vision=vision,
         )  # fmt: skip
 
     def add_rewards(self, batch: Batch, episodes: list[Episode]) -> tuple[Batch, dict]:
@@ -200,7 +222,9 @@ class MultiTurnWorkflow:
             ids = encoded.ids[start : start + chunk_prompts]
             texts = encoded.texts[start : start + chunk_prompts]
             seeds = [seed * 7919 + (start * n + i) for i in range(len(rows) * n)]
-            episodes = self.run(rows, ids, seeds, list(range(len(rows))), params)
+            images = getattr(encoded, "vision", None)  # None: text prompts (or a bare table)
+            vision = images[start : start + chunk_prompts] if images else None
+            episodes = self.run(rows, ids, seeds, list(range(len(rows))), params, vision)
             sample_rows = [rows[i // n] for i in range(len(episodes))]
             fields = trajectory_fields(episodes, self.policy.tokenizer)
             completions = [e.turn_texts[-1] if e.turn_texts else "" for e in episodes]
@@ -240,14 +264,16 @@ class MultiTurnWorkflow:
             for j, e in enumerate(episodes)
         ]  # fmt: skip
 
-    def sft_examples(self, encoded) -> list[tuple[list[int], list[int], list[int]]]:
+    def sft_examples(self, encoded) -> list[tuple]:
         """Demonstrations from the rows' ``sft.target_field``: a list of model turns (or one
         string), played through a fresh environment so the observation tokens between them are
-        the environment's own — masked out of the loss, as in RL."""
+        the environment's own — masked out of the loss, as in RL. Each example: (prompt ids,
+        target ids, loss mask[, the images of prompt and observations where there are some])."""
         field = self.cfg.sft.target_field
         tok = self.policy.tokenizer
         out = []
-        for row, ids in zip(encoded.rows, encoded.ids):
+        prompt_vision = getattr(encoded, "vision", None) or [None] * len(encoded.rows)
+        for row, ids, images in zip(encoded.rows, encoded.ids, prompt_vision):
             turns = row.fields.get(field)
             if isinstance(turns, str):
                 turns = [turns]
@@ -260,13 +286,16 @@ class MultiTurnWorkflow:
                     f"sft: row {row.index} of {row.source}: field '{field}' (sft.target_field) must "
                     "be a model turn or a non-empty list of model turns (strings)"
                 )
-            out.append((ids, *teacher_trajectory(self, row, turns, tok)))
+            target, mask, shown = teacher_trajectory(self, row, turns, tok)
+            vision = join_vision([images, *shown])
+            out.append((ids, target, mask) if vision is None else (ids, target, mask, vision))
         return out
 
 
 def teacher_trajectory(workflow: MultiTurnWorkflow, row: PromptRow, turns: list[str], tok):
-    """Target ids and loss mask of a demonstrated conversation: each model turn tokenized (the
-    last one ends with EOS), each observation produced by a real environment step (mask 0)."""
+    """Target ids, loss mask and observation images (``VisionInputs`` list) of a demonstrated
+    conversation: each model turn tokenized (the last one ends with EOS), each observation
+    produced by a real environment step (mask 0)."""
     from groupflow.agents.calls import run_async
     from groupflow.agents.environments import reset_env, step_env
 
@@ -280,6 +309,7 @@ def teacher_trajectory(workflow: MultiTurnWorkflow, row: PromptRow, turns: list[
         )
     ids: list[int] = []
     mask: list[int] = []
+    shown = []
     for k, text in enumerate(turns):
         turn = tok(text, add_special_tokens=False)["input_ids"]
         if k == len(turns) - 1:
@@ -294,10 +324,16 @@ def teacher_trajectory(workflow: MultiTurnWorkflow, row: PromptRow, turns: list[
                 f"sft: row {row.index} of {row.source}: the environment ended the demonstration "
                 f"after turn {k + 1} of {len(turns)} ({step.failure or 'done'})"
             )
-        obs = workflow.format.observation_ids(step.observation, turn[-1] if turn else None)
+        inputs = getattr(workflow.format, "observation_inputs", None)
+        last = turn[-1] if turn else None
+        if inputs is not None:
+            obs, images = inputs(step.observation, last)
+            shown += [images] if images is not None else []
+        else:
+            obs = workflow.format.observation_ids(step.observation, last)
         ids += obs
         mask += [0] * len(obs)
-    return ids, mask
+    return ids, mask, shown
 
 
 def _tokenizer_texts(cfg: Config) -> list[str]:
@@ -358,15 +394,3 @@ def _log_first_failure(episodes: list[Episode]) -> None:
                 "reward.failure_value; further failures are counted in rollout/env_failures",
                 e.failure_kind, e.row.index, e.row.source, e.failure,
             )  # fmt: skip
-
-
-def _refuse_images(rows: list[PromptRow]) -> None:
-    """Multi-turn episodes decode each later turn from token ids alone, so a prompt's images would
-    be lost after turn 1: refused at start, naming the first such row (issue 23 item 3)."""
-    row = next((r for r in rows if prompt_images(r.prompt)), None)
-    if row is not None:
-        raise DataError(
-            "prompts with images are not supported by multi-turn workflows yet "
-            "(rollout.max_turns > 1 or tools / an environment); use a single-turn run",
-            source=row.source, index=row.index, field="prompt",
-        )  # fmt: skip

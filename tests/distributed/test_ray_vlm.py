@@ -60,3 +60,19 @@ def test_image_prompts_on_one_and_two_ray_workers(tmp_path, freeze):
         assert one[1][k] == local[1][k] and one[2][k] == local[2][k], k
         assert two[1][k] == pytest.approx(one[1][k], rel=1e-5, abs=1e-7), k
         assert two[2][k] == pytest.approx(one[2][k], rel=1e-4, abs=1e-6), k
+
+
+def test_multi_turn_observation_images_on_two_fsdp_workers(tmp_path, helpers_on_path):
+    """Each rank's rows may or may not show observation images: the ranks agree on the image
+    pass (models/causal_lm.py), so two workers give the local numbers and never hang."""
+    mt = [
+        "model.tiny.max_positions=96", "data.max_prompt_tokens=64", "rollout.max_new_tokens=3",
+        "rollout.max_turns=2", "rollout.max_response_tokens=40",
+        "rollout.environment={class: 'agent_helpers:NumberPictureEnv'}",
+        "sft={steps: 20, batch_samples: 16, lr: 0.02, check_every: 100}", "run.total_steps=1",
+    ]  # fmt: skip
+    local = run(tmp_path, "mt_local", *mt)
+    two = run(tmp_path, "mt_two", *mt, "run.backend=ray", "run.num_workers=2")
+    assert local[1]["rollout/observation_tokens/mean"] > 0
+    for k in (*KEYS, "rollout/observation_tokens/mean"):
+        assert two[1][k] == pytest.approx(local[1][k], rel=1e-5, abs=1e-7), k

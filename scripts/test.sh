@@ -16,5 +16,5 @@ if [ "${GROUPFLOW_SKIP_VLLM:-0}" = 1 ]; then
 fi
 [ -f .venv-vllm/.groupflow-ready ] || bash scripts/setup_vllm.sh
 # The tests that need vLLM (they skip in .venv); the pure TIS/config tests ran above.
-.venv-vllm/bin/python -m pytest -q -ra tests/rollout/test_vllm.py tests/test_trainer_engine.py \
+.venv-vllm/bin/python -m pytest -q -ra tests/rollout/test_vllm.py tests/rollout/test_vllm_vision.py tests/test_trainer_engine.py \
   tests/test_async_rollout.py::test_vllm_engine_runs_asynchronously_and_deterministically

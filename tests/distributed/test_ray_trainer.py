@@ -181,22 +181,42 @@ def test_async_rollout_with_a_ray_rollout_pool_matches_the_local_process_worker(
             assert on_ray[step][k] == pytest.approx(local[step][k], rel=1e-5, abs=1e-7), (step, k)
 
 
+def samples(run_dir):
+    """step -> [(prompt, completion)] of the run's samples.jsonl (run.samples_every=1)."""
+    out: dict = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], []).append((row["prompt"], row["completion"]))
+    return out
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(tmp_path, staleness):
+def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(
+    tmp_path, staleness, monkeypatch
+):
     """2 actor ranks, 1 rollout worker: the pool's worker generates every training batch (the
-    asynchronous side too), versions reach it without the driver (weights/bytes_via_driver is 0
-    at every step) — synchronously broadcast by both actor ranks (the collective transport, the
-    default there), asynchronously through Ray's object store — and the run is the local run's
-    (colocated, or the local child process)."""
+    asynchronous side too, whose whole loop runs in a Ray actor on the pool, not in the driver),
+    versions reach it without the driver (weights/bytes_via_driver is 0 at every step) —
+    synchronously broadcast by both actor ranks (the collective transport, the default there),
+    asynchronously through Ray's object store — and the run is the local run's (colocated, or
+    the local child process): the same prompts at every step and, while the weights are the
+    initial ones on both, the same sampled tokens."""
+    import groupflow.rollout_side
+
     k = f"rollout.max_staleness={staleness}"
-    local = run(tmp_path, "local", 3, k)
+    local = run(tmp_path, "local", 3, k, "run.samples_every=1")
     cfg = load_config(
         None,
         [*BASE, f"run.output_dir={tmp_path}", "run.name=pool", "run.total_steps=3", k,
-         "run.backend=ray", "run.num_workers=2",
+         "run.backend=ray", "run.num_workers=2", "run.samples_every=1",
          "placement.actor={nodes: 1, workers_per_node: 2, cpus_per_worker: 0.5}",
          "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}"],
     )  # fmt: skip
+
+    def not_in_the_driver(*args, **kwargs):
+        raise AssertionError("the asynchronous rollout side collected in the driver's process")
+
+    monkeypatch.setattr(groupflow.rollout_side, "collect_step", not_in_the_driver)
     trainer = Trainer(cfg)
     try:
         assert trainer.policy.transport.name == ("ray" if staleness else "collective")
@@ -213,9 +233,16 @@ def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(tmp_path, s
         assert pool == [train_samples]  # ran on the actor (the current weights)
     else:  # training batches and the final validation, all on the pool
         assert pool[0] > train_samples and actor == [0, 0]
-    # the first batch comes from the initial weights on both: the very same sampled tokens
-    assert rows[1]["reward/mean"] == local[1]["reward/mean"]
-    assert rows[1]["response_length/mean"] == local[1]["response_length/mean"]
+    # the first batch (k=1: the first two) comes from the initial weights on both: the very same
+    # sampled tokens; later ones from weights equal up to float reduction order (2 ranks vs 1)
+    ours, theirs = samples(tmp_path / "pool"), samples(tmp_path / "local")
+    assert [[p for p, _ in ours[s]] for s in (1, 2, 3)] == [
+        [p for p, _ in theirs[s]] for s in (1, 2, 3)
+    ]
+    for step in range(1, 2 + staleness):
+        assert ours[step] == theirs[step], step
+        assert rows[step]["reward/mean"] == local[step]["reward/mean"]
+        assert rows[step]["response_length/mean"] == local[step]["response_length/mean"]
     for step in (1, 2, 3):
         for key in KEYS:
             assert rows[step][key] == pytest.approx(local[step][key], rel=1e-5, abs=1e-7), (

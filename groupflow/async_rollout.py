@@ -14,7 +14,9 @@ three calls: ``publish(version, weights)`` copies a version into a shared ``Weig
 memcpy: the whole cost of a weight push to the trainer), ``submit(step, version)`` sends a tiny
 message, ``result(step)`` receives the finished, contract-checked batch. The side's prompt loader
 replicates the trainer's, so prompts are those of a synchronous run; each result carries the
-loader state after it (``loader_state``, what a checkpoint saves).
+loader state after it (``loader_state``, what a checkpoint saves). With a Ray rollout pool
+(``pool``) the same side runs in a Ray actor on that pool (``groupflow.rollout_pool``), and
+versions are published as weight-transport tickets instead of weights.
 
 ``rollout.async_worker: thread`` runs the same side in a thread of this process (no pickling of
 the recipe, slower: one GIL); it is also the fallback, with a warning, when the recipe cannot be

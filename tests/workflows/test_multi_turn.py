@@ -208,7 +208,7 @@ def test_multi_turn_on_a_ray_rollout_pool_matches_local(tiny_config):
     """Asynchronous (k = 1) multi-turn with tools: on Ray the rollout loop — model turns, tool
     calls, observations — runs in the rollout pool's actor, generation on its worker; locally in
     the child process. Same numbers."""
-    calc = {**CALC, "sft__steps": 20, "rollout__max_staleness": 1, "run__total_steps": 2}
+    calc = {**CALC, "rollout__max_staleness": 1, "run__total_steps": 2}  # 200 SFT steps: tool calls
     local = Trainer(tiny_config(run__name="local", **calc))
     local.fit()
     local.shutdown()

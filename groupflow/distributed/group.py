@@ -207,7 +207,6 @@ class WorkerGroup:
                 # group's placement would wait for resources that are never freed
                 self.shutdown()
                 raise
-        self._cls = cls
         self._bind_methods()
 
     def _bind_methods(self) -> None:

@@ -14,7 +14,9 @@ three calls: ``publish(version, weights)`` copies a version into a shared ``Weig
 memcpy: the whole cost of a weight push to the trainer), ``submit(step, version)`` sends a tiny
 message, ``result(step)`` receives the finished, contract-checked batch. The side's prompt loader
 replicates the trainer's, so prompts are those of a synchronous run; each result carries the
-loader state after it (``loader_state``, what a checkpoint saves).
+loader state after it (``loader_state``, what a checkpoint saves). With a Ray rollout pool
+(``pool``) the same side runs in a Ray actor on that pool (``groupflow.rollout_pool``), and
+versions are published as weight-transport tickets instead of weights.
 
 ``rollout.async_worker: thread`` runs the same side in a thread of this process (no pickling of
 the recipe, slower: one GIL); it is also the fallback, with a warning, when the recipe cannot be
@@ -45,6 +47,7 @@ import torch
 
 from groupflow.distributed import WorkerError
 from groupflow.distributed.process import ChildStartError, ProcessHost
+from groupflow.rollout_pool import PoolSideHost
 from groupflow.rollout_side import (
     COLLECTING,
     LOADING,
@@ -87,12 +90,15 @@ class AsyncRollout:
 
     def __init__(self, recipe: RolloutRecipe, template: dict[str, torch.Tensor], *,
                  max_staleness: int, process: bool, timeout_s: float, eager: bool = False,
-                 role: str = "rollout", ring=None):  # fmt: skip
+                 role: str = "rollout", ring=None, pool=None):  # fmt: skip
+        """``pool``: a Ray rollout pool (``WorkerGroup``): the side runs in a Ray actor there
+        (``groupflow.rollout_pool``), publishing the tickets in ``ring`` (a ``TicketStore``)."""
         self.timeout_s, self.role = timeout_s, role
         self.loader_state = recipe.loader_state  # the loader after the last delivered batch
         self._jobs: dict[int, int] = {}  # submitted, not yet taken: step -> scheduled version
         self._ready: dict[int, tuple] = {}  # received, not yet taken: step -> reply
         self._host = self._thread = self._side = None
+        process = process and pool is None
         if process and (where := unguarded_main_call()) is not None:
             _warn_thread_route(
                 f"the run was started at the top level of {where}, outside "
@@ -112,6 +118,8 @@ class AsyncRollout:
         if data is not None:
             self.status.share_memory_()
             self._host = self._start_process(data, eager)
+        if pool is not None:
+            self._host = self._start_on_pool(recipe, pool, eager)
         if self._host is None:
             self._side = RolloutSide(recipe)  # built here: a failure surfaces at once
             self._conn, child = mp.Pipe()
@@ -130,6 +138,15 @@ class AsyncRollout:
                 _warn_thread_route(f"{RECIPE_UNPICKLABLE} ({str(e.value).splitlines()[-1]})")
                 return None
             raise WorkerError(self._name(), 0, "__init__", str(e)) from None
+        except (ChildProcessError, TimeoutError) as e:
+            raise WorkerError(self._name(), 0, "__init__", str(e)) from None
+        self._conn = host.conn
+        return host
+
+    def _start_on_pool(self, recipe: RolloutRecipe, pool, eager: bool) -> PoolSideHost:
+        try:
+            host = PoolSideHost(recipe, pool, self.ring, self.status, eager=eager,
+                                startup_timeout_s=self.timeout_s)  # fmt: skip
         except (ChildProcessError, TimeoutError) as e:
             raise WorkerError(self._name(), 0, "__init__", str(e)) from None
         self._conn = host.conn
@@ -183,7 +200,8 @@ class AsyncRollout:
         except (OSError, ValueError):
             pass  # already gone (a dead child, a closed pipe): nothing to stop
         if self._host is not None:
-            self._host.process.join(timeout=5.0)
+            if self._host.process is not None:
+                self._host.process.join(timeout=5.0)
             self._host.close()
             self._host = None
         if self._thread is not None:
@@ -250,13 +268,15 @@ class AsyncRollout:
     def _death(self, what: str) -> str:
         if self._host is None:
             return f"the rollout thread {what}"
+        if self._host.process is None:  # the pool's Ray actor
+            return f"{self._host.describe(what)}{self._doing()}"
         p = self._host.process
         p.join(timeout=1.0)
         return f"the worker process (pid {p.pid}) {what}, exit code {p.exitcode}{self._doing()}"
 
     def _error(self, payload: tuple, step: int, version: int) -> BaseException:
         kind, body, text = payload
-        where = "process" if self._host is not None else "thread"
+        where = "thread" if self._host is None else "process" if self.process else "Ray actor"
         note = (f"(in the {self.role} role's {where}, batch of step {step}, policy version "
                 f"{version}); its traceback:\n{text}")  # fmt: skip
         error = pickle.loads(body) if kind == "exception" else RolloutError(body)

@@ -15,9 +15,9 @@ Prompts stay bit-identical to a synchronous run because the side's loader is a r
 trainer's: it starts from the trainer's loader state and draws in step order (refills included),
 and every result carries the loader state after it, which is what a checkpoint saves.
 
-Protocol (one pipe; the same ``serve`` loop runs in a spawned child process, or in a thread of
+Protocol (one pipe; the same ``serve`` loop runs in a spawned child process, in a thread of
 the trainer's process for ``rollout.async_worker: thread`` and as the fallback when the recipe
-cannot be pickled): the trainer sends ``("weights", v)`` after writing version ``v`` into the
+cannot be pickled, or in a Ray actor on a rollout pool, ``groupflow.rollout_pool``): the trainer sends ``("weights", v)`` after writing version ``v`` into the
 ring, ``("job", step, v)`` to collect a step's batch with version ``v`` and ``None`` to stop;
 the side answers every job, in order, with a pickled ``("result", step, batch, metrics,
 loader_state)`` or ``("error", step, payload)``. A shared status (phase, step, version) says what

@@ -25,6 +25,7 @@ from groupflow.async_rollout import AsyncRollout, ring_slots, schedule_version
 from groupflow.batch import Batch
 from groupflow.distributed.transport import ticket_nbytes
 from groupflow.policies.base import weights_nbytes
+from groupflow.rollout_pool import TicketStore
 from groupflow.rollout_side import RolloutRecipe
 from groupflow.workflows.collect import Sampling, collect_step
 
@@ -102,9 +103,10 @@ class AsyncRolloutSource:
 
         Two routes: by default the side runs in a child process (or thread) of the driver with a
         frozen model copy, and versions are copied into a shared-memory ring (one host). With a
-        Ray rollout pool (``policy.async_on_pool``) the pool's workers generate and versions go to
-        them as weight-transport tickets: the actor's rank sends, the pool fetches, the driver
-        forwards only the ticket (the side's workflow and rewards run in a driver thread)."""
+        Ray rollout pool (``policy.async_on_pool``) the side runs in a Ray actor on the pool's
+        node (``groupflow.rollout_pool``: workflow, loader replica, rewards), the pool's workers
+        generate, and versions go to them as weight-transport tickets: the actor's rank sends,
+        the pool fetches, the driver forwards only the ticket and receives finished batches."""
         k, total = self.k, self.total_steps()
         self.step = step
         jobs = {t: schedule_version(t, k) for t in range(step, min(step + k + 1, total))}
@@ -125,7 +127,7 @@ class AsyncRolloutSource:
             self.transport = self.policy.transport
             self.rollouts = AsyncRollout(
                 recipe, {}, max_staleness=k, process=False, timeout_s=self.timeout_s,
-                eager=self.eager, ring=TicketStore(ring_slots(k)),
+                eager=self.eager, ring=TicketStore(ring_slots(k)), pool=self.policy.rollout_pool,
             )  # fmt: skip
         else:
             current = self.policy.snapshot(copy=False)  # the ring copies it
@@ -220,30 +222,6 @@ class AsyncRolloutSource:
         finally:
             self.rollouts = None
             rollouts.close()
-
-
-class TicketStore:
-    """The transport tickets of the last ``slots`` versions, with the ``WeightRing``'s interface
-    (``write``/``read``/``versions``): what the pooled route publishes instead of weights."""
-
-    def __init__(self, slots: int):
-        self.slots, self._held = slots, {}
-
-    def write(self, version: int, ticket) -> None:
-        self._held[version] = ticket
-        for v in [v for v in self._held if v <= version - self.slots]:
-            del self._held[v]  # what a ring slot would have overwritten
-
-    def read(self, version: int):
-        if version not in self._held:
-            raise RuntimeError(
-                f"no weight ticket of policy version {version} (held: {self.versions()}): a "
-                f"reader fell more than {self.slots} versions behind the writer"
-            )
-        return self._held[version]
-
-    def versions(self) -> list[int]:
-        return sorted(self._held)
 
 
 def build_rollout_source(cfg, built_cfg, run_dir, policy, workflow, loader, inputs):

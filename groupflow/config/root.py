@@ -389,7 +389,13 @@ class Config(_Section):
         if self.actor.lora is not None:
             clashes.append("actor.lora (the engine is fed plain weights, not adapters)")
         if self.placement.rollout != "colocated":
-            clashes.append("placement.rollout as its own pool (the vLLM engine lives in the actor)")
+            # a pool's InferenceWorker could build the engine, but a pool on Ray with vLLM is not
+            # tested anywhere (the vLLM CPU environment has no Ray): refused rather than untried
+            clashes.append(
+                "placement.rollout as its own pool (a vLLM engine runs colocated in the actor "
+                "worker, or locally in the asynchronous rollout's child process; rollout pools "
+                "generate with rollout.engine=hf)"
+            )
         if clashes:
             raise ValueError(f"rollout.engine=vllm does not work with {'; '.join(clashes)}")
         return self

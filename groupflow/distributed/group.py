@@ -207,10 +207,34 @@ class WorkerGroup:
                 # group's placement would wait for resources that are never freed
                 self.shutdown()
                 raise
-        for attr in dir(cls):
-            mode = dispatch_mode(getattr(cls, attr, None))
+        self._bind_methods()
+
+    def _bind_methods(self) -> None:
+        for attr in dir(self._cls):
+            mode = dispatch_mode(getattr(self._cls, attr, None))
             if mode is not None and not attr.startswith("_"):
                 setattr(self, attr, self._bind(attr, mode))
+
+    # ----- copies in other processes --------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """A Ray group travels to another process (the rollout loop's actor calls the same
+        workers) as its handles: without the bound methods (rebound on arrival) and without the
+        pool, which only the original releases (a copy's ``shutdown`` kills no reservation)."""
+        if self.backend != "ray":
+            raise TypeError(f"a {self.backend} worker group ({self.name}) cannot leave its process")
+        state = {k: v for k, v in self.__dict__.items() if not hasattr(v, "__wrapped_method__")}
+        return {**state, "_pool": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._bind_methods()
+
+    def placement(self, rank: int = 0) -> dict[str, Any]:
+        """Ray ``.options`` that put another actor next to worker ``rank`` (its bundle, on its
+        node) without reserving resources of its own."""
+        if self._pool is None:
+            raise RuntimeError(f"{self.name} has no Ray pool (backend {self.backend}, or a copy)")
+        return {**self._pool.options(rank), "num_cpus": 0, "num_gpus": 0}
 
     # ----- calling ------------------------------------------------------------------------------
     def _bind(self, method: str, mode: str) -> Callable:
@@ -218,6 +242,7 @@ class WorkerGroup:
             return self.execute(method, mode, *args, **kwargs)
 
         call.__name__ = method
+        call.__wrapped_method__ = method  # what __getstate__ leaves out
         return call
 
     def execute(self, method: str, mode: str, *args, **kwargs) -> Any:

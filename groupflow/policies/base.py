@@ -40,8 +40,10 @@ class PolicyView(Protocol):
 
 
 class Policy(PolicyView, Protocol):
-    """The policy as the driver trains it. ``async_on_pool``: the asynchronous rollout generates
-    on the policy's own rollout pool, fed versions as transport tickets (``publish``)."""
+    """The policy as the driver trains it. ``async_on_pool``: the asynchronous rollout runs on
+    the policy's own Ray rollout pool (``rollout_pool``, a ``WorkerGroup``: the rollout loop in
+    an actor there, ``groupflow.rollout_pool``), fed versions as transport tickets
+    (``publish``)."""
 
     async_on_pool: bool
 

@@ -395,8 +395,9 @@ class PoolRolloutPolicy:
     """The policy as the asynchronous rollout side sees it when the rollout has a Ray pool: that
     pool's workers generate (on whichever nodes Ray placed them) and receive each scheduled
     version as a transport ticket (``load_weights``), fetching the buckets from the actor's rank
-    themselves; the side's workflow, prompt loader and rewards run in a thread of the driver.
-    Tokenizer, sampling parameters, contracts and the reward model are the trainer policy's."""
+    themselves. It travels to the side's Ray actor (``groupflow.rollout_pool``) with handles on
+    the pool and the reward model's workers; tokenizer, sampling parameters and contracts are the
+    trainer policy's."""
 
     contracts = CONTRACTS
 

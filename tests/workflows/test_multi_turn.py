@@ -204,22 +204,27 @@ def test_bad_tools_and_environments_fail_at_start(tiny_config, helpers, override
 
 
 @pytest.mark.slow
-def test_multi_turn_on_ray_matches_local(tiny_config):
-    local = Trainer(
-        tiny_config(run__total_steps=2, run__name="local", **{**CALC, "sft__steps": 20})
-    )
+def test_multi_turn_on_a_ray_rollout_pool_matches_local(tiny_config):
+    """Asynchronous (k = 1) multi-turn with tools: on Ray the rollout loop — model turns, tool
+    calls, observations — runs in the rollout pool's actor, generation on its worker; locally in
+    the child process. Same numbers."""
+    calc = {**CALC, "rollout__max_staleness": 1, "run__total_steps": 2}  # 200 SFT steps: tool calls
+    local = Trainer(tiny_config(run__name="local", **calc))
     local.fit()
+    local.shutdown()
     ray = pytest.importorskip("ray")
     ray.shutdown()  # a fresh local instance sized for this run, whatever earlier tests left
     ray_run = Trainer(
-        tiny_config(run__total_steps=2, run__name="ray", run__backend="ray", run__num_workers=1,
-                    **{**CALC, "sft__steps": 20})
+        tiny_config(run__name="ray", run__backend="ray", run__num_workers=1,
+                    placement__actor={"nodes": 1, "workers_per_node": 1, "cpus_per_worker": 0.5},
+                    placement__rollout={"workers_per_node": 1, "cpus_per_worker": 0.5}, **calc)
     )  # fmt: skip
     try:
         ray_run.fit()
     finally:
         ray_run.shutdown()
     a, b = _steps(local.run_dir), _steps(ray_run.run_dir)
+    assert b[-1]["rollout/tool_call_rate"] > 0  # the pool's loop called the tool
     for key in ("reward/mean", "rollout/tool_call_rate", "actor/grad_norm"):
         assert a[-1][key] == pytest.approx(b[-1][key], abs=1e-5)
 

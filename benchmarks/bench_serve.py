@@ -13,6 +13,10 @@ Methodology:
   Per-call latency (mean, p90) is measured at the client.
 - **server, sequential**: the same K conversations sent one after another (what a server without
   a batcher would do), for K > 1.
+- CPU ratio: the in-process engine's CPU time over the server process's for the same tokens
+  (its decode thread, HTTP and — with ``--clients thread`` — the agents): on a loaded shared
+  machine the wall-clock ratio is noise, this one is what a quiet machine's ratio tends to.
+- ``--clients process`` runs the K agents in another process (an agent outside the trainer).
 - The same prompts and seeds, so both paths decode the same tokens (checked: the completion
   token ids must match, else the run says so); reported are completion tokens/s and the
   server/in-process ratio. Variants alternate in ``--reps`` rounds and the median is kept, so the
@@ -29,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
+import multiprocessing
 import os
 import statistics
 import string
@@ -37,10 +43,11 @@ import time
 
 import torch
 
+from groupflow.rollout.continuous import ContinuousDecoder
 from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.app import ServeLimits, ServerCore, build_app
-from groupflow.serve.batcher import DynamicBatcher, engine_generate
+from groupflow.serve.batcher import ContinuousBatcher, DynamicBatcher, engine_generate
 from groupflow.serve.thread import ServerThread
 
 
@@ -153,6 +160,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clients", choices=["thread", "process"], default="thread",
+                   help="where the K agents run: the server's process (as in a training run) or "
+                        "another process (an agent elsewhere)")  # fmt: skip
+    p.add_argument("--batcher", choices=["continuous", "dynamic"], default="continuous",
+                   help="the server's: continuous (the HF default) or per engine call")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     name, tok, model = _load(args.model)
@@ -160,41 +172,62 @@ def main() -> None:
     engine = HF.build(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
     limits = ServeLimits(max_tokens=args.new_tokens, max_context_tokens=100_000,
                          max_batch_samples=max(args.concurrency))  # fmt: skip
-    core = ServerCore(tok, DynamicBatcher(engine_generate(engine),
-                                          max_batch_samples=max(args.concurrency)),
-                      SamplingParams(), model_name="m", limits=limits)  # fmt: skip
+    if args.batcher == "continuous":
+        decoder = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+        batcher = ContinuousBatcher(
+            decoder,
+            max_batch_samples=max(args.concurrency),
+            wait_s=float(os.environ.get("WAIT_S", "0.005")),
+        )
+    else:
+        batcher = DynamicBatcher(engine_generate(engine), max_batch_samples=max(args.concurrency))
+    core = ServerCore(tok, batcher, SamplingParams(), model_name="m", limits=limits)
     server = ServerThread(build_app(core)).start()
-    print(f"model: {name}; {args.turns} calls per conversation, {args.new_tokens} new tokens per "
+    print(f"model: {name}; {args.batcher} batching, clients in a {args.clients}; {args.turns} calls per conversation, {args.new_tokens} new tokens per "
           f"call, {args.threads} torch thread(s); load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    pool = None
+    if args.clients == "process":  # the agents' CPU off the server's process (and its GIL)
+        pool = multiprocessing.get_context("spawn").Pool(1)
+        send = functools.partial(pool.apply, run_server)
+    else:
+
+        def send(a):
+            return run_server(*a)
+
     run_inprocess(engine, tok, 2, 1, 4)  # warm-up
-    run_server(server.url, 2, 1, 4, False)
+    send((server.url, 2, 1, 4, False))
     header = (f"{'conversations':>13} | {'in-process tok/s':>16} | {'server tok/s':>12} | "
               f"{'ratio':>5} | {'latency mean/p90 s':>18} | {'sequential tok/s':>16} | "
-              f"{'batched/seq':>11}")  # fmt: skip
+              f"{'batched/seq':>11} | {'CPU ratio':>9}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for k in args.concurrency:
-        rows = {"in": [], "srv": [], "seq": []}
+        rows = {"in": [], "srv": [], "seq": [], "cpu": []}
         lat: list[float] = []
         same = True
         for _ in range(args.reps):
+            cpu = time.process_time()
             secs, toks, ref = run_inprocess(engine, tok, k, args.turns, args.new_tokens)
+            cpu_in, cpu = time.process_time() - cpu, time.process_time()
             rows["in"].append(toks / secs)
-            secs, toks, got, latencies = run_server(server.url, k, args.turns, args.new_tokens,
-                                                    False)  # fmt: skip
+            secs, toks, got, latencies = send((server.url, k, args.turns, args.new_tokens, False))
+            rows["cpu"].append(cpu_in / (time.process_time() - cpu))
             rows["srv"].append(toks / secs)
             lat += latencies
             same &= got == ref
             if k > 1:
-                secs, toks, _, _ = run_server(server.url, k, args.turns, args.new_tokens, True)
+                secs, toks, _, _ = send((server.url, k, args.turns, args.new_tokens, True))
                 rows["seq"].append(toks / secs)
         med = {key: statistics.median(v) if v else float("nan") for key, v in rows.items()}
         p90 = sorted(lat)[max(0, math.ceil(0.9 * len(lat)) - 1)]  # nearest rank
         print(f"{k:>13} | {med['in']:>16.0f} | {med['srv']:>12.0f} | "
               f"{med['srv'] / med['in']:>5.2f} | {statistics.mean(lat):>8.3f} / {p90:<7.3f} | "
-              f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f}"
+              f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f} | {med['cpu']:>9.2f}"
               + ("" if same else "  (tokens differ from in-process!)"))  # fmt: skip
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    if pool is not None:
+        pool.close()
+        pool.join()
     server.stop()
     core.batcher.close()
 

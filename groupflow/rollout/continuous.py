@@ -23,7 +23,7 @@ attention) decode this way; the server falls back to request-level batching for 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -176,6 +176,14 @@ class ContinuousDecoder:
         else:
             self.pending = tokens
         return progress, finished
+
+    def drop(self, gone: Callable[[Hashable], bool]) -> int:
+        """Remove the rows whose tag ``gone`` says nobody waits for; how many left."""
+        keep = [i for i, r in enumerate(self.rows) if not gone(r.tag)]
+        dropped = len(self.rows) - len(keep)
+        if dropped:
+            self._leave(keep, self.pending)
+        return dropped
 
     def _leave(self, keep: list[int], tokens: torch.Tensor) -> None:
         if not keep:

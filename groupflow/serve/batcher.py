@@ -323,6 +323,7 @@ class ContinuousBatcher:
     def _decode_loop(self) -> None:
         model = self.decoder.model
         was_training: bool | None = None
+        steps = 0
         while True:
             with self._cv:
                 while not self._inbox and not self.decoder.active and not self._closed:
@@ -353,6 +354,9 @@ class ContinuousBatcher:
                     self.engine_calls += 1
                     self.samples += len(rows)
                 else:
+                    steps += 1
+                    if steps % 8 == 0:  # a client that went (or an agent timed out) frees its rows
+                        self.decoder.drop(lambda tag: tag[0].future.cancelled())
                     progress, finished = self.decoder.step()
             except Exception as exc:  # the engine's error goes to every request it touched
                 failed = {item for item, _ in self.decoder.reset()} | set(admit)
@@ -360,6 +364,11 @@ class ContinuousBatcher:
                 continue
             finally:
                 self.engine_seconds += time.perf_counter() - start
+            with self._cv:
+                idle = not self._inbox and not self.decoder.active
+            if idle:  # the model back as it was before the answers go out (the trainer may
+                model.train(was_training)  # use it as soon as its episodes are answered)
+                was_training = None
             progress = [(tag, t) for tag, t in progress if tag[0].listener is not None]
             if progress or finished:
                 self._post(self._deliver, progress, finished)

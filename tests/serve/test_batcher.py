@@ -87,3 +87,31 @@ def test_an_engine_error_reaches_its_request_and_the_batcher_goes_on(tiny):
     finally:
         batcher.close()
     assert len(ok.ids) == 3
+
+
+def test_a_cancelled_request_leaves_the_decode(tiny):
+    model, tok = tiny
+    decoder = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    batcher = ContinuousBatcher(decoder)
+    params = SamplingParams(max_new_tokens=1000)
+    dropped, drop = [], decoder.drop
+    decoder.drop = lambda gone: dropped.append(drop(gone)) or dropped[-1]  # a spy
+
+    async def main():
+        started = asyncio.Event()
+        task = asyncio.ensure_future(
+            batcher.submit([[5, 6]], params, [1], lambda j, ids: started.set())
+        )
+        await asyncio.wait_for(started.wait(), TIMEOUT_S)
+        task.cancel()  # e.g. an agent past rollout.agent_timeout_s
+        for _ in range(TIMEOUT_S * 100):
+            if decoder.active == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        left = asyncio.run(main())
+    finally:
+        batcher.close()
+    assert left and sum(dropped) == 1  # dropped, not decoded to its 1000 tokens

@@ -7,8 +7,8 @@ Methodology:
   (default 1, 8, 32), with one torch thread.
 - **in-process**: the HF engine (``groupflow.rollout.engine.HFEngine``) decodes the K
   conversations' calls of one turn in one ``generate`` call — the best batching there is.
-- **server**: a server in a thread of the same process (uvicorn on 127.0.0.1, the dynamic
-  batcher, ``ServerCore``) and K concurrent ``openai.AsyncOpenAI`` clients sending
+- **server**: a server in a thread of the same process (uvicorn on 127.0.0.1, the continuous
+  batcher — ``--batcher dynamic``: per engine call —, ``ServerCore``) and K concurrent ``openai.AsyncOpenAI`` clients sending
   ``/v1/chat/completions`` requests, each conversation continuing on the ids the server sampled.
   Per-call latency (mean, p90) is measured at the client.
 - **server, sequential**: the same K conversations sent one after another (what a server without

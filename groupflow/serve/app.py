@@ -268,7 +268,10 @@ class ServerCore:
                 break
         try:
             out = self._chat_answer(key, req, prompt, params, task.result())
-        except ApiError as exc:  # the stream has started: the error is its last event
+        except Exception as exc:  # the stream has started (status 200): the error is its last event
+            if not isinstance(exc, ApiError):
+                log.warning("a streamed chat request failed: %s", exc)
+                exc = ApiError(500, f"the engine failed: {exc}", None, "server_error")
             yield _sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param}})
             yield "data: [DONE]\n\n"
             return
@@ -434,7 +437,7 @@ class TextStream:
         if cuts:
             safe, self.stopped = text[: min(cuts)], True
         else:
-            safe = text[: len(text) - self.hold].rstrip("\ufffd")
+            safe = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
         delta, self.sent = safe[len(self.sent) :], safe

@@ -15,7 +15,7 @@ Methodology:
   a batcher would do), for K > 1.
 - CPU ratio: the in-process engine's CPU time over the server process's for the same tokens
   (its decode thread, HTTP and — with ``--clients thread`` — the agents): on a loaded shared
-  machine the wall-clock ratio is noise, this one is what a quiet machine's ratio tends to.
+  machine the wall-clock ratio is noise, this one much less so.
 - ``--mixed``: every other conversation asks for 1/8 of the tokens per call (in-process, the
   turn's one ``generate`` call still decodes all rows to the longest; a short call through the
   continuous batcher leaves early, through the per-call one it waits for its call to end).

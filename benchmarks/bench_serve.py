@@ -7,12 +7,19 @@ Methodology:
   (default 1, 8, 32), with one torch thread.
 - **in-process**: the HF engine (``groupflow.rollout.engine.HFEngine``) decodes the K
   conversations' calls of one turn in one ``generate`` call — the best batching there is.
-- **server**: a server in a thread of the same process (uvicorn on 127.0.0.1, the dynamic
-  batcher, ``ServerCore``) and K concurrent ``openai.AsyncOpenAI`` clients sending
+- **server**: a server in a thread of the same process (uvicorn on 127.0.0.1, the continuous
+  batcher — ``--batcher dynamic``: per engine call —, ``ServerCore``) and K concurrent ``openai.AsyncOpenAI`` clients sending
   ``/v1/chat/completions`` requests, each conversation continuing on the ids the server sampled.
   Per-call latency (mean, p90) is measured at the client.
 - **server, sequential**: the same K conversations sent one after another (what a server without
   a batcher would do), for K > 1.
+- CPU ratio: the in-process engine's CPU time over the server process's for the same tokens
+  (its decode thread, HTTP and — with ``--clients thread`` — the agents): on a loaded shared
+  machine the wall-clock ratio is noise, this one much less so.
+- ``--mixed``: every other conversation asks for 1/8 of the tokens per call (in-process, the
+  turn's one ``generate`` call still decodes all rows to the longest; a short call through the
+  continuous batcher leaves early, through the per-call one it waits for its call to end).
+- ``--clients process`` runs the K agents in another process (an agent outside the trainer).
 - The same prompts and seeds, so both paths decode the same tokens (checked: the completion
   token ids must match, else the run says so); reported are completion tokens/s and the
   server/in-process ratio. Variants alternate in ``--reps`` rounds and the median is kept, so the
@@ -29,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
+import multiprocessing
 import os
 import statistics
 import string
@@ -37,10 +46,11 @@ import time
 
 import torch
 
+from groupflow.rollout.continuous import ContinuousDecoder
 from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.app import ServeLimits, ServerCore, build_app
-from groupflow.serve.batcher import DynamicBatcher, engine_generate
+from groupflow.serve.batcher import ContinuousBatcher, DynamicBatcher, engine_generate
 from groupflow.serve.thread import ServerThread
 
 
@@ -72,7 +82,13 @@ def _seed(conv: int, turn: int) -> int:
     return 1000 * conv + turn
 
 
-def run_inprocess(engine, tok, k: int, turns: int, new_tokens: int) -> tuple[float, int, list]:
+def _limit(i: int, new_tokens: int, mixed: bool) -> int:
+    """Conversation i's tokens per call: all ``new_tokens``, or (``--mixed``) every other one 1/8."""
+    return max(1, new_tokens // 8) if mixed and i % 2 else new_tokens
+
+
+def run_inprocess(engine, tok, k: int, turns: int, new_tokens: int,
+                  mixed: bool = False) -> tuple[float, int, list]:  # fmt: skip
     """The K conversations, each turn of all K in one generate call (no EOS stop)."""
     contexts = [
         tok.apply_chat_template(
@@ -89,7 +105,7 @@ def run_inprocess(engine, tok, k: int, turns: int, new_tokens: int) -> tuple[flo
         new = []
         for i in range(k):
             m = out.response_mask[i].bool()
-            got = out.responses[i][m].tolist()
+            got = out.responses[i][m].tolist()[: _limit(i, new_tokens, mixed)]
             sampled.append(got)
             tokens += len(got)
             if t + 1 < turns:  # the server's continuation: the template's turns after ours
@@ -104,13 +120,14 @@ def _follow_up(tok, sampled: list[int]) -> list[int]:
     return ChatFormat(tok).observation_ids([{"role": "user", "content": "and then?"}], sampled[-1])
 
 
-async def _conversation(client, i: int, turns: int, new_tokens: int, latencies: list) -> list:
+async def _conversation(client, i: int, turns: int, new_tokens: int, latencies: list,
+                        mixed: bool = False) -> list:  # fmt: skip
     messages = [{"role": "user", "content": _question(i)}]
     sampled = []
     for t in range(turns):
         start = time.perf_counter()
         reply = await client.chat.completions.create(
-            model="m", messages=messages, max_tokens=new_tokens, seed=_seed(i, t),
+            model="m", messages=messages, max_tokens=_limit(i, new_tokens, mixed), seed=_seed(i, t),
             temperature=1.0,
         )  # fmt: skip
         latencies.append(time.perf_counter() - start)
@@ -120,7 +137,8 @@ async def _conversation(client, i: int, turns: int, new_tokens: int, latencies: 
     return sampled
 
 
-def run_server(url: str, k: int, turns: int, new_tokens: int, sequential: bool):
+def run_server(url: str, k: int, turns: int, new_tokens: int, sequential: bool,
+               mixed: bool = False):  # fmt: skip
     import openai
 
     async def main():
@@ -130,10 +148,11 @@ def run_server(url: str, k: int, turns: int, new_tokens: int, sequential: bool):
         latencies: list[float] = []
         start = time.perf_counter()
         if sequential:
-            convs = [await _conversation(client, i, turns, new_tokens, latencies) for i in range(k)]
+            convs = [await _conversation(client, i, turns, new_tokens, latencies, mixed)
+                     for i in range(k)]  # fmt: skip
         else:
             convs = await asyncio.gather(
-                *(_conversation(client, i, turns, new_tokens, latencies) for i in range(k))
+                *(_conversation(client, i, turns, new_tokens, latencies, mixed) for i in range(k))
             )
         seconds = time.perf_counter() - start
         await http.aclose()
@@ -153,6 +172,16 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clients", choices=["thread", "process"], default="thread",
+                   help="where the K agents run: the server's process (as in a training run) or "
+                        "another process (an agent elsewhere)")  # fmt: skip
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="every other conversation asks for 1/8 of --new-tokens per call",
+    )
+    p.add_argument("--batcher", choices=["continuous", "dynamic"], default="continuous",
+                   help="the server's: continuous (the HF default) or per engine call")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     name, tok, model = _load(args.model)
@@ -160,41 +189,63 @@ def main() -> None:
     engine = HF.build(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
     limits = ServeLimits(max_tokens=args.new_tokens, max_context_tokens=100_000,
                          max_batch_samples=max(args.concurrency))  # fmt: skip
-    core = ServerCore(tok, DynamicBatcher(engine_generate(engine),
-                                          max_batch_samples=max(args.concurrency)),
-                      SamplingParams(), model_name="m", limits=limits)  # fmt: skip
+    if args.batcher == "continuous":
+        decoder = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+        batcher = ContinuousBatcher(decoder, max_batch_samples=max(args.concurrency))
+    else:
+        batcher = DynamicBatcher(engine_generate(engine), max_batch_samples=max(args.concurrency))
+    core = ServerCore(tok, batcher, SamplingParams(), model_name="m", limits=limits)
     server = ServerThread(build_app(core)).start()
-    print(f"model: {name}; {args.turns} calls per conversation, {args.new_tokens} new tokens per "
+    print(f"model: {name}; {args.batcher} batching, clients in a {args.clients}, "
+          f"{'mixed' if args.mixed else 'equal'} lengths; {args.turns} calls per conversation, {args.new_tokens} new tokens per "
           f"call, {args.threads} torch thread(s); load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    pool = None
+    if args.clients == "process":  # the agents' CPU off the server's process (and its GIL)
+        pool = multiprocessing.get_context("spawn").Pool(1)
+        send = functools.partial(pool.apply, run_server)
+    else:
+
+        def send(a):
+            return run_server(*a)
+
     run_inprocess(engine, tok, 2, 1, 4)  # warm-up
-    run_server(server.url, 2, 1, 4, False)
+    send((server.url, 2, 1, 4, False))
     header = (f"{'conversations':>13} | {'in-process tok/s':>16} | {'server tok/s':>12} | "
               f"{'ratio':>5} | {'latency mean/p90 s':>18} | {'sequential tok/s':>16} | "
-              f"{'batched/seq':>11}")  # fmt: skip
+              f"{'batched/seq':>11} | {'CPU ratio':>9}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for k in args.concurrency:
-        rows = {"in": [], "srv": [], "seq": []}
+        rows = {"in": [], "srv": [], "seq": [], "cpu": []}
         lat: list[float] = []
         same = True
         for _ in range(args.reps):
-            secs, toks, ref = run_inprocess(engine, tok, k, args.turns, args.new_tokens)
+            cpu = time.process_time()
+            secs, toks, ref = run_inprocess(engine, tok, k, args.turns, args.new_tokens, args.mixed)
+            cpu_in, cpu = time.process_time() - cpu, time.process_time()
             rows["in"].append(toks / secs)
-            secs, toks, got, latencies = run_server(server.url, k, args.turns, args.new_tokens,
-                                                    False)  # fmt: skip
+            secs, toks, got, latencies = send(
+                (server.url, k, args.turns, args.new_tokens, False, args.mixed)
+            )
+            rows["cpu"].append(cpu_in / (time.process_time() - cpu))
             rows["srv"].append(toks / secs)
             lat += latencies
             same &= got == ref
             if k > 1:
-                secs, toks, _, _ = run_server(server.url, k, args.turns, args.new_tokens, True)
+                secs, toks, _, _ = send(
+                    (server.url, k, args.turns, args.new_tokens, True, args.mixed)
+                )
                 rows["seq"].append(toks / secs)
         med = {key: statistics.median(v) if v else float("nan") for key, v in rows.items()}
         p90 = sorted(lat)[max(0, math.ceil(0.9 * len(lat)) - 1)]  # nearest rank
         print(f"{k:>13} | {med['in']:>16.0f} | {med['srv']:>12.0f} | "
               f"{med['srv'] / med['in']:>5.2f} | {statistics.mean(lat):>8.3f} / {p90:<7.3f} | "
-              f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f}"
+              f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f} | {med['cpu']:>9.2f}"
               + ("" if same else "  (tokens differ from in-process!)"))  # fmt: skip
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    if pool is not None:
+        pool.close()
+        pool.join()
     server.stop()
     core.batcher.close()
 

@@ -168,7 +168,6 @@ def _serve(args) -> int:
     import uvicorn
 
     from groupflow.serve.app import OpenAccess, build_app
-    from groupflow.serve.batcher import group_generate
     from groupflow.serve.build import server_core
     from groupflow.serve.thread import check_bind
 
@@ -178,7 +177,7 @@ def _serve(args) -> int:
     trainer = _load_trainer_for_inference(args)
     cfg, policy = trainer.cfg, trainer.policy
     defaults = replace(policy.sampling, n=1)
-    core = server_core(cfg, policy.tokenizer, group_generate(policy.rollout), defaults,
+    core = server_core(cfg, policy.tokenizer, policy.rollout, defaults,
                        OpenAccess(api_key))  # fmt: skip
     port = cfg.serve.port if args.port is None else args.port
     print(

@@ -378,6 +378,9 @@ class ServeConfig(_Section):
     # an idle server's first request waits while more arrive: until batch_wait_ms passes without
     # one (at most 10 × batch_wait_ms), so calls sent together share one engine call
     batch_wait_ms: float = Field(5.0, ge=0)
+    # requests join the running decode at its next step (the HF engine, on one local worker, for
+    # Llama-family models); false, or any other engine: batched per engine call
+    continuous_batching: bool = True
     # false: the request's tools are not written into the prompt (a small model trained to call
     # them by the parser's format, e.g. the tag parser's <calc>...</calc>)
     describe_tools: bool = True

@@ -9,10 +9,13 @@ recorder (one key per episode, the run's sampling settings, every call recorded)
 is the same for both. Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param"}}``)
 with a 4xx status and the offending field in ``param``.
 
-Streaming (``stream: true``) sends the finished completion as server-sent events in OpenAI's
-chunk format (role, content, tool calls, finish reason, usage): the engine decodes a request's
-tokens in one batched call, so the chunks arrive together at its end — the protocol clients
-expect, without token-by-token latency.
+Streaming (``stream: true``) sends server-sent events in OpenAI's chunk format (role, content,
+tool calls, finish reason, usage). A chat answer's content is sent as it is decoded — the batcher
+hands over each token (``ContinuousBatcher``; ``DynamicBatcher`` all of them at the call's end)
+and ``TextStream`` turns the ids so far into the text that can no longer change: whatever a stop
+string could still cut, or an unfinished UTF-8 character, waits for the next token. Where the
+request has tools, the content waits for the end (the parser must see the whole completion to
+tell a call from text). The streamed pieces join to exactly the non-streamed message's content.
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from groupflow.rollout.hf import SamplingParams
-from groupflow.serve.batcher import Completion, DynamicBatcher, Overloaded
+from groupflow.serve.batcher import (
+    Completion,
+    ContinuousBatcher,
+    DynamicBatcher,
+    Listener,
+    Overloaded,
+)
 from groupflow.serve.chat import ChatPrompt, ChatPrompts
 from groupflow.serve.protocol import ChatRequest, CompletionRequest
 
@@ -49,6 +58,7 @@ __all__ = [
     "ServerCore",
     "build_app",
     "LOCAL_HOSTS",
+    "TextStream",
 ]
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -138,7 +148,7 @@ class OpenAccess:
 class ServerCore:
     """What the endpoints do, HTTP aside (see the module docstring)."""
 
-    def __init__(self, tokenizer, batcher: DynamicBatcher, defaults: SamplingParams, *,
+    def __init__(self, tokenizer, batcher: DynamicBatcher | ContinuousBatcher, defaults: SamplingParams, *,
                  model_name: str, limits: ServeLimits = ServeLimits(), access: Access | None = None,
                  tool_parser: str = "hermes", describe_tools: bool = True):  # fmt: skip
         self.tokenizer, self.batcher, self.defaults = tokenizer, batcher, defaults
@@ -180,7 +190,7 @@ class ServerCore:
         return self.access.params(key, params)
 
     async def _sample(self, key, prompt_ids: list[int], params: SamplingParams, n: int,
-                      seed: int | None) -> list[Completion]:  # fmt: skip
+                      seed: int | None, listener: Listener | None = None) -> list[Completion]:  # fmt: skip
         try:
             script = self.access.scripted(key, n)
         except ValueError as exc:
@@ -189,7 +199,7 @@ class ServerCore:
             return [Completion(list(ids), [0.0] * len(ids), "stop") for ids in script]
         seeds = self.access.seeds(key, n, seed)
         try:
-            return await self.batcher.submit([prompt_ids] * n, params, seeds)
+            return await self.batcher.submit([prompt_ids] * n, params, seeds, listener)
         except Overloaded as exc:
             raise ApiError(429, str(exc), None, "rate_limit_error") from None
 
@@ -212,6 +222,84 @@ class ServerCore:
                                             "created": self.created, "owned_by": "groupflow"}]}  # fmt: skip
 
     async def chat(self, key: str | None, req: ChatRequest) -> dict[str, Any]:
+        prompt, params = self._chat_prompt(key, req)
+        completions = await self._sample(key, prompt.ids, params, req.n, req.seed)
+        return self._chat_answer(key, req, prompt, params, completions)
+
+    async def chat_stream(self, key: str | None, req: ChatRequest, usage: bool):
+        """The chat answer as server-sent events (see the module docstring). A bad request or a
+        full queue raises ``ApiError`` here, before the stream (and its 200 status) starts."""
+        prompt, params = self._chat_prompt(key, req)
+        streamable = not (req.tools and req.tool_choice != "none") and not prompt.forced_text
+        arrived: list[tuple[int, list[int]]] = []
+        wake = asyncio.Event()
+
+        def listener(j: int, ids: list[int]) -> None:
+            arrived.append((j, ids))
+            wake.set()
+
+        task = asyncio.ensure_future(self._sample(
+            key, prompt.ids, params, req.n, req.seed, listener if streamable else None))  # fmt: skip
+        task.add_done_callback(lambda _: wake.set())
+        await asyncio.sleep(0)  # the batcher's checks (429) run now
+        if task.done() and task.exception() is not None:
+            raise task.exception()
+        return self._chat_events(key, req, prompt, params, task, arrived, wake, usage)
+
+    async def _chat_events(self, key, req: ChatRequest, prompt: ChatPrompt, params, task,
+                           arrived: list, wake: asyncio.Event, usage: bool):  # fmt: skip
+        head = {"id": f"chatcmpl-{_next_id()}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self.model_name}  # fmt: skip
+        yield _sse({**head, "choices": [], "prompt_token_ids": prompt.ids})
+        for i in range(req.n):
+            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                        "content": ""}, "finish_reason": None}]})  # fmt: skip
+        texts = [TextStream(self.tokenizer, params.stop) for _ in range(req.n)]
+        while True:
+            await wake.wait()
+            wake.clear()
+            news, arrived[:] = list(arrived), []
+            for j, ids in news:
+                delta = texts[j].push(ids)
+                if delta:
+                    yield _sse({**head, "choices": [{"index": j, "delta": {"content": delta},
+                                                     "finish_reason": None}]})  # fmt: skip
+            if task.done() and not arrived:
+                break
+        try:
+            out = self._chat_answer(key, req, prompt, params, task.result())
+        except Exception as exc:  # the stream has started (status 200): the error is its last event
+            if not isinstance(exc, ApiError):
+                log.warning("a streamed chat request failed: %s", exc)
+                exc = ApiError(500, f"the engine failed: {exc}", None, "server_error")
+            yield _sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param}})
+            yield "data: [DONE]\n\n"
+            return
+        for ch in out["choices"]:
+            i, msg = ch["index"], ch["message"]
+            rest = msg.get("content") or ""
+            sent = texts[i].sent
+            if sent and rest.startswith(sent):
+                rest = rest[len(sent) :]
+            elif sent:  # cannot happen for a tokenizer whose prefixes decode to prefixes
+                log.warning("streamed text %r is not a prefix of the answer %r", sent, rest)
+                rest = ""
+            if rest:
+                yield _sse({**head, "choices": [{"index": i, "delta": {"content": rest},
+                                                 "finish_reason": None}]})  # fmt: skip
+            if msg.get("tool_calls"):
+                calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
+                yield _sse({**head, "choices": [{"index": i, "delta": {"tool_calls": calls},
+                                                 "finish_reason": None}]})  # fmt: skip
+            yield _sse({**head, "choices": [{
+                "index": i, "delta": {}, "finish_reason": ch["finish_reason"],
+                "logprobs": ch["logprobs"], "token_ids": ch["token_ids"],
+                "token_logprobs": ch["token_logprobs"]}]})  # fmt: skip
+        if usage:
+            yield _sse({**head, "choices": [], "usage": out["usage"]})
+        yield "data: [DONE]\n\n"
+
+    def _chat_prompt(self, key: str | None, req: ChatRequest) -> tuple[ChatPrompt, SamplingParams]:
         if self.chat_prompts is None:
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                            "messages")  # fmt: skip
@@ -223,7 +311,10 @@ class ServerCore:
             raise ApiError(400, str(exc), "messages") from None
         token_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         params = self._params(key, req, req.requested_max_tokens, len(prompt.ids), token_param)
-        completions = await self._sample(key, prompt.ids, params, req.n, req.seed)
+        return prompt, params
+
+    def _chat_answer(self, key: str | None, req: ChatRequest, prompt: ChatPrompt,
+                     params: SamplingParams, completions: list[Completion]) -> dict[str, Any]:  # fmt: skip
         choices, responses, calls = [], [], 0
         for j, c in enumerate(completions):
             raw = prompt.forced_text + self.tokenizer.decode(c.ids, skip_special_tokens=True)
@@ -324,6 +415,35 @@ def _usage(prompt_len: int, completions: list[Completion]) -> dict[str, int]:
             "total_tokens": prompt_len + done}  # fmt: skip
 
 
+class TextStream:
+    """A completion's text as its ids arrive: ``push(ids)`` returns the new text that no later
+    token can change — cut at the first stop string (nothing after it, ever), less the last
+    ``len(longest stop) - 1`` characters (they may begin one) and a trailing unfinished
+    character (U+FFFD while its bytes are incomplete). ``sent`` is everything returned."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer, self.stop = tokenizer, tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def push(self, ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        if cuts:
+            safe, self.stopped = text[: min(cuts)], True
+        else:
+            safe = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent) :], safe
+        return delta
+
+
 # ----- HTTP --------------------------------------------------------------------------------------
 class _BodyTooLarge(Exception):
     pass
@@ -401,11 +521,11 @@ def build_app(core: ServerCore) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        out = await core.chat(_bearer(request.headers), req)
         if not req.stream:
-            return _json(out)
+            return _json(await core.chat(_bearer(request.headers), req))
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_chat_events(out, usage), media_type="text/event-stream")
+        events = await core.chat_stream(_bearer(request.headers), req, usage)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -425,30 +545,6 @@ def _json(obj: dict[str, Any]) -> Response:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def _chat_events(out: dict[str, Any], usage: bool):
-    head = {"id": out["id"], "object": "chat.completion.chunk", "created": out["created"],
-            "model": out["model"]}  # fmt: skip
-    if "prompt_token_ids" in out:
-        yield _sse({**head, "choices": [], "prompt_token_ids": out["prompt_token_ids"]})
-    for ch in out["choices"]:
-        i, msg = ch["index"], ch["message"]
-        yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})  # fmt: skip
-        if msg.get("content"):
-            yield _sse({**head, "choices": [{"index": i, "delta": {"content": msg["content"]},
-                                             "finish_reason": None}]})  # fmt: skip
-        if msg.get("tool_calls"):
-            calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
-            yield _sse({**head, "choices": [{"index": i, "delta": {"tool_calls": calls},
-                                             "finish_reason": None}]})  # fmt: skip
-        yield _sse({**head, "choices": [{
-            "index": i, "delta": {}, "finish_reason": ch["finish_reason"], "logprobs": ch["logprobs"],
-            "token_ids": ch["token_ids"], "token_logprobs": ch["token_logprobs"]}]})  # fmt: skip
-    if usage:
-        yield _sse({**head, "choices": [], "usage": out["usage"]})
-    yield "data: [DONE]\n\n"
 
 
 def _completion_events(out: dict[str, Any], usage: bool):

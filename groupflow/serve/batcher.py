@@ -1,4 +1,13 @@
-"""The dynamic batcher: concurrent requests share one engine call, so they share decode steps.
+"""The batchers: concurrent requests share decode steps — continuously (HF) or per engine call.
+
+``ContinuousBatcher`` (the HF engine on a model ``rollout.continuous`` drives): requests join the
+running decode at its next step and leave when they end, so a request never waits for another
+request's tokens; it also hands each request its tokens as they are decoded (token-by-token
+streaming). ``DynamicBatcher`` (any other engine: a Ray or vLLM rollout group, a vision model)
+batches per engine call, as described below; its requests get their tokens when the call ends.
+Both have the same interface: ``await submit(prompts, params, seeds, listener)``.
+
+The dynamic batcher:
 
 Design decision: the rollout engine decodes a batch of prompts at once (``RolloutEngine.generate``
 — one prefill, then one forward per step for all rows), and a sample's tokens depend only on its
@@ -10,14 +19,15 @@ batcher that gets a request waits while more keep arriving (``wait_s`` without o
 wait, at most ``10 × wait_s``): agents started together send their calls a few milliseconds
 apart, and one call for all of them decodes far faster than several small ones. Engine calls
 run one at a time on one thread — the model is not shared across threads — while the event loop
-keeps accepting requests. This is request-level batching, not continuous batching: a request
-that arrives mid-call waits for that call to end.
+keeps accepting requests. This is request-level batching: a request that arrives mid-call waits
+for that call to end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,15 +35,20 @@ from dataclasses import dataclass
 
 from groupflow.batch import Batch
 from groupflow.rollout.batching import prompts_batch
+from groupflow.rollout.continuous import ContinuousDecoder, Finished, continuous_reason
+from groupflow.rollout.engine import HFEngine
 from groupflow.rollout.hf import GenerationOutput, SamplingParams
 
 __all__ = [
     "Completion",
     "GenerateFn",
     "DynamicBatcher",
+    "ContinuousBatcher",
+    "Listener",
     "Overloaded",
     "engine_generate",
     "group_generate",
+    "group_batcher",
 ]
 
 
@@ -46,6 +61,8 @@ class Completion:
 
 # prompts, params (n = 1), one seed per prompt -> one completion per prompt
 GenerateFn = Callable[[list[list[int]], SamplingParams, list[int]], list[Completion]]
+# (sample index within the request, its newly decoded ids), called on the event loop
+Listener = Callable[[int, list[int]], None]
 
 
 class Overloaded(RuntimeError):
@@ -83,12 +100,30 @@ def group_generate(group) -> GenerateFn:
     return generate
 
 
-@dataclass
+def group_batcher(
+    group, *, continuous: bool = True, **options
+) -> DynamicBatcher | ContinuousBatcher:
+    """The batcher for a policy's rollout group: continuous over the HF engine of a one-worker
+    local group whose model ``ContinuousDecoder`` supports (with ``continuous``), else per engine
+    call through ``group.generate`` (Ray, several workers, vLLM, other models)."""
+    engine = None
+    if continuous and getattr(group, "backend", None) == "local" and group.world_size == 1:
+        engine = getattr(group.local_worker(), "engine", None)
+    if isinstance(engine, HFEngine) and continuous_reason(engine.model) is None:
+        decoder = ContinuousDecoder(engine.model, engine.tokenizer, eos_ids=engine.eos_ids,
+                                    pad_id=engine.pad_id)  # fmt: skip
+        return ContinuousBatcher(decoder, **options)
+    return DynamicBatcher(group_generate(group), **options)
+
+
+@dataclass(eq=False)  # hashed by identity: the continuous decoder's row tags
 class _Pending:
     prompts: list[list[int]]
     params: SamplingParams  # n = 1
     seeds: list[int]
     future: asyncio.Future
+    listener: Listener | None = None
+    results: list[Completion | None] = dataclasses.field(default_factory=list)
 
 
 def _sampling_key(p: SamplingParams) -> SamplingParams:
@@ -117,21 +152,14 @@ class DynamicBatcher:
     def pending_samples(self) -> int:
         return sum(len(p.prompts) for p in self._queue)
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams,
-                     seeds: list[int]) -> list[Completion]:  # fmt: skip
-        if len(prompts) != len(seeds):
-            raise ValueError(f"submit: {len(prompts)} prompts but {len(seeds)} seeds")
-        if self.pending_samples + len(prompts) > self.max_pending_samples:
-            raise Overloaded(
-                f"{self.pending_samples} samples are waiting (serve.max_pending_samples="
-                f"{self.max_pending_samples}); retry later"
-            )
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                     listener: Listener | None = None) -> list[Completion]:  # fmt: skip
+        """The completions; ``listener`` gets each sample's ids when its engine call ends."""
+        item = _pending(self, prompts, params, seeds, listener)
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run())
-        item = _Pending([list(p) for p in prompts], dataclasses.replace(params, n=1),
-                        list(seeds), loop.create_future())  # fmt: skip
         self._queue.append(item)
         self._wake.set()
         return await item.future
@@ -166,28 +194,15 @@ class DynamicBatcher:
                     mine = outs[first : first + len(item.prompts)]
                     first += len(item.prompts)
                     if not item.future.done():  # the client may have gone
-                        item.future.set_result([_cut(c, item.params.max_new_tokens) for c in mine])
+                        cut = [_cut(c, item.params.max_new_tokens) for c in mine]
+                        if item.listener is not None:
+                            for j, c in enumerate(cut):
+                                item.listener(j, c.ids)
+                        item.future.set_result(cut)
                 await self._gather()  # the answered conversations' next calls are on their way
 
     async def _gather(self) -> None:
-        """Requests sent together arrive a moment apart (each client builds its own): wait while
-        they keep coming — until ``wait_s`` passes without one, the batch is full, or
-        ``10 × wait_s`` in all. With ``expected`` (a training run: its open episodes, each of
-        which will send a request), until that many are queued, or ``4 × wait_s`` without a new
-        one, or ``20 × wait_s``."""
-        quiet, limit = (4, 20) if self.expected is not None else (1, 10)
-        waited, since = 0.0, 0.0
-        seen = self.pending_samples
-        while waited < limit * self.wait_s and since < quiet * self.wait_s:
-            pending = self.pending_samples
-            if pending >= self.max_batch_samples or (
-                self.expected is not None and pending >= self.expected()
-            ):
-                return
-            await asyncio.sleep(self.wait_s)
-            waited += self.wait_s
-            since = 0.0 if self.pending_samples != seen else since + self.wait_s
-            seen = self.pending_samples
+        await _gather(self)
 
     def _take(self) -> list[_Pending]:
         """The oldest request and the queued ones that sample like it, up to the batch size."""
@@ -207,6 +222,198 @@ class DynamicBatcher:
         if self._task is not None:
             self._task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _pending(batcher, prompts, params: SamplingParams, seeds, listener) -> _Pending:
+    """A request's queue entry, after the checks every batcher makes."""
+    if len(prompts) != len(seeds):
+        raise ValueError(f"submit: {len(prompts)} prompts but {len(seeds)} seeds")
+    if batcher.pending_samples + len(prompts) > batcher.max_pending_samples:
+        raise Overloaded(
+            f"{batcher.pending_samples} samples are waiting (serve.max_pending_samples="
+            f"{batcher.max_pending_samples}); retry later"
+        )
+    future = asyncio.get_running_loop().create_future()
+    return _Pending([list(p) for p in prompts], dataclasses.replace(params, n=1), list(seeds),
+                    future, listener, [None] * len(prompts))  # fmt: skip
+
+
+async def _gather(batcher) -> None:
+    """Requests sent together arrive a moment apart (each client builds its own): wait while
+    they keep coming — until ``wait_s`` passes without one, the batch is full, or
+    ``10 × wait_s`` in all. With ``expected`` (a training run: its open episodes, each of
+    which will send a request), until that many are queued, or ``4 × wait_s`` without a new
+    one, or ``20 × wait_s``."""
+    b = batcher
+    quiet, limit = (4, 20) if b.expected is not None else (1, 10)
+    waited, since = 0.0, 0.0
+    seen = b.pending_samples
+    while waited < limit * b.wait_s and since < quiet * b.wait_s:
+        pending = b.pending_samples
+        if pending >= b.max_batch_samples or (b.expected is not None and pending >= b.expected()):
+            return
+        await asyncio.sleep(b.wait_s)
+        waited += b.wait_s
+        since = 0.0 if b.pending_samples != seen else since + b.wait_s
+        seen = b.pending_samples
+
+
+class ContinuousBatcher:
+    """``await submit(prompts, params, seeds, listener)`` → completions, decoded by a
+    ``ContinuousDecoder`` on a thread of its own (see the module docstring).
+
+    An idle decoder waits for a burst of requests as ``DynamicBatcher`` does (one prefill for
+    all of them); a busy one takes every request that arrived during a step into the next one.
+    ``engine_calls`` counts prefills (the times requests joined), ``samples`` the samples
+    decoded, ``engine_seconds`` the decode thread's busy time."""
+
+    def __init__(self, decoder: ContinuousDecoder, *, max_batch_samples: int = 64,
+                 max_pending_samples: int = 1024, wait_s: float = 0.005):  # fmt: skip
+        self.decoder = decoder
+        self.max_batch_samples, self.max_pending_samples = max_batch_samples, max_pending_samples
+        self.wait_s = wait_s
+        self.expected: Callable[[], int] | None = None
+        self._queue: list[_Pending] = []  # on the event loop, not yet handed to the thread
+        self._inbox: list[_Pending] = []  # handed over (under _cv), not yet decoding
+        self._cv = threading.Condition()
+        self._busy = False  # the thread has rows or an inbox (under _cv)
+        self._closed = False
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.engine_calls = 0
+        self.samples = 0
+        self.engine_seconds = 0.0
+
+    @property
+    def pending_samples(self) -> int:
+        return sum(len(p.prompts) for p in (*self._queue, *self._inbox))
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                     listener: Listener | None = None) -> list[Completion]:  # fmt: skip
+        """The completions; ``listener`` gets each sample's ids as they are decoded."""
+        item = _pending(self, prompts, params, seeds, listener)
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop, self._wake = loop, asyncio.Event()
+            self._task = loop.create_task(self._run())
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._decode_loop, daemon=True,
+                                            name="groupflow-decode")  # fmt: skip
+            self._thread.start()
+        self._queue.append(item)
+        self._wake.set()
+        return await item.future
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            with self._cv:
+                busy = self._busy
+            if not busy:  # a fresh burst: let it arrive, so one prefill takes it
+                await _gather(self)
+            with self._cv:
+                self._inbox += self._queue
+                self._queue = []
+                self._busy = True
+                self._cv.notify()
+
+    def _decode_loop(self) -> None:
+        model = self.decoder.model
+        was_training: bool | None = None
+        steps = 0
+        while True:
+            with self._cv:
+                while not self._inbox and not self.decoder.active and not self._closed:
+                    if was_training is not None:  # idle: give the model back as it was
+                        model.train(was_training)
+                        was_training = None
+                    self._busy = False
+                    self._cv.wait()
+                if self._closed:
+                    return
+                admit = self._admit()
+            if was_training is None:
+                was_training = model.training
+                model.eval()
+            start = time.perf_counter()
+            progress: list = []
+            finished: list[Finished] = []
+            try:
+                if admit:
+                    rows = [(item, j) for item in admit for j in range(len(item.prompts))]
+                    p, f = self.decoder.add(
+                        [item.prompts[j] for item, j in rows],
+                        [item.params for item, _ in rows], [item.seeds[j] for item, j in rows],
+                        rows,
+                    )  # fmt: skip
+                    progress += p
+                    finished += f
+                    self.engine_calls += 1
+                    self.samples += len(rows)
+                else:
+                    steps += 1
+                    if steps % 8 == 0:  # a client that went (or an agent timed out) frees its rows
+                        self.decoder.drop(lambda tag: tag[0].future.cancelled())
+                    progress, finished = self.decoder.step()
+            except Exception as exc:  # the engine's error goes to every request it touched
+                failed = {item for item, _ in self.decoder.reset()} | set(admit)
+                self._post(self._fail, failed, exc)
+                continue
+            finally:
+                self.engine_seconds += time.perf_counter() - start
+            with self._cv:
+                idle = not self._inbox and not self.decoder.active
+            if idle:  # the model back as it was before the answers go out (the trainer may
+                model.train(was_training)  # use it as soon as its episodes are answered)
+                was_training = None
+            progress = [(tag, t) for tag, t in progress if tag[0].listener is not None]
+            if progress or finished:
+                self._post(self._deliver, progress, finished)
+
+    def _admit(self) -> list[_Pending]:
+        """The inbox's oldest requests that fit beside the running rows (at least one)."""
+        room = self.max_batch_samples - self.decoder.active
+        taken, size = 0, 0
+        for item in self._inbox:
+            if size + len(item.prompts) > room and (taken or self.decoder.active):
+                break
+            taken += 1
+            size += len(item.prompts)
+        admit, self._inbox = self._inbox[:taken], self._inbox[taken:]
+        return [item for item in admit if not item.future.cancelled()]
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody waits for these
+            pass
+
+    @staticmethod
+    def _deliver(progress, finished: list[Finished]) -> None:
+        for (item, j), token in progress:
+            if not item.future.done():
+                item.listener(j, [token])
+        for f in finished:
+            item, j = f.tag
+            item.results[j] = Completion(f.ids, f.logprobs, f.finish)
+            if not item.future.done() and all(r is not None for r in item.results):
+                item.future.set_result(list(item.results))
+
+    @staticmethod
+    def _fail(items, exc: Exception) -> None:
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(exc)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
 
 
 def _cut(c: Completion, max_tokens: int) -> Completion:

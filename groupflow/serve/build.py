@@ -1,8 +1,8 @@
 """The server from a run's config: ``serve`` section limits, ``rollout`` sampling and parser.
 
 Design decision: ``groupflow serve`` and a training run's in-process server are built by this one
-function from the same config, over any generate function (a policy's rollout group, or an
-engine), so what a checkpoint serves is what the run trained through.
+function from the same config, over a policy's rollout group (local or Ray, any engine), so what
+a checkpoint serves is what the run trained through.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from groupflow.config import Config
 from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.app import Access, ServeLimits, ServerCore
-from groupflow.serve.batcher import DynamicBatcher, GenerateFn
+from groupflow.serve.batcher import group_batcher
 
 __all__ = ["server_core", "context_length"]
 
@@ -34,8 +34,9 @@ def context_length(cfg: Config) -> int:
     return _FALLBACK_CONTEXT
 
 
-def server_core(cfg: Config, tokenizer, generate: GenerateFn, defaults: SamplingParams,
+def server_core(cfg: Config, tokenizer, rollout, defaults: SamplingParams,
                 access: Access | None = None) -> ServerCore:  # fmt: skip
+    """The server over a policy's rollout group ``rollout`` (``serve.batcher.group_batcher``)."""
     s = cfg.serve
     limits = ServeLimits(
         max_body_bytes=s.max_body_bytes, max_tokens=s.max_tokens,
@@ -43,8 +44,8 @@ def server_core(cfg: Config, tokenizer, generate: GenerateFn, defaults: Sampling
         max_conversations=s.max_conversations, max_batch_samples=s.max_batch_samples,
         max_pending_samples=s.max_pending_samples,
     )  # fmt: skip
-    batcher = DynamicBatcher(
-        generate, max_batch_samples=s.max_batch_samples,
+    batcher = group_batcher(
+        rollout, continuous=s.continuous_batching, max_batch_samples=s.max_batch_samples,
         max_pending_samples=s.max_pending_samples, wait_s=s.batch_wait_ms / 1000,
     )  # fmt: skip
     return ServerCore(

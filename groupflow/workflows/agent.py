@@ -54,7 +54,6 @@ from groupflow.contracts import validate
 from groupflow.data import PromptRow
 from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.app import CallRecord, build_app
-from groupflow.serve.batcher import group_generate
 from groupflow.serve.build import server_core
 from groupflow.serve.recording import Chain, EpisodeRecorder, merge_calls
 from groupflow.serve.thread import ServerThread
@@ -107,7 +106,7 @@ class AgentServer:
     def __init__(self, cfg: Config, policy):
         self.recorder = EpisodeRecorder()
         core = server_core(
-            cfg, policy.tokenizer, group_generate(policy.rollout),
+            cfg, policy.tokenizer, policy.rollout,
             replace(policy.sampling, n=1), self.recorder,
         )  # fmt: skip
         self.core = core

@@ -12,10 +12,11 @@ import torch
 
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
+from groupflow.rollout.continuous import ContinuousDecoder
 from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.app import OpenAccess, ServeLimits, ServerCore, build_app
-from groupflow.serve.batcher import DynamicBatcher, engine_generate
+from groupflow.serve.batcher import ContinuousBatcher
 from groupflow.serve.thread import ServerThread, check_bind
 
 openai = pytest.importorskip("openai", reason="needs the openai package (pip install openai)")
@@ -36,7 +37,8 @@ def served():
     ).eval()  # fmt: skip
     engine = HF.build(model, tok, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
     limits = ServeLimits(max_tokens=32, max_context_tokens=1024, max_body_bytes=20_000, max_n=4)
-    core = ServerCore(tok, DynamicBatcher(engine_generate(engine)), SamplingParams(),
+    decoder = ContinuousDecoder(model, tok, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    core = ServerCore(tok, ContinuousBatcher(decoder), SamplingParams(),
                       model_name="tiny", limits=limits, access=OpenAccess("secret"),
                       tool_parser="hermes")  # fmt: skip
     server = ServerThread(build_app(core)).start()
@@ -88,18 +90,24 @@ def test_completions_take_token_ids_and_return_n_choices(served):
     assert served[1].batcher.engine_calls == calls + 1  # the request's prompts share one call
 
 
-def test_streaming_delivers_the_same_completion(served):
+def test_streaming_sends_tokens_as_they_are_decoded(served):
     server, *_ = served
     client = _client(server)
-    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=6, seed=3)
+    # no EOS within 24 tokens for this seed (checked below), so the answer is long enough
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=24,
+                  seed=3, temperature=1.0)  # fmt: skip
     whole = client.chat.completions.create(**kwargs)
+    assert len(whole.choices[0].model_extra["token_ids"]) == 24
     chunks = list(client.chat.completions.create(
         **kwargs, stream=True, stream_options={"include_usage": True}))  # fmt: skip
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[
-        0
-    ].finish_reason
+    finish = next(k for k, c in enumerate(chunks) if c.choices and c.choices[0].finish_reason)
+    pieces = [c.choices[0].delta.content for c in chunks[:finish] if c.choices]
+    pieces = [p for p in pieces if p]
+    assert len(pieces) > 1  # token by token, not the finished text in one piece
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert chunks[finish].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[finish].choices[0].model_extra["token_ids"] == whole.choices[0].model_extra[
+        "token_ids"]  # fmt: skip
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 

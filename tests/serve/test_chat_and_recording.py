@@ -14,7 +14,7 @@ from groupflow.config import AlgorithmConfig
 from groupflow.credit import CreditAssignment
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.rollout.hf import SamplingParams
-from groupflow.serve.app import CallRecord
+from groupflow.serve.app import CallRecord, TextStream
 from groupflow.serve.batcher import Completion, DynamicBatcher
 from groupflow.serve.chat import ChatPrompts
 from groupflow.serve.protocol import ChatMessage, ToolSpec
@@ -215,3 +215,26 @@ def test_the_served_run_stop_strings_hold_for_every_request(tok):
         asyncio.run(core.chat(None, req))
     assert seen == [("</calc>",), ("x", "</calc>")]
     core.batcher.close()
+
+
+def test_text_stream_holds_back_what_a_stop_string_could_still_cut():
+    tok = train_char_tokenizer(string.ascii_lowercase + "</>")
+    stream = TextStream(tok, stop=("</x>", "zz"))  # hold = 3 characters
+    ids = tok("abcde</x>fg", add_special_tokens=False)["input_ids"]
+    pieces = [stream.push([i]) for i in ids]
+    # the last 3 characters always wait (they may begin a stop string): d releases a, and so on
+    assert pieces[:8] == ["", "", "", "a", "b", "c", "d", "e"]
+    assert pieces[8] == "" and stream.stopped  # "</x>" completed: nothing of it, nothing after
+    assert pieces[9:] == ["", ""] and stream.sent == "abcde"
+    plain = TextStream(tok)  # no stop strings: every character as it comes
+    assert [plain.push([i]) for i in tok("ab", add_special_tokens=False)["input_ids"]] == ["a", "b"]
+
+
+def test_text_stream_waits_for_an_unfinished_character():
+    class Bytes:  # decodes like a byte-level tokenizer: an incomplete UTF-8 sequence shows U+FFFD
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    stream = TextStream(Bytes())
+    euro = list("€".encode())  # 3 bytes
+    assert [stream.push([b]) for b in [ord("a"), *euro]] == ["a", "", "", "€"]

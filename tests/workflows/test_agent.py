@@ -68,12 +68,12 @@ def _trained(batch, i):
     return batch["responses"][i][m].tolist(), batch["rollout_logprobs"][i][m].tolist()
 
 
-def _check_training_forward(trainer, batch):
+def _check_training_forward(trainer, batch, atol=1e-5):
     t = trainer.policy.sampling.temperature
     forward = trainer.policy.actor.compute_logprobs(model_inputs(batch), temperature=t)["logprobs"]
     mask = batch["response_mask"].bool()
     assert mask.sum() > 0
-    assert torch.allclose(forward[mask], batch["rollout_logprobs"][mask], atol=1e-5)
+    assert torch.allclose(forward[mask], batch["rollout_logprobs"][mask], atol=atol)
 
 
 def test_a_continued_conversation_is_one_sample_of_exactly_the_sampled_tokens(trainer, agents):
@@ -84,7 +84,14 @@ def test_a_continued_conversation_is_one_sample_of_exactly_the_sampled_tokens(tr
     assert m["rollout/agent/split_episodes"] == 0
     # the first call asked for temperature 1.7; the run's 1.0 was used (what training assumes)
     assert m["rollout/agent/sampling_overrides"] == n_episodes
-    seen = agents.SEEN
+    _check_trained_equals_seen(batch, agents.SEEN, n_episodes)
+    _check_training_forward(trainer, batch)
+    assert torch.equal(batch["rewards"], batch["rewards"].clamp(0, 1))  # the agents' 0/1 values
+
+
+def _check_trained_equals_seen(batch, seen, n_episodes):
+    """Each episode (two calls, the second continuing the first) is one sample whose ids are
+    exactly the two completions the client was sent, with the tokens in between masked."""
     assert len(seen) == 2 * n_episodes
     for i in range(n_episodes):
         ids, lps = _trained(batch, i)
@@ -102,8 +109,6 @@ def test_a_continued_conversation_is_one_sample_of_exactly_the_sampled_tokens(tr
         between = second["prompt_ids"][len(prompt) + len(first["ids"]) :]
         row = batch["responses"][i][: len(first["ids"]) + len(between)].tolist()
         assert row == first["ids"] + between
-    _check_training_forward(trainer, batch)
-    assert torch.equal(batch["rewards"], batch["rewards"].clamp(0, 1))  # the agents' 0/1 values
 
 
 def test_token_in_completions_merge_too(trainer, agents):
@@ -247,3 +252,63 @@ def test_asynchronous_rollout_runs_the_server_on_the_rollout_side(agents, tiny_b
         t.workflow.close()
     assert final["rollout/agent/calls/mean"] == 2 and final["rollout/agent/failures"] == 0
     assert final["rollout/agent/samples_per_episode"] == 1
+
+
+@pytest.mark.slow
+def test_one_step_on_ray_trains_exactly_the_sampled_ids(agents, tiny_base, tmp_path):
+    """run.backend ray: the policy's worker (and its rollout engine) is a Ray actor; the server
+    runs on the driver, beside the agents, and batches per engine call through the worker group
+    (continuous batching needs the engine in the server's process)."""
+    ray = pytest.importorskip("ray")
+    from groupflow.serve.batcher import DynamicBatcher
+    from groupflow.trainer import Trainer
+
+    ray.shutdown()  # a fresh local instance sized for this run, whatever earlier tests left
+    overrides = {"run.backend": "ray", "run.num_workers": 1, "run.total_steps": 1,
+                 "validation.before_training": False}  # fmt: skip
+    t = Trainer(_agent_config(tiny_base, tmp_path, **overrides))
+    try:
+        assert isinstance(t.workflow.server.core.batcher, DynamicBatcher)
+        batch, m = _collect(t, agents, "two_calls")
+        assert m["rollout/agent/samples_per_episode"] == 1 and m["rollout/agent/failures"] == 0
+        _check_trained_equals_seen(batch, agents.SEEN, 4)
+        _check_training_forward(t, batch)
+        final = t.fit()  # one GRPO step through the server, the update on the Ray worker
+        assert final["rollout/agent/calls/mean"] == 2 and final["rollout/agent/failures"] == 0
+        assert "actor/pg_loss" in final and final["weights/bytes_via_driver"] == 0
+    finally:
+        t.workflow.close()
+        t.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not __import__("groupflow.rollout.vllm_engine", fromlist=["x"]).vllm_available(),
+    reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh, then "
+    ".venv-vllm/bin/python -m pytest tests/workflows/test_agent.py -k vllm)",
+)
+def test_one_step_with_the_vllm_engine_trains_exactly_the_sampled_ids(agents, tiny_base, tmp_path):
+    """rollout.engine vllm: the server batches per engine call through the policy's vLLM engine;
+    the trained ids are the ones vLLM sampled and the training forward's log-probs match vLLM's
+    (fp32 on both sides; head dim 64, as vLLM's CPU attention needs)."""
+    from groupflow.serve.batcher import DynamicBatcher
+    from groupflow.trainer import Trainer
+
+    overrides = {"rollout.engine": "vllm", "rollout.vllm.dtype": "float32",
+                 "rollout.vllm.cpu_kv_cache_gib": 1, "model.tiny.hidden_size": 128,
+                 "model.tiny.num_heads": 2, "model.tiny.num_layers": 2, "run.total_steps": 1,
+                 "validation.before_training": False, "rollout.agent_timeout_s": 60}  # fmt: skip
+    t = Trainer(_agent_config(tiny_base, tmp_path, **overrides))
+    try:
+        assert isinstance(t.workflow.server.core.batcher, DynamicBatcher)
+        batch, m = _collect(t, agents, "two_calls")
+        assert m["rollout/agent/failures"] == 0, {k: v for k, v in m.items() if "fail" in k}
+        assert m["rollout/agent/samples_per_episode"] == 1
+        _check_trained_equals_seen(batch, agents.SEEN, 4)
+        _check_training_forward(t, batch, atol=1e-3)
+        final = t.fit()
+        assert final["rollout/agent/calls/mean"] == 2 and final["rollout/agent/failures"] == 0
+    finally:
+        t.workflow.close()
+        t.shutdown()

@@ -1,0 +1,105 @@
+"""The continuous decoder: rows that join a running decode at different steps, with different
+sampling settings, sample exactly what ``generate`` samples for each of them alone; finished rows
+leave; unsupported models and malformed calls are refused."""
+
+import string
+
+import pytest
+import torch
+
+from groupflow.data.tokenizer import train_char_tokenizer
+from groupflow.models.causal_lm import build_tiny_llama
+from groupflow.rollout.continuous import ContinuousDecoder
+from groupflow.rollout.hf import SamplingParams, generate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    tok = train_char_tokenizer(string.ascii_letters + " ")
+    model = build_tiny_llama(
+        len(tok), hidden_size=32, num_layers=2, num_heads=4, max_positions=256,
+        seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    ).eval()  # fmt: skip
+    return model, tok
+
+
+def _alone(model, tok, prompt, params, seed, eos):
+    out = generate(model, [prompt], params, seeds=[seed], pad_id=tok.pad_token_id, eos_ids=eos,
+                   tokenizer=tok)  # fmt: skip
+    m = out.response_mask[0].bool()
+    return out.responses[0][m].tolist(), out.logprobs[0][m].tolist(), out.finish_reasons[0]
+
+
+def test_rows_joining_at_different_steps_sample_what_they_sample_alone(tiny):
+    model, tok = tiny
+    eos = [tok.eos_token_id]
+    texts = ["hello there", "ab", "a much longer prompt than the others", "xyz", "xyz"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=20),
+        SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12),
+        SamplingParams(temperature=1.3, top_k=6, max_new_tokens=30),
+        SamplingParams(temperature=0.0, max_new_tokens=15),
+        SamplingParams(temperature=1.0, max_new_tokens=1),  # done at its first token
+    ]  # fmt: skip
+    seeds = [3, 4, 5, 6, 7]
+    d = ContinuousDecoder(model, tok, eos_ids=eos, pad_id=tok.pad_token_id)
+    got, seen = {}, {i: [] for i in range(5)}
+
+    def take(result):
+        progress, finished = result
+        for tag, t in progress:
+            seen[tag].append(t)
+        for f in finished:
+            got[f.tag] = (f.ids, f.logprobs, f.finish)
+
+    take(d.add([prompts[0]], [params[0]], [seeds[0]], [0]))
+    for _ in range(3):
+        take(d.step())
+    assert d.active == 1
+    take(d.add(prompts[1:3], params[1:3], seeds[1:3], [1, 2]))  # a longer prompt: the cache widens
+    for _ in range(5):
+        take(d.step())
+    take(d.add(prompts[3:], params[3:], seeds[3:], [3, 4]))
+    assert 4 in got and d.active == 4  # the one-token row never joined
+    while d.active:
+        take(d.step())
+    lengths = set()
+    for i in range(5):
+        ids, lps, finish = _alone(model, tok, prompts[i], params[i], seeds[i], eos)
+        assert got[i][0] == ids and got[i][2] == finish, i
+        assert got[i][1] == pytest.approx(lps, abs=1e-5)
+        assert seen[i] == ids  # every token was reported as it was decoded
+        lengths.add(len(ids))
+    assert len(lengths) > 2  # rows left at different steps
+
+
+def test_stop_strings_and_repeated_prompts(tiny):
+    model, tok = tiny
+    prompt = tok("abc")["input_ids"]
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop=("a", "e"))
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    finished = d.add([prompt] * 3, [params] * 3, [11, 12, 13], ["x", "y", "z"])[1]
+    while d.active:
+        finished += d.step()[1]
+    by_tag = {f.tag: f for f in finished}
+    stops = 0
+    for tag, seed in zip("xyz", [11, 12, 13]):
+        ids, _, finish = _alone(model, tok, prompt, params, seed, [])
+        assert by_tag[tag].ids == ids and by_tag[tag].finish == finish
+        stops += finish == "stop"
+    assert stops >= 1  # the stop strings did end a row
+
+
+def test_unsupported_models_and_bad_calls_are_refused(tiny):
+    import transformers
+
+    model, tok = tiny
+    config = transformers.GPT2Config(vocab_size=20, n_embd=32, n_layer=1, n_head=4, n_positions=64)
+    with pytest.raises(ValueError, match="gpt2"):
+        ContinuousDecoder(transformers.GPT2LMHeadModel(config), tok, eos_ids=[], pad_id=0)
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    with pytest.raises(ValueError, match="one params, seed and tag per prompt"):
+        d.add([[5, 6]], [SamplingParams()], [1, 2], ["a"])
+    assert d.step() == ([], [])  # nothing to decode

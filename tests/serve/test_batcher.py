@@ -1,0 +1,117 @@
+"""The continuous batcher: a request that arrives while another decodes joins it at the next step
+and leaves when done (it does not wait for the long one), its tokens reach its listener as they
+are decoded, both get what they sample alone, and an engine error reaches the requests it hit
+while the batcher goes on serving."""
+
+import asyncio
+import string
+
+import pytest
+import torch
+
+from groupflow.data.tokenizer import train_char_tokenizer
+from groupflow.models.causal_lm import build_tiny_llama
+from groupflow.rollout.continuous import ContinuousDecoder
+from groupflow.rollout.hf import SamplingParams, generate
+from groupflow.serve.batcher import ContinuousBatcher
+
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    tok = train_char_tokenizer(string.ascii_letters + " ")
+    model = build_tiny_llama(
+        len(tok), hidden_size=32, num_layers=2, num_heads=2, max_positions=1024, seed=0,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    ).eval()  # fmt: skip
+    return model, tok
+
+
+def _alone(model, tok, prompt, params, seed):
+    out = generate(model, [prompt], params, seeds=[seed], pad_id=tok.pad_token_id, eos_ids=[])
+    return out.responses[0].tolist(), out.logprobs[0].tolist()
+
+
+def test_a_request_joins_a_running_decode_and_leaves_before_it(tiny):
+    model, tok = tiny
+    batcher = ContinuousBatcher(
+        ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id), wait_s=0.001
+    )
+    long_p, short_p = tok("tell me a long story")["input_ids"], tok("hi")["input_ids"]
+    long_params = SamplingParams(temperature=1.0, max_new_tokens=250)
+    short_params = SamplingParams(temperature=0.8, max_new_tokens=4)
+
+    async def main():
+        streamed: list[int] = []
+        started = asyncio.Event()
+
+        def listener(j, ids):
+            streamed.extend(ids)
+            started.set()
+
+        long = asyncio.ensure_future(batcher.submit([long_p], long_params, [1], listener))
+        await asyncio.wait_for(started.wait(), TIMEOUT_S)
+        short = await asyncio.wait_for(batcher.submit([short_p], short_params, [2]), TIMEOUT_S)
+        running = not long.done()  # the short request did not wait for the long one
+        during = len(streamed)
+        return short, await asyncio.wait_for(long, TIMEOUT_S), running, during, streamed
+
+    try:
+        short, long, running, during, streamed = asyncio.run(main())
+    finally:
+        batcher.close()
+    assert running and 0 < during < 250  # tokens arrived while the long request was decoding
+    assert batcher.engine_calls == 2 and batcher.samples == 2  # two joins, one decode
+    for (c,), prompt, params, seed in [(short, short_p, short_params, 2),
+                                      (long, long_p, long_params, 1)]:  # fmt: skip
+        ids, lps = _alone(model, tok, prompt, params, seed)
+        assert c.ids == ids and c.logprobs == pytest.approx(lps, abs=1e-5)
+        assert c.finish == "length"
+    assert streamed == long[0].ids
+
+
+def test_an_engine_error_reaches_its_request_and_the_batcher_goes_on(tiny):
+    model, tok = tiny
+    batcher = ContinuousBatcher(ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id))
+    params = SamplingParams(max_new_tokens=3)
+
+    async def main():
+        with pytest.raises(IndexError):  # a token id outside the embedding table
+            await asyncio.wait_for(batcher.submit([[10_000]], params, [1]), TIMEOUT_S)
+        return await asyncio.wait_for(batcher.submit([[5, 6]], params, [1]), TIMEOUT_S)
+
+    try:
+        (ok,) = asyncio.run(main())
+    finally:
+        batcher.close()
+    assert len(ok.ids) == 3
+
+
+def test_a_cancelled_request_leaves_the_decode(tiny):
+    model, tok = tiny
+    decoder = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    batcher = ContinuousBatcher(decoder)
+    params = SamplingParams(max_new_tokens=1000)
+    dropped, drop = [], decoder.drop
+    decoder.drop = lambda gone: dropped.append(drop(gone)) or dropped[-1]  # a spy
+
+    async def main():
+        started = asyncio.Event()
+        task = asyncio.ensure_future(
+            batcher.submit([[5, 6]], params, [1], lambda j, ids: started.set())
+        )
+        await asyncio.wait_for(started.wait(), TIMEOUT_S)
+        task.cancel()  # e.g. an agent past rollout.agent_timeout_s
+        for _ in range(TIMEOUT_S * 100):
+            if decoder.active == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        left = asyncio.run(main())
+    finally:
+        batcher.close()
+    assert left and sum(dropped) == 1  # dropped, not decoded to its 1000 tokens

@@ -81,6 +81,9 @@ def run(rank: int, world: int, generation_weights: str = "gather") -> dict:
     worker.update(share, temperature=1.0)
     out["tokens"] = before + _generate(worker, rank, world)  # after the update: new weights
     out["weights"] = worker.full_weights()  # an unsharded model rebuilt on rank 0
+    worker.reset_reference()  # the trained policy becomes the reference (shard into shard)
+    out["reset"] = [worker.compute_logprobs(share, temperature=1.0, reference=r)["logprobs"]
+                    for r in (True, False)]  # fmt: skip
     return out
 
 
@@ -129,6 +132,9 @@ def test_a_sharded_reference_lockstep_logprobs_and_gathered_generation_equal_one
     lengths = (single["tokens"][0] != PAD).sum(-1)
     assert len(set(lengths.tolist())) > 1  # rows stopped at different steps
     assert not torch.equal(single["tokens"][0], single["tokens"][2])  # the update changed them
+    for r in gather + [single]:
+        assert torch.allclose(r["reset"][0], r["reset"][1], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(single["reset"][0], single["ref"], atol=1e-3)
     # full weights rebuilt from the weightless template equal those gathered through the copy
     assert gather[0]["weights"].keys() == copied[0]["weights"].keys()
     for k, v in copied[0]["weights"].items():

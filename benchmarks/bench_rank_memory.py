@@ -11,8 +11,8 @@ the samples, one ``update``. Reported per rank (the larger of the two):
 - weights held: bytes of parameter storage the worker keeps between calls — policy shards,
   reference (shards or full), generation copy (exact, from the tensors);
 - resident: RSS after the worker is built, above the RSS before the model was built;
-- peak: the kernel's high-water mark (VmHWM, reset through ``/proc/self/clear_refs`` once the
-  worker is built and the heap trimmed) over generate + log-probs + update, above the same
+- peak: the kernel's high-water mark (VmHWM, reset through ``/proc/self/clear_refs`` after the
+  heap is trimmed, before each call) during generate, log-probs and update, above the same
   baseline — what the step needs at its worst (AdamW state, gradients, activations included);
 - the seconds of each call, and whether both layouts sampled the same tokens (they must).
 
@@ -112,8 +112,6 @@ def _rank(rank: int, world: int, store: str, out: str, shape: str, layout: str, 
         held = _storage_bytes(worker.policy, worker.ref_policy or ref, worker.rollout_model)
         _trim()
         resident = _kb("VmRSS") - base
-        with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark
-            f.write("5")
         g = torch.Generator().manual_seed(rank)
         vocab = SHAPES[shape]["vocab_size"]
         prompts = Batch(
@@ -126,27 +124,37 @@ def _rank(rank: int, world: int, store: str, out: str, shape: str, layout: str, 
             },
         )  # fmt: skip
         params = SamplingParams(n=SAMPLES, max_new_tokens=new_tokens)
-        seconds = {}
-        start = time.perf_counter()
+        seconds, peaks = {}, {}
+
+        def begin():
+            _trim()
+            with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark
+                f.write("5")
+            return time.perf_counter()
+
+        def end(call, start):
+            seconds[call] = time.perf_counter() - start
+            peaks[call] = (_kb("VmHWM") - base) * 1024
+
+        start = begin()
         batch = worker.generate(prompts, params)
-        seconds["generate"] = time.perf_counter() - start
-        start = time.perf_counter()
+        end("generate", start)
+        start = begin()
         if old:  # the unsharded copies, as compute_logprobs used them
             ref_lp = batch_logprobs(ref, batch, 1.0, cfg, worker.device)["logprobs"]
             old_lp = batch_logprobs(worker.rollout_model, batch, 1.0, cfg, worker.device)
         else:
             ref_lp = worker.compute_logprobs(batch, temperature=1.0, reference=True)["logprobs"]
             old_lp = worker.compute_logprobs(batch, temperature=1.0)
-        seconds["logprobs"] = time.perf_counter() - start
+        end("logprobs", start)
         batch["ref_logprobs"] = ref_lp
         batch["old_logprobs"] = old_lp["logprobs"]
         batch["advantages"] = torch.randn(len(batch), generator=g)
-        start = time.perf_counter()
+        start = begin()
         worker.update(batch, temperature=1.0)
-        seconds["update"] = time.perf_counter() - start
-        peak = _kb("VmHWM") - base
-        mine = {"held": held, "resident": resident * 1024, "peak": peak * 1024,
-                "seconds": seconds, "tokens": batch["responses"]}  # fmt: skip
+        end("update", start)
+        mine = {"held": held, "resident": resident * 1024, "peak": max(peaks.values()),
+                "peaks": peaks, "seconds": seconds, "tokens": batch["responses"]}  # fmt: skip
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         if rank == 0:
@@ -172,6 +180,10 @@ def report(shape: str, old: list[dict], new: list[dict]) -> None:
                        ("peak", "peak in a step MiB")):  # fmt: skip
         o, n = max(r[key] for r in old) / 2**20, max(r[key] for r in new) / 2**20
         print(f"  {label:<26}{o:>12.1f}{n:>12.1f}{n / o:>10.2f}")
+    for call in ("generate", "logprobs", "update"):
+        o = max(r["peaks"][call] for r in old) / 2**20
+        n = max(r["peaks"][call] for r in new) / 2**20
+        print(f"  {'  peak in ' + call + ' MiB':<26}{o:>12.1f}{n:>12.1f}{n / o:>10.2f}")
     for call in ("generate", "logprobs", "update"):
         o = max(r["seconds"][call] for r in old)
         n = max(r["seconds"][call] for r in new)

@@ -37,6 +37,15 @@ def test_actor_cpu_offload_is_for_llm_policies():
         load_config(EXAMPLES / "diffusion_demo.yaml", over)
 
 
+def test_actor_generation_weights_default_to_gather_and_name_the_key_when_bad():
+    ray2 = {"backend": "ray", "num_workers": 2}
+    assert config_from_dict(_base(run=ray2)).actor.generation_weights == "gather"
+    cfg = config_from_dict(_base(run=ray2, actor={"generation_weights": "copy"}))
+    assert cfg.actor.generation_weights == "copy"
+    msg = _error(_base(run=ray2, actor={"generation_weights": "full"}))
+    assert "actor.generation_weights" in msg and "gather" in msg
+
+
 def test_sequence_parallel_defaults_off_and_needs_a_divisor_of_workers_and_heads():
     assert config_from_dict(_base()).parallel.sequence_parallel == 1
     ray4 = {"backend": "ray", "num_workers": 4}

@@ -533,6 +533,13 @@ class ActorConfig(_Section):
     # optimizer step on the CPU (verl's param_offload + optimizer_offload); needs FSDP, i.e.
     # run.num_workers >= 2 (diffusion policies: diffusion.cpu_offload)
     cpu_offload: bool = False
+    # Where a sharded actor (run.num_workers >= 2) generates from with the HF engine. gather: the
+    # FSDP2-sharded policy itself, each decoder layer all-gathered when it runs and freed after it
+    # (per-rank weight memory stays 1/world of the model plus one layer; the ranks decode in
+    # lockstep, one all-gather per layer and token). copy: a full unsharded copy on every rank,
+    # refreshed after every update (no collectives while decoding; a whole model per rank).
+    # One worker, or an engine with weights of its own (vLLM), uses neither.
+    generation_weights: Literal["gather", "copy"] = "gather"
 
     @field_validator("loss_fn")
     @classmethod

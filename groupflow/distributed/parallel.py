@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,10 @@ __all__ = [
     "cpu_offload_policy",
     "full_model_state",
     "clip_grad_norm",
+    "agree",
+    "gathered",
+    "gathered_root",
+    "prepare_unsharded_use",
 ]
 
 
@@ -149,3 +155,66 @@ def load_sharded_state(module: nn.Module, optimizer, path: str) -> None:
     set_state_dict(
         module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
+
+
+def agree(flag: bool, op: str) -> bool:
+    """``flag`` decided by all ranks: ``"any"`` (true on some rank) or ``"all"`` (on every rank);
+    the flag itself on one rank. For loops whose every step is a collective (a sharded decode)."""
+    if op not in ("any", "all"):
+        raise ValueError(f"agree: op must be 'any' or 'all', got {op!r}")
+    return bool(all_reduce(int(flag), op="max" if op == "any" else "min"))
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextmanager
+def gathered(module: nn.Module) -> Iterator[nn.Module]:
+    """``module``'s own FSDP2 parameters all-gathered inside the block, freed after it (a
+    collective: every rank enters the same blocks in the same order); a no-op when unsharded.
+    For code that calls a sharded layer's submodules directly, bypassing its forward hooks."""
+    if not _is_fsdp(module):
+        yield module
+        return
+    module.unshard()
+    try:
+        yield module
+    finally:
+        module.reshard()
+
+
+def prepare_unsharded_use(root: nn.Module) -> None:
+    """Make a sharded model runnable outside its root's forward (generation; a collective).
+
+    FSDP2 learns which module is the root on its first forward: a layer run first would take that
+    role and break training, so the root is initialised here (FSDP2's own lazy init, idempotent;
+    torch has no public call for it). And FSDP2 allocates each module's gathered-parameter
+    buffers at its first all-gather: one first made inside ``torch.inference_mode`` (the decode
+    loop) would be an inference tensor that training may not write into, so every module is
+    gathered and freed once here, outside it. A no-op when unsharded.
+    """
+    if not _is_fsdp(root):
+        return
+    root._get_fsdp_state()._lazy_init()
+    for module in root.modules():
+        if _is_fsdp(module):
+            module.unshard()
+            module.reshard()
+
+
+@contextmanager
+def gathered_root(root: nn.Module) -> Iterator[nn.Module]:
+    """Run a sharded model outside its root's forward (after ``prepare_unsharded_use``): the
+    root's own parameters (embeddings, final norm, head) gathered for the block, each layer
+    gathering at its own use (its forward hooks, or ``gathered``). A no-op when unsharded."""
+    if not _is_fsdp(root):
+        yield root
+        return
+    root.unshard()
+    try:
+        yield root
+    finally:
+        root.reshard()

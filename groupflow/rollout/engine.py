@@ -61,11 +61,14 @@ class HFEngine:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
         self.version = -1
+        # set by a worker whose model is sharded across ranks: they decode in lockstep
+        # (``rollout.hf.generate``'s ``lockstep``; ``distributed.parallel.agree``)
+        self.lockstep = None
 
     def generate(self, prompts, params: SamplingParams, *, seeds, vision=None) -> GenerationOutput:
         return generate(
             self.model, prompts, params, seeds=seeds, pad_id=self.pad_id, eos_ids=self.eos_ids,
-            tokenizer=self.tokenizer, vision=vision,
+            tokenizer=self.tokenizer, vision=vision, lockstep=self.lockstep,
         )  # fmt: skip
 
     def load_weights(self, weights, version: int = -1) -> float:

@@ -17,7 +17,7 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -164,6 +164,7 @@ def generate(
     eos_ids: Sequence[int],
     tokenizer=None,
     vision: Sequence | None = None,
+    lockstep: Callable[[bool, str], bool] | None = None,
 ) -> GenerationOutput:
     """Sample ``params.n`` responses per prompt.
 
@@ -171,19 +172,25 @@ def generate(
     stop strings. ``vision``: one ``models.vision.VisionInputs`` (or None) per prompt, for a
     vision-language model: the prefill embeds the images, positions come from
     ``vision_positions``, and decoding uses the dynamic cache (``groupflow.models.vision``).
+
+    ``lockstep``: for a model sharded across ranks, whose every layer call is a collective —
+    ``lockstep(flag, "any" | "all")`` returns the ranks' common decision
+    (``distributed.parallel.agree``), so every rank takes the same decode path and as many steps
+    as the longest (a rank whose rows have all finished steps on with them masked: its tokens
+    are the same as without lockstep).
     """
     # Inference mode skips autograd's version counters and view tracking on every decode op
     # (~5-10% of generation on CPU). Its tensors cannot be saved for backward, and the training
     # forward indexes with these ids, so they are cloned back to normal tensors outside it.
     with torch.inference_mode():
-        out = _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer, vision)
+        out = _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer, vision, lockstep)
     return dataclasses.replace(
         out, **{k: v.clone() for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
     )
 
 
 def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
-              vision=None) -> GenerationOutput:  # fmt: skip
+              vision=None, lockstep=None) -> GenerationOutput:  # fmt: skip
     n_out = len(prompts) * params.n
     if len(seeds) != n_out:
         raise ValueError(f"generate: need one seed per output sample ({n_out}), got {len(seeds)}")
@@ -226,6 +233,8 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
             decoder = StaticDecoder.build(
                 model, cache, prompt_mask, params.n, params.max_new_tokens
             )
+        if lockstep is not None and not lockstep(decoder is not None, "all"):
+            decoder = None  # one decode path on every rank (the cache is still intact)
         if params.n > 1:
             if decoder is None:
                 cache.batch_repeat_interleave(params.n)
@@ -252,7 +261,10 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
             done_at = torch.where(finished, torch.full_like(done_at, t + 1), done_at)
             stopped |= finished
             alive &= ~finished
-            if not bool(alive.any()) or t == params.max_new_tokens - 1:
+            more = bool(alive.any())
+            if lockstep is not None:
+                more = lockstep(more, "any")
+            if not more or t == params.max_new_tokens - 1:
                 break
             if decoder is not None:
                 logits = decoder.step(tok, next_pos + t, t)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from groupflow.distributed.parallel import gathered
 from groupflow.models.causal_lm import full_attention_only
 from groupflow.models.logit_transform import lm_logits
 from groupflow.rollout.kernels import head_kernel
@@ -169,22 +170,28 @@ class StaticDecoder:
         x = inner.embed_tokens(tokens)  # [B, H]: one position per row, so no length axis
         cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, D]
         pad = None if self.key_pad is None else self.key_pad[..., : col + 1]
-        rows = x.shape[0]
         for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            # [B, heads, 1, D]: HF's [B, 1, heads, D].transpose(1, 2), without the transpose
-            q = attn.q_proj(h).view(rows, -1, 1, attn.head_dim)
-            k = attn.k_proj(h).view(rows, -1, 1, attn.head_dim)
-            v = attn.v_proj(h).view(rows, -1, 1, attn.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.rope(q, k, cos, sin)
-            self.keys[i][:, :, col] = k[:, :, 0]
-            self.values[i][:, :, col] = v[:, :, 0]
-            out = self.attend(
-                q, self.keys[i][:, :, : col + 1], self.values[i][:, :, : col + 1], pad, attn.scaling
-            )
-            x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            with gathered(layer):  # a sharded layer: its weights for this step only
+                x = self._layer(i, layer, x, cos, sin, pad, col)
         return lm_logits(self.model, inner.norm(x), self.head)
+
+    def _layer(self, i, layer, x, cos, sin, pad, col) -> torch.Tensor:
+        """Layer ``i``'s step: [B, H] -> [B, H], its K/V written at column ``col``."""
+        rows = x.shape[0]
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        # [B, heads, 1, D]: HF's [B, 1, heads, D].transpose(1, 2), without the transpose
+        q = attn.q_proj(h).view(rows, -1, 1, attn.head_dim)
+        k = attn.k_proj(h).view(rows, -1, 1, attn.head_dim)
+        v = attn.v_proj(h).view(rows, -1, 1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rope(q, k, cos, sin)
+        self.keys[i][:, :, col] = k[:, :, 0]
+        self.values[i][:, :, col] = v[:, :, 0]
+        out = self.attend(
+            q, self.keys[i][:, :, : col + 1], self.values[i][:, :, : col + 1], pad, attn.scaling
+        )
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x

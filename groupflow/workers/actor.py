@@ -14,9 +14,14 @@ means: its denominator is the number of micro-batches over all ranks). ``respons
 actions and may have gaps (tool/observation tokens): widths, attention and micro-batch budgets
 reach to each response's last action (``groupflow.algorithms.masks``); that bookkeeping is
 ``groupflow.workers.update``'s. With several ranks the policy is sharded with FSDP2 (its reducer
-averages gradients, so each rank's loss is scaled by the world size), and generation runs on a full, unsharded copy that is
-refreshed after every update — ranks then generate independently, without collectives inside a
-decode loop whose length differs per rank. ``actor.cpu_offload`` keeps the FSDP2 shards, their
+averages gradients, so each rank's loss is scaled by the world size), and so is the reference:
+per-rank weight memory is 1/world of each. Log-probs are computed through the sharded roots in
+lockstep (every rank runs as many forwards as the rank with the most micro-batches,
+``update.lockstep_logprobs``). Generation (``actor.generation_weights``) runs on the sharded policy
+by default — each layer all-gathered when it runs and freed after, the ranks decoding in lockstep
+(as many steps as the longest) — or on a full unsharded copy per rank refreshed after every
+update (``copy``: no collectives while decoding, a whole model of memory per rank); an engine
+with weights of its own (vLLM) needs neither. ``actor.cpu_offload`` keeps the FSDP2 shards, their
 gradients and AdamW's state in CPU memory. With ``parallel.sequence_parallel`` N, groups of N
 ranks pool their rows for the update, log-probs and the warm start and split every sequence
 (``groupflow.models.sequence_parallel``): the data-parallel replicas are then world_size / N, and
@@ -45,12 +50,15 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import (
+    agree,
     all_reduce,
     clip_grad_norm,
     cpu_offload_policy,
     full_model_state,
+    gathered_root,
     init_process_group,
     load_sharded_state,
+    prepare_unsharded_use,
     save_sharded_state,
     shard,
 )
@@ -81,6 +89,7 @@ from groupflow.workers.update import (
     combine_steps,
     drop_padding,
     global_denominators,
+    lockstep_logprobs,
     micro_batches,
     row_widths,
     skips_zero_advantage,
@@ -94,6 +103,16 @@ __all__ = ["ActorRolloutWorker"]
 def _vision(batch: Batch):
     """The rows' images (``models.vision.VisionInputs`` per row), None for a text batch."""
     return list(batch["vision"]) if "vision" in batch else None
+
+
+def _meta_template(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters are on the meta device (no memory); buffers (rotary
+    frequencies, not in the state dict) are real copies. Tied parameters stay tied."""
+    memo = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo)
 
 
 class _PolicyForward(nn.Module):
@@ -189,29 +208,57 @@ class ActorRolloutWorker:
         # the adapters switched off: no second copy in memory. A reference placed in its own pool
         # is asked for with ``reference=False`` (``ref_logprobs`` then arrive with the batch).
         self.has_reference = cfg.kl_coef > 0 if reference is None else reference
+        self.sharded = world_size > 1
+        offload = cpu_offload_policy(cfg.cpu_offload and self.sharded)
         self.ref_model = None
+        self.ref_policy: nn.Module | None = None  # the reference's FSDP2 root when sharded
         if self.has_reference and cfg.lora is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            if self.sharded:  # sharded like the policy: 1/world of the reference per rank
+                self.ref_policy = shard(
+                    _PolicyForward(
+                        self.ref_model, cfg.share_prompt_prefix, sharded=True, sp=self.sp
+                    ),
+                    list(decoder_layers(self.ref_model)),
+                    offload_policy=offload,
+                )
         if cfg.lora is not None:
             apply_lora(model, cfg.lora)
-        # Sharded training needs a full copy for generation (see the module docstring).
+        # actor.generation_weights "copy": a full copy for generation on every sharded rank (see
+        # the module docstring); "gather": none, the HF engine decodes with the sharded policy.
         self.rollout_model = (
-            copy.deepcopy(model).eval().requires_grad_(False) if world_size > 1 else None
+            copy.deepcopy(model).eval().requires_grad_(False)
+            if self.sharded and cfg.generation_weights == "copy"
+            else None
         )
         # The rollout engine (rollout.engine): HF decodes with the unsharded copy, or the training
         # model itself; vLLM keeps a copy of its own, fed the weights after every update (built
         # before sharding, from the full initial weights).
         decoder = self.rollout_model if self.rollout_model is not None else model
         self.engine = engine.build(decoder, tokenizer, eos_ids=self.eos_ids, pad_id=pad_id)
+        # An engine decoding with the sharded policy: each layer is gathered when it runs, so the
+        # ranks decode in lockstep (same path, as many steps as the longest; rollout.hf).
+        self.lockstep = (
+            self.sharded and self.rollout_model is None and not self.engine.separate_weights
+        )
+        if self.lockstep:
+            self.engine.lockstep = agree
+        # plain-weights exports (save_pretrained, full_weights) rebuild an unsharded model from
+        # this weightless (meta) template when there is no copy to load into
+        self._template = (
+            _meta_template(model) if self.sharded and self.rollout_model is None else None
+        )
         self.weight_sync_s = 0.0
         self.generated_samples = 0  # what this worker's engine generated (placement checks)
         self.model = model
         # actor.cpu_offload: shards, gradients and AdamW state in CPU memory (config: FSDP only)
         self.policy = shard(
-            _PolicyForward(model, cfg.share_prompt_prefix, sharded=self.world_size > 1, sp=self.sp),
+            _PolicyForward(model, cfg.share_prompt_prefix, sharded=self.sharded, sp=self.sp),
             list(decoder_layers(model)),
-            offload_policy=cpu_offload_policy(cfg.cpu_offload and world_size > 1),
+            offload_policy=offload,
         )
+        if self.lockstep:
+            prepare_unsharded_use(self.policy)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -257,7 +304,11 @@ class ActorRolloutWorker:
         Output widths are fixed — prompts left-padded to ``prompt_width``, responses right-padded
         to ``params.max_new_tokens`` — so parts generated on different ranks concatenate.
         """
-        out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
+        if self.lockstep:  # the root's weights gathered for the call, each layer's at its use
+            with gathered_root(self.policy):
+                out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
+        else:
+            out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
         self.generated_samples += len(out)
         return out
 
@@ -278,18 +329,20 @@ class ActorRolloutWorker:
                 "compute_logprobs(reference=True) needs actor.kl_coef > 0 or "
                 "algorithm.kl_in_reward (no reference model)"
             )
-        # Unsharded models only: the number of micro-batches may differ per rank (token budgets),
-        # and a forward without gradients must not wait on collectives.
-        model = self.rollout_model or self.model
-        if reference and self.ref_model is not None:
-            model = self.ref_model
         lora_off = reference and self.ref_model is None  # LoRA: the base model is the reference
         mine = None
         if self.sp is not None:  # the group's rows, 1/N of each sequence here; this rank's back
             batch, mine = gather_rows(batch, self.sp)
+        model = self.ref_model if reference and self.ref_model is not None else self.model
         try:
             set_adapters(model, enabled=not lora_off)
-            out = batch_logprobs(model, batch, temperature, self.cfg, self.device, self.sp)
+            if self.sharded:  # the FSDP2 roots, every rank running as many forwards as the others
+                forward = (
+                    self.ref_policy if reference and self.ref_policy is not None else self.policy
+                )
+                out = lockstep_logprobs(forward, batch, temperature, self.cfg, self.device)
+            else:
+                out = batch_logprobs(model, batch, temperature, self.cfg, self.device, self.sp)
             return out if mine is None else Batch({"logprobs": out["logprobs"][mine]})
         finally:
             set_adapters(model, enabled=True)
@@ -594,6 +647,9 @@ class ActorRolloutWorker:
         """Make the current policy the reference (after a supervised warm start: RL starts there)."""
         if self.ref_model is None:
             return
+        if self.ref_policy is not None:  # same layout, same sharding: shard into shard, no gather
+            self.ref_policy.load_state_dict(self.policy.state_dict())
+            return
         full = full_model_state(self.policy)
         self.ref_model.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
 
@@ -601,11 +657,25 @@ class ActorRolloutWorker:
     def reference_weights(self) -> dict[str, torch.Tensor] | None:
         if self.ref_model is None:
             return None
+        if self.ref_policy is not None:  # gathered (a collective)
+            full = full_model_state(self.ref_policy)
+            return {k.removeprefix("lm."): v.detach().cpu() for k, v in full.items()}
         return {k: v.detach().cpu() for k, v in self.ref_model.state_dict().items()}
 
     @register("all")
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
-        if self.ref_model is not None:
+        if self.ref_policy is not None:  # full weights, each rank keeping its shards
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(
+                self.ref_policy,
+                {f"lm.{k}": v for k, v in weights.items()},
+                options=StateDictOptions(full_state_dict=True),
+            )
+        elif self.ref_model is not None:
             self.ref_model.load_state_dict(weights)
 
     @register("rank0")
@@ -627,7 +697,7 @@ class ActorRolloutWorker:
             held = self.model.state_dict() if self.cfg.lora is None else self.full_weights(False)
             return transport.send(version, held, rank=self.rank)  # LoRA: merged, from rank 0
         in_process = transport.name == "driver"  # the ticket holds the tensors: a copy
-        if self.cfg.lora is None:
+        if self.cfg.lora is None and self._template is None:
             # The unsharded generation copy (sharded training) or the training model itself is
             # current after every weight change (_sync_rollout_weights): rank 0 sends from it, no
             # gather, no second copy — the transport holds one bucket at a time.
@@ -638,7 +708,8 @@ class ActorRolloutWorker:
             if in_process:
                 weights = {k: v.cpu().clone() for k, v in weights.items()}
             return transport.send(version, weights)
-        weights = self.full_weights(copy=in_process)  # LoRA: gathered and merged (a collective)
+        # LoRA, or sharded with no copy: gathered (and merged) on rank 0, a collective
+        weights = self.full_weights(copy=in_process)
         return transport.send(version, weights) if self.rank == 0 else None
 
     @register("rank0")
@@ -658,7 +729,13 @@ class ActorRolloutWorker:
         if self.rank != 0:
             return None
         target = self.model
+        full = {k.removeprefix("lm."): v for k, v in full.items()}
         if self.rollout_model is not None:
             target = copy.deepcopy(self.rollout_model)
-            target.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
+            target.load_state_dict(full)
+        elif self._template is not None:
+            target = copy.deepcopy(self._template)
+            target.load_state_dict(full, assign=True)
+            if hasattr(target, "tie_weights"):  # assign gives tied names tensors of their own
+                target.tie_weights()
         return merged_lora_copy(target) if self.cfg.lora is not None else target

@@ -1,6 +1,6 @@
 """The update loop's bookkeeping, shared by the actor, critic and diffusion workers: micro-batches,
 trimmed widths, global loss denominators, which rows run, metric accumulation, and log-probs of a
-batch under an unsharded model.
+batch under an unsharded model or, in lockstep across ranks, under an FSDP2-sharded one.
 
 Design decision: everything here is a plain function of a Batch (and the config), so the three
 workers run one mini-batch / micro-batch scheme with the same denominators — the gradient depends
@@ -41,6 +41,7 @@ __all__ = [
     "update_rows",
     "drop_padding",
     "batch_logprobs",
+    "lockstep_logprobs",
     "EXTREMES",
     "REDUCE_OP",
 ]
@@ -235,4 +236,40 @@ def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: Acto
             out[idx, : lp.shape[1]] = lp * mb["response_mask"]
     finally:
         model.train(was_training)
+    return Batch({"logprobs": out.cpu()})
+
+
+def lockstep_logprobs(forward: nn.Module, batch: Batch, temperature: float, cfg: ActorConfig,
+                      device: torch.device) -> Batch:  # fmt: skip
+    """``logprobs`` [B, T] like ``batch_logprobs``, through an FSDP2-sharded ``forward`` (the
+    actor's ``_PolicyForward`` root: ``forward(prompt_ids, prompt_mask, responses, response_mask,
+    temperature, chunk_tokens, with_entropy, entropy_grad, vision) -> (logp, entropy)``).
+
+    A collective: each layer's parameters are all-gathered once per forward, so every rank must
+    run the same number of forwards whatever its rows and token budget — a rank with fewer
+    micro-batches repeats its last one and discards the result. Afterwards the root's parameters
+    (embeddings, final norm, head), which FSDP2 keeps gathered after a forward for the backward
+    that follows in training, are freed again: no backward follows here.
+    """
+    batch = batch.to(device)
+    was_training = forward.training
+    forward.eval()
+    out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    groups = micro_batches(row_widths(batch), cfg.micro_batch_samples, cfg.micro_batch_tokens)
+    n_micro = max(1, int(all_reduce(len(groups), op="max")))
+    try:
+        for i in range(n_micro):
+            idx = groups[min(i, len(groups) - 1)]
+            mb = trim(batch.index(idx))
+            vision = list(mb["vision"]) if "vision" in mb else None
+            lp, _ = forward(
+                mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+                temperature, cfg.logprob_chunk_tokens, False, False, vision,
+            )  # fmt: skip
+            if i < len(groups):  # a repeat only keeps the ranks' collectives in step
+                out[idx, : lp.shape[1]] = lp * mb["response_mask"]
+    finally:
+        forward.train(was_training)
+        if hasattr(forward, "reshard"):  # FSDP2's root: free its gathered parameters
+            forward.reshard()
     return Batch({"logprobs": out.cpu()})

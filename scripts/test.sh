@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -ra "$@"
 fi
-.venv/bin/python -m pytest -q -ra
+.venv/bin/python -m pytest -q -ra --durations=25
 if [ "${GROUPFLOW_SKIP_VLLM:-0}" = 1 ]; then
   echo "test.sh: GROUPFLOW_SKIP_VLLM=1, vLLM engine tests not run"
   exit 0

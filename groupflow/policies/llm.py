@@ -139,16 +139,20 @@ class LLMPolicy:
         self.transport = builders.build_weight_transport(cfg, run_dir)
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
+        # A synchronous rollout pool does all the generating: the actor never decodes, so it gets
+        # the HF engine (nothing of its own) rather than a second vLLM engine and KV cache. With
+        # max_staleness >= 1 the actor generates validation on the current weights: the engine.
+        pooled_sync = pl.rollout != "colocated" and cfg.rollout.max_staleness == 0
         self.actor = builders.role_group(
             cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
-            pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated", engine=engine,
-            sequence_parallel=cfg.parallel.sequence_parallel,
+            pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated",
+            engine=HF if pooled_sync else engine, sequence_parallel=cfg.parallel.sequence_parallel,
         )  # fmt: skip
         self.rollout = self.rollout_pool = self.actor
         if pl.rollout != "colocated":
             self.rollout = self.rollout_pool = builders.role_group(
                 cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout",
-                role_name="rollout",  # errors name the role: the class serves two
+                role_name="rollout", engine=engine,  # errors name the role: the class serves two
             )  # fmt: skip
         # The reference and a critic (fed once) are outside the collective transport's group:
         # Ray's object store serves them; the group spans the actor's ranks and the rollout pool.

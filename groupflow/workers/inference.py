@@ -9,12 +9,15 @@ each other; each takes its share of the batch). The driver pushes weights into i
 reference — so its methods have the same names and outputs as the actor's and the driver's calls
 do not change with placement.
 
-The asynchronous rollout side's frozen copy (``rollout.max_staleness`` >= 1, ``RolloutPolicy``)
-is this worker too; with ``rollout.engine=vllm`` it builds a vLLM engine of its own (``engine``)
-that generates, and every published version reaches it through the engine's ``load_weights`` —
-the path the actor's colocated engine takes after each update — so stale batches come from the
-same engine code as synchronous ones. The torch model is kept beside it for
-``compute_logprobs``.
+A rollout pool's workers (``placement.rollout`` on Ray) and the asynchronous rollout side's
+frozen copy (``rollout.max_staleness`` >= 1, ``RolloutPolicy``) are this worker too and build the
+configured engine (``engine``). With ``rollout.engine=vllm`` every version reaches vLLM through
+the engine's ``load_weights`` — the path the actor's colocated engine takes after each update —
+so pooled and stale batches come from the same engine code as colocated ones. A version that
+arrives through a weight transport (``receive_weights``: Ray's object store, the collective, the
+filesystem) first lands bucket by bucket in the torch model, which vLLM then copies: the worker
+holds the model, vLLM's copy and one bucket, never a second full state dict. The torch model is
+kept beside the engine for that and for ``compute_logprobs``.
 """
 
 from __future__ import annotations
@@ -70,6 +73,12 @@ class InferenceWorker:
         """Samples this worker generated so far."""
         return self.generated_samples
 
+    @register("all")
+    def engine_state(self) -> tuple[str, int]:
+        """(engine name, policy version of its weights): which engine generates here, and what
+        it last received."""
+        return self.engine.name, self.engine.version
+
     @register("dp")
     def compute_logprobs(
         self, batch: Batch, *, temperature: float, reference: bool = False
@@ -90,11 +99,12 @@ class InferenceWorker:
     def receive_weights(self, ticket, transport) -> None:
         """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
         and version) and load them."""
-        if self.engine.separate_weights:  # e.g. vLLM: its own copy takes whole tensors
-            self.load_weights(transport.receive(ticket, role=self.role, rank=self.rank))
-        else:  # bucket by bucket into the model: one bucket of extra memory, not one model
-            receive_into(transport, ticket, self.model.state_dict(), role=self.role, rank=self.rank)
-        self.engine.version = ticket_version(ticket)
+        # bucket by bucket into the model: one bucket of extra memory, not one model
+        receive_into(transport, ticket, self.model.state_dict(), role=self.role, rank=self.rank)
+        version = ticket_version(ticket)
+        if self.engine.separate_weights:  # e.g. vLLM: its own copy, refreshed from the model's
+            self.engine.load_weights(self.model.state_dict().items(), version)
+        self.engine.version = version
 
     @register("all")
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:

@@ -2,7 +2,8 @@
 
 One actor worker, one rollout worker, one thread each, the tiny model in float32 (head dim 64, as
 vLLM's CPU attention needs): the pool's worker builds the vLLM engine and receives every version
-through the weight transport (the collective broadcast, the default for a synchronous pool), so no
+through the weight transport — synchronously the collective broadcast, asynchronously
+(``max_staleness: 1``, the rollout loop in a Ray actor on the pool) Ray's object store — so no
 weight passes the driver; the ids the actor trains are the ids vLLM sampled, and the training
 forward's log-probs match vLLM's within fp32 kernel differences.
 """
@@ -37,7 +38,8 @@ def _token_lists(batch):
     return out
 
 
-def test_a_ray_rollout_pool_generates_with_vllm(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_ray_rollout_pool_generates_with_vllm(tmp_path, monkeypatch, staleness):
     pytest.importorskip("ray")
     from groupflow.config import load_config
     from groupflow.trainer import Trainer
@@ -48,8 +50,9 @@ def test_a_ray_rollout_pool_generates_with_vllm(tmp_path, monkeypatch):
          "data.task={name: reverse, digits: 4, num_train: 200, num_val: 4}",
          "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=5",
          "rollout.engine=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.cpu_kv_cache_gib=1",
-         "run.backend=ray", "run.num_workers=1", "run.num_threads=1", "run.total_steps=2",
-         "run.loggers=[]", "validation.before_training=false", "validation.every_steps=0",
+         f"rollout.max_staleness={staleness}", "run.backend=ray", "run.num_workers=1",
+         "run.num_threads=1", "run.total_steps=2", "run.loggers=[]",
+         "validation.before_training=false", "validation.every_steps=0",
          "validation.samples_per_prompt=1", f"run.output_dir={tmp_path}", "run.name=pool",
          "placement.actor={nodes: 1, workers_per_node: 1, cpus_per_worker: 0.5}",
          "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}"],
@@ -59,7 +62,8 @@ def test_a_ray_rollout_pool_generates_with_vllm(tmp_path, monkeypatch):
     try:
         policy = trainer.policy
         pool = policy.rollout_pool
-        assert pool is not policy.actor and policy.transport.name == "collective"
+        assert pool is not policy.actor
+        assert policy.transport.name == ("ray" if staleness else "collective")
         generate, update = pool.generate, policy.update
 
         def recording_generate(*args, **kwargs):
@@ -71,7 +75,7 @@ def test_a_ray_rollout_pool_generates_with_vllm(tmp_path, monkeypatch):
             trained.append(batch)
             return update(batch, **kwargs)
 
-        monkeypatch.setattr(pool, "generate", recording_generate)
+        monkeypatch.setattr(pool, "generate", recording_generate)  # the driver's calls
         monkeypatch.setattr(policy, "update", recording_update)
         trainer.fit()
         engines = pool.engine_state()
@@ -80,14 +84,25 @@ def test_a_ray_rollout_pool_generates_with_vllm(tmp_path, monkeypatch):
         trainer.shutdown()
     rows = _rows(tmp_path / "pool")
     assert sorted(rows) == [1, 2]
-    # the pool's worker holds a vLLM engine that received the weights by transport, not the driver
-    assert engines[0][0] == "vllm" and engines[0][1] >= 1, engines
+    # the pool's worker holds a vLLM engine whose weights came by transport, not the driver: the
+    # last version it received (-1: the initial ones) is the final validation's (2) synchronously,
+    # the scheduled version of step 2's batch (2 - 1 - staleness = 0) asynchronously
+    assert engines == [("vllm", 0 if staleness else 2)], engines
     assert [rows[s]["weights/bytes_via_driver"] for s in (1, 2)] == [0.0, 0.0]
     assert all(rows[s]["time/weight_transfer"] > 0 for s in (1, 2))
-    # it generated every batch (2 training steps of 4 × 4 samples, then the final validation)
-    assert pool_samples[0] > 2 * 4 * 4 and actor_samples == [0]
+    train_samples = 2 * 4 * 4  # steps × prompts × samples per prompt
+    assert len(trained) == 2
+    if staleness:
+        # the rollout loop's Ray actor called the pool for exactly the training batches; the
+        # final validation ran on the actor's own engine (the current weights)
+        assert pool_samples == [train_samples] and actor_samples[0] > 0 and not sampled
+        # step 1 trains version-0 samples with version-0 weights: vLLM and the forward agree
+        assert rows[1]["rollout/logprob_diff_max"] < 1e-3, rows[1]
+        assert [rows[s]["async/staleness"] for s in (1, 2)] == [0.0, 1.0]
+        return
+    # synchronous: the pool generated every batch (training, then the final validation)
+    assert pool_samples[0] > train_samples and actor_samples == [0]
     # the trained ids are the sampled ones: the first two generate calls are the training batches
-    assert len(trained) == 2 and len(sampled) >= 2
     for got, seen in zip(trained, sampled[:2]):
         assert _token_lists(got) == _token_lists(seen)
         assert torch.equal(got["rollout_logprobs"][got["response_mask"].bool()],

@@ -20,4 +20,4 @@ fi
   tests/test_async_rollout.py::test_vllm_engine_runs_asynchronously_and_deterministically \
   tests/workflows/test_agent.py::test_one_step_with_the_vllm_engine_trains_exactly_the_sampled_ids \
   tests/workers/test_inference_vllm.py \
-  tests/distributed/test_ray_vllm_pool.py::test_a_ray_rollout_pool_generates_with_vllm
+  tests/distributed/test_ray_vllm_pool.py

@@ -214,19 +214,23 @@ def test_vllm_engine_clashes_are_named():
     data = apply_overrides(
         _base(),
         {"rollout.engine": "vllm", "model.tiny": {"hidden_size": 128, "num_heads": 2},
-         "actor.lora": {"rank": 4}, "placement.rollout": {"workers_per_node": 1}},
+         "actor.lora": {"rank": 4}, "placement.rollout": {"workers_per_node": 1},
+         "rollout.max_staleness": 1},
     )  # fmt: skip
     msg = _error(data)
     assert "rollout.engine=vllm does not work with actor.lora" in msg
-    assert "placement.rollout as its own pool on run.backend=local" in msg
+    assert (
+        "placement.rollout as its own pool on run.backend=local with rollout.max_staleness=1" in msg
+    )
 
 
-def test_vllm_engine_with_a_rollout_pool_on_ray_is_accepted():
-    """A Ray rollout pool builds vLLM in its workers (tests/distributed/test_ray_vllm_pool.py)."""
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_vllm_engine_with_a_synchronous_rollout_pool_is_accepted(backend):
+    """A rollout pool builds vLLM in its workers (tests/distributed/test_ray_vllm_pool.py)."""
     data = apply_overrides(
         _base(),
         {"rollout.engine": "vllm", "model.tiny": {"hidden_size": 128, "num_heads": 2},
-         "run.backend": "ray", "placement.rollout": {"workers_per_node": 1}},
+         "run.backend": backend, "placement.rollout": {"workers_per_node": 1}},
     )  # fmt: skip
     cfg = config_from_dict(data)
     assert cfg.rollout.engine == "vllm" and cfg.placement.rollout.workers_per_node == 1

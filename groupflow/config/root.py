@@ -388,12 +388,15 @@ class Config(_Section):
             clashes.append("a 'diffusion' policy")
         if self.actor.lora is not None:
             clashes.append("actor.lora (the engine is fed plain weights, not adapters)")
-        if self.placement.rollout != "colocated" and self.run.backend != "ray":
-            # a pool on Ray builds vLLM in each of its workers' processes (tested in .venv-vllm);
-            # the local backend's pool worker would run in the trainer's process, untested there
+        local_pool = self.placement.rollout != "colocated" and self.run.backend != "ray"
+        if local_pool and self.rollout.max_staleness:
+            # the local pool's worker lives in the trainer's process beside the actor's engine
+            # (kept for validation when the rollout is asynchronous): two in-process engines
             clashes.append(
-                "placement.rollout as its own pool on run.backend=local (a rollout pool generates "
-                "with vLLM on run.backend=ray; locally use placement.rollout=colocated)"
+                f"placement.rollout as its own pool on run.backend=local with "
+                f"rollout.max_staleness={self.rollout.max_staleness} (the pool's in-process worker "
+                "and the actor would each hold a vLLM engine in the trainer's process; use "
+                "run.backend=ray, or placement.rollout=colocated)"
             )
         if clashes:
             raise ValueError(f"rollout.engine=vllm does not work with {'; '.join(clashes)}")

@@ -5,7 +5,8 @@ vLLM's CPU attention needs): the pool's worker builds the vLLM engine and receiv
 through the weight transport — synchronously the collective broadcast, asynchronously
 (``max_staleness: 1``, the rollout loop in a Ray actor on the pool) Ray's object store — so no
 weight passes the driver; the ids the actor trains are the ids vLLM sampled, and the training
-forward's log-probs match vLLM's within fp32 kernel differences.
+forward's log-probs match vLLM's within fp32 kernel differences. On run.backend=local the pool's
+one worker generates with vLLM in the trainer's process.
 """
 
 import json
@@ -22,6 +23,17 @@ pytestmark = [
         reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh)",
     ),
 ]
+
+
+BASE = [
+    "model.tiny={hidden_size: 128, num_layers: 2, num_heads: 2, max_positions: 32}",
+    "data.task={name: reverse, digits: 4, num_train: 200, num_val: 4}",
+    "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=5",
+    "rollout.engine=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.cpu_kv_cache_gib=1",
+    "run.num_workers=1", "run.num_threads=1", "run.loggers=[]",
+    "validation.before_training=false", "validation.every_steps=0",
+    "validation.samples_per_prompt=1",
+]  # fmt: skip
 
 
 def _rows(run_dir):
@@ -46,14 +58,8 @@ def test_a_ray_rollout_pool_generates_with_vllm(tmp_path, monkeypatch, staleness
 
     cfg = load_config(
         None,
-        ["model.tiny={hidden_size: 128, num_layers: 2, num_heads: 2, max_positions: 32}",
-         "data.task={name: reverse, digits: 4, num_train: 200, num_val: 4}",
-         "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=5",
-         "rollout.engine=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.cpu_kv_cache_gib=1",
-         f"rollout.max_staleness={staleness}", "run.backend=ray", "run.num_workers=1",
-         "run.num_threads=1", "run.total_steps=2", "run.loggers=[]",
-         "validation.before_training=false", "validation.every_steps=0",
-         "validation.samples_per_prompt=1", f"run.output_dir={tmp_path}", "run.name=pool",
+        [*BASE, f"rollout.max_staleness={staleness}", "run.backend=ray", "run.total_steps=2",
+         f"run.output_dir={tmp_path}", "run.name=pool",
          "placement.actor={nodes: 1, workers_per_node: 1, cpus_per_worker: 0.5}",
          "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}"],
     )  # fmt: skip
@@ -110,3 +116,29 @@ def test_a_ray_rollout_pool_generates_with_vllm(tmp_path, monkeypatch, staleness
     for s in (1, 2):
         # vLLM's sampling log-probs against the actor's training forward (fp32 on both sides)
         assert rows[s]["rollout/logprob_diff_max"] < 1e-3, rows[s]
+
+
+def test_a_local_rollout_pool_generates_with_vllm(tmp_path):
+    """run.backend=local (also what ``groupflow generate`` / ``eval`` force on a Ray config): the
+    pool's one worker runs in this process with the only vLLM engine (the actor keeps HF's)."""
+    from groupflow.config import load_config
+    from groupflow.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [*BASE, "run.total_steps=1", f"run.output_dir={tmp_path}", "run.name=local",
+         "placement.rollout={workers_per_node: 1}"],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+        engines = trainer.policy.rollout_pool.engine_state()
+        pool_samples = trainer.policy.rollout_pool.generated()
+        actor_samples = trainer.policy.actor.generated()
+        actor_engine = trainer.policy.actor.engine.name
+    finally:
+        trainer.shutdown()
+    row = _rows(tmp_path / "local")[1]
+    assert engines == [("vllm", 1)] and actor_engine == "hf", (engines, actor_engine)
+    assert pool_samples[0] > 4 * 4 and actor_samples == [0]
+    assert row["rollout/logprob_diff_max"] < 1e-3, row

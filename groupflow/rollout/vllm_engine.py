@@ -4,9 +4,9 @@ Design decisions:
 - The engine runs in the actor worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in
   verl's colocated hybrid engine: new weights go from the training model to vLLM as tensors in
   memory, never through a file. A rollout pool's worker (``workers.inference``) runs it in its
-  process the same way, loading each version from its torch model once the transport filled it. It starts from the model's config and tokenizer only
-  (``load_format="dummy"``) and receives its first weights through the same path as every later
-  update (``reload_weights`` on the worker, then a prefix-cache reset so no KV block computed by the
+  process the same way, loading each version from its torch model once the transport filled it.
+  It starts from the model's config and tokenizer only (``load_format="dummy"``) and receives its
+  first weights through the same path as every later update (``reload_weights`` on the worker, then a prefix-cache reset so no KV block computed by the
   old weights is reused).
 - One vLLM request per output sample, each with its own seed: a sample's randomness depends on
   its seed alone, as in the HF engine (vLLM's own ``n`` would derive the seeds ``seed + j`` of one

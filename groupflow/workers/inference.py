@@ -9,7 +9,7 @@ each other; each takes its share of the batch). The driver pushes weights into i
 reference — so its methods have the same names and outputs as the actor's and the driver's calls
 do not change with placement.
 
-A rollout pool's workers (``placement.rollout`` on Ray) and the asynchronous rollout side's
+A rollout pool's workers (``placement.rollout``) and the asynchronous rollout side's
 frozen copy (``rollout.max_staleness`` >= 1, ``RolloutPolicy``) are this worker too and build the
 configured engine (``engine``). With ``rollout.engine=vllm`` every version reaches vLLM through
 the engine's ``load_weights`` — the path the actor's colocated engine takes after each update —

@@ -6,8 +6,8 @@ Design decisions:
   memory, never through a file. A rollout pool's worker (``workers.inference``) runs it in its
   process the same way, loading each version from its torch model once the transport filled it.
   It starts from the model's config and tokenizer only (``load_format="dummy"``) and receives its
-  first weights through the same path as every later update (``reload_weights`` on the worker, then a prefix-cache reset so no KV block computed by the
-  old weights is reused).
+  first weights through the same path as every later update (``reload_weights`` on the worker,
+  then a prefix-cache reset so no KV block computed by the old weights is reused).
 - One vLLM request per output sample, each with its own seed: a sample's randomness depends on
   its seed alone, as in the HF engine (vLLM's own ``n`` would derive the seeds ``seed + j`` of one
   request). The ``n`` requests of a prompt carry the same prompt tokens, so vLLM's automatic

@@ -111,6 +111,12 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"teacher.path": "t", "teacher.dtype": "bfloat16"}, "teacher.dtype: not with a diffusion teacher"),
         ({"teacher.path": "t", "placement.teacher": {}}, "placement.teacher: not with a diffusion"),
         ({"teacher.path": "t", "diffusion.fsdp": True}, "diffusion.fsdp: not with a diffusion"),
+        # a rollout pool samples with a replicated flow model and the weights it receives
+        ({"placement.rollout": {}, "diffusion.fsdp": True, "run.num_workers": 2,
+          "run.backend": "ray"}, r"diffusion.fsdp: not with a diffusion rollout pool \(placement.rollout"),
+        ({"placement.rollout": {}, "diffusion.objective": "nft", "diffusion.sampler": "ode",
+          "diffusion.same_noise_per_group": False}, "diffusion.objective=nft: not with a diffusion rollout pool"),
+        ({"placement.reference": {}, "actor.kl_coef": 0.1}, "placement.reference: for LLM policies only"),
     ],
 )  # fmt: skip
 def test_bad_diffusion_config_names_the_key(tiny_dir, prompts_file, tmp_path, override, message):
@@ -321,6 +327,76 @@ def test_two_ray_workers_train_data_parallel(tiny_dir, prompts_file, tmp_path):
     assert rows[-1]["batch/samples"] == 6 and rows[-1]["actor/ratio_max"] == 1.0
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     assert (trainer.run_dir / "checkpoints" / "step_2").is_dir()
+
+
+def test_a_rollout_pool_refuses_the_sde_window(tiny_dir, prompts_file, tmp_path):
+    over = {"placement.rollout": {}, "diffusion.sde_window": {"size": 1}}
+    with pytest.raises(
+        ConfigError, match="diffusion.sde_window: not with a diffusion rollout pool"
+    ):
+        _cfg(tmp_path, tiny_dir, prompts_file, drop=("diffusion.timestep_fraction",), **over)
+
+
+@pytest.mark.slow
+def test_a_ray_rollout_pool_samples_and_no_weights_pass_the_driver(
+    tiny_dir, teacher_dir, prompts_file, tmp_path
+):
+    """2 actor ranks (with a distillation teacher, which stays in them), 1 rollout worker: the
+    pool's worker draws every SDE trajectory — synchronously (the final validation too) and with
+    max_staleness 1, whose whole loop runs in a Ray actor beside the pool —, versions reach it
+    without the driver (weights/bytes_via_driver 0 at every step: broadcast by both actor ranks
+    synchronously, through Ray's object store asynchronously), and the run is the local colocated
+    run's: the same images and rewards while the weights are the initial ones on both, then equal
+    numbers up to float reduction order (2 ranks vs 1)."""
+    ray = pytest.importorskip("ray")
+    ray.shutdown()  # a fresh local instance sized for these runs, whatever earlier tests left
+    teacher = {"teacher.path": str(teacher_dir), "run.total_steps": 3}
+    pool = {"run.backend": "ray", "run.num_workers": 2,
+            "placement.actor": {"nodes": 1, "workers_per_node": 2, "cpus_per_worker": 0.5},
+            "placement.rollout": {"workers_per_node": 1, "cpus_per_worker": 0.5}}  # fmt: skip
+    try:
+        for k in (0, 1):
+            over = {**teacher, "rollout.max_staleness": k}
+            local = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over, **{"run.name": f"l{k}"}))
+            local.fit()
+            trainer = Trainer(
+                _cfg(tmp_path, tiny_dir, prompts_file, **over, **pool, **{"run.name": f"p{k}"})
+            )
+            try:
+                assert trainer.policy.transport.name == ("ray" if k else "collective")
+                trainer.fit()
+                sampled = trainer.policy.rollout_pool.generated()
+                by_actor = trainer.policy.actor.generated()
+            finally:
+                trainer.shutdown()
+            assert sampled == [3 * 2 * 3] and by_actor == [0, 0]  # steps × prompts × samples
+            a = {r["step"]: r for r in read_metrics(local.run_dir / "metrics.jsonl")}
+            b = {r["step"]: r for r in read_metrics(trainer.run_dir / "metrics.jsonl")}
+            assert [b[s]["weights/bytes_via_driver"] for s in (1, 2, 3)] == [0.0] * 3
+            ours, theirs = _samples(trainer.run_dir), _samples(local.run_dir)
+            for step in range(1, 2 + k):  # sampled with the initial weights on both
+                assert (
+                    ours[step] == theirs[step] and b[step]["reward/mean"] == a[step]["reward/mean"]
+                )
+            for step in (1, 2, 3):
+                for key in (
+                    "reward/mean",
+                    "actor/grad_norm",
+                    "actor/distill_kl",
+                    "val/reward/mean",
+                ):
+                    assert b[step][key] == pytest.approx(a[step][key], rel=1e-4), (k, step, key)
+    finally:
+        ray.shutdown()
+
+
+def _samples(run_dir):
+    """step -> [(prompt, completion: the image's size and mean colour)] of samples.jsonl."""
+    out: dict = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], []).append((row["prompt"], row["completion"]))
+    return out
 
 
 def test_flow_dppo_measures_the_step_kl_and_awm_starts_on_policy(tiny_dir, prompts_file, tmp_path):

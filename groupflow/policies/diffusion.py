@@ -239,8 +239,8 @@ class DiffusionPolicy:
         return ticket_nbytes(ticket)
 
     def begin(self, warm_started: bool) -> None:
-        """No reference or critic to initialise; a rollout pool gets the initial weights."""
-        self.sync(0)
+        """No reference or critic to initialise, no warm start: the pool already holds the
+        weights ``fit``'s ``sync`` gave it."""
 
     def start_async(self) -> partial:
         """How the asynchronous rollout side builds its policy (picklable): a

@@ -341,51 +341,66 @@ def test_a_rollout_pool_refuses_the_sde_window(tiny_dir, prompts_file, tmp_path)
 def test_a_ray_rollout_pool_samples_and_no_weights_pass_the_driver(
     tiny_dir, teacher_dir, prompts_file, tmp_path
 ):
-    """2 actor ranks (with a distillation teacher, which stays in them), 1 rollout worker: the
-    pool's worker draws every SDE trajectory — synchronously (the final validation too) and with
-    max_staleness 1, whose whole loop runs in a Ray actor beside the pool —, versions reach it
-    without the driver (weights/bytes_via_driver 0 at every step: broadcast by both actor ranks
-    synchronously, through Ray's object store asynchronously), and the run is the local colocated
-    run's: the same images and rewards while the weights are the initial ones on both, then equal
-    numbers up to float reduction order (2 ranks vs 1)."""
+    """A distillation teacher (it stays in the actor's ranks) and 1 rollout worker: the pool's
+    worker draws every SDE trajectory and versions reach it without the driver
+    (weights/bytes_via_driver 0 at every step), and the run is the local colocated run's.
+    Synchronously, 2 actor ranks broadcast each version (the collective transport): the same
+    images and rewards at step 1 (initial weights on both), then equal numbers up to float
+    reduction order (2 ranks vs 1); the final validation samples on the pool too. With
+    max_staleness 1 (the loop in a Ray actor beside the pool, versions through Ray's object
+    store), 1 actor rank: the local run's numbers exactly, stopped after step 2 and resumed."""
     ray = pytest.importorskip("ray")
     ray.shutdown()  # a fresh local instance sized for these runs, whatever earlier tests left
-    teacher = {"teacher.path": str(teacher_dir), "run.total_steps": 3}
-    pool = {"run.backend": "ray", "run.num_workers": 2,
-            "placement.actor": {"nodes": 1, "workers_per_node": 2, "cpus_per_worker": 0.5},
+    base = {"teacher.path": str(teacher_dir), "run.total_steps": 3}
+    pool = {"run.backend": "ray",
             "placement.rollout": {"workers_per_node": 1, "cpus_per_worker": 0.5}}  # fmt: skip
-    try:
-        for k in (0, 1):
-            over = {**teacher, "rollout.max_staleness": k}
-            local = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over, **{"run.name": f"l{k}"}))
-            local.fit()
-            trainer = Trainer(
-                _cfg(tmp_path, tiny_dir, prompts_file, **over, **pool, **{"run.name": f"p{k}"})
-            )
-            try:
-                assert trainer.policy.transport.name == ("ray" if k else "collective")
-                trainer.fit()
-                sampled = trainer.policy.rollout_pool.generated()
-                by_actor = trainer.policy.actor.generated()
-            finally:
-                trainer.shutdown()
-            assert sampled == [3 * 2 * 3] and by_actor == [0, 0]  # steps × prompts × samples
-            a = {r["step"]: r for r in read_metrics(local.run_dir / "metrics.jsonl")}
-            b = {r["step"]: r for r in read_metrics(trainer.run_dir / "metrics.jsonl")}
-            assert [b[s]["weights/bytes_via_driver"] for s in (1, 2, 3)] == [0.0] * 3
-            ours, theirs = _samples(trainer.run_dir), _samples(local.run_dir)
-            for step in range(1, 2 + k):  # sampled with the initial weights on both
-                assert (
-                    ours[step] == theirs[step] and b[step]["reward/mean"] == a[step]["reward/mean"]
+    two = {"run.num_workers": 2,
+           "placement.actor": {"nodes": 1, "workers_per_node": 2, "cpus_per_worker": 0.5}}  # fmt: skip
+    keys = ("reward/mean", "actor/grad_norm", "actor/distill_kl", "val/reward/mean")
+
+    def train(name, **over):
+        over = {**base, **over, "run.name": name}
+        trainer = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over))
+        try:
+            if over.get("run.backend") == "ray":
+                assert trainer.policy.transport.name == (
+                    "ray" if "rollout.max_staleness" in over else "collective"
                 )
-            for step in (1, 2, 3):
-                for key in (
-                    "reward/mean",
-                    "actor/grad_norm",
-                    "actor/distill_kl",
-                    "val/reward/mean",
-                ):
-                    assert b[step][key] == pytest.approx(a[step][key], rel=1e-4), (k, step, key)
+            trainer.fit()
+            on_ray = over.get("run.backend") == "ray"
+            return (
+                trainer.policy.rollout_pool.generated() if on_ray else None,
+                trainer.policy.actor.generated(),
+            )
+        finally:
+            trainer.shutdown()
+
+    def rows(name):
+        return {r["step"]: r for r in read_metrics(tmp_path / name / "metrics.jsonl")}
+
+    try:
+        train("local0")
+        assert train("pool0", **pool, **two) == ([3 * 2 * 3], [0, 0])  # steps × prompts × samples
+        a, b = rows("local0"), rows("pool0")
+        assert _samples(tmp_path / "pool0")[1] == _samples(tmp_path / "local0")[1]
+        assert b[1]["reward/mean"] == a[1]["reward/mean"]
+        for step in (1, 2, 3):
+            assert b[step]["weights/bytes_via_driver"] == 0.0
+            for key in keys:
+                assert b[step][key] == pytest.approx(a[step][key], rel=1e-4), (step, key)
+
+        k1 = {"rollout.max_staleness": 1}
+        train("local1", **k1)
+        first = train("pool1", **pool, **k1, **{"run.total_steps": 2, "run.save_every": 2})
+        resumed = train("pool1", **pool, **k1)  # from the checkpoint of step 2
+        assert (first, resumed) == (([2 * 2 * 3], [0]), ([1 * 2 * 3], [0]))
+        a, b = rows("local1"), rows("pool1")
+        assert _samples(tmp_path / "pool1") == _samples(tmp_path / "local1")
+        for step in (1, 2, 3):
+            assert b[step]["weights/bytes_via_driver"] == 0.0
+            assert b[step]["async/staleness"] == a[step]["async/staleness"]
+            for key in keys:
+                assert b[step][key] == a[step][key], (step, key)
     finally:
         ray.shutdown()
 

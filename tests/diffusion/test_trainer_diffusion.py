@@ -337,6 +337,28 @@ def test_a_rollout_pool_refuses_the_sde_window(tiny_dir, prompts_file, tmp_path)
         _cfg(tmp_path, tiny_dir, prompts_file, drop=("diffusion.timestep_fraction",), **over)
 
 
+def test_a_local_rollout_pool_samples_with_the_pushed_weights(tiny_dir, prompts_file, tmp_path):
+    """placement.rollout on the local backend: an in-process rollout worker samples (training and
+    validation) with each version pushed after the update — here through the driver, whose bytes
+    are counted —, and the run's numbers are the colocated run's exactly."""
+    runs = {}
+    for name, over in {"colo": {}, "pool": {"placement.rollout": {}}}.items():
+        trainer = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over, **{"run.name": name}))
+        trainer.fit()
+        runs[name] = (trainer.policy.rollout_pool.generated(), trainer.policy.actor.generated())
+        runs[name] += ({r["step"]: r for r in read_metrics(trainer.run_dir / "metrics.jsonl")},)
+    (_, _, a), (pool, by_actor, b) = runs["colo"], runs["pool"]
+    assert pool == [2 * 2 * 3] and by_actor == [0]  # steps × prompts × samples, all on the pool
+    nbytes = sum(t.numel() * t.element_size() for t in trainer.policy.actor.full_weights().values())
+    for step in (1, 2):
+        assert (
+            b[step]["weights/bytes_via_driver"] == nbytes
+            and a[step]["weights/bytes_via_driver"] == 0
+        )
+        for key in ("reward/mean", "actor/grad_norm", "val/reward/mean"):
+            assert b[step][key] == a[step][key], (step, key)
+
+
 @pytest.mark.slow
 def test_a_ray_rollout_pool_samples_and_no_weights_pass_the_driver(
     tiny_dir, teacher_dir, prompts_file, tmp_path

@@ -316,10 +316,10 @@ class Config(_Section):
 
     def _check_diffusion_pool(self) -> None:
         """A diffusion rollout pool (``placement.rollout``) holds a replicated flow model that
-        samples with the weights it receives; what it cannot reproduce is refused by key."""
+        samples with the weights it receives (from a replicated or an FSDP2-sharded actor);
+        what it cannot reproduce is refused by key."""
         d = self.diffusion
-        unsupported = ["diffusion.fsdp"] if d.fsdp else []
-        unsupported += (
+        unsupported = (
             [f"diffusion.objective={d.objective}"] if d.objective in ("nft", "awm") else []
         )
         unsupported += ["diffusion.sde_window"] if d.sde_window is not None else []
@@ -328,8 +328,8 @@ class Config(_Section):
             raise ValueError(
                 f"{', '.join(unsupported)}: not with a diffusion rollout pool (placement.rollout): "
                 "its workers hold a replicated flow model that samples with each version's "
-                "weights, while these sample with state of the actor's (shards, the NFT/AWM "
-                "'old' copy, the update count that slides the SDE window, Ulysses groups); use "
+                "weights, while these sample with state of the actor's (the NFT/AWM 'old' copy, "
+                "the update count that slides the SDE window, Ulysses groups); use "
                 "placement.rollout=colocated"
             )
 

@@ -761,14 +761,14 @@ class DiffusionWorker:
     def send_weights(self, version: int, transport):
         """Send the flow model's current weights (LoRA layers included, by the names a rollout
         worker's model has) with ``transport`` (``groupflow.distributed.transport``); returns
-        rank 0's ticket — for Ray or the filesystem references, not weights. Replicated ranks
-        hold the same weights: rank 0 sends them (the collective transport: every rank takes
-        part, rank 0's tensors go, the others' are skipped)."""
-        if self.sharded:  # refused at load (config): a gather per version is not implemented
-            raise RuntimeError("send_weights: a sharded (diffusion.fsdp) actor feeds no pool")
-        weights = {k: v.detach() for k, v in self.flow.state_dict().items()}
+        rank 0's ticket — for Ray or the filesystem references, not weights. The collective
+        transport: every rank broadcasts what it holds — its FSDP2 rows when sharded; replicated,
+        rank 0's tensors go and the others' are skipped —, nothing is gathered. Other transports
+        send from rank 0: replicated, its own weights; sharded, gathered first (a collective)."""
+        held = {k: v.detach() for k, v in self.flow.state_dict().items()}
         if transport.name == "collective":
-            return transport.send(version, weights, rank=self.rank)
+            return transport.send(version, held, rank=self.rank)
+        weights = full_model_state(self.flow) if self.sharded else held
         if self.rank != 0:
             return None
         if transport.name == "driver":  # the ticket holds the tensors: a copy

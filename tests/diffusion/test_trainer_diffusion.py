@@ -112,8 +112,6 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"teacher.path": "t", "placement.teacher": {}}, "placement.teacher: not with a diffusion"),
         ({"teacher.path": "t", "diffusion.fsdp": True}, "diffusion.fsdp: not with a diffusion"),
         # a rollout pool samples with a replicated flow model and the weights it receives
-        ({"placement.rollout": {}, "diffusion.fsdp": True, "run.num_workers": 2,
-          "run.backend": "ray"}, r"diffusion.fsdp: not with a diffusion rollout pool \(placement.rollout"),
         ({"placement.rollout": {}, "diffusion.objective": "nft", "diffusion.sampler": "ode",
           "diffusion.same_noise_per_group": False}, "diffusion.objective=nft: not with a diffusion rollout pool"),
         ({"placement.reference": {}, "actor.kl_coef": 0.1}, "placement.reference: for LLM policies only"),

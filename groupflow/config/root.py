@@ -256,10 +256,7 @@ class Config(_Section):
             llm_only += ["actor.kl_bias_correction"] if self.actor.kl_bias_correction else []
             # the diffusion worker offloads through diffusion.cpu_offload
             llm_only += ["actor.cpu_offload"] if self.actor.cpu_offload else []
-            llm_only += [
-                f"placement.{k}" for k in ("rollout", "reference")
-                if getattr(self.placement, k) != "colocated"
-            ]  # fmt: skip
+            llm_only += ["placement.reference"] if self.placement.reference != "colocated" else []
             if llm_only:
                 raise ValueError(
                     f"{', '.join(llm_only)}: for LLM policies only, not with a 'diffusion' policy"
@@ -308,12 +305,33 @@ class Config(_Section):
                         f"diffusion.{key} applies through FSDP2, which shards over "
                         f"run.num_workers >= 2 workers; run.num_workers={self.run.num_workers}"
                     )
+            if self.placement.rollout != "colocated":
+                self._check_diffusion_pool()
             if d.ratio_norm and self.actor.loss_fn != "ppo_clip":
                 raise ValueError(
                     f"diffusion.ratio_norm (GRPO-Guard) is defined on the PPO clip loss; "
                     f"actor.loss_fn={self.actor.loss_fn!r}"
                 )
         return self
+
+    def _check_diffusion_pool(self) -> None:
+        """A diffusion rollout pool (``placement.rollout``) holds a replicated flow model that
+        samples with the weights it receives (from a replicated or an FSDP2-sharded actor);
+        what it cannot reproduce is refused by key."""
+        d = self.diffusion
+        unsupported = (
+            [f"diffusion.objective={d.objective}"] if d.objective in ("nft", "awm") else []
+        )
+        unsupported += ["diffusion.sde_window"] if d.sde_window is not None else []
+        unsupported += ["parallel.sequence_parallel"] if self.parallel.sequence_parallel > 1 else []
+        if unsupported:
+            raise ValueError(
+                f"{', '.join(unsupported)}: not with a diffusion rollout pool (placement.rollout): "
+                "its workers hold a replicated flow model that samples with each version's "
+                "weights, while these sample with state of the actor's (the NFT/AWM 'old' copy, "
+                "the update count that slides the SDE window, Ulysses groups); use "
+                "placement.rollout=colocated"
+            )
 
     def _check_diffusion_teacher(self) -> None:
         """A diffusion teacher (groupflow.diffusion.distillation) scores the student's SDE step

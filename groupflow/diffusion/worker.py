@@ -42,6 +42,7 @@ reference's is: the states are stored and the teacher frozen, so every epoch see
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -88,6 +89,7 @@ from groupflow.distributed.parallel import (
     init_process_group,
     is_distributed,
 )
+from groupflow.distributed.transport import receive_into
 from groupflow.distributed.ulysses import gather_rows, sequence_groups
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import NonFiniteLossError, loss_options, lr_lambda, worker_device
@@ -111,14 +113,18 @@ class DiffusionWorker:
         weights: str | None = None,
         sequence_parallel: int = 1,
         teacher: nn.Module | None = None,
+        role: str = "actor",
     ):
-        """``weights``: ``model`` was built with meta parameters (``empty_parameters``); after
+        """``role``: ``"rollout"`` for a worker of a rollout pool (``placement.rollout``), which
+        only samples with the weights it receives (``receive_weights``).
+        ``weights``: ``model`` was built with meta parameters (``empty_parameters``); after
         sharding, each rank reads its shards from this diffusers directory.
         ``sequence_parallel``: Ulysses groups of that many ranks over the Wan transformer's
         latent tokens; a group pools its rows (``gather_rows``) for every call, so each sample
         is held by that many ranks (sums over ranks are divided by it).
         ``teacher``: the frozen distillation teacher (with ``settings.distill``)."""
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.role = rank, world_size, role
+        self.generated_samples = 0  # SDE samples this worker drew (placement checks)
         self.sp = sequence_groups(rank, world_size, sequence_parallel)
         self.sp_size = sequence_parallel
         self.dp_size, self.dp_rank = world_size // sequence_parallel, rank // sequence_parallel
@@ -176,9 +182,18 @@ class DiffusionWorker:
         pg_timeout_s: float = 600.0,
         sequence_parallel: int = 1,
         teacher_spec=None,
+        role: str = "actor",
     ):
         """Factory used by WorkerGroup: join the process group, then build the model (and the
-        distillation teacher from ``teacher_spec``) in this process."""
+        distillation teacher from ``teacher_spec``) in this process. ``role="rollout"``: a
+        rollout pool's worker — replicated, no process group (its workers never talk to each
+        other), no reference copy, no teacher: it samples, and receives each version's weights
+        from the actor's ranks through the weight transport."""
+        if role == "rollout":
+            settings = replace(settings, fsdp=False, distill=None)
+            model = spec.build().to(worker_device(rank))
+            return cls(model, settings, cfg.model_copy(update={"kl_coef": 0.0}),
+                       total_steps=total_steps, rank=rank, world_size=world_size, role=role)  # fmt: skip
         init_process_group(rank, world_size, pg_timeout_s)
         teacher = teacher_spec.build() if teacher_spec is not None else None
         if meta_init(spec, settings, world_size):  # no rank ever holds the full transformer
@@ -316,7 +331,13 @@ class DiffusionWorker:
         }  # fmt: skip
         tensors = {k: v.cpu() for k, v in tensors.items()}
         tensors["group_ids"] = prompts["group_ids"].repeat_interleave(n)
+        self.generated_samples += len(seeds)
         return self._own(Batch(tensors), mine)
+
+    @register("all")
+    def generated(self) -> int:
+        """SDE samples this worker drew so far (a rollout pool's test: who generated)."""
+        return self.generated_samples
 
     @register("dp")
     @torch.no_grad()
@@ -735,6 +756,30 @@ class DiffusionWorker:
     @register("all")
     def load_weights(self, weights: dict) -> None:
         self.flow.load_state_dict(weights)
+
+    @register("rank0")
+    def send_weights(self, version: int, transport):
+        """Send the flow model's current weights (LoRA layers included, by the names a rollout
+        worker's model has) with ``transport`` (``groupflow.distributed.transport``); returns
+        rank 0's ticket — for Ray or the filesystem references, not weights. The collective
+        transport: every rank broadcasts what it holds — its FSDP2 rows when sharded; replicated,
+        rank 0's tensors go and the others' are skipped —, nothing is gathered. Other transports
+        send from rank 0: replicated, its own weights; sharded, gathered first (a collective)."""
+        held = {k: v.detach() for k, v in self.flow.state_dict().items()}
+        if transport.name == "collective":
+            return transport.send(version, held, rank=self.rank)
+        weights = full_model_state(self.flow) if self.sharded else held
+        if self.rank != 0:
+            return None
+        if transport.name == "driver":  # the ticket holds the tensors: a copy
+            weights = {k: v.cpu().clone() for k, v in weights.items()}
+        return transport.send(version, weights)
+
+    @register("all")
+    def receive_weights(self, ticket, transport) -> None:
+        """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
+        and version) into the flow model in place, one bucket of extra memory at a time."""
+        receive_into(transport, ticket, self.flow.state_dict(), role=self.role, rank=self.rank)
 
     @register("rank0")
     def trainable_parameters(self) -> int:

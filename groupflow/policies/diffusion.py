@@ -3,10 +3,16 @@
 Design decision: a flow-matching policy's actions are its SDE denoising steps, so the driver's
 four calls mean here: ``prepare`` — old log-probs of the stored transitions (recomputed only when
 a batch gets several optimizer steps); ``update`` — the PPO-clip update of the velocity model;
-``sync`` — nothing (the worker samples with the weights it trains); and its checkpoint state.
+``sync`` — nothing when colocated (the worker samples with the weights it trains), or with a
+rollout pool (``placement.rollout``) the weights of a new version sent from the actor's ranks to
+the pool's workers through the weight transport, as the LLM policy does (the driver forwards a
+ticket, never the weights); and its checkpoint state.
 With a ``teacher`` (on-policy distillation, ``groupflow.diffusion.distillation``) the actor
 workers also hold the frozen teacher, checked against the student at load (latent and
-conditioning) and never checkpointed; the asynchronous rollout side samples without one.
+conditioning) and never checkpointed; the asynchronous rollout side and a rollout pool sample
+without one. With ``rollout.max_staleness >= 1`` the asynchronous side samples with a flow model
+of its own in a child process, or — on Ray with a rollout pool — runs in a Ray actor beside the
+pool (``groupflow.rollout_pool``), whose workers sample with the scheduled versions.
 Rollout, rewards and the online test are the diffusion *workflow*'s
 (``groupflow.workflows.diffusion``); advantages are the shared credit stage's.
 """
@@ -26,7 +32,7 @@ from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.models import check_teacher_model
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
-from groupflow.distributed.transport import DriverTransport
+from groupflow.distributed.transport import DriverTransport, ticket_nbytes
 from groupflow.utils.timing import StageTimer
 
 log = logging.getLogger("groupflow")
@@ -34,6 +40,7 @@ log = logging.getLogger("groupflow")
 __all__ = [
     "DiffusionPolicy",
     "DiffusionRolloutPolicy",
+    "PoolDiffusionRolloutPolicy",
     "FlowModelSpec",
     "settings_from_config",
     "ensure_tiny_model",
@@ -158,7 +165,16 @@ class DiffusionPolicy:
             pg_timeout_s=cfg.run.worker_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
             teacher_spec=teacher_spec,
         )  # fmt: skip
-        self.rollout = self.actor
+        self.rollout = self.rollout_pool = self.actor
+        # How new weights reach a rollout pool (rollout.weight_transport): from the actor's ranks
+        self.transport = builders.build_weight_transport(cfg, run_dir)
+        if cfg.placement.rollout != "colocated":
+            self.rollout = self.rollout_pool = builders.role_group(
+                cfg, "rollout", DiffusionWorker, **self._worker_kwargs, role="rollout",
+                role_name="rollout",  # errors name the role: the class serves two
+            )  # fmt: skip
+            if self.transport.name == "collective":
+                self.transport.open(self.actor.world_size, self.rollout.world_size)
 
     def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
         """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's;
@@ -192,23 +208,49 @@ class DiffusionPolicy:
         batch = validate(batch, DIFFUSION_CONTRACTS["train_ready"])
         return self.actor.update(model_inputs(batch), shuffle_seed=seed)
 
-    async_on_pool = False  # the asynchronous side samples with a flow model of its own
+    @property
+    def async_on_pool(self) -> bool:
+        """Whether the asynchronous rollout samples on this policy's Ray rollout pool (fed
+        versions through the weight transport) rather than with a flow model of its own in a
+        child process of the driver."""
+        return self.cfg.run.backend == "ray" and self.rollout_pool is not self.actor
 
-    def publish(self, version: int) -> dict:
-        """The current weights as a ``driver`` transport ticket (they pass through the driver)."""
+    def publish(self, version: int):
+        """Send the current weights as ``version``: with a rollout pool through the weight
+        transport (the ticket: references, not weights), else as a ``driver`` ticket (they pass
+        through the driver, into the child process's ring)."""
+        if self.rollout_pool is not self.actor:
+            return self.actor.send_weights(version, self.transport)
         return DriverTransport().send(version, self.actor.full_weights())
 
     def sync(self, version: int = -1) -> int:
-        """The worker samples with the weights it trains: nothing to push (0 bytes)."""
-        return 0
+        """Colocated, the worker samples with the weights it trains: nothing to push (0 bytes).
+        With a rollout pool the actor's ranks send the weights to the pool's workers; returns
+        the bytes that passed through this (the driver's) process."""
+        if self.rollout is self.actor:
+            return 0
+        if self.transport.name == "collective":  # both sides at once: the ranks broadcast
+            sent = self.actor.submit("send_weights", version, self.transport)
+            self.rollout.receive_weights(self.transport.ticket(version), self.transport)
+            sent()
+            return 0
+        ticket = self.actor.send_weights(version, self.transport)
+        self.rollout.receive_weights(ticket, self.transport)
+        return ticket_nbytes(ticket)
 
     def begin(self, warm_started: bool) -> None:
-        """No reference or critic to initialise."""
+        """No reference or critic to initialise, no warm start: the pool already holds the
+        weights ``fit``'s ``sync`` gave it."""
 
     def start_async(self) -> partial:
-        """How the asynchronous rollout side builds its ``DiffusionRolloutPolicy`` (picklable):
-        a second flow model that samples with the scheduled (older) weights; validation here
-        keeps sampling with the actor's current ones."""
+        """How the asynchronous rollout side builds its policy (picklable): a
+        ``DiffusionRolloutPolicy`` — a second flow model that samples with the scheduled (older)
+        weights — or with a Ray rollout pool (``async_on_pool``) a ``PoolDiffusionRolloutPolicy``
+        over that pool. From now on validation here samples with the actor's current weights."""
+        pool = self.rollout_pool
+        self.rollout = self.actor
+        if self.async_on_pool:
+            return partial(_identity, PoolDiffusionRolloutPolicy(self.cfg, pool, self.transport))
         return partial(DiffusionRolloutPolicy, self.cfg, self._worker_kwargs)
 
     def snapshot(self, copy: bool = True) -> dict[str, Any]:
@@ -231,7 +273,10 @@ class DiffusionPolicy:
             self.actor.load_state_dict(state)
 
     def shutdown(self) -> None:
-        self.actor.shutdown()
+        for group in dict.fromkeys((self.actor, self.rollout_pool)):
+            group.shutdown()
+        if hasattr(self.transport, "close"):
+            self.transport.close()  # the collective transport's rendezvous store
 
 
 class DiffusionRolloutPolicy:
@@ -251,6 +296,29 @@ class DiffusionRolloutPolicy:
 
     def shutdown(self) -> None:
         self.rollout.shutdown()
+
+
+class PoolDiffusionRolloutPolicy:
+    """The diffusion policy as the asynchronous rollout side sees it with a Ray rollout pool: the
+    pool's workers sample and receive each scheduled version as a transport ticket
+    (``load_weights``), fetching the buckets from the actor's rank themselves. It travels to the
+    side's Ray actor (``groupflow.rollout_pool``) with a handle on the pool."""
+
+    contracts = DIFFUSION_CONTRACTS
+    pretrain_stats: dict[str, float] = {}
+
+    def __init__(self, cfg: Config, pool, transport):
+        self.cfg, self.rollout, self.transport = cfg, pool, transport
+
+    def load_weights(self, ticket) -> None:
+        self.rollout.receive_weights(ticket, self.transport)
+
+    def shutdown(self) -> None:
+        """Nothing: the pool belongs to the trainer's policy, which stops it."""
+
+
+def _identity(x):
+    return x
 
 
 def model_inputs(batch: Batch) -> Batch:

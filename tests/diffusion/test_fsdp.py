@@ -76,13 +76,19 @@ def test_two_sharded_workers_equal_one_worker_and_checkpoints_reshard(wan_setup,
         "__0_0.distcp", "__1_0.distcp",
     ]  # fmt: skip
     assert not list(step1.glob("model.*")) and list(step1.glob("actor_state.*"))
-    # it resumes on 2 sharded workers and, resharded, in one local worker: step 2 as before
-    resumes = {"re2": two_cfg | {"run.save_every": 0}, "re1": {}}
+    # it resumes on 2 sharded workers and, resharded, in one local worker: step 2 as before; on
+    # 2 sharded workers with a rollout pool that samples step 2 with the version each rank's
+    # shard broadcast to it (the collective transport: nothing gathered, nothing via the driver)
+    pool = {"placement.rollout": {"workers_per_node": 1, "cpus_per_worker": 0.5}}
+    resumes = {"re2": two_cfg | {"run.save_every": 0} | pool, "re1": {}}
     for name, over in resumes.items():
         cfg = _cfg(tmp_path, model, prompts, **over | {"run.name": name, "run.resume": str(step1)})
         resumed, s3 = _fit(cfg)
         last = read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
         assert last["step"] == 2, name
+        if name == "re2":
+            assert resumed.policy.transport.name == "collective"
+            assert last["weights/bytes_via_driver"] == 0 and last["time/weight_transfer"] > 0
         for key in ("actor/grad_norm", "actor/pg_loss", "reward/mean"):
             assert last[key] == pytest.approx(a[-1][key], rel=1e-4, abs=1e-7), (name, key)
         for k in s1["model"]:

@@ -111,6 +111,10 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"teacher.path": "t", "teacher.dtype": "bfloat16"}, "teacher.dtype: not with a diffusion teacher"),
         ({"teacher.path": "t", "placement.teacher": {}}, "placement.teacher: not with a diffusion"),
         ({"teacher.path": "t", "diffusion.fsdp": True}, "diffusion.fsdp: not with a diffusion"),
+        # a rollout pool samples with a replicated flow model and the weights it receives
+        ({"placement.rollout": {}, "diffusion.objective": "nft", "diffusion.sampler": "ode",
+          "diffusion.same_noise_per_group": False}, "diffusion.objective=nft: not with a diffusion rollout pool"),
+        ({"placement.reference": {}, "actor.kl_coef": 0.1}, "placement.reference: for LLM policies only"),
     ],
 )  # fmt: skip
 def test_bad_diffusion_config_names_the_key(tiny_dir, prompts_file, tmp_path, override, message):
@@ -321,6 +325,113 @@ def test_two_ray_workers_train_data_parallel(tiny_dir, prompts_file, tmp_path):
     assert rows[-1]["batch/samples"] == 6 and rows[-1]["actor/ratio_max"] == 1.0
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     assert (trainer.run_dir / "checkpoints" / "step_2").is_dir()
+
+
+def test_a_rollout_pool_refuses_the_sde_window(tiny_dir, prompts_file, tmp_path):
+    over = {"placement.rollout": {}, "diffusion.sde_window": {"size": 1}}
+    with pytest.raises(
+        ConfigError, match="diffusion.sde_window: not with a diffusion rollout pool"
+    ):
+        _cfg(tmp_path, tiny_dir, prompts_file, drop=("diffusion.timestep_fraction",), **over)
+
+
+def test_a_local_rollout_pool_samples_with_the_pushed_weights(tiny_dir, prompts_file, tmp_path):
+    """placement.rollout on the local backend: an in-process rollout worker samples (training and
+    validation) with each version pushed after the update — here through the driver, whose bytes
+    are counted —, and the run's numbers are the colocated run's exactly."""
+    runs = {}
+    for name, over in {"colo": {}, "pool": {"placement.rollout": {}}}.items():
+        trainer = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over, **{"run.name": name}))
+        trainer.fit()
+        runs[name] = (trainer.policy.rollout_pool.generated(), trainer.policy.actor.generated())
+        runs[name] += ({r["step"]: r for r in read_metrics(trainer.run_dir / "metrics.jsonl")},)
+    (_, _, a), (pool, by_actor, b) = runs["colo"], runs["pool"]
+    assert pool == [2 * 2 * 3] and by_actor == [0]  # steps × prompts × samples, all on the pool
+    nbytes = sum(t.numel() * t.element_size() for t in trainer.policy.actor.full_weights().values())
+    for step in (1, 2):
+        assert (
+            b[step]["weights/bytes_via_driver"] == nbytes
+            and a[step]["weights/bytes_via_driver"] == 0
+        )
+        for key in ("reward/mean", "actor/grad_norm", "val/reward/mean"):
+            assert b[step][key] == a[step][key], (step, key)
+
+
+@pytest.mark.slow
+def test_a_ray_rollout_pool_samples_and_no_weights_pass_the_driver(
+    tiny_dir, teacher_dir, prompts_file, tmp_path
+):
+    """A distillation teacher (it stays in the actor's ranks) and 1 rollout worker: the pool's
+    worker draws every SDE trajectory and versions reach it without the driver
+    (weights/bytes_via_driver 0 at every step), and the run is the local colocated run's.
+    Synchronously, 2 actor ranks broadcast each version (the collective transport): the same
+    images and rewards at step 1 (initial weights on both), then equal numbers up to float
+    reduction order (2 ranks vs 1); the final validation samples on the pool too. With
+    max_staleness 1 (the loop in a Ray actor beside the pool, versions through Ray's object
+    store), 1 actor rank: the local run's numbers exactly, stopped after step 2 and resumed."""
+    ray = pytest.importorskip("ray")
+    ray.shutdown()  # a fresh local instance sized for these runs, whatever earlier tests left
+    base = {"teacher.path": str(teacher_dir), "run.total_steps": 3}
+    pool = {"run.backend": "ray",
+            "placement.rollout": {"workers_per_node": 1, "cpus_per_worker": 0.5}}  # fmt: skip
+    two = {"run.num_workers": 2,
+           "placement.actor": {"nodes": 1, "workers_per_node": 2, "cpus_per_worker": 0.5}}  # fmt: skip
+    keys = ("reward/mean", "actor/grad_norm", "actor/distill_kl", "val/reward/mean")
+
+    def train(name, **over):
+        over = {**base, **over, "run.name": name}
+        trainer = Trainer(_cfg(tmp_path, tiny_dir, prompts_file, **over))
+        try:
+            if over.get("run.backend") == "ray":
+                assert trainer.policy.transport.name == (
+                    "ray" if "rollout.max_staleness" in over else "collective"
+                )
+            trainer.fit()
+            on_ray = over.get("run.backend") == "ray"
+            return (
+                trainer.policy.rollout_pool.generated() if on_ray else None,
+                trainer.policy.actor.generated(),
+            )
+        finally:
+            trainer.shutdown()
+
+    def rows(name):
+        return {r["step"]: r for r in read_metrics(tmp_path / name / "metrics.jsonl")}
+
+    try:
+        train("local0")
+        assert train("pool0", **pool, **two) == ([3 * 2 * 3], [0, 0])  # steps × prompts × samples
+        a, b = rows("local0"), rows("pool0")
+        assert _samples(tmp_path / "pool0")[1] == _samples(tmp_path / "local0")[1]
+        assert b[1]["reward/mean"] == a[1]["reward/mean"]
+        for step in (1, 2, 3):
+            assert b[step]["weights/bytes_via_driver"] == 0.0
+            for key in keys:
+                assert b[step][key] == pytest.approx(a[step][key], rel=1e-4), (step, key)
+
+        k1 = {"rollout.max_staleness": 1}
+        train("local1", **k1)
+        first = train("pool1", **pool, **k1, **{"run.total_steps": 2, "run.save_every": 2})
+        resumed = train("pool1", **pool, **k1)  # from the checkpoint of step 2
+        assert (first, resumed) == (([2 * 2 * 3], [0]), ([1 * 2 * 3], [0]))
+        a, b = rows("local1"), rows("pool1")
+        assert _samples(tmp_path / "pool1") == _samples(tmp_path / "local1")
+        for step in (1, 2, 3):
+            assert b[step]["weights/bytes_via_driver"] == 0.0
+            assert b[step]["async/staleness"] == a[step]["async/staleness"]
+            for key in keys:
+                assert b[step][key] == a[step][key], (step, key)
+    finally:
+        ray.shutdown()
+
+
+def _samples(run_dir):
+    """step -> [(prompt, completion: the image's size and mean colour)] of samples.jsonl."""
+    out: dict = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], []).append((row["prompt"], row["completion"]))
+    return out
 
 
 def test_flow_dppo_measures_the_step_kl_and_awm_starts_on_policy(tiny_dir, prompts_file, tmp_path):

@@ -271,29 +271,37 @@ def test_multi_turn_tools_run_asynchronously(tiny_config):
     assert k1[2]["async/staleness"] == 1.0
 
 
-def test_diffusion_runs_asynchronously(tmp_path):
+def _diffusion_trainer(
+    tmp_path: Path, name: str, k: int, steps: int = 3, worker: str = "process", **diffusion
+) -> Trainer:
+    """A tiny flow model's run (the model and prompts written once into ``tmp_path``)."""
     from groupflow.config import apply_overrides
     from groupflow.diffusion.models import TinyFlowModel, save_tiny_model
     from groupflow.diffusion.pretrain import COLORS
 
-    torch.manual_seed(0)
-    save_tiny_model(TinyFlowModel(list(COLORS), image_size=8, width=8), tmp_path / "flow")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": c}) + "\n" for c in ("red", "blue")))
+    if not (tmp_path / "flow").exists():
+        torch.manual_seed(0)
+        save_tiny_model(TinyFlowModel(list(COLORS), image_size=8, width=8), tmp_path / "flow")
+        prompts = "".join(json.dumps({"prompt": c}) + "\n" for c in ("red", "blue"))
+        (tmp_path / "prompts.jsonl").write_text(prompts)
+    data = {
+        "run": {"name": name, "output_dir": str(tmp_path), "seed": 0, "total_steps": steps,
+                "loggers": [], "num_threads": 1, "samples_every": 0, "console_every": 1},
+        "diffusion": {"model": {"kind": "tiny", "path": str(tmp_path / "flow")},
+                      "num_steps": 3, **({} if "sde_window" in diffusion else
+                                         {"timestep_fraction": 0.67}), **diffusion},
+        "data": {"train_files": [str(tmp_path / "prompts.jsonl")], "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 3, "max_staleness": k, "async_worker": worker},
+        "validation": {"before_training": False},
+        "actor": {"lr": 1e-3},
+        "reward": {"functions": [{"name": "brightness"}]},
+    }  # fmt: skip
+    return Trainer(config_from_dict(apply_overrides(data, {})))
 
+
+def test_diffusion_runs_asynchronously(tmp_path):
     def run(name, k):
-        data = {
-            "run": {"name": name, "output_dir": str(tmp_path), "seed": 0, "total_steps": 3,
-                    "loggers": [], "num_threads": 1, "samples_every": 0, "console_every": 1},
-            "diffusion": {"model": {"kind": "tiny", "path": str(tmp_path / "flow")},
-                          "num_steps": 3, "timestep_fraction": 0.67},
-            "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
-            "rollout": {"samples_per_prompt": 3, "max_staleness": k},
-            "validation": {"before_training": False},
-            "actor": {"lr": 1e-3},
-            "reward": {"functions": [{"name": "brightness"}]},
-        }  # fmt: skip
-        trainer = Trainer(config_from_dict(apply_overrides(data, {})))
+        trainer = _diffusion_trainer(tmp_path, name, k)
         trainer.fit()
         trainer.shutdown()
         return _rows(trainer.run_dir)
@@ -303,6 +311,64 @@ def test_diffusion_runs_asynchronously(tmp_path):
     assert sync[1]["actor/grad_norm"] == k1[1]["actor/grad_norm"]
     assert sync[2]["reward/mean"] != k1[2]["reward/mean"]
     assert [k1[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param({}, id="plain"),  # the comparison itself: held before the fix too
+        pytest.param({"objective": "nft"}, id="nft-old-copy"),
+        pytest.param({"objective": "awm"}, id="awm-old-copy"),
+        pytest.param(
+            {"sde_window": {"size": 1, "shift_interval": 1, "stride": 1}}, id="sde-window"
+        ),
+    ],
+)
+def test_the_async_side_samples_a_version_as_the_actor_does(tmp_path, variant):
+    """The asynchronous side's copy, given version v as the side gets it (the policy's snapshot,
+    through a weight ring), samples exactly what the actor samples at v for the same prompts and
+    seeds: DiffusionNFT's / AWM's "old" (sampling) copy and the update count that slides MixGRPO's
+    SDE window travel with the version (before: the side kept its initial old copy and window)."""
+    from groupflow.diffusion.worker import prompt_rows
+    from groupflow.utils.weight_ring import WeightRing
+
+    trainer = _diffusion_trainer(tmp_path, "v", 0, steps=2, **variant)
+    trainer.fit()  # version 2: two updates moved the old copy and the window
+    policy = trainer.policy
+    rows = prompt_rows(["red", "blue"], [[7, 8, 9], [10, 11, 12]], [0, 1])
+    want = policy.actor.generate(rows, 3)
+    weights = policy.snapshot()
+    ring = WeightRing(weights, 1, shared=False)
+    ring.write(2, weights)
+    side = policy.start_async()()
+    try:
+        side.load_weights(ring.read(2))
+        got = side.rollout.generate(rows, 3)
+    finally:
+        side.shutdown()
+        trainer.shutdown()
+    for key in ("latents", "next_latents", "rollout_logprobs", "response_mask", "images"):
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_an_async_nft_run_with_an_sde_window_resumes_exactly(tmp_path):
+    """A checkpoint keeps each in-flight version's sampling state (the old copy, the update count)
+    with its weights: a 2-step run resumed to 3 steps trains step 3 exactly as the 3-step run did.
+    (In a thread: the child process's shared ring is the one ``_diffusion_trainer`` runs use.)"""
+    extra = {"objective": "nft", "sde_window": {"size": 1, "shift_interval": 1, "stride": 1}}
+
+    def run(name, steps):
+        trainer = _diffusion_trainer(tmp_path, name, 1, steps, "thread", **extra)
+        trainer.fit()
+        trainer.shutdown()
+        return _rows(trainer.run_dir)
+
+    full = run("long", 3)
+    run("short", 2)
+    more = run("short", 3)  # run.resume=auto: from the checkpoint of the last step
+    assert sorted(more) == [1, 2, 3]
+    assert more[3]["reward/mean"] == full[3]["reward/mean"]
+    assert more[3]["actor/grad_norm"] == full[3]["actor/grad_norm"]
 
 
 @pytest.mark.parametrize("how", ["lambda", "unimportable module"])

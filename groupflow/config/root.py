@@ -316,20 +316,13 @@ class Config(_Section):
 
     def _check_diffusion_pool(self) -> None:
         """A diffusion rollout pool (``placement.rollout``) holds a replicated flow model that
-        samples with the weights it receives (from a replicated or an FSDP2-sharded actor);
-        what it cannot reproduce is refused by key."""
-        d = self.diffusion
-        unsupported = (
-            [f"diffusion.objective={d.objective}"] if d.objective in ("nft", "awm") else []
-        )
-        unsupported += ["diffusion.sde_window"] if d.sde_window is not None else []
-        unsupported += ["parallel.sequence_parallel"] if self.parallel.sequence_parallel > 1 else []
-        if unsupported:
+        samples with each version it receives (from a replicated or an FSDP2-sharded actor) —
+        the NFT/AWM "old" copy and the SDE window's update count travel with the weights; what it
+        cannot reproduce is refused by key."""
+        if self.parallel.sequence_parallel > 1:
             raise ValueError(
-                f"{', '.join(unsupported)}: not with a diffusion rollout pool (placement.rollout): "
-                "its workers hold a replicated flow model that samples with each version's "
-                "weights, while these sample with state of the actor's (the NFT/AWM 'old' copy, "
-                "the update count that slides the SDE window, Ulysses groups); use "
+                "parallel.sequence_parallel: not with a diffusion rollout pool (placement.rollout): "
+                "its workers hold a replicated flow model, not Ulysses groups; use "
                 "placement.rollout=colocated"
             )
 

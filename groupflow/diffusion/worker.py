@@ -95,7 +95,15 @@ from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import NonFiniteLossError, loss_options, lr_lambda, worker_device
 from groupflow.workers.update import global_denominators
 
-__all__ = ["DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX", "prompt_rows"]
+__all__ = [
+    "DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX", "prompt_rows",
+    "OLD_PREFIX", "UPDATES_KEY",
+]  # fmt: skip
+
+# A version's sampling state beside the flow weights (``sampling_weights``): the "old" copy
+# DiffusionNFT / AWM sample with, and the update count that places MixGRPO's SDE window.
+OLD_PREFIX = "sampling_old."
+UPDATES_KEY = "sampling.updates"
 
 
 class DiffusionWorker:
@@ -125,6 +133,9 @@ class DiffusionWorker:
         ``teacher``: the frozen distillation teacher (with ``settings.distill``)."""
         self.rank, self.world_size, self.role = rank, world_size, role
         self.generated_samples = 0  # SDE samples this worker drew (placement checks)
+        # a frozen copy (the asynchronous side) never steps its scheduler: it is given the
+        # update count of the version it samples with (``load_weights``)
+        self.received_updates: int | None = None
         self.sp = sequence_groups(rank, world_size, sequence_parallel)
         self.sp_size = sequence_parallel
         self.dp_size, self.dp_rank = world_size // sequence_parallel, rank // sequence_parallel
@@ -156,6 +167,8 @@ class DiffusionWorker:
         self.loss_options = loss_options(cfg)
         self.nonfinite_in_a_row = self.nonfinite_total = 0
         self.load_peak_rss = peak_rss_bytes()  # the high-water mark of building and loading
+        # where the update count travels in a weight transfer (sde_window; see _sampling_state)
+        self._updates_buffer = torch.zeros((), dtype=torch.long, device=self.device)
 
     def _frozen_teacher(self, teacher: nn.Module | None) -> nn.Module | None:
         if (teacher is None) != (self.settings.distill is None):
@@ -254,11 +267,17 @@ class DiffusionWorker:
         w = self.settings.sde_window
         if w is None:
             return None
-        updates = int(self.scheduler.last_epoch)  # updates applied so far (restored on resume)
+        updates = self.updates()
         start, end = sde_window(updates, self.settings.num_steps, **w)
         steps = torch.zeros(self.settings.num_steps, dtype=torch.bool)
         steps[start:end] = True
         return steps
+
+    def updates(self) -> int:
+        """Updates applied so far (restored on resume), or those of the version last loaded."""
+        if self.received_updates is not None:
+            return self.received_updates
+        return int(self.scheduler.last_epoch)
 
     def _trainable_steps(self) -> Tensor:
         """[N] bool: steps with exploration noise (CPS's last step, σ' = 0, has none)."""
@@ -700,15 +719,13 @@ class DiffusionWorker:
         apply_configured_hyperparameters(self.optimizer, self.scheduler)
         self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
         if self.old_model is not None:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-            )
+            self._load_old_model(state.get("nft_old", state["model"]))
 
-            set_model_state_dict(
-                self.old_model, state.get("nft_old", state["model"]),
-                options=StateDictOptions(full_state_dict=True),
-            )  # fmt: skip
+    def _load_old_model(self, full: dict) -> None:
+        """The old copy from a full state by name (sharded: each rank takes its rows)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.old_model, full, options=StateDictOptions(full_state_dict=True))
 
     @register("rank0")
     def train_state(self) -> dict:
@@ -753,22 +770,62 @@ class DiffusionWorker:
         weights = {k: v.detach().cpu() for k, v in self.flow.state_dict().items()}
         return {k: v.clone() for k, v in weights.items()} if copy else weights
 
+    def _sampling_extras(self, full: bool = False) -> dict[str, Tensor]:
+        """What sampling depends on beside the flow weights, by name, as the live tensors
+        (``full``: gathered when sharded): the "old" copy's weights under ``OLD_PREFIX`` when the
+        objective samples with it (nft, awm) and, with ``sde_window``, the update count as a 0-d
+        tensor (``UPDATES_KEY``). A copy that samples and never trains must be given them."""
+        out = {}
+        if self.old_model is not None:
+            old = full_model_state(self.old_model) if full else self.old_model.state_dict()
+            out.update({OLD_PREFIX + k: v.detach() for k, v in old.items()})
+        if self.settings.sde_window is not None:
+            self._updates_buffer.fill_(self.updates())
+            out[UPDATES_KEY] = self._updates_buffer
+        return out
+
+    def _sampling_state(self, full: bool = False) -> dict[str, Tensor]:
+        """The flow weights and ``_sampling_extras``: a version, as a weight transfer sends it."""
+        flow = full_model_state(self.flow) if full else self.flow.state_dict()
+        return {**{k: v.detach() for k, v in flow.items()}, **self._sampling_extras(full)}
+
+    @register("rank0")
+    def sampling_weights(self, copy: bool = True) -> dict:
+        """A version as the asynchronous rollout's snapshot: ``full_weights`` and, on the CPU,
+        ``_sampling_extras`` (sharded, every rank runs this: the old copy is gathered)."""
+        extras = {k: v.cpu().clone() for k, v in self._sampling_extras(full=True).items()}
+        return {**self.full_weights(copy), **extras}
+
     @register("all")
     def load_weights(self, weights: dict) -> None:
-        self.flow.load_state_dict(weights)
+        """Flow weights (``full_weights``), or a version's whole sampling state
+        (``sampling_weights``): then the old copy and the update count are this version's too."""
+        flow = {k: v for k, v in weights.items() if not k.startswith(OLD_PREFIX)}
+        updates = flow.pop(UPDATES_KEY, None)
+        old = {k[len(OLD_PREFIX) :]: v for k, v in weights.items() if k.startswith(OLD_PREFIX)}
+        if old and self.old_model is None:
+            raise ValueError(
+                f"load_weights: weights of an old copy ({OLD_PREFIX}*) for a worker without one "
+                f"(diffusion.objective={self.settings.objective!r})"
+            )
+        self.flow.load_state_dict(flow)
+        if old:
+            self._load_old_model(old)
+        if updates is not None:
+            self.received_updates = int(updates)
 
     @register("rank0")
     def send_weights(self, version: int, transport):
-        """Send the flow model's current weights (LoRA layers included, by the names a rollout
-        worker's model has) with ``transport`` (``groupflow.distributed.transport``); returns
+        """Send the current version — the flow model's weights (LoRA layers included, by the names
+        a rollout worker's model has) and what sampling depends on beside them (the old copy, the
+        update count: ``_sampling_extras``) — with ``transport`` (``groupflow.distributed.transport``); returns
         rank 0's ticket — for Ray or the filesystem references, not weights. The collective
         transport: every rank broadcasts what it holds — its FSDP2 rows when sharded; replicated,
         rank 0's tensors go and the others' are skipped —, nothing is gathered. Other transports
         send from rank 0: replicated, its own weights; sharded, gathered first (a collective)."""
-        held = {k: v.detach() for k, v in self.flow.state_dict().items()}
         if transport.name == "collective":
-            return transport.send(version, held, rank=self.rank)
-        weights = full_model_state(self.flow) if self.sharded else held
+            return transport.send(version, self._sampling_state(), rank=self.rank)
+        weights = self._sampling_state(full=self.sharded)
         if self.rank != 0:
             return None
         if transport.name == "driver":  # the ticket holds the tensors: a copy
@@ -778,8 +835,12 @@ class DiffusionWorker:
     @register("all")
     def receive_weights(self, ticket, transport) -> None:
         """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
-        and version) into the flow model in place, one bucket of extra memory at a time."""
-        receive_into(transport, ticket, self.flow.state_dict(), role=self.role, rank=self.rank)
+        and version) into the flow model (and the old copy, the update count) in place, one
+        bucket of extra memory at a time."""
+        dest = self._sampling_state()
+        receive_into(transport, ticket, dest, role=self.role, rank=self.rank)
+        if UPDATES_KEY in dest:
+            self.received_updates = int(dest[UPDATES_KEY])
 
     @register("rank0")
     def trainable_parameters(self) -> int:

@@ -254,8 +254,12 @@ class DiffusionPolicy:
         return partial(DiffusionRolloutPolicy, self.cfg, self._worker_kwargs)
 
     def snapshot(self, copy: bool = True) -> dict[str, Any]:
-        """The flow model's current weights (``copy=False``: possibly the live tensors)."""
-        return self.actor.full_weights(copy=copy)
+        """The current version as the asynchronous side samples with it: the flow weights
+        (``copy=False``: possibly the live tensors) and, where sampling depends on more of the
+        actor's state, that too — the NFT/AWM "old" copy, the update count that places the SDE
+        window (``DiffusionWorker.sampling_weights``): the side's copy never trains, so it
+        derives nothing itself."""
+        return self.actor.sampling_weights(copy=copy)
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(state, writers): sharded, every rank writes its DCP shards (``shards``) and the

@@ -111,9 +111,6 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"teacher.path": "t", "teacher.dtype": "bfloat16"}, "teacher.dtype: not with a diffusion teacher"),
         ({"teacher.path": "t", "placement.teacher": {}}, "placement.teacher: not with a diffusion"),
         ({"teacher.path": "t", "diffusion.fsdp": True}, "diffusion.fsdp: not with a diffusion"),
-        # a rollout pool samples with a replicated flow model and the weights it receives
-        ({"placement.rollout": {}, "diffusion.objective": "nft", "diffusion.sampler": "ode",
-          "diffusion.same_noise_per_group": False}, "diffusion.objective=nft: not with a diffusion rollout pool"),
         ({"placement.reference": {}, "actor.kl_coef": 0.1}, "placement.reference: for LLM policies only"),
     ],
 )  # fmt: skip
@@ -327,12 +324,33 @@ def test_two_ray_workers_train_data_parallel(tiny_dir, prompts_file, tmp_path):
     assert (trainer.run_dir / "checkpoints" / "step_2").is_dir()
 
 
-def test_a_rollout_pool_refuses_the_sde_window(tiny_dir, prompts_file, tmp_path):
-    over = {"placement.rollout": {}, "diffusion.sde_window": {"size": 1}}
-    with pytest.raises(
-        ConfigError, match="diffusion.sde_window: not with a diffusion rollout pool"
-    ):
-        _cfg(tmp_path, tiny_dir, prompts_file, drop=("diffusion.timestep_fraction",), **over)
+@pytest.mark.parametrize(
+    "over",
+    [
+        pytest.param({"diffusion.objective": "nft", "diffusion.sampler": "ode",
+                      "diffusion.same_noise_per_group": False}, id="nft"),
+        pytest.param({"diffusion.objective": "awm"}, id="awm"),
+        pytest.param({"diffusion.sde_window": {"size": 1, "shift_interval": 1},
+                      "drop": ["diffusion.timestep_fraction"]}, id="sde_window"),
+    ],
+)  # fmt: skip
+def test_a_rollout_pool_samples_with_the_old_copy_and_window_it_receives(
+    tiny_dir, prompts_file, tmp_path, over
+):
+    """DiffusionNFT / AWM sample with the actor's "old" copy and MixGRPO's SDE window slides with
+    the actor's update count: a pool's worker, which never trains, receives both with each
+    version (before: refused), and the run's numbers are the colocated run's exactly."""
+    rows = {}
+    for name, pool in {"colo": {}, "pool": {"placement.rollout": {}}}.items():
+        cfg = _cfg(tmp_path, tiny_dir, prompts_file, **over, **pool, **{"run.name": name,
+                   "run.total_steps": 3, "validation.every_steps": 0})  # fmt: skip
+        trainer = Trainer(cfg)
+        trainer.fit()
+        trainer.shutdown()
+        rows[name] = {r["step"]: r for r in read_metrics(trainer.run_dir / "metrics.jsonl")}
+    for step in (1, 2, 3):
+        for key in ("reward/mean", "actor/grad_norm", "actor/loss"):
+            assert rows["pool"][step][key] == rows["colo"][step][key], (step, key)
 
 
 def test_a_local_rollout_pool_samples_with_the_pushed_weights(tiny_dir, prompts_file, tmp_path):

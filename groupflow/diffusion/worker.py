@@ -29,7 +29,11 @@ handed to the PPO loss and weights advantages per step (``objectives``); ``objec
 instead of log-probs; ``objective="flow_dppo"`` replaces the ratio clip by the exact step KL's
 asymmetric mask; ``objective="awm"`` (Advantage Weighted Matching) re-noises final latents like
 DiffusionNFT and hands the flow-matching loss, as a log-likelihood surrogate, to the PPO loss
-against the "old" copy (the weights before the update: an EMA with decay 0).
+against the "old" copy (the weights before the update: an EMA with decay 0). The old copy and
+the update count are part of what a version *is* for sampling: a copy that only samples (a
+rollout pool's worker, the asynchronous side's) receives them with the flow weights
+(``_sampling_extras``; ``send_weights`` / ``receive_weights``, ``sampling_weights`` /
+``load_weights``) and derives neither from its own, never-stepped scheduler.
 
 On-policy distillation (``teacher``; ``diffusion.distillation``): a frozen teacher flow model,
 built beside the policy in each worker (never in an optimizer or a checkpoint), predicts the
@@ -777,7 +781,7 @@ class DiffusionWorker:
         tensor (``UPDATES_KEY``). A copy that samples and never trains must be given them."""
         out = {}
         if self.old_model is not None:
-            old = full_model_state(self.old_model) if full else self.old_model.state_dict()
+            old = self._state(self.old_model, full)
             out.update({OLD_PREFIX + k: v.detach() for k, v in old.items()})
         if self.settings.sde_window is not None:
             self._updates_buffer.fill_(self.updates())
@@ -786,8 +790,12 @@ class DiffusionWorker:
 
     def _sampling_state(self, full: bool = False) -> dict[str, Tensor]:
         """The flow weights and ``_sampling_extras``: a version, as a weight transfer sends it."""
-        flow = full_model_state(self.flow) if full else self.flow.state_dict()
+        flow = self._state(self.flow, full)
         return {**{k: v.detach() for k, v in flow.items()}, **self._sampling_extras(full)}
+
+    def _state(self, module: nn.Module, full: bool) -> dict[str, Tensor]:
+        """``module``'s state dict; ``full`` and sharded: gathered (a collective)."""
+        return full_model_state(module) if full and self.sharded else module.state_dict()
 
     @register("rank0")
     def sampling_weights(self, copy: bool = True) -> dict:
@@ -818,14 +826,15 @@ class DiffusionWorker:
     def send_weights(self, version: int, transport):
         """Send the current version — the flow model's weights (LoRA layers included, by the names
         a rollout worker's model has) and what sampling depends on beside them (the old copy, the
-        update count: ``_sampling_extras``) — with ``transport`` (``groupflow.distributed.transport``); returns
-        rank 0's ticket — for Ray or the filesystem references, not weights. The collective
-        transport: every rank broadcasts what it holds — its FSDP2 rows when sharded; replicated,
-        rank 0's tensors go and the others' are skipped —, nothing is gathered. Other transports
+        update count: ``_sampling_extras``) — with ``transport``
+        (``groupflow.distributed.transport``); returns rank 0's ticket — for Ray or the filesystem
+        references, not weights. The collective transport: every rank broadcasts what it holds —
+        its FSDP2 rows when sharded; replicated, rank 0's tensors go and the others' are skipped
+        (the update count, a plain tensor, is rank 0's) —, nothing is gathered. Other transports
         send from rank 0: replicated, its own weights; sharded, gathered first (a collective)."""
         if transport.name == "collective":
             return transport.send(version, self._sampling_state(), rank=self.rank)
-        weights = self._sampling_state(full=self.sharded)
+        weights = self._sampling_state(full=True)
         if self.rank != 0:
             return None
         if transport.name == "driver":  # the ticket holds the tensors: a copy

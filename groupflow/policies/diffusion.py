@@ -12,7 +12,10 @@ workers also hold the frozen teacher, checked against the student at load (laten
 conditioning) and never checkpointed; the asynchronous rollout side and a rollout pool sample
 without one. With ``rollout.max_staleness >= 1`` the asynchronous side samples with a flow model
 of its own in a child process, or — on Ray with a rollout pool — runs in a Ray actor beside the
-pool (``groupflow.rollout_pool``), whose workers sample with the scheduled versions.
+pool (``groupflow.rollout_pool``), whose workers sample with the scheduled versions. Such copies
+never train, so a version carries everything sampling depends on, not only the flow weights: the
+NFT/AWM "old" copy and the update count that places the SDE window
+(``DiffusionWorker._sampling_extras``) — they derive nothing from a scheduler of their own.
 Rollout, rewards and the online test are the diffusion *workflow*'s
 (``groupflow.workflows.diffusion``); advantages are the shared credit stage's.
 """

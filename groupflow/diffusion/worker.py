@@ -92,6 +92,7 @@ from groupflow.distributed.parallel import (
     full_model_state,
     init_process_group,
     is_distributed,
+    release_gathered,
 )
 from groupflow.distributed.transport import receive_into
 from groupflow.distributed.ulysses import gather_rows, sequence_groups
@@ -677,6 +678,9 @@ class DiffusionWorker:
         )  # fmt: skip
         if self.settings.objective == "awm":  # the sampling policy: the weights after the update
             d = 0.0
+        if self.sharded:  # shard-wise EMA: neither copy may still hold gathered parameters
+            release_gathered(self.old_model)
+            release_gathered(self.flow)
         for o, p in zip(self.old_model.parameters(), self.flow.parameters(), strict=True):
             o.mul_(d).add_(p.detach(), alpha=1 - d)
 

@@ -28,6 +28,7 @@ __all__ = [
     "gathered",
     "gathered_root",
     "prepare_unsharded_use",
+    "release_gathered",
 ]
 
 
@@ -203,6 +204,16 @@ def prepare_unsharded_use(root: nn.Module) -> None:
         if _is_fsdp(module):
             module.unshard()
             module.reshard()
+
+
+def release_gathered(module: nn.Module) -> None:
+    """Free every gathered FSDP2 parameter in ``module`` (local, no collective; a no-op when
+    unsharded). FSDP2 keeps the root's parameters gathered after a forward that no backward
+    follows (sampling), so until this they are plain tensors, not the DTensor shards that
+    shard-wise arithmetic (an EMA over ``parameters()``) expects."""
+    for m in module.modules():
+        if _is_fsdp(m):
+            m.reshard()
 
 
 @contextmanager

@@ -199,3 +199,30 @@ def test_bf16_mixed_precision_is_close_to_fp32(wan_setup, tmp_path):
         a["actor/pg_loss"], abs=0.05 * abs(a["actor/pg_loss"]) + 1e-3
     )
     assert all(v.dtype == torch.float32 for v in s2["model"].values())
+
+
+@pytest.mark.slow
+def test_the_sampling_copy_of_awm_updates_shard_wise_on_two_sharded_workers(wan_setup, tmp_path):
+    """AWM's (and DiffusionNFT's) "old" sampling copy is sharded like the model and updated by
+    shard-wise arithmetic after each update. After a forward-only sampling pass FSDP2's root
+    still held gathered plain-tensor parameters, and that update crashed (mixed Tensor and
+    DTensor). With AWM the copy must equal the updated weights exactly; the first step's
+    samples (drawn before any update) equal one worker's. (Later steps differ from one worker
+    by design: the objectives' training noise is drawn per rank.)"""
+    pytest.importorskip("ray")
+    model, prompts = wan_setup
+    awm = {"diffusion.objective": "awm"}
+    one, _ = _fit(_cfg(tmp_path, model, prompts, **awm))
+    two_cfg = {"run.name": "two", "run.backend": "ray", "run.num_workers": 2,
+               "diffusion.fsdp": True}  # fmt: skip
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **awm, **two_cfg))
+    a = read_metrics(one.run_dir / "metrics.jsonl")
+    b = read_metrics(two.run_dir / "metrics.jsonl")
+    first = [r for r in a if r["step"] == 1 and "reward/mean" in r]
+    assert first and [r["step"] for r in b if "reward/mean" in r] == [1, 2]
+    assert [r for r in b if r["step"] == 1 and "reward/mean" in r][0]["reward/mean"] == (
+        pytest.approx(first[0]["reward/mean"], rel=1e-6)
+    )
+    assert s2["nft_old"].keys() == s2["model"].keys()
+    for k in s2["model"]:
+        assert torch.equal(s2["nft_old"][k], s2["model"][k]), k

@@ -61,7 +61,13 @@ from groupflow.sft import warm_start
 from groupflow.utils.imports import resolve_import_path
 from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.episodes import Episode, episodes_batch
-from groupflow.workflows.llm import build_rewards, finite_metrics, llm_step_metrics, row_fields
+from groupflow.workflows.llm import (
+    build_rewards,
+    finite_metrics,
+    llm_step_metrics,
+    row_fields,
+    sft_turns,
+)
 
 log = logging.getLogger("groupflow")
 
@@ -353,17 +359,7 @@ class AgentWorkflow:
         rows = encoded.rows[:_MAX_DEMOS]
         scripts = []
         for row in rows:
-            turns = row.fields.get(field)
-            turns = [turns] if isinstance(turns, str) else turns
-            if (
-                not isinstance(turns, list)
-                or not turns
-                or not all(isinstance(t, str) for t in turns)
-            ):
-                raise ValueError(
-                    f"sft: row {row.index} of {row.source}: field '{field}' (sft.target_field) "
-                    "must be a model turn or a non-empty list of model turns (strings)"
-                )
+            turns = sft_turns(row, field)
             ids = [tok(t, add_special_tokens=False)["input_ids"] for t in turns]
             ids[-1] = ids[-1] + [tok.eos_token_id]
             scripts.append(ids)

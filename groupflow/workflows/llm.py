@@ -51,6 +51,19 @@ def row_fields(rows: Sequence[PromptRow]) -> dict[str, list]:
     return {k: [r.fields.get(k) for r in rows] for k in keys}
 
 
+def sft_turns(row: PromptRow, field: str) -> list[str]:
+    """A warm-start demonstration's model turns from ``row``'s ``field`` (``sft.target_field``):
+    one string or a non-empty list of strings, else a ValueError naming row, file and field."""
+    turns = row.fields.get(field)
+    turns = [turns] if isinstance(turns, str) else turns
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError(
+            f"sft: row {row.index} of {row.source}: field '{field}' (sft.target_field) must be "
+            "a model turn or a non-empty list of model turns (strings)"
+        )
+    return turns
+
+
 def with_prompt_info(out: Batch, rows: list[PromptRow], texts: list[str], n: int,
                      uid_prefix: str, version: int) -> Batch:  # fmt: skip
     """Attach uids, prompt text, dataset rows and the policy version to generated samples

@@ -53,6 +53,7 @@ from groupflow.workflows.llm import (
     llm_step_metrics,
     llm_warm_start,
     row_fields,
+    sft_turns,
     validate_llm,
     with_prompt_info,
 )
@@ -274,18 +275,7 @@ class MultiTurnWorkflow:
         out = []
         prompt_vision = getattr(encoded, "vision", None) or [None] * len(encoded.rows)
         for row, ids, images in zip(encoded.rows, encoded.ids, prompt_vision):
-            turns = row.fields.get(field)
-            if isinstance(turns, str):
-                turns = [turns]
-            if (
-                not isinstance(turns, list)
-                or not turns
-                or not all(isinstance(t, str) for t in turns)
-            ):
-                raise ValueError(
-                    f"sft: row {row.index} of {row.source}: field '{field}' (sft.target_field) must "
-                    "be a model turn or a non-empty list of model turns (strings)"
-                )
+            turns = sft_turns(row, field)
             target, mask, shown = teacher_trajectory(self, row, turns, tok)
             vision = join_vision([images, *shown])
             out.append((ids, target, mask) if vision is None else (ids, target, mask, vision))

@@ -485,3 +485,16 @@ def test_cli_values_keep_their_yaml_types():
     assert cfg.actor.lr == 1.0 and isinstance(cfg.actor.lr, float)
     assert cfg.actor.betas == (0.9, 0.95) and cfg.validation.greedy is False
     assert config_from_dict(cfg.to_dict()).actor.betas == (0.9, 0.95)  # the dump reloads
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("continuous_batching", "maybe", "valid boolean"),
+        ("max_batch_samples", 0, "greater than or equal to 1"),
+        ("port", 70000, "less than or equal to 65535"),
+    ],
+)
+def test_bad_serve_values_name_the_key(key, value, message):
+    err = _error({**_base(), "serve": {key: value}})
+    assert f"serve.{key}" in err and message in err

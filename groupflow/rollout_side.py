@@ -91,7 +91,14 @@ class RolloutSide:
         return collect_step(self.workflow, self.loader, self.sampling, step, version)
 
     def close(self) -> None:
-        self.policy.shutdown()
+        # the workflow's own resources first (the agent workflow's server and event loop), then
+        # the policy's workers: in a Ray actor or a thread they would outlive the side
+        close = getattr(getattr(self, "workflow", None), "close", None)
+        try:
+            if close is not None:
+                close()
+        finally:
+            self.policy.shutdown()
 
 
 def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool) -> None:

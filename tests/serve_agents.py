@@ -10,8 +10,14 @@ collected by pytest (no ``test_`` prefix); tests put ``tests/`` on the path with
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 
 SEEN: list[dict] = []  # one entry per call: row prompt, prompt_token_ids, token_ids, token_logprobs
+# A file every call's SEEN entry is also appended to, with the process id, when this environment
+# variable names one: an agent that runs in another process (the asynchronous rollout side, a Ray
+# actor) reports through it what it was sent, and where it ran.
+LOG_ENV = "SERVE_AGENTS_LOG"
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}},
@@ -20,9 +26,13 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {
 
 def _see(row, reply):
     for choice in reply.choices:
-        SEEN.append({"prompt": row["prompt"], "prompt_ids": reply.model_extra["prompt_token_ids"],
-                     "ids": choice.model_extra["token_ids"],
-                     "logprobs": choice.model_extra["token_logprobs"]})  # fmt: skip
+        seen = {"prompt": row["prompt"], "prompt_ids": reply.model_extra["prompt_token_ids"],
+                "ids": choice.model_extra["token_ids"],
+                "logprobs": choice.model_extra["token_logprobs"]}  # fmt: skip
+        SEEN.append(seen)
+        if os.environ.get(LOG_ENV):
+            with open(os.environ[LOG_ENV], "a") as f:
+                f.write(json.dumps({**seen, "pid": os.getpid()}) + "\n")
 
 
 async def two_calls(client, row):

@@ -20,8 +20,12 @@ the final conversation (they get ``completions`` = the last assistant text, ``me
 whole conversation, and the dataset's fields), or their sum. An episode whose agent raised,
 passed ``rollout.agent_timeout_s``, made no call or returned no usable reward gets
 ``reward.failure_value`` — counted in ``rollout/agent/failures`` (per kind), logged once per
-kind; the step goes on. Episodes run concurrently (``rollout.agent_concurrency``) on the driver's
-event loop while the server decodes their requests in shared batches.
+kind; the step goes on. Episodes run concurrently (``rollout.agent_concurrency``) on one event
+loop while the server decodes their requests in shared batches. Server and episodes live where
+the workflow's ``collect`` runs: synchronously on the driver (with a Ray rollout pool the server's
+engine calls go to the pool's workers); asynchronously (``rollout.max_staleness >= 1``) on the
+rollout side — the local child process, or with a Ray rollout pool the pool's loop actor on the
+pool's node (``groupflow.rollout_pool``), so the agents' traffic never reaches the driver.
 
 The run's sampling settings hold for every call (the training forward assumes them): a request's
 own temperature/top-p is replaced and counted (``rollout/agent/sampling_overrides``). The warm
@@ -110,6 +114,7 @@ class AgentServer:
     """The run's in-process server over the policy's rollout group, with an episode recorder."""
 
     def __init__(self, cfg: Config, policy):
+        self.rollout = policy.rollout  # the group this server's engine calls go to
         self.recorder = EpisodeRecorder()
         core = server_core(
             cfg, policy.tokenizer, policy.rollout,
@@ -137,8 +142,8 @@ class AgentLoop:
         self._thread.start()
         self.http = None  # one connection pool for every episode's client (made on the loop)
 
-    def run(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def run(self, coro, timeout_s: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def client(self, url: str, key: str, timeout_s: float):
         """An ``openai.AsyncOpenAI`` for one episode. They share one HTTP client: building an
@@ -149,11 +154,16 @@ class AgentLoop:
         return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout_s,
                                   http_client=self.http)  # fmt: skip
 
-    def close(self) -> None:
-        if self.http is not None:
-            self.run(self.http.aclose())
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Bounded: an agent that blocks the loop (sync code in an ``async def``) must not hang
+        the rollout side's shutdown; the thread is a daemon."""
+        try:
+            if self.http is not None:
+                self.run(self.http.aclose(), timeout_s)
+        except Exception as e:  # noqa: BLE001 - closing: a stuck or broken pool is let go
+            log.debug("agent HTTP client not closed: %r", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._thread.join(timeout_s)
 
 
 @dataclass
@@ -243,7 +253,15 @@ class AgentWorkflow:
 
     @property
     def server(self) -> AgentServer:
-        if self._server is None:  # started where collect runs (the trainer or the rollout side)
+        """Started where collect runs (the trainer or the rollout side), over the policy's rollout
+        group *now*: an asynchronous rollout hands a Ray rollout pool to its side
+        (``policy.start_async``), after which the trainer's process validates with the actor's
+        current weights — a server built before (a baseline validation, the warm start) would
+        keep sending its calls to the pool and its older weights."""
+        if self._server is not None and self._server.rollout is not self.policy.rollout:
+            self._server.close()
+            self._server = None
+        if self._server is None:
             self._server = AgentServer(self.cfg, self.policy)
         return self._server
 

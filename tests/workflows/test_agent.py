@@ -90,10 +90,14 @@ def test_a_continued_conversation_is_one_sample_of_exactly_the_sampled_tokens(tr
 
 
 def _check_trained_equals_seen(batch, seen, n_episodes):
+    assert len(seen) == 2 * n_episodes and len(batch) == n_episodes
+    _check_samples_are_the_calls(batch, seen)
+
+
+def _check_samples_are_the_calls(batch, seen):
     """Each episode (two calls, the second continuing the first) is one sample whose ids are
     exactly the two completions the client was sent, with the tokens in between masked."""
-    assert len(seen) == 2 * n_episodes
-    for i in range(n_episodes):
+    for i in range(len(batch)):
         ids, lps = _trained(batch, i)
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
         # the call this sample starts with, then the call that continued it (2 episodes per row
@@ -280,6 +284,89 @@ def test_one_step_on_ray_trains_exactly_the_sampled_ids(agents, tiny_base, tmp_p
         t.workflow.close()
         t.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool_ray(tmp_path_factory):
+    """A fresh local Ray instance whose processes append every agent call to one file
+    (``serve_agents.LOG_ENV``: Ray's processes inherit the environment Ray starts with)."""
+    ray = pytest.importorskip("ray")
+    calls = tmp_path_factory.mktemp("pool") / "calls.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SERVE_AGENTS_LOG", str(calls))
+        ray.shutdown()  # the first run below starts one with this environment
+        yield calls
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
+    pool_ray, tiny_base, tmp_path, staleness
+):
+    """placement.rollout on Ray, 2 steps. Synchronous: episodes and server on the driver, every
+    engine call (baseline and final validation too) on the pool's worker. max_staleness 1: the
+    training episodes and their server run in the pool's loop actor, not in the driver; the
+    driver's final validation goes to the actor (current weights) although its server was built
+    for the baseline validation, while the pool was still the driver's. Versions never pass through the driver; each
+    trained sample is exactly the two calls the agent was sent, and the training forward's
+    log-probs equal the sampling ones on every batch sampled with the current weights."""
+    import json
+    import os
+
+    from groupflow.trainer import Trainer
+
+    pool_ray.write_text("")
+    overrides = {
+        "rollout.agent": f"{TESTS}/serve_agents.py:two_calls", "run.backend": "ray",
+        "run.num_workers": 1, "run.total_steps": 2, "rollout.max_staleness": staleness,
+        "validation.before_training": True,
+        "placement.actor": {"nodes": 1, "workers_per_node": 1, "cpus_per_worker": 0.5},
+        "placement.rollout": {"workers_per_node": 1, "cpus_per_worker": 0.5},
+    }  # fmt: skip
+    t = Trainer(_agent_config(tiny_base, tmp_path, **overrides))
+    trained = []  # (batch, its training forward's log-probs where its version is the current one)
+    prepare, temperature = t.policy.prepare, t.policy.sampling.temperature
+
+    def spy(batch, timer=None):
+        forward = None
+        if bool((batch["version"] == t.step).all()):
+            forward = t.policy.actor.compute_logprobs(model_inputs(batch), temperature=temperature)
+        trained.append((batch, forward and forward["logprobs"]))
+        return prepare(batch, timer)
+
+    t.policy.prepare = spy
+    try:
+        t.fit()
+        pool, actor = t.policy.rollout_pool.generated(), t.policy.actor.generated()
+    finally:
+        t.workflow.close()
+        t.shutdown()
+    rows = [json.loads(line) for line in (tmp_path / "tiny" / "metrics.jsonl").open()]
+    steps = [r for r in rows if r["step"] > 0 and "weights/bytes_via_driver" in r]
+    assert [r["weights/bytes_via_driver"] for r in steps] == [0.0, 0.0]
+    assert all(r["rollout/agent/failures"] == 0 for r in steps)
+    train, validation = 2 * 4 * 2, 2 * (4 + 4) * 2  # steps × episodes × calls; 2 validations
+    calls = [json.loads(line) for line in pool_ray.open()]
+    driver = [c for c in calls if c["pid"] == os.getpid()]
+    elsewhere = [c for c in calls if c["pid"] != os.getpid()]
+    if staleness:  # training on the pool, from the loop actor; once the side holds the pool,
+        # the final validation on the actor (the baseline one ran before, on the pool)
+        assert pool == [train + validation // 2] and actor == [validation // 2]
+        assert len(elsewhere) == train and len(driver) == validation
+        assert len({c["pid"] for c in elsewhere}) == 1
+    else:  # everything generated on the pool, every episode on the driver
+        assert pool == [train + validation] and actor == [0]
+        assert len(driver) == train + validation and not elsewhere
+    assert len(trained) == 2
+    for batch, forward in trained:
+        assert len(batch) == 4
+        _check_samples_are_the_calls(batch, elsewhere if staleness else driver)
+        if forward is not None:
+            mask = batch["response_mask"].bool()
+            assert torch.allclose(forward[mask], batch["rollout_logprobs"][mask], atol=1e-5)
+    # synchronous: both batches are the current version's; asynchronous: the first one
+    assert sum(f is not None for _, f in trained) == (1 if staleness else 2)
 
 
 @pytest.mark.slow

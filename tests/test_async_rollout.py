@@ -8,8 +8,8 @@ loop, exact resume after SIGKILL with batches in flight, a rollout process kille
 (timeout naming the role), errors on the rollout side arriving as themselves, the thread fallback
 for rewards a child process cannot receive, the off-policy corrections (decoupled PPO without a
 separate proximal pass) and every built-in workflow (single-turn, multi-turn with tools,
-diffusion) plus dynamic sampling, the vLLM engine (in .venv-vllm), and eager mode (fresher, still
-within k).
+diffusion) plus dynamic sampling, the vLLM engine (in .venv-vllm), eager mode (fresher, still
+within k), and that closing the rollout side closes its workflow.
 """
 
 from __future__ import annotations
@@ -612,3 +612,39 @@ def test_vllm_engine_runs_asynchronously_and_deterministically(tmp_path):
     assert a[1]["rollout/logprob_diff_max"] < 1e-3
     # step 1: the samples are one version old, the recomputed log-probs are not theirs
     assert a[2]["rollout/logprob_diff_mean"] > a[1]["rollout/logprob_diff_mean"]
+
+
+def test_closing_the_rollout_side_closes_its_workflow_then_its_policy():
+    """The agent workflow's server and event loop live in the rollout side (a Ray actor or a
+    thread of the trainer): closing the side closes them, and the policy's workers stop even when
+    the workflow's close fails (or the workflow was never built)."""
+    from groupflow.rollout_side import RolloutSide
+
+    closed = []
+
+    class Part:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def close(self):
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError("server stuck")
+
+        def shutdown(self):
+            closed.append(self.name)
+
+    side = RolloutSide.__new__(RolloutSide)
+    side.workflow, side.policy = Part("workflow"), Part("policy")
+    side.close()
+    assert closed == ["workflow", "policy"]
+    closed.clear()
+    side.workflow = Part("workflow", fails=True)
+    with pytest.raises(RuntimeError, match="server stuck"):
+        side.close()
+    assert closed == ["workflow", "policy"]
+    closed.clear()
+    unbuilt = RolloutSide.__new__(RolloutSide)  # its workflow failed to build
+    unbuilt.policy = Part("policy")
+    unbuilt.close()
+    assert closed == ["policy"]

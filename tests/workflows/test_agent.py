@@ -330,9 +330,10 @@ def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
 
     def spy(batch, timer=None):
         forward = None
-        if bool((batch["version"] == t.step).all()):
-            forward = t.policy.actor.compute_logprobs(model_inputs(batch), temperature=temperature)
-        trained.append((batch, forward and forward["logprobs"]))
+        if bool((batch["version"] == t.step).all()):  # the actor holds the sampling weights
+            inputs = model_inputs(batch)
+            forward = t.policy.actor.compute_logprobs(inputs, temperature=temperature)["logprobs"]
+        trained.append((batch, forward))
         return prepare(batch, timer)
 
     t.policy.prepare = spy

@@ -22,8 +22,8 @@ _GENERATE_CHUNK = 16  # prompts per generate call of `groupflow generate`
 def _train(args) -> int:
     from groupflow.api import Run  # the CLI run is the Python API's run
 
-    run = Run(args.config, overrides=args.overrides)
-    final = run.fit()
+    with Run(args.config, overrides=args.overrides) as run:  # the workers stop before plotting
+        final = run.fit()
     _print_summary(run.run_dir, final)
     if args.plot:
         from groupflow.plotting import plot_run

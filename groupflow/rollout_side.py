@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from groupflow.workflows import build_workflow, rule_rewards
+from groupflow.workflows import build_workflow, close_run, rule_rewards
 from groupflow.workflows.collect import Sampling, collect_step, prompt_loader
 
 __all__ = ["RolloutRecipe", "RolloutSide", "serve", "process_main", "IDLE", "LOADING", "COLLECTING"]
@@ -91,14 +91,7 @@ class RolloutSide:
         return collect_step(self.workflow, self.loader, self.sampling, step, version)
 
     def close(self) -> None:
-        # the workflow's own resources first (the agent workflow's server and event loop), then
-        # the policy's workers: in a Ray actor or a thread they would outlive the side
-        close = getattr(getattr(self, "workflow", None), "close", None)
-        try:
-            if close is not None:
-                close()
-        finally:
-            self.policy.shutdown()
+        close_run(getattr(self, "workflow", None), self.policy)
 
 
 def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool) -> None:

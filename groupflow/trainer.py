@@ -39,7 +39,7 @@ from groupflow.tracking import Tracker
 from groupflow.utils.main_guard import refuse_run_in_child
 from groupflow.utils.seeds import sample_seed
 from groupflow.utils.timing import StageTimer
-from groupflow.workflows import build_run, check_paths
+from groupflow.workflows import build_run, check_paths, close_run
 from groupflow.workflows.collect import Sampling, collect_step, prompt_loader
 
 log = logging.getLogger("groupflow")
@@ -181,8 +181,9 @@ class Trainer:
         )
 
     def shutdown(self) -> None:
-        """Stop every worker group (Ray actors and their resource pools)."""
-        self.policy.shutdown()
+        """Close the workflow's own resources (the agent workflow's server and event loop), then
+        stop every worker group (Ray actors and their resource pools)."""
+        close_run(self.workflow, self.policy)
 
     def _due(self, every: int) -> bool:
         return bool(every) and self.step % every == 0

@@ -648,3 +648,12 @@ def test_closing_the_rollout_side_closes_its_workflow_then_its_policy():
     unbuilt.policy = Part("policy")
     unbuilt.close()
     assert closed == ["policy"]
+    closed.clear()
+    # the trainer's shutdown closes the same way (the driver's agent server and event loop)
+    from groupflow.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.workflow, trainer.policy = Part("workflow", fails=True), Part("policy")
+    with pytest.raises(RuntimeError, match="server stuck"):
+        trainer.shutdown()
+    assert closed == ["workflow", "policy"]

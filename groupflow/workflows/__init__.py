@@ -140,6 +140,18 @@ def build_workflow(cfg: Config, policy, train_rows: list[PromptRow], val_rows: l
     return cls(cfg, policy, train_rows, val_rows, rewards)
 
 
+def close_run(workflow, policy) -> None:
+    """Close what ``build_run`` built: the workflow's own resources first (the agent workflow's
+    server and event loop, which would outlive a Ray actor or a thread), then the policy's worker
+    groups, even when the workflow's close fails or the workflow was never built (None)."""
+    close = getattr(workflow, "close", None)
+    try:
+        if close is not None:
+            close()
+    finally:
+        policy.shutdown()
+
+
 def build_run(cfg: Config, run_dir: Path, inputs=None):
     """(policy, workflow, data statistics): the rule-based rewards, the data (each row checked
     for the fields its reward needs, except those the workflow supplies while scoring), the

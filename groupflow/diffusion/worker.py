@@ -29,11 +29,14 @@ handed to the PPO loss and weights advantages per step (``objectives``); ``objec
 instead of log-probs; ``objective="flow_dppo"`` replaces the ratio clip by the exact step KL's
 asymmetric mask; ``objective="awm"`` (Advantage Weighted Matching) re-noises final latents like
 DiffusionNFT and hands the flow-matching loss, as a log-likelihood surrogate, to the PPO loss
-against the "old" copy (the weights before the update: an EMA with decay 0). The old copy and
-the update count are part of what a version *is* for sampling: a copy that only samples (a
-rollout pool's worker, the asynchronous side's) receives them with the flow weights
-(``_sampling_extras``; ``send_weights`` / ``receive_weights``, ``sampling_weights`` /
-``load_weights``) and derives neither from its own, never-stepped scheduler.
+against the "old" copy (the weights before the update: an EMA with decay 0). Both draw their
+training noise from each sample's rollout seed (``sample_seeds``, ``renoise_noise``), never from
+a stream of the rank, so how samples are split over ranks and micro-batches changes nothing but
+float reduction order. The old copy and the update count are part of what a version *is* for
+sampling: a copy that only samples (a rollout pool's worker, the asynchronous side's) receives
+them with the flow weights (``_sampling_extras``; ``send_weights`` / ``receive_weights``,
+``sampling_weights`` / ``load_weights``) and derives neither from its own, never-stepped
+scheduler.
 
 On-policy distillation (``teacher``; ``diffusion.distillation``): a frozen teacher flow model,
 built beside the policy in each worker (never in an optimizer or a checkpoint), predicts the

@@ -139,6 +139,8 @@ _DIFFUSION_ROLLOUT = (
     FieldSpec("sigmas_next", "float", (("B", "T"),)),
     FieldSpec("images", "float", (("B", "C", "H", "W"), ("B", "C", "F", "H", "W"))),
     FieldSpec("rollout_logprobs", "float", (("B", "T"),)),
+    # each sample's rollout seed: DiffusionNFT / AWM draw its training noise from it
+    FieldSpec("sample_seeds", "int", optional=True),
 )
 _LLM_ONLY = ("responses", "prompt_ids", "prompt_mask")
 

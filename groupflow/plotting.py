@@ -63,6 +63,14 @@ _NOT_A_REWARD = (
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Reward (mean and components)", ("reward/mean", "reward/*"), _NOT_A_REWARD),
     Panel("accuracy", "Accuracy (train and validation)", ("acc/*", "val/*acc*")),
+    # the diffusion policy's online test (fixed prompts and noise): logged before the first step
+    # too, so a run of 0 steps plots it, as an LLM run plots its validation accuracy
+    Panel(
+        "val_reward",
+        "Validation reward (fixed prompts)",
+        ("val/reward/mean", "val/reward/*"),
+        _NOT_A_REWARD,
+    ),
     Panel("kl", "KL to reference", ("actor/kl*",)),
     Panel("response_length", "Response length (mean)", ("response_length/mean",)),
     Panel("policy_loss", "Policy loss", ("actor/pg_loss",)),

@@ -53,7 +53,8 @@ def _rl_rows(n: int) -> list[dict]:
         }
         rows.append(row)
         if step % 5 == 0:
-            rows.append({"step": step, "val/acc": step / n})  # validation on its own line
+            # validation on its own line (an LLM's accuracy, a diffusion policy's reward)
+            rows.append({"step": step, "val/acc": step / n, "val/reward/mean": step / n})
     return rows
 
 
@@ -66,7 +67,7 @@ def test_plot_run_writes_every_panel_and_an_overview(tmp_path):
     single_w, single_h = _png_size(paths[0])
     overview_w, overview_h = _png_size(paths[-1])
     assert single_w > 400 and single_h > 300
-    assert overview_w > single_w and overview_h > single_h  # 3 x 3 grid of 7 panels
+    assert overview_w > single_w and overview_h > single_h  # 3 x 3 grid of 8 panels
 
 
 def test_missing_metrics_give_fewer_panels(tmp_path):
@@ -80,6 +81,17 @@ def test_missing_metrics_give_fewer_panels(tmp_path):
     for p in paths:
         assert p.parent == out
         _png_size(p)
+
+
+def test_a_diffusion_run_of_0_steps_plots_its_validation_reward(tmp_path):
+    """The online test runs before the first step: all a 0-step run logs besides data counts."""
+    _write_run(tmp_path, [{"step": 0, "data/train_rows": 6, "val/reward/mean": 0.6,
+                           "val/reward/target_color/mean": 0.6, "val/seconds": 0.1}])  # fmt: skip
+    assert [p.name for p in plot_run(tmp_path)] == ["val_reward.png", "overview.png"]
+    keys = next(p for p in PANELS if p.name == "val_reward").keys(
+        ["val/reward/mean", "val/reward/std", "val/reward/target_color/mean", "val/sampled/reward"]
+    )
+    assert keys == ["val/reward/mean", "val/reward/target_color/mean"]
 
 
 def test_custom_metric_patterns(tmp_path):

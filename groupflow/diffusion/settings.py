@@ -22,6 +22,7 @@ __all__ = [
     "select_steps",
     "stream_seed",
     "seeded_generator",
+    "renoise_noise",
     "prompt_rows",
     "cpu_state",
     "cond_of",
@@ -96,7 +97,7 @@ def select_steps(num_steps: int, settings: DiffusionSettings, generator: torch.G
 
 def stream_seed(seed: int, stream: int) -> int:
     """A seed for one of a sample's random streams (0: initial noise, 1: SDE noise, 2: step
-    choice; 3 + rank: DiffusionNFT's re-noising from an update's seed). Mixed, not
+    choice; from 3: the training noise of DiffusionNFT / AWM, ``renoise_noise``). Mixed, not
     ``seed + stream``: the trainer's per-sample seeds are consecutive integers, so offsets would
     make one sample's SDE noise another group's initial noise."""
     return (seed * 6364136223846793005 + (stream + 1) * 1442695040888963407) % (2**63 - 1)
@@ -104,6 +105,22 @@ def stream_seed(seed: int, stream: int) -> int:
 
 def seeded_generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(stream_seed(int(seed), stream))
+
+
+def renoise_noise(
+    seeds: Tensor, shape: Sequence[int], epoch: int, step: int, num_steps: int
+) -> Tensor:
+    """[b, *shape] standard normal noise re-noising b samples' final latents at denoising step
+    ``step`` (of ``num_steps``) in update epoch ``epoch`` (DiffusionNFT / AWM training).
+
+    ``seeds`` [b] are the samples' rollout seeds (the run seed, the step and the sample's index),
+    so a sample's noise is its own: the same on any rank, in any micro-batch or mini-batch, on
+    resume; distinct per step and per epoch (stream ``3 + epoch × num_steps + step``)."""
+    stream = 3 + epoch * num_steps + step
+    rows = [
+        torch.randn(tuple(shape), generator=seeded_generator(s, stream)) for s in seeds.tolist()
+    ]
+    return torch.stack(rows) if rows else torch.zeros(0, *shape)
 
 
 def cond_of(batch: Batch) -> dict[str, Tensor]:

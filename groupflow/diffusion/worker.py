@@ -29,11 +29,14 @@ handed to the PPO loss and weights advantages per step (``objectives``); ``objec
 instead of log-probs; ``objective="flow_dppo"`` replaces the ratio clip by the exact step KL's
 asymmetric mask; ``objective="awm"`` (Advantage Weighted Matching) re-noises final latents like
 DiffusionNFT and hands the flow-matching loss, as a log-likelihood surrogate, to the PPO loss
-against the "old" copy (the weights before the update: an EMA with decay 0). The old copy and
-the update count are part of what a version *is* for sampling: a copy that only samples (a
-rollout pool's worker, the asynchronous side's) receives them with the flow weights
-(``_sampling_extras``; ``send_weights`` / ``receive_weights``, ``sampling_weights`` /
-``load_weights``) and derives neither from its own, never-stepped scheduler.
+against the "old" copy (the weights before the update: an EMA with decay 0). Both draw their
+training noise from each sample's rollout seed (``sample_seeds``, ``renoise_noise``), never from
+a stream of the rank, so how samples are split over ranks and micro-batches changes nothing but
+float reduction order. The old copy and the update count are part of what a version *is* for
+sampling: a copy that only samples (a rollout pool's worker, the asynchronous side's) receives
+them with the flow weights (``_sampling_extras``; ``send_weights`` / ``receive_weights``,
+``sampling_weights`` / ``load_weights``) and derives neither from its own, never-stepped
+scheduler.
 
 On-policy distillation (``teacher``; ``diffusion.distillation``): a frozen teacher flow model,
 built beside the policy in each worker (never in an optimizer or a checkpoint), predicts the
@@ -74,6 +77,7 @@ from groupflow.diffusion.settings import (
     cond_of,
     index_cond,
     prompt_rows,
+    renoise_noise,
     seeded_generator,
     select_steps,
 )
@@ -355,6 +359,8 @@ class DiffusionWorker:
         }  # fmt: skip
         tensors = {k: v.cpu() for k, v in tensors.items()}
         tensors["group_ids"] = prompts["group_ids"].repeat_interleave(n)
+        # the samples' own seeds: DiffusionNFT / AWM draw their training noise from them
+        tensors["sample_seeds"] = torch.tensor(seeds, dtype=torch.long)
         self.generated_samples += len(seeds)
         return self._own(Batch(tensors), mine)
 
@@ -483,15 +489,18 @@ class DiffusionWorker:
         # mini_batch_samples counts samples over all replicas; each holds an equal share
         mb_size = max(1, (cfg.mini_batch_samples or n * self.dp_size) // self.dp_size)
         gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
-        # DiffusionNFT's re-noising: its own stream, distinct per replica (a sequence-parallel
-        # group's members re-noise their common rows alike)
-        self._nft_gen = seeded_generator(shuffle_seed or 0, 3 + self.dp_rank)
+        if self.settings.objective in ("nft", "awm") and "sample_seeds" not in batch:
+            raise ValueError(
+                f"diffusion.objective={self.settings.objective}: the batch has no 'sample_seeds' "
+                "(the rollout seeds the training noise is drawn from; generate returns them)"
+            )
         lr = self.optimizer.param_groups[0]["lr"]
         per_step = []
-        for _ in range(cfg.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             order = torch.randperm(n, generator=gen) if n > mb_size else torch.arange(n)
             for start in range(0, n, mb_size):
-                per_step.append(self._optimizer_step(batch.index(order[start : start + mb_size])))
+                mini = batch.index(order[start : start + mb_size])
+                per_step.append(self._optimizer_step(mini, epoch))
         self.scheduler.step()
         if self.old_model is not None:
             self._update_old_model()
@@ -500,7 +509,9 @@ class DiffusionWorker:
         metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
         return metrics
 
-    def _optimizer_step(self, mini: Batch) -> dict[str, float]:
+    def _optimizer_step(self, mini: Batch, epoch: int = 0) -> dict[str, float]:
+        """One optimizer step on ``mini`` (``epoch``: which pass over the batch, for the
+        re-noising objectives' training noise)."""
         cfg = self.cfg
         size = cfg.micro_batch_samples or len(mini)
         # summed over ranks, as the actor's (local_token_mean: divided by the micro-batch count)
@@ -518,11 +529,11 @@ class DiffusionWorker:
             mask = mb["response_mask"]
             to_teacher = None
             if self.settings.objective == "nft":
-                per_step, kl = self._nft_terms(mb, mask, with_kl)
+                per_step, kl = self._nft_terms(mb, mask, with_kl, epoch)
                 loss = aggregate(per_step, mask, cfg.loss_agg, **denominators)
                 m = {}
             elif self.settings.objective == "awm":
-                logp, old, kl = self._awm_terms(mb, mask, with_kl)
+                logp, old, kl = self._awm_terms(mb, mask, with_kl, epoch)
                 loss, m = policy_loss(
                     logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
                     **self.loss_options, **denominators,
@@ -604,7 +615,14 @@ class DiffusionWorker:
         stats["actor/nonfinite_skipped"] = 0.0
         return stats
 
-    def _nft_terms(self, mb: Batch, mask: Tensor, with_kl: bool):
+    def _renoise(self, mb: Batch, rows: Tensor, x0: Tensor, t: int, epoch: int) -> Tensor:
+        """The training noise of ``rows`` at step t: each sample's own (``renoise_noise``), so
+        the update does not depend on how samples are split over ranks and micro-batches."""
+        seeds = mb["sample_seeds"][rows]
+        n = self.settings.num_steps
+        return renoise_noise(seeds, x0.shape[1:], epoch, t, n).to(x0.device)
+
+    def _nft_terms(self, mb: Batch, mask: Tensor, with_kl: bool, epoch: int):
         """DiffusionNFT's loss [b, N] on the masked steps' noise levels (0 elsewhere) and the
         velocity KL to the reference ‖v − v_ref‖² [b, N] (or None)."""
         b, n = mask.shape
@@ -618,7 +636,7 @@ class DiffusionWorker:
             if rows is None:
                 continue
             x0, s, c = x0_all[rows], mb["sigmas"][rows, t], index_cond(cond, rows)
-            x_t = obj.nft_noised(x0, torch.randn(x0.shape, generator=self._nft_gen), s)
+            x_t = obj.nft_noised(x0, self._renoise(mb, rows, x0, t, epoch), s)
             v = self._velocity(x_t, s, c)
             with torch.no_grad():
                 v_old = self._velocity(x_t, s, c, old=True)
@@ -638,7 +656,7 @@ class DiffusionWorker:
                 kl = kl.index_put(at, d.reshape(d.shape[0], -1).mean(1))
         return loss, kl
 
-    def _awm_terms(self, mb: Batch, mask: Tensor, with_kl: bool):
+    def _awm_terms(self, mb: Batch, mask: Tensor, with_kl: bool, epoch: int):
         """AWM's log-likelihood surrogate [b, N] under the trained and (no grad) the old model at
         the same re-noised latents, on the masked steps' noise levels (0 elsewhere), and the
         velocity KL to the reference ‖v − v_ref‖² [b, N] (or None)."""
@@ -653,7 +671,7 @@ class DiffusionWorker:
             if rows is None:
                 continue
             x0, s, c = x0_all[rows], mb["sigmas"][rows, t], index_cond(cond, rows)
-            noise = torch.randn(x0.shape, generator=self._nft_gen).to(x0.device)
+            noise = self._renoise(mb, rows, x0, t, epoch)
             x_t = obj.nft_noised(x0, noise, s)
             v = self._velocity(x_t, s, c)
             at = (rows, torch.full_like(rows, t))

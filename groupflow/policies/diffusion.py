@@ -51,7 +51,7 @@ __all__ = [
 
 _MODEL_KEYS = (
     "latents", "next_latents", "sigmas", "sigmas_next", "response_mask", "advantages", "old_logprobs",
-    "old_means", "clean_latents",
+    "old_means", "clean_latents", "sample_seeds",
 )  # fmt: skip
 
 

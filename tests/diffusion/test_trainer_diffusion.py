@@ -112,6 +112,11 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"teacher.path": "t", "placement.teacher": {}}, "placement.teacher: not with a diffusion"),
         ({"teacher.path": "t", "diffusion.fsdp": True}, "diffusion.fsdp: not with a diffusion"),
         ({"placement.reference": {}, "actor.kl_coef": 0.1}, "placement.reference: for LLM policies only"),
+        # a rollout pool's workers hold a replicated flow model, not Ulysses groups
+        ({"diffusion.model.kind": "wan", "diffusion.model.latent_shape": [4, 3, 8, 8],
+          "run.backend": "ray", "run.num_workers": 2, "parallel.sequence_parallel": 2,
+          "placement.rollout": {}},
+         r"parallel.sequence_parallel: not with a diffusion rollout pool \(placement.rollout\)"),
     ],
 )  # fmt: skip
 def test_bad_diffusion_config_names_the_key(tiny_dir, prompts_file, tmp_path, override, message):
@@ -273,6 +278,25 @@ def test_cli_pretrains_the_tiny_model(tmp_path, capsys):
     )
     assert load_tiny_model(tmp_path / "m").labels == ["red", "blue"]
     assert "tiny flow model written to" in capsys.readouterr().out
+
+
+def test_a_run_of_0_steps_exits_0_and_plots_the_online_test(tiny_dir, prompts_file, tmp_path,
+                                                            capsys):  # fmt: skip
+    """As an LLM run of 0 steps: the online test before training is logged, summarised and
+    plotted, and train exits 0 (it exited 2: no plot panel matched a diffusion metric)."""
+    import yaml
+
+    from groupflow.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_dir, prompts_file).to_dict()))
+    assert main(["train", str(path), "run.total_steps=0"]) == 0
+    printed = capsys.readouterr().out
+    assert "eval reward (fixed prompts and noise): before" in printed
+    plots = tmp_path / "diff" / "plots"
+    assert sorted(p.name for p in plots.iterdir()) == ["overview.png", "val_reward.png"]
+    steps = {r["step"] for r in read_metrics(tmp_path / "diff" / "metrics.jsonl")}
+    assert steps == {0}
 
 
 @pytest.mark.slow

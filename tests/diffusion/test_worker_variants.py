@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from groupflow.diffusion.settings import renoise_noise, seeded_generator
 from groupflow.diffusion.worker import DiffusionSettings
 from tests.diffusion.test_worker import _inputs, _rollout, _worker
 
@@ -110,6 +111,41 @@ def test_nft_loss_is_deterministic_given_the_update_seed():
         return w.update(_inputs(b), shuffle_seed=5)["actor/loss"]
 
     assert run() == run()
+
+
+@pytest.mark.parametrize("objective", ["nft", "awm"])
+def test_the_training_noise_is_each_samples_own_whatever_the_split(objective):
+    """DiffusionNFT / AWM re-noise each sample from its rollout seed: the update of the batch in
+    one micro-batch equals that of the batch reversed in micro-batches of 2 (as 2 ranks or
+    micro-batches would split it); before, one stream was drawn in order, row by row."""
+    settings = DiffusionSettings(sampler="ode", num_steps=3, objective=objective,
+                                 same_noise_per_group=False)  # fmt: skip
+    b = _rollout(_worker(settings))
+    assert b["sample_seeds"].tolist() == [0, 1, 2, 3, 4, 5]
+    b["old_logprobs"] = b["rollout_logprobs"]
+    whole = _worker(settings).update(_inputs(b), shuffle_seed=3)
+    split = _worker(settings, micro_batch_samples=2).update(
+        _inputs(b).index(torch.arange(5, -1, -1)), shuffle_seed=3
+    )
+    for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-8), key
+    del b["sample_seeds"]
+    with pytest.raises(ValueError, match=f"objective={objective}: the batch has no 'sample_seeds'"):
+        _worker(settings).update(_inputs(b))
+
+
+def test_renoise_noise_is_per_sample_and_distinct_per_step_and_epoch():
+    seeds = torch.tensor([7, 8, 9])
+    noise = renoise_noise(seeds, (2, 3), epoch=0, step=1, num_steps=4)
+    assert noise.shape == (3, 2, 3)
+    # a sample's noise does not depend on its neighbours
+    assert torch.equal(renoise_noise(seeds[1:], (2, 3), 0, 1, 4), noise[1:])
+    expected = torch.randn((2, 3), generator=seeded_generator(8, 3 + 0 * 4 + 1))
+    assert torch.equal(noise[1], expected)
+    others = [renoise_noise(seeds, (2, 3), 0, 2, 4), renoise_noise(seeds, (2, 3), 1, 1, 4)]
+    assert not any(torch.allclose(o, noise) for o in others)
+    assert not torch.allclose(noise[0], noise[1])
+    assert renoise_noise(seeds[:0], (2, 3), 0, 1, 4).shape == (0, 2, 3)
 
 
 def test_bad_settings_are_refused():

@@ -139,14 +139,15 @@ class LLMPolicy:
         self.transport = builders.build_weight_transport(cfg, run_dir)
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
-        # A synchronous rollout pool does all the generating: the actor never decodes, so it gets
-        # the HF engine (nothing of its own) rather than a second vLLM engine and KV cache. With
-        # max_staleness >= 1 the actor generates validation on the current weights: the engine.
-        pooled_sync = pl.rollout != "colocated" and cfg.rollout.max_staleness == 0
+        # With a rollout pool the actor never builds a vLLM engine (a full model and KV cache per
+        # rank would undo FSDP2's sharding, issue 21 item 8): a synchronous pool does all the
+        # generating, and with max_staleness >= 1 (the pool busy a version behind) the actor
+        # validates the current weights with the HF engine, sharded ranks gathering layer by layer.
+        pooled = pl.rollout != "colocated"
         self.actor = builders.role_group(
             cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
             pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated",
-            engine=HF if pooled_sync else engine, sequence_parallel=cfg.parallel.sequence_parallel,
+            engine=HF if pooled else engine, sequence_parallel=cfg.parallel.sequence_parallel,
         )  # fmt: skip
         self.rollout = self.rollout_pool = self.actor
         if pl.rollout != "colocated":

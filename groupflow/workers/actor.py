@@ -317,6 +317,11 @@ class ActorRolloutWorker:
         """Samples this rank generated so far."""
         return self.generated_samples
 
+    @register("all")
+    def engine_name(self) -> str:
+        """Which rollout engine this rank decodes with (``hf``, ``vllm``)."""
+        return self.engine.name
+
     # ----- log-probs --------------------------------------------------------------------------
     @register("dp")
     @torch.no_grad()

@@ -178,7 +178,7 @@ def test_two_vllm_pool_workers_fed_by_two_sharded_actor_ranks(tmp_path, monkeypa
         sampled, trained = _recording(monkeypatch, policy, pool)
         trainer.fit()
         engines, pool_samples = pool.engine_state(), pool.generated()
-        actor_samples = policy.actor.generated()
+        actor_samples, actor_engines = policy.actor.generated(), policy.actor.engine_name()
         # one prompt with the same seeds on each worker (the pool splits the two rows): equal
         # weights in both engines give equal tokens and log-probs
         probe = generate(prompts_batch([[5, 6, 7, 8]] * 2, [[11, 12]] * 2, [0, 1]),
@@ -193,6 +193,8 @@ def test_two_vllm_pool_workers_fed_by_two_sharded_actor_ranks(tmp_path, monkeypa
     # the last version both engines got: the final validation's (2) synchronously; the one step
     # 3's batch is scheduled with (3 - 1 - staleness = 1) asynchronously
     assert engines == [("vllm", 1 if staleness else 2)] * 2, engines
+    # no vLLM engine (a whole model and KV cache) on the sharded actor's ranks (issue 21 item 8)
+    assert actor_engines == ["hf", "hf"], actor_engines
     assert probed == [2, 2], probed
     assert torch.equal(probe["responses"][:2], probe["responses"][2:])
     # (a worker one update behind differs by ~1e-4 here; kernels alone, by far less than 1e-5)
@@ -203,7 +205,8 @@ def test_two_vllm_pool_workers_fed_by_two_sharded_actor_ranks(tmp_path, monkeypa
     assert rows[1]["rollout/logprob_diff_max"] < 1e-3, rows[1]
     if staleness:
         # the rollout loop's Ray actor called the pool for the training batches only, half each;
-        # the final validation ran on the actor's own engines (the current weights)
+        # the final validation ran on the actor's ranks (the current weights, HF decoding with
+        # the sharded policy)
         assert pool_samples == [steps * 4 * 4 // 2] * 2 and not sampled, pool_samples
         assert all(n > 0 for n in actor_samples), actor_samples
         assert [rows[s]["async/staleness"] for s in rows] == [0.0, 1.0, 1.0]

@@ -214,11 +214,16 @@ class ContinuousDecoder:
             return [], []
         device = self.pending.device
         positions = torch.tensor([r.position for r in self.rows], device=device)
-        columns = torch.tensor([r.col for r in self.rows], device=device)
-        last = max(r.col for r in self.rows)
+        cols = [r.col for r in self.rows]
+        last = max(cols)
         with torch.inference_mode():
-            self.key_pad[torch.arange(len(self.rows), device=device), columns] = False
-            logits = self.decoder.step(self.pending, positions, last, columns)
+            if min(cols) == last:  # rows that joined together share a column: a plain slice
+                self.key_pad[: len(cols), last] = False
+                logits = self.decoder.step(self.pending, positions, last)
+            else:
+                columns = torch.tensor(cols, device=device)
+                self.key_pad[torch.arange(len(cols), device=device), columns] = False
+                logits = self.decoder.step(self.pending, positions, last, columns)
             for r in self.rows:
                 r.position += 1
                 r.col += 1

@@ -125,7 +125,10 @@ class Access(Protocol):
 
 
 class OpenAccess:
-    """``groupflow serve``: an optional API key, the request's own sampling, nothing recorded."""
+    """``groupflow serve``: an optional API key, the request's own sampling, nothing recorded
+    (``records``: the server need not build the call's record)."""
+
+    records = False
 
     def __init__(self, api_key: str | None = None):
         self.api_key = api_key
@@ -209,9 +212,7 @@ class ServerCore:
             raise ApiError(429, str(exc), None, "rate_limit_error") from None
 
     def _text(self, ids: Sequence[int], stop: Sequence[str]) -> str:
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        cuts = [text.find(s) for s in stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        return _cut_at_stop(self.tokenizer.decode(list(ids), skip_special_tokens=True), stop)
 
     def _logprobs_content(self, c: Completion) -> list[dict[str, Any]]:
         out = []
@@ -305,10 +306,11 @@ class ServerCore:
                      params: SamplingParams, completions: list[Completion]) -> dict[str, Any]:  # fmt: skip
         choices, responses, calls = [], [], 0
         for j, c in enumerate(completions):
-            raw = prompt.forced_text + self.tokenizer.decode(c.ids, skip_special_tokens=True)
-            turn = self.chat_prompts.assistant(raw, req.tools, req.tool_choice)
+            decoded = self.tokenizer.decode(c.ids, skip_special_tokens=True)
+            turn = self.chat_prompts.assistant(prompt.forced_text + decoded, req.tools,
+                                               req.tool_choice)  # fmt: skip
             if not turn.tool_calls:
-                turn.content = prompt.forced_text + self._text(c.ids, params.stop)
+                turn.content = prompt.forced_text + _cut_at_stop(decoded, params.stop)
             self.chat_prompts.remember(prompt.key, turn, prompt.ids + c.ids)
             finish = (
                 "length" if c.finish == "length" else "tool_calls" if turn.tool_calls else "stop"
@@ -321,8 +323,9 @@ class ServerCore:
                 "logprobs": {"content": self._logprobs_content(c)} if req.logprobs else None,
                 "token_ids": c.ids, "token_logprobs": c.logprobs,
             })  # fmt: skip
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        self.access.record(key, CallRecord(prompt.ids, completions, messages, responses, calls))
+        if getattr(self.access, "records", True):  # groupflow serve's OpenAccess does not
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            self.access.record(key, CallRecord(prompt.ids, completions, messages, responses, calls))
         return {
             "id": f"chatcmpl-{_next_id()}", "object": "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": choices,
@@ -454,6 +457,12 @@ def _stream_error(exc: Exception) -> str:
         log.warning("a streamed request failed: %s", exc)
         exc = ApiError(500, f"the engine failed: {exc}", None, "server_error")
     return _sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param}})
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the first of the ``stop`` strings in it."""
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
 
 
 _IDS = itertools.count()

@@ -113,6 +113,23 @@ def test_joins_and_leaves_reuse_the_preallocated_slots(tiny):
     assert d.slots == 0 and d.keys == []
 
 
+def test_a_dropped_row_frees_its_slot_for_the_rows_above(tiny):
+    model, tok = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    prompts = [tok(t)["input_ids"] for t in ["abc", "de", "fghij"]]
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    d.add(prompts, [params] * 3, [0, 1, 2], [0, 1, 2])
+    d.step()
+    assert d.drop(lambda tag: tag == 0) == 1  # an abandoned request (outside inference mode)
+    assert [r.tag for r in d.rows] == [2, 1]  # the last row moved into the freed slot 0
+    finished = []
+    while d.active:
+        finished += d.step()[1]
+    for f in finished:
+        assert f.ids == _alone(model, tok, prompts[f.tag], params, f.tag, [])[0]
+    assert sorted(f.tag for f in finished) == [1, 2]
+
+
 def test_stop_strings_and_repeated_prompts(tiny):
     model, tok = tiny
     prompt = tok("abc")["input_ids"]

@@ -356,14 +356,18 @@ class ServerCore:
 
             return hear
 
-        task = asyncio.ensure_future(asyncio.gather(*(
-            self._sample(key, ids, p, req.n, seed, listener(i * req.n))
+        parts = [
+            asyncio.ensure_future(self._sample(key, ids, p, req.n, seed, listener(i * req.n)))
             for i, (ids, p, seed) in enumerate(zip(prompts, settings, seeds))
-        )))  # fmt: skip
-        task.add_done_callback(lambda _: wake.set())
+        ]  # fmt: skip
         await asyncio.sleep(0)  # the batcher's checks (429) run now
-        if task.done() and task.exception() is not None:
-            raise task.exception()
+        failed = [t for t in parts if t.done() and t.exception() is not None]
+        if failed:
+            for t in parts:
+                t.cancel()
+            raise failed[0].exception()
+        task = asyncio.gather(*parts)
+        task.add_done_callback(lambda _: wake.set())
         return self._completion_events(key, req, prompts, settings, task, arrived, wake, usage)
 
     async def _completion_events(self, key, req: CompletionRequest, prompts, settings, task,

@@ -15,8 +15,9 @@ from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.rollout.continuous import ContinuousDecoder
 from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
-from groupflow.serve.app import OpenAccess, ServeLimits, ServerCore, build_app
-from groupflow.serve.batcher import ContinuousBatcher
+from groupflow.serve.app import ApiError, OpenAccess, ServeLimits, ServerCore, build_app
+from groupflow.serve.batcher import ContinuousBatcher, Overloaded
+from groupflow.serve.protocol import CompletionRequest
 from groupflow.serve.thread import ServerThread, check_bind
 
 openai = pytest.importorskip("openai", reason="needs the openai package (pip install openai)")
@@ -234,3 +235,17 @@ def test_a_bad_streamed_completion_gets_a_400_not_a_stream(served, body, param):
                    headers={"Authorization": "Bearer secret"}, timeout=TIMEOUT_S)  # fmt: skip
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["param"] == param
+
+
+def test_a_full_queue_is_a_429_before_a_streamed_completion_starts(served):
+    _, core, _, tok = served
+
+    class Full:  # a batcher whose queue is full: its checks fail when a request is submitted
+        async def submit(self, prompts, params, seeds, listener=None):
+            raise Overloaded("1024 samples are waiting")
+
+    full = ServerCore(tok, Full(), SamplingParams(), model_name="tiny", limits=core.limits)
+    req = CompletionRequest(prompt=["AB", "CD"], max_tokens=4, stream=True)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(asyncio.wait_for(full.complete_stream(None, req, False), TIMEOUT_S))
+    assert err.value.status == 429 and err.value.kind == "rate_limit_error"

@@ -89,6 +89,10 @@ class ContinuousDecoder:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.key_pad: torch.Tensor | None = None
+        # columns [0, written) of the buffer may hold keys; a live row's columns from its own
+        # col on are zeros (a masked column still meets its value as 0 * value: NaN * 0 = NaN,
+        # so a key a finished row left behind must not linger where the next one attends)
+        self.written = 0
         self.decoder: StaticDecoder | None = None  # over the live rows' views of the buffer
         self.pending: torch.Tensor | None = None  # [B] each row's last sampled token (fed next)
 
@@ -143,7 +147,7 @@ class ContinuousDecoder:
         """Free the buffer (no rows may be live); the next ``add`` allocates a new one."""
         if self.rows:
             raise RuntimeError(f"release: {len(self.rows)} rows are decoding")
-        self.keys, self.values, self.key_pad = [], [], None
+        self.keys, self.values, self.key_pad, self.written = [], [], None, 0
 
     def _join(self, rows: list[_Row], cache, mask: torch.Tensor, index: torch.Tensor,
               tokens: torch.Tensor) -> None:  # fmt: skip
@@ -158,6 +162,10 @@ class ContinuousDecoder:
             k, v = _kv(cache, i)
             self.keys[i][new, :, :width] = k.index_select(0, index)
             self.values[i][new, :, :width] = v.index_select(0, index)
+            if self.written > width:  # what the slots' earlier rows left there
+                self.keys[i][new, :, width : self.written] = 0
+                self.values[i][new, :, width : self.written] = 0
+        self.written = max(self.written, width)
         self.key_pad[new, :width] = mask.index_select(0, index) == 0
         self.key_pad[new, width:] = True  # until the row writes there
         self.rows += rows
@@ -171,7 +179,7 @@ class ContinuousDecoder:
         """A buffer of at least ``rows`` slots and ``width`` columns: the same one while it fits,
         else a larger one (slots doubled up to ``max_rows``, columns by half) holding the live
         rows. Fresh memory is zeros, not empty: a column no row attends is multiplied by a 0
-        probability (NaN * 0 = NaN); a freed slot's old keys are finite."""
+        probability (NaN * 0 = NaN)."""
         k, _ = _kv(cache, 0)
         if self.keys and not self.rows and (self.keys[0].dtype, self.keys[0].device) != (
             k.dtype, k.device):  # fmt: skip
@@ -196,7 +204,7 @@ class ContinuousDecoder:
         pad = torch.ones(slots, cols, dtype=torch.bool, device=k.device)
         if n:
             pad[:n, :used] = self.key_pad[:n, :used]
-        self.keys, self.values, self.key_pad = keys, values, pad
+        self.keys, self.values, self.key_pad, self.written = keys, values, pad, used
         if self.decoder is not None:
             self._views()
 
@@ -227,6 +235,7 @@ class ContinuousDecoder:
             for r in self.rows:
                 r.position += 1
                 r.col += 1
+            self.written = max(self.written, last + 1)
             tokens = self._sample(logits, self.rows)
         rows = self.rows
         progress = [(r.tag, t) for r, t in zip(rows, tokens.tolist())]
@@ -258,7 +267,7 @@ class ContinuousDecoder:
         for h, m in zip(holes, movers):
             order[h] = m
         if movers:
-            used = max(self.rows[m].col for m in movers)
+            used = self.written  # their zeros past their columns too (see __init__)
             dst = torch.tensor(holes, device=tokens.device)
             src = torch.tensor(movers, device=tokens.device)
             with torch.inference_mode():

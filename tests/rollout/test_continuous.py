@@ -130,6 +130,26 @@ def test_a_dropped_row_frees_its_slot_for_the_rows_above(tiny):
     assert sorted(f.tag for f in finished) == [1, 2]
 
 
+def test_keys_a_finished_row_left_in_the_buffer_do_not_reach_later_rows(tiny):
+    model, tok = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    long_p, short_p = tok("a much longer prompt")["input_ids"], tok("ab")["input_ids"]
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    d.add([long_p], [params], [0], [0])
+    while d.active:
+        d.step()
+    with torch.inference_mode():  # what a row that overflowed (inf/NaN keys) would leave behind
+        for buf in (*d.keys, *d.values):
+            buf[:, :, : d.written] = float("nan")
+    finished = d.add([long_p], [params], [1], [1])[1]  # slot 0
+    finished += d.add([short_p], [params], [2], [2])[1]  # slot 1: its columns past "ab" are masked
+    while d.active:
+        finished += d.step()[1]
+    short = next(f for f in finished if f.tag == 2)
+    ids, lps, _ = _alone(model, tok, short_p, params, 2, [])
+    assert short.ids == ids and short.logprobs == pytest.approx(lps, abs=1e-5)
+
+
 def test_stop_strings_and_repeated_prompts(tiny):
     model, tok = tiny
     prompt = tok("abc")["input_ids"]

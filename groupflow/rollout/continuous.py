@@ -6,10 +6,16 @@ keeps a *dynamic* set of rows instead: ``add`` prefills new prompts (one batched
 row's first token sampled from its logits) and splices their keys/values into the running cache;
 ``step`` feeds every live row its last token (one forward for all rows, ``StaticDecoder.step``'s
 math) and samples the next; a row that ends (EOS, a stop string, its own ``max_new_tokens``)
-leaves at once. Rows are right-aligned in one preallocated K/V buffer — all of them write the
-same column each step, and a row's columns before its prompt are masked padding — so joining
-means copying the cache into a new buffer wide enough for everyone (a few times per request,
-negligible next to the forwards), and leaving means dropping the row.
+leaves at once. The K/V buffer is preallocated in row slots: the live rows hold slots
+``[0, B)`` (so a step reads a view of the buffer, never a copy), each at its own column (its
+prefill's width plus the tokens it has fed; the prefill's left padding and every column not
+yet written are masked). Joining writes only the new rows, into the next free slots; a leaving
+row frees its slot, and the live rows above the new count move down into the freed ones (only
+theirs are copied). Nothing else moves: the running cache is never copied into a wider buffer
+on a join, as it was — a copy of every live row per join. The buffer grows only when a join
+needs more slots (doubled, up to ``max_rows``, the batcher's ``max_batch_samples``; beyond it
+as needed) or columns; allocating every slot up front for a 135M model's 1k-token context
+would hold gigabytes on a laptop for a server that sees a few conversations.
 
 What a row samples is what ``generate`` samples: its tokens depend only on its prompt, its seed
 (its own ``torch.Generator``, one uniform per token) and its sampling settings — rows with other
@@ -50,6 +56,7 @@ class _Row:
     params: SamplingParams
     generator: torch.Generator
     position: int  # the position of the token fed next
+    col: int  # the buffer column its key/value go to next
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -62,22 +69,41 @@ def continuous_reason(model: nn.Module) -> str | None:
 
 class ContinuousDecoder:
     """A dynamic batch of decoding rows (see the module docstring). Not thread-safe: one thread
-    calls ``add`` and ``step``; both run in inference mode with the model in eval mode."""
+    calls ``add`` and ``step``; both run in inference mode with the model in eval mode.
 
-    def __init__(self, model: nn.Module, tokenizer, *, eos_ids: Sequence[int], pad_id: int):
+    ``max_rows``: the row slots the buffer grows to before it needs more (the batcher's
+    ``max_batch_samples``); ``release`` frees the buffer (an idle server)."""
+
+    def __init__(self, model: nn.Module, tokenizer, *, eos_ids: Sequence[int], pad_id: int,
+                 max_rows: int = 64):  # fmt: skip
         reason = continuous_reason(model)
         if reason is not None:
             raise ValueError(f"continuous batching: {reason}")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         self.model, self.tokenizer, self.pad_id = model, tokenizer, pad_id
         self.eos = set(int(e) for e in eos_ids)
-        self.rows: list[_Row] = []
-        self.decoder: StaticDecoder | None = None  # its keys/values/key_pad are the live buffer
-        self.col = 0  # the column every row writes next
+        self.max_rows = max_rows
+        self.rows: list[_Row] = []  # row i lives in slot i
+        # per layer [slots, H_kv, width, D], and [slots, width] True where a key is not attended
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.key_pad: torch.Tensor | None = None
+        # columns [0, written) of the buffer may hold keys; a live row's columns from its own
+        # col on are zeros (a masked column still meets its value as 0 * value: NaN * 0 = NaN,
+        # so a key a finished row left behind must not linger where the next one attends)
+        self.written = 0
+        self.decoder: StaticDecoder | None = None  # over the live rows' views of the buffer
         self.pending: torch.Tensor | None = None  # [B] each row's last sampled token (fed next)
 
     @property
     def active(self) -> int:
         return len(self.rows)
+
+    @property
+    def slots(self) -> int:
+        """Rows the buffer holds (live or free)."""
+        return 0 if self.key_pad is None else self.key_pad.shape[0]
 
     # ----- joining ------------------------------------------------------------------------------
     def add(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
@@ -96,8 +122,9 @@ class ContinuousDecoder:
         with torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=token_positions(mask),
                              use_cache=True, logits_to_keep=1)  # fmt: skip
+            width = mask.shape[1]
             rows = [
-                _Row(tag, p, torch.Generator().manual_seed(int(s)), len(prompt))
+                _Row(tag, p, torch.Generator().manual_seed(int(s)), len(prompt), width)
                 for prompt, p, s, tag in zip(prompts, params, seeds, tags)
             ]  # fmt: skip
             tokens = self._sample(out.logits[:, -1], rows)
@@ -110,63 +137,105 @@ class ContinuousDecoder:
         return progress, finished
 
     def reset(self) -> list[Hashable]:
-        """Drop every row (after an error left the batch in an unknown state); their tags."""
+        """Drop every row (after an error left the batch in an unknown state); their tags. The
+        buffer stays (``release`` frees it)."""
         tags = [r.tag for r in self.rows]
-        self.rows, self.decoder, self.pending, self.col = [], None, None, 0
+        self.rows, self.decoder, self.pending = [], None, None
         return tags
+
+    def release(self) -> None:
+        """Free the buffer (no rows may be live); the next ``add`` allocates a new one."""
+        if self.rows:
+            raise RuntimeError(f"release: {len(self.rows)} rows are decoding")
+        self.keys, self.values, self.key_pad, self.written = [], [], None, 0
 
     def _join(self, rows: list[_Row], cache, mask: torch.Tensor, index: torch.Tensor,
               tokens: torch.Tensor) -> None:  # fmt: skip
-        """Splice the prefilled rows ``index`` of ``cache`` into a new right-aligned buffer."""
+        """Write the prefilled rows ``index`` of ``cache`` into the free slots after the live
+        rows, columns ``[0, width)`` (each row's left padding masked): nothing else moves."""
         width = mask.shape[1]
-        old = self.decoder
-        # the old rows' live columns: from the earliest real column of any of them to self.col
-        start = self.col
-        if old is not None and self.rows:
-            real = ~old.key_pad[:, 0, 0, : self.col]  # [B, col]
-            start = int(real.any(0).float().argmax()) if bool(real.any()) else self.col
-        kept = self.col - start
-        col = max(kept, width)
-        left = [r.params.max_new_tokens - len(r.ids) for r in (*self.rows, *rows)]
-        cap = col + max(left)
         n_old, n_new = len(self.rows), len(rows)
-        layers = len(self.model.model.layers)
-        keys, values = [], []
-        for i in range(layers):
+        need = width + max(r.params.max_new_tokens for r in rows)
+        self._reserve(n_old + n_new, need, cache)
+        new = slice(n_old, n_old + n_new)
+        for i in range(len(self.keys)):
             k, v = _kv(cache, i)
-            k, v = k.index_select(0, index), v.index_select(0, index)
-            shape = (n_old + n_new, k.shape[1], cap, k.shape[3])
-            # zeros, not empty: masked columns are multiplied by a 0 probability (NaN * 0 = NaN)
-            k_buf, v_buf = k.new_zeros(shape), v.new_zeros(shape)
-            if n_old:
-                k_buf[:n_old, :, col - kept : col] = old.keys[i][:, :, start : self.col]
-                v_buf[:n_old, :, col - kept : col] = old.values[i][:, :, start : self.col]
-            k_buf[n_old:, :, col - width : col] = k
-            v_buf[n_old:, :, col - width : col] = v
-            keys.append(k_buf)
-            values.append(v_buf)
-        pad = torch.ones(n_old + n_new, cap, dtype=torch.bool, device=mask.device)
-        if n_old:
-            pad[:n_old, col - kept : col] = old.key_pad[:, 0, 0, start : self.col]
-        pad[n_old:, col - width : col] = mask.index_select(0, index) == 0
-        pad[:, col:] = False  # the columns the rows will write
-        self.decoder = StaticDecoder(self.model, keys, values, pad[:, None, None, :], 0)
-        self.col = col
+            self.keys[i][new, :, :width] = k.index_select(0, index)
+            self.values[i][new, :, :width] = v.index_select(0, index)
+            if self.written > width:  # what the slots' earlier rows left there
+                self.keys[i][new, :, width : self.written] = 0
+                self.values[i][new, :, width : self.written] = 0
+        self.written = max(self.written, width)
+        self.key_pad[new, :width] = mask.index_select(0, index) == 0
+        self.key_pad[new, width:] = True  # until the row writes there
         self.rows += rows
         self.pending = tokens if self.pending is None or not n_old else torch.cat(
             [self.pending, tokens])  # fmt: skip
+        # a new decoder per join: its LM-head kernel is chosen for the weights as they are now
+        self.decoder = StaticDecoder(self.model, [], [], None, 0)
+        self._views()
+
+    def _reserve(self, rows: int, width: int, cache) -> None:
+        """A buffer of at least ``rows`` slots and ``width`` columns: the same one while it fits,
+        else a larger one (slots doubled up to ``max_rows``, columns by half) holding the live
+        rows. Fresh memory is zeros, not empty: a column no row attends is multiplied by a 0
+        probability (NaN * 0 = NaN)."""
+        k, _ = _kv(cache, 0)
+        if self.keys and not self.rows and (self.keys[0].dtype, self.keys[0].device) != (
+            k.dtype, k.device):  # fmt: skip
+            self.release()  # the model was moved or cast while the buffer was idle
+        slots, cols = self.slots, 0 if self.key_pad is None else self.key_pad.shape[1]
+        if rows <= slots and width <= cols:
+            return
+        if rows > slots:  # the first buffer: 8 slots (or max_rows), then doubled
+            slots = max(rows, min(self.max_rows, max(2 * slots, 8)))
+        cols = max(width, cols + cols // 2) if width > cols else cols
+        n, used = len(self.rows), max((r.col for r in self.rows), default=0)
+        keys, values = [], []
+        for i in range(len(self.model.model.layers)):
+            k, _ = _kv(cache, i)
+            shape = (slots, k.shape[1], cols, k.shape[3])
+            k_buf, v_buf = k.new_zeros(shape), k.new_zeros(shape)
+            if n:
+                k_buf[:n, :, :used] = self.keys[i][:n, :, :used]
+                v_buf[:n, :, :used] = self.values[i][:n, :, :used]
+            keys.append(k_buf)
+            values.append(v_buf)
+        pad = torch.ones(slots, cols, dtype=torch.bool, device=k.device)
+        if n:
+            pad[:n, :used] = self.key_pad[:n, :used]
+        self.keys, self.values, self.key_pad, self.written = keys, values, pad, used
+        if self.decoder is not None:
+            self._views()
+
+    def _views(self) -> None:
+        """Point the decoder at the live rows' slots (a view of the buffer: no copy)."""
+        n, d = len(self.rows), self.decoder
+        d.keys = [k[:n] for k in self.keys]
+        d.values = [v[:n] for v in self.values]
+        d.key_pad = self.key_pad[:n, None, None, :]
 
     # ----- decoding -----------------------------------------------------------------------------
     def step(self) -> tuple[list[tuple[Hashable, int]], list[Finished]]:
         """One token for every row: returns ``(tag, token)`` per row and the rows that ended."""
         if not self.rows:
             return [], []
-        positions = torch.tensor([r.position for r in self.rows], device=self.pending.device)
+        device = self.pending.device
+        positions = torch.tensor([r.position for r in self.rows], device=device)
+        cols = [r.col for r in self.rows]
+        last = max(cols)
         with torch.inference_mode():
-            logits = self.decoder.step(self.pending, positions, self.col)
-            self.col += 1
+            if min(cols) == last:  # rows that joined together share a column: a plain slice
+                self.key_pad[: len(cols), last] = False
+                logits = self.decoder.step(self.pending, positions, last)
+            else:
+                columns = torch.tensor(cols, device=device)
+                self.key_pad[torch.arange(len(cols), device=device), columns] = False
+                logits = self.decoder.step(self.pending, positions, last, columns)
             for r in self.rows:
                 r.position += 1
+                r.col += 1
+            self.written = max(self.written, last + 1)
             tokens = self._sample(logits, self.rows)
         rows = self.rows
         progress = [(r.tag, t) for r, t in zip(rows, tokens.tolist())]
@@ -186,16 +255,28 @@ class ContinuousDecoder:
         return dropped
 
     def _leave(self, keep: list[int], tokens: torch.Tensor) -> None:
+        """Keep the rows ``keep``: the live ones past the new count move into the freed slots
+        below it (only their keys are copied), so the live rows stay slots ``[0, len(keep))``."""
         if not keep:
             self.reset()
             return
-        d = self.decoder
-        index = torch.tensor(keep, device=tokens.device)
-        d.keys = [k.index_select(0, index) for k in d.keys]
-        d.values = [v.index_select(0, index) for v in d.values]
-        d.key_pad = d.key_pad.index_select(0, index)
-        self.rows = [self.rows[i] for i in keep]
-        self.pending = tokens.index_select(0, index)
+        n, kept = len(keep), set(keep)
+        holes = [i for i in range(n) if i not in kept]
+        movers = [i for i in keep if i >= n]
+        order = list(range(n))  # slot -> the row it holds now
+        for h, m in zip(holes, movers):
+            order[h] = m
+        if movers:
+            used = self.written  # their zeros past their columns too (see __init__)
+            dst = torch.tensor(holes, device=tokens.device)
+            src = torch.tensor(movers, device=tokens.device)
+            with torch.inference_mode():
+                for buf in (*self.keys, *self.values):
+                    buf[:, :, :used].index_copy_(0, dst, buf[:, :, :used].index_select(0, src))
+                self.key_pad.index_copy_(0, dst, self.key_pad.index_select(0, src))
+        self.rows = [self.rows[i] for i in order]
+        self.pending = tokens.index_select(0, torch.tensor(order, device=tokens.device))
+        self._views()
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Each row's token from its logits and settings; rows sampling alike share a call."""

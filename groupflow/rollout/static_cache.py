@@ -163,20 +163,28 @@ class StaticDecoder:
             key_pad = torch.cat([pad, new], dim=1)[:, None, None, :]
         return cls(model, keys, values, key_pad, prompt_len)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int) -> torch.Tensor:
-        """Logits [B, V] after feeding ``tokens`` [B] at ``positions`` [B] (the t-th new token)."""
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, t: int,
+             columns: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Logits [B, V] after feeding ``tokens`` [B] at ``positions`` [B] (the t-th new token).
+        ``columns`` [B] (continuous batching, ``rollout.continuous``): each row's key/value go
+        to its own column, ``prompt_len + t`` being the last of them (the attention's width)."""
         inner = self.inner
         col = self.prompt_len + t
+        if columns is None:
+            at = (slice(None), slice(None), col)
+        else:
+            at = (torch.arange(len(columns), device=columns.device), slice(None), columns)
         x = inner.embed_tokens(tokens)  # [B, H]: one position per row, so no length axis
         cos, sin = inner.rotary_emb(x, positions[:, None])  # [B, 1, D]
         pad = None if self.key_pad is None else self.key_pad[..., : col + 1]
         for i, layer in enumerate(inner.layers):
             with gathered(layer):  # a sharded layer: its weights for this step only
-                x = self._layer(i, layer, x, cos, sin, pad, col)
+                x = self._layer(i, layer, x, cos, sin, pad, col, at)
         return lm_logits(self.model, inner.norm(x), self.head)
 
-    def _layer(self, i, layer, x, cos, sin, pad, col) -> torch.Tensor:
-        """Layer ``i``'s step: [B, H] -> [B, H], its K/V written at column ``col``."""
+    def _layer(self, i, layer, x, cos, sin, pad, col, at) -> torch.Tensor:
+        """Layer ``i``'s step: [B, H] -> [B, H], its K/V written at ``at`` (column ``col`` of
+        every row, or each row's own), attention over the columns up to ``col``."""
         rows = x.shape[0]
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -187,8 +195,8 @@ class StaticDecoder:
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.rope(q, k, cos, sin)
-        self.keys[i][:, :, col] = k[:, :, 0]
-        self.values[i][:, :, col] = v[:, :, 0]
+        self.keys[i][at] = k[:, :, 0]
+        self.values[i][at] = v[:, :, 0]
         out = self.attend(
             q, self.keys[i][:, :, : col + 1], self.values[i][:, :, : col + 1], pad, attn.scaling
         )

@@ -9,13 +9,18 @@ recorder (one key per episode, the run's sampling settings, every call recorded)
 is the same for both. Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param"}}``)
 with a 4xx status and the offending field in ``param``.
 
-Streaming (``stream: true``) sends server-sent events in OpenAI's chunk format (role, content,
-tool calls, finish reason, usage). A chat answer's content is sent as it is decoded — the batcher
+Streaming (``stream: true``) sends server-sent events in OpenAI's chunk formats (chat: role,
+content, tool calls, finish reason, usage; completions: text, finish reason, usage). A chat
+answer's content, and a completion's text, is sent as it is decoded — the batcher
 hands over each token (``ContinuousBatcher``; ``DynamicBatcher`` all of them at the call's end)
 and ``TextStream`` turns the ids so far into the text that can no longer change: whatever a stop
 string could still cut, or an unfinished UTF-8 character, waits for the next token. Where the
 request has tools, the content waits for the end (the parser must see the whole completion to
-tell a call from text). The streamed pieces join to exactly the non-streamed message's content.
+tell a call from text). The streamed pieces join to exactly the non-streamed message's content
+(text); a choice's last chunk carries its finish reason and the non-streamed answer's extra
+fields in full (``token_ids``, ``token_logprobs``; a completion's ``prompt_token_ids`` and
+``logprobs``, a chat's prompt ids in the first chunk), so joining every chunk's ``token_ids``
+gives the sampled ids either way.
 """
 
 from __future__ import annotations
@@ -120,7 +125,10 @@ class Access(Protocol):
 
 
 class OpenAccess:
-    """``groupflow serve``: an optional API key, the request's own sampling, nothing recorded."""
+    """``groupflow serve``: an optional API key, the request's own sampling, nothing recorded
+    (``records``: the server need not build the call's record)."""
+
+    records = False
 
     def __init__(self, api_key: str | None = None):
         self.api_key = api_key
@@ -204,9 +212,7 @@ class ServerCore:
             raise ApiError(429, str(exc), None, "rate_limit_error") from None
 
     def _text(self, ids: Sequence[int], stop: Sequence[str]) -> str:
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        cuts = [text.find(s) for s in stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        return _cut_at_stop(self.tokenizer.decode(list(ids), skip_special_tokens=True), stop)
 
     def _logprobs_content(self, c: Completion) -> list[dict[str, Any]]:
         out = []
@@ -255,35 +261,18 @@ class ServerCore:
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
                         "content": ""}, "finish_reason": None}]})  # fmt: skip
         texts = [TextStream(self.tokenizer, params.stop) for _ in range(req.n)]
-        while True:
-            await wake.wait()
-            wake.clear()
-            news, arrived[:] = list(arrived), []
-            for j, ids in news:
-                delta = texts[j].push(ids)
-                if delta:
-                    yield _sse({**head, "choices": [{"index": j, "delta": {"content": delta},
-                                                     "finish_reason": None}]})  # fmt: skip
-            if task.done() and not arrived:
-                break
+        async for j, delta in _deltas(task, arrived, wake, texts):
+            yield _sse({**head, "choices": [{"index": j, "delta": {"content": delta},
+                                             "finish_reason": None}]})  # fmt: skip
         try:
             out = self._chat_answer(key, req, prompt, params, task.result())
         except Exception as exc:  # the stream has started (status 200): the error is its last event
-            if not isinstance(exc, ApiError):
-                log.warning("a streamed chat request failed: %s", exc)
-                exc = ApiError(500, f"the engine failed: {exc}", None, "server_error")
-            yield _sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param}})
+            yield _stream_error(exc)
             yield "data: [DONE]\n\n"
             return
         for ch in out["choices"]:
             i, msg = ch["index"], ch["message"]
-            rest = msg.get("content") or ""
-            sent = texts[i].sent
-            if sent and rest.startswith(sent):
-                rest = rest[len(sent) :]
-            elif sent:  # cannot happen for a tokenizer whose prefixes decode to prefixes
-                log.warning("streamed text %r is not a prefix of the answer %r", sent, rest)
-                rest = ""
+            rest = _rest(msg.get("content") or "", texts[i].sent)
             if rest:
                 yield _sse({**head, "choices": [{"index": i, "delta": {"content": rest},
                                                  "finish_reason": None}]})  # fmt: skip
@@ -317,10 +306,11 @@ class ServerCore:
                      params: SamplingParams, completions: list[Completion]) -> dict[str, Any]:  # fmt: skip
         choices, responses, calls = [], [], 0
         for j, c in enumerate(completions):
-            raw = prompt.forced_text + self.tokenizer.decode(c.ids, skip_special_tokens=True)
-            turn = self.chat_prompts.assistant(raw, req.tools, req.tool_choice)
+            decoded = self.tokenizer.decode(c.ids, skip_special_tokens=True)
+            turn = self.chat_prompts.assistant(prompt.forced_text + decoded, req.tools,
+                                               req.tool_choice)  # fmt: skip
             if not turn.tool_calls:
-                turn.content = prompt.forced_text + self._text(c.ids, params.stop)
+                turn.content = prompt.forced_text + _cut_at_stop(decoded, params.stop)
             self.chat_prompts.remember(prompt.key, turn, prompt.ids + c.ids)
             finish = (
                 "length" if c.finish == "length" else "tool_calls" if turn.tool_calls else "stop"
@@ -333,8 +323,9 @@ class ServerCore:
                 "logprobs": {"content": self._logprobs_content(c)} if req.logprobs else None,
                 "token_ids": c.ids, "token_logprobs": c.logprobs,
             })  # fmt: skip
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        self.access.record(key, CallRecord(prompt.ids, completions, messages, responses, calls))
+        if getattr(self.access, "records", True):  # groupflow serve's OpenAccess does not
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            self.access.record(key, CallRecord(prompt.ids, completions, messages, responses, calls))
         return {
             "id": f"chatcmpl-{_next_id()}", "object": "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": choices,
@@ -342,6 +333,68 @@ class ServerCore:
         }  # fmt: skip
 
     async def complete(self, key: str | None, req: CompletionRequest) -> dict[str, Any]:
+        prompts, settings, seeds = self._completion_prompts(key, req)
+        # all prompts of the request in flight together: they share engine calls
+        sampled = await asyncio.gather(*(
+            self._sample(key, ids, p, req.n, seed)
+            for ids, p, seed in zip(prompts, settings, seeds)
+        ))  # fmt: skip
+        return self._completion_answer(key, req, prompts, settings, sampled)
+
+    async def complete_stream(self, key: str | None, req: CompletionRequest, usage: bool):
+        """The completion as server-sent events, token by token as ``chat_stream`` streams (a
+        bad request or a full queue raises ``ApiError`` before the stream starts). Choice
+        ``i·n + j`` is prompt i's sample j, as in the non-streamed answer."""
+        prompts, settings, seeds = self._completion_prompts(key, req)
+        arrived: list[tuple[int, list[int]]] = []
+        wake = asyncio.Event()
+
+        def listener(first: int):
+            def hear(j: int, ids: list[int]) -> None:
+                arrived.append((first + j, ids))
+                wake.set()
+
+            return hear
+
+        parts = [
+            asyncio.ensure_future(self._sample(key, ids, p, req.n, seed, listener(i * req.n)))
+            for i, (ids, p, seed) in enumerate(zip(prompts, settings, seeds))
+        ]  # fmt: skip
+        await asyncio.sleep(0)  # the batcher's checks (429) run now
+        failed = [t for t in parts if t.done() and t.exception() is not None]
+        if failed:
+            for t in parts:
+                t.cancel()
+            raise failed[0].exception()
+        task = asyncio.gather(*parts)
+        task.add_done_callback(lambda _: wake.set())
+        return self._completion_events(key, req, prompts, settings, task, arrived, wake, usage)
+
+    async def _completion_events(self, key, req: CompletionRequest, prompts, settings, task,
+                                 arrived: list, wake: asyncio.Event, usage: bool):  # fmt: skip
+        head = {"id": f"cmpl-{_next_id()}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}  # fmt: skip
+        texts = [TextStream(self.tokenizer, p.stop) for p in settings for _ in range(req.n)]
+        async for j, delta in _deltas(task, arrived, wake, texts):
+            yield _sse({**head, "choices": [{"index": j, "text": delta, "logprobs": None,
+                                             "finish_reason": None}]})  # fmt: skip
+        try:
+            out = self._completion_answer(key, req, prompts, settings, task.result())
+        except Exception as exc:  # the stream has started (status 200): the error is its last event
+            yield _stream_error(exc)
+            yield "data: [DONE]\n\n"
+            return
+        for ch in out["choices"]:
+            rest = _rest(ch["text"], texts[ch["index"]].sent)
+            # the last chunk of a choice: the rest of its text, why it ended, and the extra
+            # fields of the non-streamed choice (token ids, their log-probs, the prompt's ids)
+            yield _sse({**head, "choices": [{**ch, "text": rest}]})
+        if usage:
+            yield _sse({**head, "choices": [], "usage": out["usage"]})
+        yield "data: [DONE]\n\n"
+
+    def _completion_prompts(self, key: str | None, req: CompletionRequest):
+        """The request's prompt ids, sampling settings and seeds, checked (``ApiError``)."""
         prompts = _prompt_ids(req.prompt, self.tokenizer)
         vocab = len(self.tokenizer)
         for i, ids in enumerate(prompts):
@@ -349,14 +402,13 @@ class ServerCore:
             if bad:
                 raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})",
                                f"prompt.{i}")  # fmt: skip
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         settings = [self._params(key, req, req.max_tokens, len(i), "max_tokens") for i in prompts]
-        # all prompts of the request in flight together: they share engine calls
-        seeds = None if req.seed is None else [req.seed + i * req.n for i in range(len(prompts))]
-        sampled = await asyncio.gather(*(
-            self._sample(key, ids, p, req.n, None if seeds is None else seeds[i])
-            for i, (ids, p) in enumerate(zip(prompts, settings))
-        ))  # fmt: skip
+        seeds = [None if req.seed is None else req.seed + i * req.n for i in range(len(prompts))]
+        return prompts, settings, seeds
+
+    def _completion_answer(self, key: str | None, req: CompletionRequest, prompts, settings,
+                           sampled: list[list[Completion]]) -> dict[str, Any]:  # fmt: skip
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for i, (ids, params, completions) in enumerate(zip(prompts, settings, sampled)):
             texts = [self._text(c.ids, params.stop) for c in completions]
             self.access.record(key, CallRecord(ids, completions, None, list(texts)))
@@ -376,6 +428,45 @@ class ServerCore:
         return {"id": f"cmpl-{_next_id()}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": choices,
                 "usage": usage}  # fmt: skip
+
+
+async def _deltas(task, arrived: list, wake: asyncio.Event, texts: list[TextStream]):
+    """``(choice, new text)`` as the listeners' ids arrive in ``arrived`` (``wake`` set), until
+    ``task`` — the sampling — is done."""
+    while True:
+        await wake.wait()
+        wake.clear()
+        news, arrived[:] = list(arrived), []
+        for j, ids in news:
+            delta = texts[j].push(ids)
+            if delta:
+                yield j, delta
+        if task.done() and not arrived:
+            return
+
+
+def _rest(text: str, sent: str) -> str:
+    """What of a choice's final ``text`` its streamed pieces ``sent`` have not said yet."""
+    if sent and text.startswith(sent):
+        return text[len(sent) :]
+    if sent:  # cannot happen for a tokenizer whose prefixes decode to prefixes
+        log.warning("streamed text %r is not a prefix of the answer %r", sent, text)
+        return ""
+    return text
+
+
+def _stream_error(exc: Exception) -> str:
+    """A failure after a stream's 200: its last event (then ``[DONE]``)."""
+    if not isinstance(exc, ApiError):
+        log.warning("a streamed request failed: %s", exc)
+        exc = ApiError(500, f"the engine failed: {exc}", None, "server_error")
+    return _sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param}})
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the first of the ``stop`` strings in it."""
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
 
 
 _IDS = itertools.count()
@@ -529,11 +620,11 @@ def build_app(core: ServerCore) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        out = await core.complete(_bearer(request.headers), req)
         if not req.stream:
-            return _json(out)
+            return _json(await core.complete(_bearer(request.headers), req))
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_completion_events(out, usage), media_type="text/event-stream")
+        events = await core.complete_stream(_bearer(request.headers), req, usage)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     return Guard(app, core.access, core.limits.max_body_bytes)
 
@@ -545,13 +636,3 @@ def _json(obj: dict[str, Any]) -> Response:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-def _completion_events(out: dict[str, Any], usage: bool):
-    head = {"id": out["id"], "object": "text_completion", "created": out["created"],
-            "model": out["model"]}  # fmt: skip
-    for ch in out["choices"]:
-        yield _sse({**head, "choices": [ch]})
-    if usage:
-        yield _sse({**head, "choices": [], "usage": out["usage"]})
-    yield "data: [DONE]\n\n"

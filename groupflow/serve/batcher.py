@@ -265,11 +265,16 @@ class ContinuousBatcher:
     An idle decoder waits for a burst of requests as ``DynamicBatcher`` does (one prefill for
     all of them); a busy one takes every request that arrived during a step into the next one.
     ``engine_calls`` counts prefills (the times requests joined), ``samples`` the samples
-    decoded, ``engine_seconds`` the decode thread's busy time."""
+    decoded, ``engine_seconds`` the decode thread's busy time. The decoder's row slots grow to
+    ``max_batch_samples``; its buffer is freed after ``release_s`` without a request (kept
+    between an agent's calls, given back while a trainer updates the model)."""
 
     def __init__(self, decoder: ContinuousDecoder, *, max_batch_samples: int = 64,
-                 max_pending_samples: int = 1024, wait_s: float = 0.005):  # fmt: skip
+                 max_pending_samples: int = 1024, wait_s: float = 0.005,
+                 release_s: float = 2.0):  # fmt: skip
         self.decoder = decoder
+        decoder.max_rows = max_batch_samples
+        self.release_s = release_s
         self.max_batch_samples, self.max_pending_samples = max_batch_samples, max_pending_samples
         self.wait_s = wait_s
         self.expected: Callable[[], int] | None = None
@@ -331,7 +336,8 @@ class ContinuousBatcher:
                         model.train(was_training)
                         was_training = None
                     self._busy = False
-                    self._cv.wait()
+                    if not self._cv.wait(self.release_s if self.decoder.slots else None):
+                        self.decoder.release()  # idle for release_s: the buffer's memory back
                 if self._closed:
                     return
                 admit = self._admit()

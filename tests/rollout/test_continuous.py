@@ -1,6 +1,7 @@
 """The continuous decoder: rows that join a running decode at different steps, with different
 sampling settings, sample exactly what ``generate`` samples for each of them alone; finished rows
-leave; unsupported models and malformed calls are refused."""
+leave; joins write into the preallocated row slots (the buffer is not reallocated or copied);
+unsupported models and malformed calls are refused."""
 
 import string
 
@@ -75,6 +76,80 @@ def test_rows_joining_at_different_steps_sample_what_they_sample_alone(tiny):
     assert len(lengths) > 2  # rows left at different steps
 
 
+def test_joins_and_leaves_reuse_the_preallocated_slots(tiny):
+    model, tok = tiny
+    prompts = [tok(t)["input_ids"] for t in ["a long first prompt", "b", "cd", "efg", "hi", "j"]]
+    new = [40, 6, 25, 9, 12, 30]  # rows 1 and 3 end early, freeing slots below live rows
+    params = [SamplingParams(temperature=1.0, max_new_tokens=m) for m in new]
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id, max_rows=4)
+    got = {}
+
+    def take(result):
+        got.update({f.tag: f for f in result[1]})
+
+    def buffers():
+        return [t.data_ptr() for t in (*d.keys, *d.values, d.key_pad)]
+
+    take(d.add(prompts[:1], params[:1], [0], [0]))
+    before, slots = buffers(), d.slots
+    assert slots == 4
+    take(d.step())
+    take(d.add(prompts[1:4], params[1:4], [1, 2, 3], [1, 2, 3]))  # into slots 1..3
+    assert d.active == 4 and buffers() == before  # written in place: no new buffer, no copy
+    for _ in range(10):  # rows 1 and 3 leave; row 2 moves down into slot 1
+        take(d.step())
+    assert sorted(got) == [1, 3] and d.active == 2 and buffers() == before
+    take(d.add(prompts[4:], params[4:], [4, 5], [4, 5]))  # the freed slots again
+    assert d.active == 4 and buffers() == before
+    take(d.add(prompts[:1], params[:1], [6], [6]))  # a fifth row: the buffer grows
+    assert d.slots == 5 and d.active == 5
+    while d.active:
+        take(d.step())
+    for tag in range(7):
+        ids, lps, finish = _alone(model, tok, prompts[tag % 6], params[tag % 6], tag, [])
+        assert got[tag].ids == ids and got[tag].finish == finish, tag
+        assert got[tag].logprobs == pytest.approx(lps, abs=1e-5)
+    d.release()
+    assert d.slots == 0 and d.keys == []
+
+
+def test_a_dropped_row_frees_its_slot_for_the_rows_above(tiny):
+    model, tok = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    prompts = [tok(t)["input_ids"] for t in ["abc", "de", "fghij"]]
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    d.add(prompts, [params] * 3, [0, 1, 2], [0, 1, 2])
+    d.step()
+    assert d.drop(lambda tag: tag == 0) == 1  # an abandoned request (outside inference mode)
+    assert [r.tag for r in d.rows] == [2, 1]  # the last row moved into the freed slot 0
+    finished = []
+    while d.active:
+        finished += d.step()[1]
+    for f in finished:
+        assert f.ids == _alone(model, tok, prompts[f.tag], params, f.tag, [])[0]
+    assert sorted(f.tag for f in finished) == [1, 2]
+
+
+def test_keys_a_finished_row_left_in_the_buffer_do_not_reach_later_rows(tiny):
+    model, tok = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    long_p, short_p = tok("a much longer prompt")["input_ids"], tok("ab")["input_ids"]
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    d.add([long_p], [params], [0], [0])
+    while d.active:
+        d.step()
+    with torch.inference_mode():  # what a row that overflowed (inf/NaN keys) would leave behind
+        for buf in (*d.keys, *d.values):
+            buf[:, :, : d.written] = float("nan")
+    finished = d.add([long_p], [params], [1], [1])[1]  # slot 0
+    finished += d.add([short_p], [params], [2], [2])[1]  # slot 1: its columns past "ab" are masked
+    while d.active:
+        finished += d.step()[1]
+    short = next(f for f in finished if f.tag == 2)
+    ids, lps, _ = _alone(model, tok, short_p, params, 2, [])
+    assert short.ids == ids and short.logprobs == pytest.approx(lps, abs=1e-5)
+
+
 def test_stop_strings_and_repeated_prompts(tiny):
     model, tok = tiny
     prompt = tok("abc")["input_ids"]
@@ -102,4 +177,6 @@ def test_unsupported_models_and_bad_calls_are_refused(tiny):
     d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
     with pytest.raises(ValueError, match="one params, seed and tag per prompt"):
         d.add([[5, 6]], [SamplingParams()], [1, 2], ["a"])
+    with pytest.raises(ValueError, match="max_rows"):
+        ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id, max_rows=0)
     assert d.step() == ([], [])  # nothing to decode

@@ -15,8 +15,9 @@ from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.rollout.continuous import ContinuousDecoder
 from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams
-from groupflow.serve.app import OpenAccess, ServeLimits, ServerCore, build_app
-from groupflow.serve.batcher import ContinuousBatcher
+from groupflow.serve.app import ApiError, OpenAccess, ServeLimits, ServerCore, build_app
+from groupflow.serve.batcher import ContinuousBatcher, Overloaded
+from groupflow.serve.protocol import CompletionRequest
 from groupflow.serve.thread import ServerThread, check_bind
 
 openai = pytest.importorskip("openai", reason="needs the openai package (pip install openai)")
@@ -196,3 +197,55 @@ def test_concurrent_conversations_share_engine_calls(served):
     assert (
         alone.choices[0].model_extra["token_ids"] == results[3].choices[0].model_extra["token_ids"]
     )
+
+
+def test_completions_stream_token_by_token(served):
+    server, *_ = served
+    client = _client(server)
+    # two prompts × 2 samples: choices 0..3, streamed side by side
+    kwargs = dict(model="tiny", prompt=["AB", "QRS"], max_tokens=20, n=2, seed=3,
+                  temperature=1.0, logprobs=0)  # fmt: skip
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump() and not chunks[-1].choices
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+    for want in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == want.index]
+        *pieces, last = mine
+        assert all(p.finish_reason is None for p in pieces) and last.finish_reason
+        assert len([p for p in pieces if p.text]) > 1  # token by token, not in one piece
+        assert "".join(p.text for p in mine) == want.text
+        assert last.finish_reason == want.finish_reason
+        extra, ref = last.model_extra, want.model_extra
+        ids = [t for p in mine for t in (p.model_extra.get("token_ids") or [])]
+        assert ids == ref["token_ids"] and extra["prompt_token_ids"] == ref["prompt_token_ids"]
+        assert extra["token_logprobs"] == pytest.approx(ref["token_logprobs"], abs=1e-5)
+        assert last.logprobs.tokens == want.logprobs.tokens
+    assert len({c.model_extra["token_ids"][0] for c in whole.choices}) > 1  # distinct samples
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [({"prompt": [[10, 100_000]]}, "prompt.0"), ({"prompt": "x", "max_tokens": 33}, "max_tokens")],
+)
+def test_a_bad_streamed_completion_gets_a_400_not_a_stream(served, body, param):
+    server, *_ = served
+    r = httpx.post(f"{server.url}/completions", json={"model": "tiny", "stream": True, **body},
+                   headers={"Authorization": "Bearer secret"}, timeout=TIMEOUT_S)  # fmt: skip
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_full_queue_is_a_429_before_a_streamed_completion_starts(served):
+    _, core, _, tok = served
+
+    class Full:  # a batcher whose queue is full: its checks fail when a request is submitted
+        async def submit(self, prompts, params, seeds, listener=None):
+            raise Overloaded("1024 samples are waiting")
+
+    full = ServerCore(tok, Full(), SamplingParams(), model_name="tiny", limits=core.limits)
+    req = CompletionRequest(prompt=["AB", "CD"], max_tokens=4, stream=True)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(asyncio.wait_for(full.complete_stream(None, req, False), TIMEOUT_S))
+    assert err.value.status == 429 and err.value.kind == "rate_limit_error"

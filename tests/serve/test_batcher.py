@@ -115,3 +115,30 @@ def test_a_cancelled_request_leaves_the_decode(tiny):
     finally:
         batcher.close()
     assert left and sum(dropped) == 1  # dropped, not decoded to its 1000 tokens
+
+
+def test_an_idle_batcher_frees_the_decoders_buffer(tiny):
+    model, tok = tiny
+    decoder = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    batcher = ContinuousBatcher(decoder, max_batch_samples=4, release_s=0.05)
+    params = SamplingParams(max_new_tokens=3)
+
+    async def freed():
+        for _ in range(TIMEOUT_S * 100):
+            if decoder.slots == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def main():
+        first = await asyncio.wait_for(batcher.submit([[5, 6]], params, [1]), TIMEOUT_S)
+        was_freed = await freed()
+        again = await asyncio.wait_for(batcher.submit([[5, 6]], params, [1]), TIMEOUT_S)
+        return first, was_freed, again
+
+    try:
+        first, was_freed, again = asyncio.run(main())
+    finally:
+        batcher.close()
+    assert decoder.max_rows == 4  # the slots grow to the batcher's max_batch_samples
+    assert was_freed and first == again  # a new buffer after the release, the same samples

@@ -19,5 +19,7 @@ fi
 .venv-vllm/bin/python -m pytest -q -ra tests/rollout/test_vllm.py tests/rollout/test_vllm_vision.py tests/test_trainer_engine.py \
   tests/test_async_rollout.py::test_vllm_engine_runs_asynchronously_and_deterministically \
   tests/workflows/test_agent.py::test_one_step_with_the_vllm_engine_trains_exactly_the_sampled_ids \
+  "tests/workflows/test_agent.py::test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train[vllm-0]" \
+  "tests/workflows/test_agent.py::test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train[vllm-1]" \
   tests/workers/test_inference_vllm.py \
   tests/distributed/test_ray_vllm_pool.py

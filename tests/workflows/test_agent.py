@@ -299,10 +299,25 @@ def pool_ray(tmp_path_factory):
     ray.shutdown()
 
 
+VLLM = {"rollout.engine": "vllm", "rollout.vllm.dtype": "float32",
+        "rollout.vllm.cpu_kv_cache_gib": 1, "model.tiny.hidden_size": 128,
+        "model.tiny.num_heads": 2, "model.tiny.num_layers": 2, "rollout.agent_timeout_s": 60}  # fmt: skip
+"""The vLLM engine on the tiny model: fp32 on both sides, head dim 64 (vLLM's CPU attention)."""
+needs_vllm = pytest.mark.skipif(
+    not __import__("groupflow.rollout.vllm_engine", fromlist=["x"]).vllm_available(),
+    reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh, then "
+    ".venv-vllm/bin/python -m pytest tests/workflows/test_agent.py -k vllm)",
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize(
+    "engine, staleness",
+    [("hf", 0), ("hf", 1), pytest.param("vllm", 0, marks=needs_vllm),
+     pytest.param("vllm", 1, marks=needs_vllm)],
+)  # fmt: skip
 def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
-    pool_ray, tiny_base, tmp_path, staleness
+    pool_ray, tiny_base, tmp_path, engine, staleness
 ):
     """placement.rollout on Ray, 2 steps. Synchronous: episodes and server on the driver, every
     engine call (baseline and final validation too) on the pool's worker. max_staleness 1: the
@@ -310,7 +325,9 @@ def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
     driver's final validation goes to the actor (current weights) although its server was built
     for the baseline validation, while the pool was still the driver's. Versions never pass through the driver; each
     trained sample is exactly the two calls the agent was sent, and the training forward's
-    log-probs equal the sampling ones on every batch sampled with the current weights."""
+    log-probs equal the sampling ones on every batch sampled with the current weights. Both
+    with the HF engine and with vLLM on the pool's worker (.venv-vllm; the actor keeps HF's and
+    matches vLLM's fp32 log-probs within 1e-3)."""
     import json
     import os
 
@@ -323,6 +340,7 @@ def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
         "validation.before_training": True,
         "placement.actor": {"nodes": 1, "workers_per_node": 1, "cpus_per_worker": 0.5},
         "placement.rollout": {"workers_per_node": 1, "cpus_per_worker": 0.5},
+        **(VLLM if engine == "vllm" else {}),
     }  # fmt: skip
     t = Trainer(_agent_config(tiny_base, tmp_path, **overrides))
     trained = []  # (batch, its training forward's log-probs where its version is the current one)
@@ -340,15 +358,21 @@ def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
     try:
         t.fit()
         pool, actor = t.policy.rollout_pool.generated(), t.policy.actor.generated()
+        engines = [name for name, _ in t.policy.rollout_pool.engine_state()]
     finally:
         t.workflow.close()
         t.shutdown()
-    rows = [json.loads(line) for line in (tmp_path / "tiny" / "metrics.jsonl").open()]
+    rows = [json.loads(r) for r in (tmp_path / "tiny" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0 and "weights/bytes_via_driver" in r]
+    assert engines == [engine]  # the pool's one worker generated with the configured engine
     assert [r["weights/bytes_via_driver"] for r in steps] == [0.0, 0.0]
     assert all(r["rollout/agent/failures"] == 0 for r in steps)
+    atol = 1e-3 if engine == "vllm" else 1e-5  # vLLM's fp32 kernels against torch's
+    if engine == "vllm":  # step 1 samples and trains version 0 (asynchronously too); the run
+        # recomputes old log-probs against vLLM's and logs the gap (HF's rollout ones serve)
+        assert steps[0]["rollout/logprob_diff_max"] < atol, steps[0]
     train, validation = 2 * 4 * 2, 2 * (4 + 4) * 2  # steps × episodes × calls; 2 validations
-    calls = [json.loads(line) for line in pool_ray.open()]
+    calls = [json.loads(line) for line in pool_ray.read_text().splitlines()]
     driver = [c for c in calls if c["pid"] == os.getpid()]
     elsewhere = [c for c in calls if c["pid"] != os.getpid()]
     if staleness:  # training on the pool, from the loop actor; once the side holds the pool,
@@ -365,17 +389,13 @@ def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
         _check_samples_are_the_calls(batch, elsewhere if staleness else driver)
         if forward is not None:
             mask = batch["response_mask"].bool()
-            assert torch.allclose(forward[mask], batch["rollout_logprobs"][mask], atol=1e-5)
+            assert torch.allclose(forward[mask], batch["rollout_logprobs"][mask], atol=atol)
     # synchronous: both batches are the current version's; asynchronous: the first one
     assert sum(f is not None for _, f in trained) == (1 if staleness else 2)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not __import__("groupflow.rollout.vllm_engine", fromlist=["x"]).vllm_available(),
-    reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh, then "
-    ".venv-vllm/bin/python -m pytest tests/workflows/test_agent.py -k vllm)",
-)
+@needs_vllm
 def test_one_step_with_the_vllm_engine_trains_exactly_the_sampled_ids(agents, tiny_base, tmp_path):
     """rollout.engine vllm: the server batches per engine call through the policy's vLLM engine;
     the trained ids are the ones vLLM sampled and the training forward's log-probs match vLLM's
@@ -383,10 +403,7 @@ def test_one_step_with_the_vllm_engine_trains_exactly_the_sampled_ids(agents, ti
     from groupflow.serve.batcher import DynamicBatcher
     from groupflow.trainer import Trainer
 
-    overrides = {"rollout.engine": "vllm", "rollout.vllm.dtype": "float32",
-                 "rollout.vllm.cpu_kv_cache_gib": 1, "model.tiny.hidden_size": 128,
-                 "model.tiny.num_heads": 2, "model.tiny.num_layers": 2, "run.total_steps": 1,
-                 "validation.before_training": False, "rollout.agent_timeout_s": 60}  # fmt: skip
+    overrides = {**VLLM, "run.total_steps": 1, "validation.before_training": False}
     t = Trainer(_agent_config(tiny_base, tmp_path, **overrides))
     try:
         assert isinstance(t.workflow.server.core.batcher, DynamicBatcher)

@@ -162,8 +162,12 @@ class AgentLoop:
                 self.run(self.http.aclose(), timeout_s)
         except Exception as e:  # noqa: BLE001 - closing: a stuck or broken pool is let go
             log.debug("agent HTTP client not closed: %r", e)
+        if self._loop.is_closed():
+            return
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():  # a loop still running (a stuck agent) cannot be closed
+            self._loop.close()
 
 
 @dataclass

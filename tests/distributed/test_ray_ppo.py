@@ -11,8 +11,9 @@ import pytest
 from groupflow.config import load_config
 from groupflow.trainer import Trainer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # tests/conftest.py
 ray = pytest.importorskip("ray")
+RAY_CPUS = 6  # the Ray instance declares actor + critic (two 1-CPU workers each) and the probe
 
 BASE = [
     "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2}",
@@ -30,14 +31,6 @@ BASE = [
     "algorithm.kl_in_reward={coef: 0.05, controller: adaptive, target_kl: 0.01, horizon: 50}",
     "critic={lr: 1e-3, micro_batch_samples: 3}",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fresh_ray():
-    """A Ray instance started by these trainers (sized for actor + critic), not by earlier tests."""
-    ray.shutdown()
-    yield
-    ray.shutdown()
 
 
 KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
@@ -64,20 +57,18 @@ def run(tmp_path, name, steps, *extra):
     return {r["step"]: r for r in rows if "critic/vf_loss" in r}
 
 
-def test_critic_on_ray_one_and_two_workers(tmp_path):
+def test_critic_on_ray_one_and_two_workers_and_its_sharded_checkpoint_resumes_exactly(tmp_path):
+    # one test, one Ray instance: the 2-worker run compared with 1 worker also writes the sharded
+    # checkpoint (step 2) that the resume continues from
     local = run(tmp_path, "local", 2)
     one = run(tmp_path, "one", 2, "run.backend=ray")
-    two = run(tmp_path, "two", 2, "run.backend=ray", "run.num_workers=2")
+    two = run(tmp_path, "two", 2, "run.backend=ray", "run.num_workers=2", "run.save_every=2")
     for k in KEYS:
         assert one[1][k] == local[1][k] and one[2][k] == local[2][k], k
         assert two[1][k] == pytest.approx(one[1][k], rel=1e-5, abs=1e-7), k
         assert two[2][k] == pytest.approx(one[2][k], rel=1e-4, abs=1e-6), k
-
-
-def test_sharded_critic_checkpoint_resumes_exactly(tmp_path):
+    assert (tmp_path / "two" / "checkpoints" / "step_2" / "critic_shards").is_dir()
     full = run(tmp_path, "full", 3, "run.backend=ray", "run.num_workers=2", "run.save_every=2")
-    run(tmp_path, "part", 2, "run.backend=ray", "run.num_workers=2", "run.save_every=2")
-    assert (tmp_path / "part" / "checkpoints" / "step_2" / "critic_shards").is_dir()
-    resumed = run(tmp_path, "part", 3, "run.backend=ray", "run.num_workers=2", "run.save_every=2")
+    resumed = run(tmp_path, "two", 3, "run.backend=ray", "run.num_workers=2", "run.save_every=2")
     for k in KEYS:
         assert resumed[3][k] == full[3][k], k

@@ -68,16 +68,29 @@ def metrics(run_dir):
     return {r["step"]: r for r in rows if "reward/mean" in r}
 
 
-def test_one_ray_worker_gives_the_local_numbers(tmp_path):
-    local = run(tmp_path, "local", 3)
-    on_ray = run(tmp_path, "ray", 3, "run.backend=ray")
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """``local_run(staleness)``: the run directory of the local 3-step run with
+    rollout.max_staleness ``staleness`` (samples kept), run once for all the tests that compare
+    with it."""
+    root, done = tmp_path_factory.mktemp("local"), set()
+
+    def get(staleness):
+        name = f"local{staleness}"
+        if staleness not in done:
+            run(root, name, 3, f"rollout.max_staleness={staleness}", "run.samples_every=1")
+            done.add(staleness)
+        return root / name
+
+    return get
+
+
+def test_one_ray_worker_gives_the_local_numbers_and_two_fsdp_workers_match_it(tmp_path, local_run):
+    local = metrics(local_run(0))
+    one = run(tmp_path, "one", 3, "run.backend=ray")
     for step in (1, 2, 3):
         for k in KEYS:
-            assert on_ray[step][k] == local[step][k], (step, k)
-
-
-def test_two_fsdp_workers_match_one_and_keep_training(tmp_path):
-    one = run(tmp_path, "one", 3, "run.backend=ray")
+            assert one[step][k] == local[step][k], (step, k)
     two = run(tmp_path, "two", 3, "run.backend=ray", "run.num_workers=2")
     # step 1: same samples (per-sample seeds), same loss and gradient up to float reduction order
     for k in KEYS:
@@ -89,13 +102,27 @@ def test_two_fsdp_workers_match_one_and_keep_training(tmp_path):
 
 
 def test_sharded_checkpoint_resumes_on_two_and_on_one_worker_and_exports(tmp_path):
-    full = run(tmp_path, "full", 4, "run.backend=ray", "run.num_workers=2", "run.save_every=2")
-    run(tmp_path, "part", 2, "run.backend=ray", "run.num_workers=2", "run.save_every=2")
+    """Also: the 2-worker run, stopped at step 2, then loses its rank-1 process: it stops with a
+    clear error, and the resume from the step-2 checkpoint continues (exactly)."""
+    two = ["run.backend=ray", "run.num_workers=2", "run.save_every=2"]
+    full = run(tmp_path, "full", 4, *two)
+    args = [*BASE, f"run.output_dir={tmp_path}", "run.name=part", *two]
+    part = Trainer(load_config(None, [*args, "run.total_steps=2", "run.worker_timeout_s=60"]))
+    part.fit()
     assert (tmp_path / "part" / "checkpoints" / "step_2" / "shards").is_dir()
     # resharded: the 2-worker checkpoint continues on a single worker ...
     shutil.copytree(tmp_path / "part", tmp_path / "single")
-    resumed = run(tmp_path, "part", 4, "run.backend=ray", "run.num_workers=2", "run.save_every=2")
+    part.cfg.run.total_steps = 4
+    ray.kill(part.policy.actor._hosts[1])  # the rank-1 process dies
+    with pytest.raises(
+        WorkerError, match=r"ActorRolloutWorker rank 1: \w+\(\) failed: the worker process died"
+    ):
+        part.fit()
+    part.shutdown()
+    resumed = run(tmp_path, "part", 4, *two)
     single = run(tmp_path, "single", 4, "run.backend=ray", "run.save_every=2")
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert torch.isfinite(torch.tensor(resumed[4]["actor/pg_loss"]))
     for step in (3, 4):
         for k in KEYS:
             assert resumed[step][k] == full[step][k], (step, k)
@@ -108,36 +135,6 @@ def test_sharded_checkpoint_resumes_on_two_and_on_one_worker_and_exports(tmp_pat
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
-
-
-def test_a_dead_worker_stops_the_run_with_a_clear_error_and_resume_continues(tmp_path):
-    args = [
-        *BASE,
-        f"run.output_dir={tmp_path}",
-        "run.name=crash",
-        "run.backend=ray",
-        "run.num_workers=2",
-    ]
-    trainer = Trainer(
-        load_config(
-            None, [*args, "run.total_steps=2", "run.save_every=2", "run.worker_timeout_s=60"]
-        )
-    )
-    trainer.fit()
-    trainer.cfg.run.total_steps = 4
-    ray.kill(trainer.policy.actor._hosts[1])  # the rank-1 process dies
-    with pytest.raises(
-        WorkerError, match=r"ActorRolloutWorker rank 1: \w+\(\) failed: the worker process died"
-    ):
-        trainer.fit()
-    trainer.shutdown()
-    resumed = Trainer(load_config(None, [*args, "run.total_steps=4", "run.save_every=2"]))
-    try:
-        resumed.fit()
-    finally:
-        resumed.shutdown()
-    assert sorted(metrics(tmp_path / "crash")) == [1, 2, 3, 4]
-    assert torch.isfinite(torch.tensor(metrics(tmp_path / "crash")[4]["actor/pg_loss"]))
 
 
 def test_single_worker_checkpoint_resumes_on_two_workers(tmp_path):
@@ -167,11 +164,13 @@ def test_rollout_and_reference_pools_on_ray_match_the_colocated_run(tmp_path):
             )
 
 
-def test_async_rollout_with_a_ray_rollout_pool_matches_the_local_process_worker(tmp_path):
+def test_async_rollout_with_a_ray_rollout_pool_matches_the_local_process_worker(
+    tmp_path, local_run
+):
     # rollout.max_staleness=1 on Ray: the rollout pool holds the scheduled (one version old)
     # weights and generates in the background; the numbers are those of the local child process.
     k1 = "rollout.max_staleness=1"
-    local = run(tmp_path, "local", 3, k1)
+    local = metrics(local_run(1))
     on_ray = run(
         tmp_path, "ray", 3, k1, "run.backend=ray",
         "placement.actor={nodes: 1, workers_per_node: 1, cpus_per_worker: 0.5}",
@@ -194,7 +193,7 @@ def samples(run_dir):
 
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(
-    tmp_path, staleness, monkeypatch
+    tmp_path, staleness, monkeypatch, local_run
 ):
     """2 actor ranks, 1 rollout worker: the pool's worker generates every training batch (the
     asynchronous side too, whose whole loop runs in a Ray actor on the pool, not in the driver),
@@ -206,7 +205,7 @@ def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(
     import groupflow.rollout_side
 
     k = f"rollout.max_staleness={staleness}"
-    local = run(tmp_path, "local", 3, k, "run.samples_every=1")
+    local = metrics(local_run(staleness))
     cfg = load_config(
         None,
         [*BASE, f"run.output_dir={tmp_path}", "run.name=pool", "run.total_steps=3", k,
@@ -237,7 +236,7 @@ def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(
         assert pool[0] > train_samples and actor == [0, 0]
     # the first batch (k=1: the first two) comes from the initial weights on both: the very same
     # sampled tokens; later ones from weights equal up to float reduction order (2 ranks vs 1)
-    ours, theirs = samples(tmp_path / "pool"), samples(tmp_path / "local")
+    ours, theirs = samples(tmp_path / "pool"), samples(local_run(staleness))
     assert [[p for p, _ in ours[s]] for s in (1, 2, 3)] == [
         [p for p, _ in theirs[s]] for s in (1, 2, 3)
     ]

@@ -11,7 +11,7 @@ import pytest
 from groupflow.config import load_config
 from groupflow.trainer import Trainer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # tests/conftest.py
 ray = pytest.importorskip("ray")
 
 BASE = [
@@ -29,13 +29,6 @@ BASE = [
     "actor.lr=1e-3",
 ]
 KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
 
 
 def run(tmp_path, name, *extra):

@@ -105,29 +105,20 @@ def test_filesystem_keeps_only_recent_versions(tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_objects_round_trip_without_the_weights_in_the_ticket():
-    ray = pytest.importorskip("ray")
-    from groupflow.distributed.group import ensure_ray
+def test_ray_objects_round_trip_without_the_weights_in_the_ticket(shared_ray):
+    ray = shared_ray
     from groupflow.distributed.transport import RayObjectTransport
 
-    ensure_ray(None, num_cpus=2)
-    try:
+    @ray.remote(num_cpus=0)
+    def send(version):
+        return RayObjectTransport(bucket_bytes=16).send(version, _weights())
 
-        @ray.remote(num_cpus=0)
-        def send(version):
-            return RayObjectTransport(bucket_bytes=16).send(version, _weights())
-
-        ticket = ray.get(send.remote(5))  # the buckets were put by the remote task
-        assert ticket_nbytes(ticket) == 0 and len(ticket["refs"]) == 4
-        _same(RayObjectTransport().receive(ticket), _weights())
-        ticket["crc32"][2] ^= 1
-        with pytest.raises(
-            TransferError, match=r"rollout role, rank 0, policy version 5: bucket 2"
-        ):
-            RayObjectTransport().receive(ticket)
-    finally:
-        # A 2-CPU instance left running would be reused by later tests whose pools need more.
-        ray.shutdown()
+    ticket = ray.get(send.remote(5))  # the buckets were put by the remote task
+    assert ticket_nbytes(ticket) == 0 and len(ticket["refs"]) == 4
+    _same(RayObjectTransport().receive(ticket), _weights())
+    ticket["crc32"][2] ^= 1
+    with pytest.raises(TransferError, match=r"rollout role, rank 0, policy version 5: bucket 2"):
+        RayObjectTransport().receive(ticket)
 
 
 def test_transport_is_chosen_by_config_with_a_default_per_backend(tiny_config, tmp_path):

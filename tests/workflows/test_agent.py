@@ -259,15 +259,13 @@ def test_asynchronous_rollout_runs_the_server_on_the_rollout_side(agents, tiny_b
 
 
 @pytest.mark.slow
-def test_one_step_on_ray_trains_exactly_the_sampled_ids(agents, tiny_base, tmp_path):
+def test_one_step_on_ray_trains_exactly_the_sampled_ids(agents, tiny_base, tmp_path, shared_ray):
     """run.backend ray: the policy's worker (and its rollout engine) is a Ray actor; the server
     runs on the driver, beside the agents, and batches per engine call through the worker group
     (continuous batching needs the engine in the server's process)."""
-    ray = pytest.importorskip("ray")
     from groupflow.serve.batcher import DynamicBatcher
     from groupflow.trainer import Trainer
 
-    ray.shutdown()  # a fresh local instance sized for this run, whatever earlier tests left
     overrides = {"run.backend": "ray", "run.num_workers": 1, "run.total_steps": 1,
                  "validation.before_training": False}  # fmt: skip
     t = Trainer(_agent_config(tiny_base, tmp_path, **overrides))
@@ -283,7 +281,6 @@ def test_one_step_on_ray_trains_exactly_the_sampled_ids(agents, tiny_base, tmp_p
     finally:
         t.workflow.close()
         t.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -204,7 +204,7 @@ def test_bad_tools_and_environments_fail_at_start(tiny_config, helpers, override
 
 
 @pytest.mark.slow
-def test_multi_turn_on_a_ray_rollout_pool_matches_local(tiny_config):
+def test_multi_turn_on_a_ray_rollout_pool_matches_local(tiny_config, shared_ray):
     """Asynchronous (k = 1) multi-turn with tools: on Ray the rollout loop — model turns, tool
     calls, observations — runs in the rollout pool's actor, generation on its worker; locally in
     the child process. Same numbers."""
@@ -212,8 +212,6 @@ def test_multi_turn_on_a_ray_rollout_pool_matches_local(tiny_config):
     local = Trainer(tiny_config(run__name="local", **calc))
     local.fit()
     local.shutdown()
-    ray = pytest.importorskip("ray")
-    ray.shutdown()  # a fresh local instance sized for this run, whatever earlier tests left
     ray_run = Trainer(
         tiny_config(run__name="ray", run__backend="ray", run__num_workers=1,
                     placement__actor={"nodes": 1, "workers_per_node": 1, "cpus_per_worker": 0.5},

@@ -125,10 +125,7 @@ class Access(Protocol):
 
 
 class OpenAccess:
-    """``groupflow serve``: an optional API key, the request's own sampling, nothing recorded
-    (``records``: the server need not build the call's record)."""
-
-    records = False
+    """``groupflow serve``: an optional API key, the request's own sampling, nothing recorded."""
 
     def __init__(self, api_key: str | None = None):
         self.api_key = api_key
@@ -323,9 +320,8 @@ class ServerCore:
                 "logprobs": {"content": self._logprobs_content(c)} if req.logprobs else None,
                 "token_ids": c.ids, "token_logprobs": c.logprobs,
             })  # fmt: skip
-        if getattr(self.access, "records", True):  # groupflow serve's OpenAccess does not
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            self.access.record(key, CallRecord(prompt.ids, completions, messages, responses, calls))
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        self.access.record(key, CallRecord(prompt.ids, completions, messages, responses, calls))
         return {
             "id": f"chatcmpl-{_next_id()}", "object": "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": choices,

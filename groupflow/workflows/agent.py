@@ -157,13 +157,14 @@ class AgentLoop:
     def close(self, timeout_s: float = 10.0) -> None:
         """Bounded: an agent that blocks the loop (sync code in an ``async def``) must not hang
         the rollout side's shutdown; the thread is a daemon."""
+        if self._loop.is_closed():  # closed before
+            return
+        http, self.http = self.http, None
         try:
-            if self.http is not None:
-                self.run(self.http.aclose(), timeout_s)
+            if http is not None:
+                self.run(http.aclose(), timeout_s)
         except Exception as e:  # noqa: BLE001 - closing: a stuck or broken pool is let go
             log.debug("agent HTTP client not closed: %r", e)
-        if self._loop.is_closed():
-            return
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
         if not self._thread.is_alive():  # a loop still running (a stuck agent) cannot be closed

@@ -180,6 +180,9 @@ def main() -> None:
         action="store_true",
         help="every other conversation asks for 1/8 of --new-tokens per call",
     )
+    p.add_argument("--no-expected", action="store_true",
+                   help="the batcher does not know how many conversations are open (groupflow "
+                        "serve); default: it does, as in a training run (its open episodes)")  # fmt: skip
     p.add_argument("--batcher", choices=["continuous", "dynamic"], default="continuous",
                    help="the server's: continuous (the HF default) or per engine call")  # fmt: skip
     args = p.parse_args()
@@ -195,6 +198,9 @@ def main() -> None:
     else:
         batcher = DynamicBatcher(engine_generate(engine), max_batch_samples=max(args.concurrency))
     core = ServerCore(tok, batcher, SamplingParams(), model_name="m", limits=limits)
+    open_conversations = [1]
+    if not args.no_expected:  # a training run's batcher waits for each open episode's call
+        batcher.expected = lambda: open_conversations[0]
     server = ServerThread(build_app(core)).start()
     print(f"model: {name}; {args.batcher} batching, clients in a {args.clients}, "
           f"{'mixed' if args.mixed else 'equal'} lengths; {args.turns} calls per conversation, {args.new_tokens} new tokens per "
@@ -224,6 +230,7 @@ def main() -> None:
             secs, toks, ref = run_inprocess(engine, tok, k, args.turns, args.new_tokens, args.mixed)
             cpu_in, cpu = time.process_time() - cpu, time.process_time()
             rows["in"].append(toks / secs)
+            open_conversations[0] = k
             secs, toks, got, latencies = send(
                 (server.url, k, args.turns, args.new_tokens, False, args.mixed)
             )
@@ -232,6 +239,7 @@ def main() -> None:
             lat += latencies
             same &= got == ref
             if k > 1:
+                open_conversations[0] = 1
                 secs, toks, _, _ = send(
                     (server.url, k, args.turns, args.new_tokens, True, args.mixed)
                 )

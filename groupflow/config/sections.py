@@ -381,6 +381,9 @@ class ServeConfig(_Section):
     # requests join the running decode at its next step (the HF engine, on one local worker, for
     # Llama-family models); false, or any other engine: batched per engine call
     continuous_batching: bool = True
+    # continuous batching keeps finished calls' keys/values, up to this many tokens, so a call
+    # that continues a conversation prefills only its new turn (0: off; dropped on any update)
+    prefix_cache_tokens: int = Field(16384, ge=0)
     # false: the request's tools are not written into the prompt (a small model trained to call
     # them by the parser's format, e.g. the tag parser's <calc>...</calc>)
     describe_tools: bool = True

@@ -23,23 +23,35 @@ settings sample in their own ``_sample`` call over their rows of the same logits
 recorded log-prob is the same ``log_softmax(logits / T)`` of the sampled token as
 ``generate``'s. Padding changes only float summation order (as batched ``generate`` does).
 
+Prefix cache: an agent's next call re-sends its whole conversation — the previous call's prompt and
+completion, then the new turn — so by default a finished row's keys/values are kept (copied out of
+its slot, up to ``prefix_tokens`` tokens in all, least recently used dropped first) under the ids
+they encode, and a prompt that extends kept ids prefills only the rest (one forward over the kept
+keys/values, as vLLM's and SGLang's prefix caches do). Kept keys/values are only valid for the
+weights that computed them: each row notes the parameters' identity and version counters when it
+joins (an optimizer step, ``load_state_dict`` or a cast changes them), a row is kept only if they
+did not change while it decoded, and a change drops everything kept. A continued prompt's numbers
+differ from a full prefill's only in float summation order.
+
 Only models the static-cache path drives (``static_cache.unsupported_reason``: Llama-family, full
 attention) decode this way; the server falls back to request-level batching for the others.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
-from groupflow.models.causal_lm import output_cache, token_positions
+from groupflow.models.causal_lm import cache_kwarg, output_cache, token_positions
 from groupflow.rollout.hf import SamplingParams, _sample, _stop_window, left_pad
 from groupflow.rollout.static_cache import StaticDecoder, _kv, unsupported_reason
 
-__all__ = ["ContinuousDecoder", "Finished", "continuous_reason"]
+__all__ = ["ContinuousDecoder", "Finished", "continuous_reason", "weights_key"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +69,25 @@ class _Row:
     generator: torch.Generator
     position: int  # the position of the token fed next
     col: int  # the buffer column its key/value go to next
+    prompt: Sequence[int] = ()
+    weights: tuple = ()  # the model's weights_key when it joined
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A finished row's keys/values, per layer [H_kv, n, D], for the ``n`` tokens ``ids``."""
+
+    ids: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def weights_key(model: nn.Module) -> tuple:
+    """Changes whenever a parameter is written in place (its version counter), replaced or
+    moved: what kept keys/values were computed with."""
+    return tuple((id(p), p._version) for p in model.parameters())
 
 
 def continuous_reason(model: nn.Module) -> str | None:
@@ -72,15 +101,18 @@ class ContinuousDecoder:
     calls ``add`` and ``step``; both run in inference mode with the model in eval mode.
 
     ``max_rows``: the row slots the buffer grows to before it needs more (the batcher's
-    ``max_batch_samples``); ``release`` frees the buffer (an idle server)."""
+    ``max_batch_samples``); ``release`` frees the buffer (an idle server). ``prefix_tokens``:
+    the tokens of finished rows' keys/values kept for prompts that extend them (0: none)."""
 
     def __init__(self, model: nn.Module, tokenizer, *, eos_ids: Sequence[int], pad_id: int,
-                 max_rows: int = 64):  # fmt: skip
+                 max_rows: int = 64, prefix_tokens: int = 16384):  # fmt: skip
         reason = continuous_reason(model)
         if reason is not None:
             raise ValueError(f"continuous batching: {reason}")
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        if prefix_tokens < 0:
+            raise ValueError(f"prefix_tokens must be at least 0, got {prefix_tokens}")
         self.model, self.tokenizer, self.pad_id = model, tokenizer, pad_id
         self.eos = set(int(e) for e in eos_ids)
         self.max_rows = max_rows
@@ -95,6 +127,11 @@ class ContinuousDecoder:
         self.written = 0
         self.decoder: StaticDecoder | None = None  # over the live rows' views of the buffer
         self.pending: torch.Tensor | None = None  # [B] each row's last sampled token (fed next)
+        self.prefix_tokens = prefix_tokens
+        self.kept: OrderedDict[int, _Kept] = OrderedDict()  # least recently used first
+        self.kept_tokens = 0
+        self.kept_weights: tuple = ()  # the weights_key the kept keys/values belong to
+        self.reused_tokens = 0  # prompt tokens not prefilled thanks to the prefix cache
 
     @property
     def active(self) -> int:
@@ -117,14 +154,21 @@ class ContinuousDecoder:
         if any(p.stop for p in params) and self.tokenizer is None:
             raise ValueError("add: stop strings need a tokenizer")
         device = next(self.model.parameters()).device
-        ids, mask = left_pad(prompts, self.pad_id)
-        ids, mask = ids.to(device), mask.to(device)
+        weights = self._check_weights()
+        hits = [self._longest_kept(p) for p in prompts]
         with torch.inference_mode():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=token_positions(mask),
-                             use_cache=True, logits_to_keep=1)  # fmt: skip
+            if any(hits):
+                out, mask = self._prefill_after(prompts, hits, device)
+            else:
+                ids, mask = left_pad(prompts, self.pad_id)
+                ids, mask = ids.to(device), mask.to(device)
+                out = self.model(input_ids=ids, attention_mask=mask,
+                                 position_ids=token_positions(mask), use_cache=True,
+                                 logits_to_keep=1)  # fmt: skip
             width = mask.shape[1]
             rows = [
-                _Row(tag, p, torch.Generator().manual_seed(int(s)), len(prompt), width)
+                _Row(tag, p, torch.Generator().manual_seed(int(s)), len(prompt), width, prompt,
+                     weights)  # fmt: skip
                 for prompt, p, s, tag in zip(prompts, params, seeds, tags)
             ]  # fmt: skip
             tokens = self._sample(out.logits[:, -1], rows)
@@ -136,6 +180,73 @@ class ContinuousDecoder:
                            tokens[index])  # fmt: skip
         return progress, finished
 
+    # ----- the prefix cache -----------------------------------------------------------------------
+    def _check_weights(self) -> tuple:
+        """The model's ``weights_key``; kept keys/values of other weights are dropped."""
+        key = weights_key(self.model) if self.prefix_tokens else ()
+        if key != self.kept_weights:
+            self.kept.clear()
+            self.kept_tokens, self.kept_weights = 0, key
+        return key
+
+    def _longest_kept(self, prompt: Sequence[int]) -> _Kept | None:
+        """The kept entry whose ids are the longest proper prefix of ``prompt`` (at least one
+        token must be left to prefill: its logits give the first new token)."""
+        best = None
+        for name, kept in self.kept.items():
+            n = len(kept.ids)
+            if n < len(prompt) and (best is None or n > len(best[1].ids)):
+                if prompt[n - 1] == kept.ids[-1] and list(prompt[:n]) == kept.ids:
+                    best = (name, kept)
+        if best is None:
+            return None
+        self.kept.move_to_end(best[0])
+        return best[1]
+
+    def _prefill_after(self, prompts, hits: list[_Kept | None], device):
+        """Prefill each prompt's ids after its kept prefix (a row without one: all of them),
+        over the kept keys/values; the forward's output and the mask of its cache's columns
+        (the prefixes left-padded to the longest, then the rest left-padded likewise)."""
+        done = [0 if h is None else len(h.ids) for h in hits]
+        width = max(done)
+        cache = DynamicCache()
+        for i in range(len(self.model.model.layers)):
+            k, v = next((h.keys[i], h.values[i]) for h in hits if h is not None)
+            shape = (len(prompts), k.shape[0], width, k.shape[2])
+            keys, values = k.new_zeros(shape), v.new_zeros(shape)
+            for r, h in enumerate(hits):
+                if h is not None:
+                    keys[r, :, width - done[r] :] = h.keys[i]
+                    values[r, :, width - done[r] :] = h.values[i]
+            cache.update(keys, values, i)
+        rest, rest_mask = left_pad([p[n:] for p, n in zip(prompts, done)], self.pad_id)
+        before = torch.arange(width)[None, :] >= width - torch.tensor(done)[:, None]
+        mask = torch.cat([before.long(), rest_mask], dim=1).to(device)
+        rest_mask = rest_mask.to(device)
+        positions = torch.tensor(done, device=device)[:, None] + token_positions(rest_mask)
+        self.reused_tokens += sum(done)
+        out = self.model(input_ids=rest.to(device), attention_mask=mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1,
+                         **{cache_kwarg(self.model): cache})  # fmt: skip
+        return out, mask
+
+    def _keep(self, slot: int, row: _Row) -> None:
+        """Copy finished row ``slot``'s keys/values out of the buffer, dropping the least
+        recently used entries beyond ``prefix_tokens``."""
+        fed = [*row.prompt, *row.ids[:-1]]  # the last sampled token was never fed
+        if len(fed) > self.prefix_tokens:
+            return
+        cols = (~self.key_pad[slot, : row.col]).nonzero().squeeze(-1)
+        if len(cols) != len(fed):  # the columns a row attends are exactly its fed tokens
+            raise RuntimeError(f"prefix cache: {len(cols)} columns for {len(fed)} fed tokens")
+        kept = _Kept(fed, [k[slot].index_select(1, cols) for k in self.keys],
+                     [v[slot].index_select(1, cols) for v in self.values])  # fmt: skip
+        self.kept[id(kept)] = kept
+        self.kept_tokens += len(fed)
+        while self.kept_tokens > self.prefix_tokens:
+            _, old = self.kept.popitem(last=False)
+            self.kept_tokens -= len(old.ids)
+
     def reset(self) -> list[Hashable]:
         """Drop every row (after an error left the batch in an unknown state); their tags. The
         buffer stays (``release`` frees it)."""
@@ -144,10 +255,13 @@ class ContinuousDecoder:
         return tags
 
     def release(self) -> None:
-        """Free the buffer (no rows may be live); the next ``add`` allocates a new one."""
+        """Free the buffer and the kept prefixes (no rows may be live); the next ``add``
+        allocates a new one."""
         if self.rows:
             raise RuntimeError(f"release: {len(self.rows)} rows are decoding")
         self.keys, self.values, self.key_pad, self.written = [], [], None, 0
+        self.kept.clear()
+        self.kept_tokens = 0
 
     def _join(self, rows: list[_Row], cache, mask: torch.Tensor, index: torch.Tensor,
               tokens: torch.Tensor) -> None:  # fmt: skip
@@ -241,6 +355,12 @@ class ContinuousDecoder:
         progress = [(r.tag, t) for r, t in zip(rows, tokens.tolist())]
         finished, keep = self._advance(rows, tokens)
         if len(keep) < len(rows):
+            if self.prefix_tokens:
+                weights = self._check_weights()
+                with torch.inference_mode():
+                    for i in sorted(set(range(len(rows))) - set(keep)):
+                        if rows[i].weights == weights:  # else the model changed while it decoded
+                            self._keep(i, rows[i])
             self._leave(keep, tokens)
         else:
             self.pending = tokens

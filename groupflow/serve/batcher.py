@@ -101,17 +101,18 @@ def group_generate(group) -> GenerateFn:
 
 
 def group_batcher(
-    group, *, continuous: bool = True, **options
+    group, *, continuous: bool = True, prefix_tokens: int = 16384, **options
 ) -> DynamicBatcher | ContinuousBatcher:
     """The batcher for a policy's rollout group: continuous over the HF engine of a one-worker
-    local group whose model ``ContinuousDecoder`` supports (with ``continuous``), else per engine
-    call through ``group.generate`` (Ray, several workers, vLLM, other models)."""
+    local group whose model ``ContinuousDecoder`` supports (with ``continuous``; its prefix cache
+    keeps ``prefix_tokens``), else per engine call through ``group.generate`` (Ray, several
+    workers, vLLM, other models)."""
     engine = None
     if continuous and getattr(group, "backend", None) == "local" and group.world_size == 1:
         engine = getattr(group.local_worker(), "engine", None)
     if isinstance(engine, HFEngine) and continuous_reason(engine.model) is None:
         decoder = ContinuousDecoder(engine.model, engine.tokenizer, eos_ids=engine.eos_ids,
-                                    pad_id=engine.pad_id)  # fmt: skip
+                                    pad_id=engine.pad_id, prefix_tokens=prefix_tokens)  # fmt: skip
         return ContinuousBatcher(decoder, **options)
     return DynamicBatcher(group_generate(group), **options)
 
@@ -147,6 +148,7 @@ class DynamicBatcher:
         self.engine_calls = 0
         self.samples = 0
         self.engine_seconds = 0.0  # wall time inside the engine (the rest is HTTP and clients)
+        self.reused_tokens = 0  # no prefix cache of its own (an engine may keep one: vLLM's)
 
     @property
     def pending_samples(self) -> int:
@@ -243,19 +245,24 @@ async def _gather(batcher) -> None:
     they keep coming — until ``wait_s`` passes without one, the batch is full, or
     ``10 × wait_s`` in all. With ``expected`` (a training run: its open episodes, each of
     which will send a request), until that many are queued, or ``4 × wait_s`` without a new
-    one, or ``20 × wait_s``."""
+    one, or ``20 × wait_s``. Each arrival wakes the wait (``submit`` sets ``_wake``), so the
+    batch starts as soon as it is complete, not at the next poll."""
     b = batcher
     quiet, limit = (4, 20) if b.expected is not None else (1, 10)
-    waited, since = 0.0, 0.0
-    seen = b.pending_samples
-    while waited < limit * b.wait_s and since < quiet * b.wait_s:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit * b.wait_s
+    while True:
         pending = b.pending_samples
         if pending >= b.max_batch_samples or (b.expected is not None and pending >= b.expected()):
             return
-        await asyncio.sleep(b.wait_s)
-        waited += b.wait_s
-        since = 0.0 if b.pending_samples != seen else since + b.wait_s
-        seen = b.pending_samples
+        timeout = min(quiet * b.wait_s, deadline - loop.time())
+        if timeout <= 0:
+            return
+        b._wake.clear()  # nothing arrives between the count above and this (one event loop)
+        try:
+            await asyncio.wait_for(b._wake.wait(), timeout)
+        except TimeoutError:
+            return
 
 
 class ContinuousBatcher:
@@ -265,7 +272,8 @@ class ContinuousBatcher:
     An idle decoder waits for a burst of requests as ``DynamicBatcher`` does (one prefill for
     all of them); a busy one takes every request that arrived during a step into the next one.
     ``engine_calls`` counts prefills (the times requests joined), ``samples`` the samples
-    decoded, ``engine_seconds`` the decode thread's busy time. The decoder's row slots grow to
+    decoded, ``engine_seconds`` the decode thread's busy time, ``reused_tokens`` the prompt
+    tokens the decoder's prefix cache spared. The decoder's row slots grow to
     ``max_batch_samples``; its buffer is freed after ``release_s`` without a request (kept
     between an agent's calls, given back while a trainer updates the model)."""
 
@@ -294,6 +302,11 @@ class ContinuousBatcher:
     @property
     def pending_samples(self) -> int:
         return sum(len(p.prompts) for p in (*self._queue, *self._inbox))
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens the decoder's prefix cache spared prefilling."""
+        return self.decoder.reused_tokens
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
                      listener: Listener | None = None) -> list[Completion]:  # fmt: skip

@@ -45,7 +45,8 @@ def server_core(cfg: Config, tokenizer, rollout, defaults: SamplingParams,
         max_pending_samples=s.max_pending_samples,
     )  # fmt: skip
     batcher = group_batcher(
-        rollout, continuous=s.continuous_batching, max_batch_samples=s.max_batch_samples,
+        rollout, continuous=s.continuous_batching, prefix_tokens=s.prefix_cache_tokens,
+        max_batch_samples=s.max_batch_samples,
         max_pending_samples=s.max_pending_samples, wait_s=s.batch_wait_ms / 1000,
     )  # fmt: skip
     return ServerCore(

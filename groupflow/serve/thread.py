@@ -3,7 +3,10 @@
 Design decision: the server gets its own thread and event loop, so agent code running on the
 driver's loop (user code that may block) can never stall request handling, and the socket is
 bound before the thread starts — port 0 picks a free port with no race, and the URL is known
-when ``start`` returns.
+when ``start`` returns. The socket is made with ``IPPROTO_TCP`` explicitly: asyncio turns Nagle's
+algorithm off (``TCP_NODELAY``) only on sockets whose protocol says TCP, and with it on, a
+response's body (written after its headers) waited for the client's delayed ACK — 40 ms per
+call on Linux whenever the client had nothing to send back.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def check_bind(host: str, api_key: str | None) -> None:
 class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]

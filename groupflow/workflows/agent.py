@@ -297,6 +297,7 @@ class AgentWorkflow:
         overrides = self.server.recorder.overrides
         batcher = self.server.core.batcher
         calls, samples, seconds = batcher.engine_calls, batcher.samples, batcher.engine_seconds
+        reused = batcher.reused_tokens
         self.run(episodes, params)
         rewards, reward_metrics = self.rewards(episodes)
         batch, counts = self.samples_batch(episodes, rewards, f"{step}-{round_}", version)
@@ -312,6 +313,8 @@ class AgentWorkflow:
             engine_calls, 1
         )
         metrics["time/agent_engine"] = batcher.engine_seconds - seconds
+        # prompt tokens a continued conversation did not prefill again (serve.prefix_cache_tokens)
+        metrics["rollout/agent/prefix_cached_tokens"] = float(batcher.reused_tokens - reused)
         return validate(batch, self.contracts["rewarded"]), metrics
 
     def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:

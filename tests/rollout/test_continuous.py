@@ -1,8 +1,10 @@
 """The continuous decoder: rows that join a running decode at different steps, with different
 sampling settings, sample exactly what ``generate`` samples for each of them alone; finished rows
 leave; joins write into the preallocated row slots (the buffer is not reallocated or copied);
-unsupported models and malformed calls are refused."""
+a prompt that continues a finished row prefills only what is new (the prefix cache), never with
+keys/values of other weights; unsupported models and malformed calls are refused."""
 
+import copy
 import string
 
 import pytest
@@ -179,4 +181,87 @@ def test_unsupported_models_and_bad_calls_are_refused(tiny):
         d.add([[5, 6]], [SamplingParams()], [1, 2], ["a"])
     with pytest.raises(ValueError, match="max_rows"):
         ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id, max_rows=0)
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id, prefix_tokens=-1)
     assert d.step() == ([], [])  # nothing to decode
+
+
+def _finish(d, joins) -> dict:
+    """Each join ``(prompts, params, seeds, tags)`` two steps after the previous one; every row
+    decoded to its end."""
+    got = {}
+    for k, (prompts, params, seeds, tags) in enumerate(joins):
+        got.update({f.tag: f for f in d.add(prompts, params, seeds, tags)[1]})
+        for _ in range(2 if k + 1 < len(joins) else 0):
+            got.update({f.tag: f for f in d.step()[1]})
+    while d.active:
+        got.update({f.tag: f for f in d.step()[1]})
+    return got
+
+
+def test_a_continued_conversation_prefills_only_its_new_turn(tiny):
+    model, tok = tiny
+    prompts = [tok(t)["input_ids"] for t in ["first question", "ab", "a third one"]]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=m) for m in (9, 14, 6, 11)]
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    got = _finish(
+        d, [(prompts[:1], params[:1], [0], [0]), (prompts[1:], params[1:3], [1, 2], [1, 2])]
+    )
+    assert d.reused_tokens == 0 and len(d.kept) == 3
+    turn = tok(" and then")["input_ids"]
+    more = [prompts[i] + got[i].ids + turn for i in range(3)] + [tok("fresh")["input_ids"]]
+    # joins that mix a continued row with a fresh one, and prefixes of different lengths
+    again = _finish(d, [([more[0], more[3]], [params[0], params[3]], [10, 13], [0, 3]),
+                        (more[1:3], params[1:3], [11, 12], [1, 2])])  # fmt: skip
+    # every continued row skipped its fed tokens: the prompt and all its sampled ids but the last
+    assert d.reused_tokens == sum(len(prompts[i]) + len(got[i].ids) - 1 for i in range(3))
+    for i, seed in enumerate([10, 11, 12, 13]):
+        ids, lps, finish = _alone(model, tok, more[i], params[i], seed, [])
+        assert again[i].ids == ids and again[i].finish == finish, i
+        assert again[i].logprobs == pytest.approx(lps, abs=1e-5)
+
+
+def test_kept_keys_of_other_weights_are_never_used(tiny):
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    prompt = tok("hello")["input_ids"]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+    first = _finish(d, [([prompt], [params], [0], [0])])[0]
+    assert len(d.kept) == 1
+    with torch.no_grad():  # an optimizer step writes the weights in place
+        model.lm_head.weight.mul_(1.5)
+    more = prompt + first.ids + tok(" more")["input_ids"]
+    got = _finish(d, [([more], [params], [1], [1])])[1]
+    assert d.reused_tokens == 0  # the kept keys were computed by the old weights
+    ids, lps, _ = _alone(model, tok, more, params, 1, [])
+    assert got.ids == ids and got.logprobs == pytest.approx(lps, abs=1e-5)
+    # a row whose weights change while it decodes is not kept either
+    d.release()
+    d.add([prompt], [params], [2], [2])
+    d.step()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(0.01)
+    while d.active:
+        d.step()
+    assert len(d.kept) == 0
+
+
+def test_the_prefix_cache_keeps_the_most_recently_used_within_its_budget(tiny):
+    model, tok = tiny
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    prompts = [tok(t)["input_ids"] for t in ["abcdef", "ghijkl", "mnopqr"]]  # 6 + 4 fed each
+    d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id, prefix_tokens=25)
+    got = {}
+    for i in range(3):  # one after another: the first is the least recently used
+        got.update(_finish(d, [([prompts[i]], [params], [i], [i])]))
+    assert [k.ids for k in d.kept.values()] == [prompts[i] + got[i].ids[:-1] for i in (1, 2)]
+    assert d.kept_tokens == 20
+    one = SamplingParams(temperature=1.0, max_new_tokens=1)  # done at its first token: not kept
+    _finish(d, [([prompts[0] + got[0].ids + [5]], [one], [7], [7])])
+    assert d.reused_tokens == 0  # evicted
+    _finish(d, [([prompts[1] + got[1].ids + [5]], [one], [8], [8])])
+    assert d.reused_tokens == 10
+    assert [k.ids[0] for k in d.kept.values()] == [prompts[2][0], prompts[1][0]]  # used: last
+    off = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id, prefix_tokens=0)
+    _finish(off, [([prompts[0]], [params], [0], [0])])
+    assert len(off.kept) == 0

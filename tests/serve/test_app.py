@@ -4,6 +4,8 @@ responses carry (equal to the engine's own for the same seed), streaming, 4xx er
 field, the limits, the API key, and concurrent requests sharing engine calls."""
 
 import asyncio
+import os
+import socket
 import string
 
 import httpx
@@ -72,6 +74,42 @@ def test_models_and_chat_carry_the_sampled_ids_and_logprobs(served):
     assert [t.logprob for t in choice.logprobs.content] == pytest.approx(lps)
     assert r.usage.completion_tokens == len(ids) and r.usage.prompt_tokens == len(prompt)
     assert choice.message.content == tok.decode(ids, skip_special_tokens=True)
+
+
+def _server_side_sockets(port: int) -> list[socket.socket]:
+    """This process's accepted connections on ``port`` (the server's ends, not the listener)."""
+    found = []
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getsockname()[1] == port:
+                s.getpeername()  # the listener has no peer (OSError)
+                found.append(s)
+                continue
+        except (OSError, IndexError, TypeError):
+            pass
+        s.close()
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists sockets through /proc")
+def test_the_servers_connections_send_without_nagle_delays(served):
+    """With Nagle's algorithm on, a response body written after its headers waited for the
+    client's delayed ACK (40 ms a call on Linux): every accepted connection has TCP_NODELAY."""
+    server = served[0]
+    client = _client(server)
+    client.models.list()  # a kept-alive connection
+    conns = _server_side_sockets(server.port)
+    try:
+        assert conns
+        assert all(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in conns)
+    finally:
+        for c in conns:
+            c.close()
+        client.close()
 
 
 def test_completions_take_token_ids_and_return_n_choices(served):

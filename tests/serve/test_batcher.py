@@ -12,8 +12,9 @@ import torch
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.rollout.continuous import ContinuousDecoder
+from groupflow.rollout.engine import HF
 from groupflow.rollout.hf import SamplingParams, generate
-from groupflow.serve.batcher import ContinuousBatcher
+from groupflow.serve.batcher import ContinuousBatcher, DynamicBatcher, engine_generate
 
 TIMEOUT_S = 60
 
@@ -70,6 +71,33 @@ def test_a_request_joins_a_running_decode_and_leaves_before_it(tiny):
         assert c.ids == ids and c.logprobs == pytest.approx(lps, abs=1e-5)
         assert c.finish == "length"
     assert streamed == long[0].ids
+
+
+@pytest.mark.parametrize("kind", ["continuous", "dynamic"])
+def test_an_idle_batcher_starts_as_soon_as_every_expected_request_is_queued(tiny, kind):
+    model, tok = tiny
+    if kind == "continuous":
+        decoder = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+        batcher = ContinuousBatcher(decoder, wait_s=TIMEOUT_S)
+    else:
+        engine = HF.build(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
+        batcher = DynamicBatcher(engine_generate(engine), wait_s=TIMEOUT_S)
+    batcher.expected = lambda: 2  # a training run's two open episodes
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+
+    async def main():
+        first = asyncio.ensure_future(batcher.submit([[5, 6]], params, [1]))
+        await asyncio.sleep(0.05)  # the second call comes a moment later
+        second = batcher.submit([[7]], params, [2])
+        # each arrival wakes the wait: nothing waits out wait_s (a minute) once both are queued
+        return await asyncio.wait_for(asyncio.gather(first, second), TIMEOUT_S / 4)
+
+    try:
+        done = asyncio.run(main())
+    finally:
+        batcher.close()
+    assert [len(c.ids) for (c,) in done] == [3, 3]
+    assert batcher.engine_calls == 1 and batcher.samples == 2  # one prefill for both
 
 
 def test_an_engine_error_reaches_its_request_and_the_batcher_goes_on(tiny):

@@ -87,6 +87,14 @@ def test_a_continued_conversation_is_one_sample_of_exactly_the_sampled_tokens(tr
     _check_trained_equals_seen(batch, agents.SEEN, n_episodes)
     _check_training_forward(trainer, batch)
     assert torch.equal(batch["rewards"], batch["rewards"].clamp(0, 1))  # the agents' 0/1 values
+    # each second call prefilled only its new turn: its first call's prompt and sampled ids but
+    # the last (never fed) came from the prefix cache (a one-token answer is never decoded on)
+    heads = [s["prompt_ids"] + s["ids"] for s in agents.SEEN]
+    continued = [h for h in heads if any(s["prompt_ids"][: len(h)] == h for s in agents.SEEN)]
+    assert len(continued) == n_episodes
+    assert m["rollout/agent/prefix_cached_tokens"] == sum(
+        len(h) - 1 for h, s in zip(heads, agents.SEEN) if h in continued and len(s["ids"]) > 1
+    )
 
 
 def _check_trained_equals_seen(batch, seen, n_episodes):

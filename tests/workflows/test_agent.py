@@ -18,6 +18,9 @@ from groupflow.policies.llm import model_inputs
 openai = pytest.importorskip("openai", reason="needs the openai package (pip install openai)")
 
 TESTS = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+# The Ray tests here reserve 1 logical CPU (one worker, or a half-CPU actor and pool worker):
+# shared_ray reuses an instance of 3, what a run here starts on 2 cores (pool_ray's first run)
+RAY_CPUS = 3
 
 
 def _agent_config(tiny_base, out, **overrides):

@@ -110,6 +110,12 @@ def messages_reward(prompts, completions, messages, agent_calls, **_):
     return [float(len(m)) + 10 * c for m, c in zip(messages, agent_calls)]
 
 
+def varying_reward(prompts, completions, **_):
+    """A deterministic value in [0, 1) that differs between (almost all) distinct completions: a
+    group whose episodes answered differently carries a signal even where none is right."""
+    return [(sum(map(ord, c)) % 101) / 100 for c in completions]
+
+
 # ----- agent frameworks (imported inside: the tests skip where a package is missing) -------------
 CALC_QUESTION = "2+3"
 INSTRUCTIONS = "You are a calculator agent."

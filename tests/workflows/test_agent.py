@@ -5,6 +5,7 @@ forward's log-probs equal the sampling log-probs; calls merge into one sample wh
 conversation continues, split (sharing the episode's advantage) when it was edited; failing
 agents get reward.failure_value, counted per kind; config errors name the key."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from groupflow.policies.llm import model_inputs
 openai = pytest.importorskip("openai", reason="needs the openai package (pip install openai)")
 
 TESTS = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+# The Ray tests here reserve 1 logical CPU (one worker, or a half-CPU actor and pool worker):
+# shared_ray reuses an instance of 3, what a run here starts on 2 cores (pool_ray's first run)
+RAY_CPUS = 3
 
 
 def _agent_config(tiny_base, out, **overrides):
@@ -397,6 +401,76 @@ def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
             assert torch.allclose(forward[mask], batch["rollout_logprobs"][mask], atol=atol)
     # synchronous: both batches are the current version's; asynchronous: the first one
     assert sum(f is not None for _, f in trained) == (1 if staleness else 2)
+
+
+_TIME = ("time/", "perf/", "wall_time")  # how fast, not what was computed (as the other
+# resume tests: tests/test_trainer.py, tests/test_async_rollout.py)
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    """Keys (timings aside) whose values differ between two metric rows (NaN equals NaN)."""
+    keys = {k for k in a.keys() | b.keys() if not k.startswith(_TIME)}
+    return sorted(k for k in keys if not (a.get(k) == b.get(k) or (
+        isinstance(a.get(k), float) and math.isnan(a[k]) and math.isnan(b.get(k, 0.0)))))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_calc_agent_on_a_ray_rollout_pool_warm_starts_and_resumes_exactly(
+    tiny_base, tmp_path, shared_ray
+):
+    """The example calc agent on Ray with a rollout pool, a 2-step SFT warm start and
+    max_staleness 1 (the server and the episodes in the pool's loop actor): 2 steps straight
+    equal 1 step, a stop, and a resume from its checkpoint (a fresh trainer and fresh actors) to
+    2 steps — every metric but timings, the final validation and the final weights included.
+    Versions never pass through the driver. (max_staleness 0 resumes through the driver's
+    synchronous source; one case keeps the test's cost down.)"""
+    from groupflow.checkpoint import load_checkpoint
+    from groupflow.run_files import read_metrics
+    from groupflow.trainer import Trainer
+
+    agent = Path(__file__).resolve().parents[2] / "examples/agents/calc_agent.py"
+
+    def run(name: str, steps: int, resume: str = "never") -> dict[int, dict]:
+        cfg = _agent_config(tiny_base, tmp_path, **{
+            "run.name": name, "run.total_steps": steps, "run.save_every": 1,
+            "run.resume": resume, "rollout.agent": f"{agent}:calc_agent",
+            "rollout.stop": ["</calc>"], "rollout.max_new_tokens": 16,
+            "sft.target_field": "demo", "sft.steps": 2, "rollout.agent_timeout_s": 30,
+            "rollout.agent_reward": "both",  # the agent's 0/1 answer check, plus a value that
+            # differs between answers: an untrained model is never right, and zero-signal
+            # steps, which skip the update, would hide a resume that trained wrong
+            "reward.functions": [{"function": f"{TESTS}/serve_agents.py:varying_reward"}],
+            "run.backend": "ray", "run.num_workers": 1, "rollout.max_staleness": 1,
+            "placement.actor": {"nodes": 1, "workers_per_node": 1, "cpus_per_worker": 0.5},
+            "placement.rollout": {"workers_per_node": 1, "cpus_per_worker": 0.5},
+        })  # fmt: skip
+        t = Trainer(cfg)
+        try:
+            t.fit()
+        finally:
+            t.shutdown()
+        return {int(r["step"]): r for r in read_metrics(tmp_path / name)}
+
+    full = run("full", 2)
+    part = run("part", 1)
+    assert sorted(part) == [0, 1]
+    resumed = run("part", 2, resume="auto")
+    assert sorted(full) == sorted(resumed) == [0, 1, 2]
+    for rows in (full, resumed):
+        assert rows[0]["sft/steps"] == 2 and math.isfinite(rows[0]["sft/loss"])  # warm start ran
+        assert [rows[s]["weights/bytes_via_driver"] for s in (1, 2)] == [0.0, 0.0]
+        assert [rows[s]["rollout/agent/failures"] for s in (1, 2)] == [0.0, 0.0]
+    assert resumed[2]["async/staleness"] == 1.0  # step 2 trained on version 1's batch
+    assert all(rows[s]["actor/grad_norm"] > 0 for rows in (full, resumed) for s in (1, 2))
+    assert "val/greedy/acc" in resumed[2] and "actor/pg_loss" in resumed[2]
+    assert {s: _differing(full[s], resumed[s]) for s in (0, 2)} == {0: [], 2: []}
+    # step 1 of the stopped run also validated, as the last step of a run does
+    assert [k for k in _differing(full[1], resumed[1]) if not k.startswith("val/")] == []
+    # and what step 2's update made (its logged metrics are measured before it)
+    a, b = (
+        load_checkpoint(tmp_path / n / "checkpoints" / "step_2")["model"] for n in ("full", "part")
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

@@ -10,7 +10,11 @@ Methodology:
 - **server**: a server in a thread of the same process (uvicorn on 127.0.0.1, the continuous
   batcher — ``--batcher dynamic``: per engine call —, ``ServerCore``) and K concurrent ``openai.AsyncOpenAI`` clients sending
   ``/v1/chat/completions`` requests, each conversation continuing on the ids the server sampled.
-  Per-call latency (mean, p90) is measured at the client.
+  The agents share one event loop and one HTTP client (``workflows.agent.shared_http_client``)
+  kept for the whole benchmark, as a training run's episodes do, and the batcher knows how many
+  conversations are open, as a training run's knows its episodes (``--no-expected``: it does
+  not, as ``groupflow serve`` for outside clients). Per-call latency (mean, p90) is measured at
+  the client.
 - **server, sequential**: the same K conversations sent one after another (what a server without
   a batcher would do), for K > 1.
 - CPU ratio: the in-process engine's CPU time over the server process's for the same tokens
@@ -20,6 +24,10 @@ Methodology:
   turn's one ``generate`` call still decodes all rows to the longest; a short call through the
   continuous batcher leaves early, through the per-call one it waits for its call to end).
 - ``--clients process`` runs the K agents in another process (an agent outside the trainer).
+- **ceiling**: the same agents answered by a server that costs nothing (the canned answers, in
+  memory, through ``httpx2.MockTransport``: no HTTP, no decoding). Conversations in lockstep
+  wait for their agents between turns, so in-process seconds / (in-process + the agents'
+  seconds) is the best ratio any server could reach with these agents on this model.
 - The same prompts and seeds, so both paths decode the same tokens (checked: the completion
   token ids must match, else the run says so); reported are completion tokens/s and the
   server/in-process ratio. Variants alternate in ``--reps`` rounds and the median is kept, so the
@@ -37,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import math
 import multiprocessing
 import os
@@ -52,6 +61,7 @@ from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.app import ServeLimits, ServerCore, build_app
 from groupflow.serve.batcher import ContinuousBatcher, DynamicBatcher, engine_generate
 from groupflow.serve.thread import ServerThread
+from groupflow.workflows.agent import shared_http_client
 
 
 def _load(model_dir: str | None):
@@ -88,8 +98,10 @@ def _limit(i: int, new_tokens: int, mixed: bool) -> int:
 
 
 def run_inprocess(engine, tok, k: int, turns: int, new_tokens: int,
-                  mixed: bool = False) -> tuple[float, int, list]:  # fmt: skip
-    """The K conversations, each turn of all K in one generate call (no EOS stop)."""
+                  mixed: bool = False) -> tuple[float, int, list, list]:  # fmt: skip
+    """The K conversations, each turn of all K in one generate call (no EOS stop): seconds,
+    tokens, and each call's sampled ids and prompt ids (turn by turn, conversation by
+    conversation)."""
     contexts = [
         tok.apply_chat_template(
             [{"role": "user", "content": _question(i)}], tokenize=False, add_generation_prompt=True
@@ -98,9 +110,10 @@ def run_inprocess(engine, tok, k: int, turns: int, new_tokens: int,
     ]
     ids = [tok(c, add_special_tokens=False)["input_ids"] for c in contexts]
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-    tokens, sampled = 0, []
+    tokens, sampled, prompts = 0, [], []
     start = time.perf_counter()
     for t in range(turns):
+        prompts += ids
         out = engine.generate(ids, params, seeds=[_seed(i, t) for i in range(k)])
         new = []
         for i in range(k):
@@ -111,7 +124,56 @@ def run_inprocess(engine, tok, k: int, turns: int, new_tokens: int,
             if t + 1 < turns:  # the server's continuation: the template's turns after ours
                 new.append(ids[i] + got + _follow_up(tok, got))
         ids = new
-    return time.perf_counter() - start, tokens, sampled
+    return time.perf_counter() - start, tokens, sampled, prompts
+
+
+def canned_answers(tok, k: int, turns: int, sampled: list, prompts: list) -> dict[int, bytes]:
+    """The server's answer to every call of the K conversations (its fields and sizes: text,
+    token ids, log-probs, prompt ids), by the call's seed: what a server that costs nothing
+    would send back."""
+    out = {}
+    for t in range(turns):
+        for i in range(k):
+            ids, prompt = sampled[t * k + i], prompts[t * k + i]
+            choice = {"index": 0, "finish_reason": "length", "logprobs": None, "token_ids": ids,
+                      "token_logprobs": [-1.0] * len(ids),
+                      "message": {"role": "assistant", "content": tok.decode(ids)}}  # fmt: skip
+            out[_seed(i, t)] = json.dumps({
+                "id": f"c{i}-{t}", "object": "chat.completion", "created": 0, "model": "m",
+                "choices": [choice], "prompt_token_ids": prompt,
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                          "total_tokens": len(prompt) + len(ids)},
+            }).encode()  # fmt: skip
+    return out
+
+
+def run_free_server(answers: dict[int, bytes], k: int, turns: int, new_tokens: int,
+                    mixed: bool = False) -> float:  # fmt: skip
+    """Seconds for the K conversations' agents alone: the same ``openai`` client calls answered
+    at once, in memory, with no HTTP (``httpx2.MockTransport``) — a server that costs nothing.
+    With conversations in lockstep the agents' time adds to decoding, so in-process seconds /
+    (in-process + these) is the best ratio any server can reach with these agents."""
+    import httpx2
+    import openai
+
+    def answer(request):
+        seed = json.loads(request.content)["seed"]
+        return httpx2.Response(200, content=answers[seed],
+                               headers={"content-type": "application/json"})  # fmt: skip
+
+    async def main():
+        http = openai.DefaultAsyncHttpxClient(transport=httpx2.MockTransport(answer))
+        client = openai.AsyncOpenAI(base_url="http://free/v1", api_key="x", max_retries=0,
+                                    http_client=http)  # fmt: skip
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(_conversation(client, i, turns, new_tokens, [], mixed) for i in range(k))
+        )
+        seconds = time.perf_counter() - start
+        await http.aclose()
+        return seconds
+
+    return asyncio.run(main())
 
 
 def _follow_up(tok, sampled: list[int]) -> list[int]:
@@ -137,14 +199,25 @@ async def _conversation(client, i: int, turns: int, new_tokens: int, latencies: 
     return sampled
 
 
+_CLIENT: dict = {}  # per process: one event loop and one client, kept between runs
+
+
 def run_server(url: str, k: int, turns: int, new_tokens: int, sequential: bool,
                mixed: bool = False):  # fmt: skip
+    """The K conversations through the server. The event loop, the client and its connections
+    live as long as the process, as a training run's agents share one loop and one HTTP client
+    across episodes and steps (``workflows.agent.AgentLoop``): no run pays connection set-up."""
     import openai
 
-    async def main():
-        http = openai.DefaultAsyncHttpxClient()
+    if _CLIENT.get("url") != url:
+        loop = asyncio.new_event_loop()
+        http = shared_http_client(600)  # the training run's agents' transport
         client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=600,
                                     http_client=http)  # fmt: skip
+        _CLIENT.update(url=url, loop=loop, client=client, http=http)
+    client, loop = _CLIENT["client"], _CLIENT["loop"]
+
+    async def main():
         latencies: list[float] = []
         start = time.perf_counter()
         if sequential:
@@ -154,14 +227,19 @@ def run_server(url: str, k: int, turns: int, new_tokens: int, sequential: bool,
             convs = await asyncio.gather(
                 *(_conversation(client, i, turns, new_tokens, latencies, mixed) for i in range(k))
             )
-        seconds = time.perf_counter() - start
-        await http.aclose()
-        return seconds, convs, latencies
+        return time.perf_counter() - start, convs, latencies
 
-    seconds, convs, latencies = asyncio.run(main())
+    seconds, convs, latencies = loop.run_until_complete(main())
     # the same order as the in-process run: turn by turn, conversation by conversation
     sampled = [convs[i][t] for t in range(turns) for i in range(k)]
     return seconds, sum(len(s) for s in sampled), sampled, latencies
+
+
+def close_client() -> None:
+    if _CLIENT:
+        _CLIENT["loop"].run_until_complete(_CLIENT["http"].aclose())
+        _CLIENT["loop"].close()
+        _CLIENT.clear()
 
 
 def main() -> None:
@@ -209,27 +287,36 @@ def main() -> None:
     if args.clients == "process":  # the agents' CPU off the server's process (and its GIL)
         pool = multiprocessing.get_context("spawn").Pool(1)
         send = functools.partial(pool.apply, run_server)
+        free = functools.partial(pool.apply, run_free_server)
     else:
 
         def send(a):
             return run_server(*a)
 
-    run_inprocess(engine, tok, 2, 1, 4)  # warm-up
-    send((server.url, 2, 1, 4, False))
+        def free(a):
+            return run_free_server(*a)
+
+    ref, prompts = run_inprocess(engine, tok, 2, 1, 4)[2:]  # warm-up
+    free((canned_answers(tok, 2, 1, ref, prompts), 2, 1, 4))
+    send((server.url, max(args.concurrency), 1, 4, False))  # every connection opened
     header = (f"{'conversations':>13} | {'in-process tok/s':>16} | {'server tok/s':>12} | "
               f"{'ratio':>5} | {'latency mean/p90 s':>18} | {'sequential tok/s':>16} | "
-              f"{'batched/seq':>11} | {'CPU ratio':>9}")  # fmt: skip
+              f"{'batched/seq':>11} | {'CPU ratio':>9} | {'ceiling':>7}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for k in args.concurrency:
-        rows = {"in": [], "srv": [], "seq": [], "cpu": []}
+        rows = {"in": [], "srv": [], "seq": [], "cpu": [], "ceiling": []}
         lat: list[float] = []
         same = True
         for _ in range(args.reps):
             cpu = time.process_time()
-            secs, toks, ref = run_inprocess(engine, tok, k, args.turns, args.new_tokens, args.mixed)
+            secs, toks, ref, prompts = run_inprocess(engine, tok, k, args.turns, args.new_tokens,
+                                                     args.mixed)  # fmt: skip
             cpu_in, cpu = time.process_time() - cpu, time.process_time()
             rows["in"].append(toks / secs)
+            answers = canned_answers(tok, k, args.turns, ref, prompts)
+            agents = free((answers, k, args.turns, args.new_tokens, args.mixed))
+            rows["ceiling"].append(secs / (secs + agents))
             open_conversations[0] = k
             secs, toks, got, latencies = send(
                 (server.url, k, args.turns, args.new_tokens, False, args.mixed)
@@ -248,10 +335,13 @@ def main() -> None:
         p90 = sorted(lat)[max(0, math.ceil(0.9 * len(lat)) - 1)]  # nearest rank
         print(f"{k:>13} | {med['in']:>16.0f} | {med['srv']:>12.0f} | "
               f"{med['srv'] / med['in']:>5.2f} | {statistics.mean(lat):>8.3f} / {p90:<7.3f} | "
-              f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f} | {med['cpu']:>9.2f}"
+              f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f} | {med['cpu']:>9.2f} | "
+              f"{med['ceiling']:>7.2f}"
               + ("" if same else "  (tokens differ from in-process!)"))  # fmt: skip
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    close_client()
     if pool is not None:
+        pool.apply(close_client)
         pool.close()
         pool.join()
     server.stop()

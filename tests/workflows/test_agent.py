@@ -529,3 +529,21 @@ def test_the_agent_loop_closes_its_event_loop_and_a_stuck_agent_cannot_hang_the_
 
 async def _answer():
     return 42
+
+
+def test_the_agents_share_an_aiohttp_client_and_fall_back_to_httpx(monkeypatch):
+    """aiohttp's transport where installed (less CPU per call); without it, openai's httpx one."""
+    from groupflow.workflows.agent import shared_http_client
+
+    pytest.importorskip("aiohttp", reason="needs aiohttp (the serve extra)")
+    aio = shared_http_client(5)
+    assert type(aio._transport).__name__ == "AiohttpTransport"
+
+    def missing(**_):
+        raise RuntimeError("To use the aiohttp client you must have installed the package")
+
+    monkeypatch.setattr(openai, "DefaultAioHttpClient", missing)
+    plain = shared_http_client(5)
+    assert isinstance(plain, openai.DefaultAsyncHttpxClient)
+    assert type(plain._transport).__name__ != "AiohttpTransport"
+    assert plain.timeout.read == 5

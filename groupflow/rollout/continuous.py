@@ -28,8 +28,8 @@ completion, then the new turn — so by default a finished row's keys/values are
 its slot, up to ``prefix_tokens`` tokens in all, least recently used dropped first) under the ids
 they encode, and a prompt that extends kept ids prefills only the rest (one forward over the kept
 keys/values, as vLLM's and SGLang's prefix caches do). Kept keys/values are only valid for the
-weights that computed them: each row notes the parameters' identity and version counters when it
-joins (an optimizer step, ``load_state_dict`` or a cast changes them), a row is kept only if they
+weights that computed them: each row notes the parameters' identity, storage and version counters
+when it joins (an optimizer step, ``load_state_dict`` or a cast changes them), a row is kept only if they
 did not change while it decoded, and a change drops everything kept. A continued prompt's numbers
 differ from a full prefill's only in float summation order.
 
@@ -85,9 +85,10 @@ class _Kept:
 
 
 def weights_key(model: nn.Module) -> tuple:
-    """Changes whenever a parameter is written in place (its version counter), replaced or
-    moved: what kept keys/values were computed with."""
-    return tuple((id(p), p._version) for p in model.parameters())
+    """Changes whenever a parameter is written in place (its version counter), replaced, moved
+    or cast (its storage; ``module.to`` swaps ``.data`` without a version bump): what kept
+    keys/values were computed with."""
+    return tuple((id(p), p.data_ptr(), p._version) for p in model.parameters())
 
 
 def continuous_reason(model: nn.Module) -> str | None:

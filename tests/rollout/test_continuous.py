@@ -199,8 +199,25 @@ def _finish(d, joins) -> dict:
     return got
 
 
-def test_a_continued_conversation_prefills_only_its_new_turn(tiny):
-    model, tok = tiny
+@pytest.fixture(scope="module")
+def gqa(tiny):
+    """A Llama with grouped-query attention (2 key/value heads for 4 query heads: SmolLM2's 3
+    for 9), the cache layout the prefix cache must keep as the model wrote it."""
+    import transformers
+
+    tok = tiny[1]
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval(), tok
+
+
+@pytest.mark.parametrize("which", ["tiny", "gqa"])
+def test_a_continued_conversation_prefills_only_its_new_turn(which, request):
+    model, tok = request.getfixturevalue(which)
     prompts = [tok(t)["input_ids"] for t in ["first question", "ab", "a third one"]]
     params = [SamplingParams(temperature=1.0, max_new_tokens=m) for m in (9, 14, 6, 11)]
     d = ContinuousDecoder(model, tok, eos_ids=[], pad_id=tok.pad_token_id)
@@ -235,6 +252,16 @@ def test_kept_keys_of_other_weights_are_never_used(tiny):
     assert d.reused_tokens == 0  # the kept keys were computed by the old weights
     ids, lps, _ = _alone(model, tok, more, params, 1, [])
     assert got.ids == ids and got.logprobs == pytest.approx(lps, abs=1e-5)
+    # nor after a cast (module.to swaps each parameter's storage without a version bump)
+    again = _finish(d, [([more], [params], [1], [1])])[1]
+    assert d.reused_tokens == 0 and len(d.kept) == 2
+    model.double()
+    more2 = more + again.ids + tok(" and")["input_ids"]
+    got = _finish(d, [([more2], [params], [3], [3])])[3]
+    assert d.reused_tokens == 0
+    ids, lps, _ = _alone(model, tok, more2, params, 3, [])
+    assert got.ids == ids and got.logprobs == pytest.approx(lps, abs=1e-9)
+    model.float()
     # a row whose weights change while it decodes is not kept either
     d.release()
     d.add([prompt], [params], [2], [2])

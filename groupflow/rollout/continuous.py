@@ -28,10 +28,10 @@ completion, then the new turn — so by default a finished row's keys/values are
 its slot, up to ``prefix_tokens`` tokens in all, least recently used dropped first) under the ids
 they encode, and a prompt that extends kept ids prefills only the rest (one forward over the kept
 keys/values, as vLLM's and SGLang's prefix caches do). Kept keys/values are only valid for the
-weights that computed them: each row notes the parameters' identity, storage and version counters
-when it joins (an optimizer step, ``load_state_dict`` or a cast changes them), a row is kept only if they
-did not change while it decoded, and a change drops everything kept. A continued prompt's numbers
-differ from a full prefill's only in float summation order.
+weights that computed them: each row notes the parameters' identity, storage and version
+counters when it joins (an optimizer step, ``load_state_dict`` or a cast changes them), a row is
+kept only if they did not change while it decoded, and a change drops everything kept. A
+continued prompt's numbers differ from a full prefill's only in float summation order.
 
 Only models the static-cache path drives (``static_cache.unsupported_reason``: Llama-family, full
 attention) decode this way; the server falls back to request-level batching for the others.

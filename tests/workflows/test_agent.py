@@ -204,6 +204,7 @@ def test_two_training_steps_through_the_server(agents, tiny_base, tmp_path):
         ({"rollout.workflow": "auto"}, "set rollout.workflow=agent"),
         ({"rollout.tools": [{"name": "calculator"}]}, "the agent brings its own tools"),
         ({"rollout.agent_concurrency": 0}, "agent_concurrency"),
+        ({"serve.prefix_cache_tokens": -1}, "serve.prefix_cache_tokens"),
     ],
 )
 def test_config_errors_name_the_key(tiny_base, tmp_path, overrides, match):

@@ -243,7 +243,10 @@ def build_reward_runner(
 # --------------------------------------------------------------------------------------------
 # Default rewards per data_source
 
-_DATA_SOURCES: dict[str, RewardFunction] = {}
+# A source's reward, or the name of the built-in that scores it, built the first time a batch (or
+# a dataset row) needs it: building ``code_tests`` resolves the code sandbox, which a run that
+# executes no model-written code must never need (nor fail on where no sandbox works).
+_DATA_SOURCES: dict[str, RewardFunction | str] = {}
 _SHARED_BUILTINS: dict[str, RewardFunction] = {}
 
 
@@ -254,14 +257,24 @@ def _shared_builtin(name: str) -> RewardFunction:
     return _SHARED_BUILTINS[name]
 
 
-def _as_reward_function(fn: Any, name: str | None) -> RewardFunction:
+def _entry_name(entry: RewardFunction | str) -> str:
+    return entry if isinstance(entry, str) else entry.name
+
+
+def _built(entry: RewardFunction | str) -> RewardFunction:
+    return _shared_builtin(entry) if isinstance(entry, str) else entry
+
+
+def _as_reward_function(fn: Any, name: str | None) -> RewardFunction | str:
     if isinstance(fn, RewardFunction):
         return fn
     if isinstance(fn, str):
         if ":" in fn:
             return RewardFunction(name or _attr_name(fn), resolve_import_path(fn))
         if name is None:
-            return _shared_builtin(fn)
+            if fn not in _BUILTINS:
+                get_reward(fn)  # raises UnknownRewardError with the valid names
+            return fn  # built on first use
         return RewardFunction(name, get_reward(fn))
     if callable(fn):
         return RewardFunction(name or getattr(fn, "__name__", type(fn).__name__), fn)
@@ -273,25 +286,27 @@ def _as_reward_function(fn: Any, name: str | None) -> RewardFunction:
 
 def register_data_source(
     source: str, fn: Any, *, name: str | None = None, overwrite: bool = False
-) -> RewardFunction:
+) -> RewardFunction | str:
     """Score samples whose ``data_source`` is ``source`` with ``fn`` when no rewards are set.
 
     ``fn``: a reward callable, a built-in name ("gsm8k"), "module:function", or a
     :class:`RewardFunction`. ``name`` is its component name (defaults to the function's name);
-    two different functions cannot share a name.
+    two different functions cannot share a name. A built-in named without ``name`` is built the
+    first time a batch of that source is scored (the return value is then its name).
     """
     if not isinstance(source, str) or not source:
         raise RewardConfigError(f"data_source must be a non-empty string, got {source!r}")
     if source in _DATA_SOURCES and not overwrite:
         raise RewardConfigError(
-            f"data_source {source!r} already has reward {_DATA_SOURCES[source].name!r}; "
+            f"data_source {source!r} already has reward {_entry_name(_DATA_SOURCES[source])!r}; "
             "pass overwrite=True to replace it"
         )
     reward = _as_reward_function(fn, name)
     for other_source, other in _DATA_SOURCES.items():
-        if other.name == reward.name and other != reward and other_source != source:
+        same_name = _entry_name(other) == _entry_name(reward)
+        if same_name and other != reward and other_source != source:
             raise RewardConfigError(
-                f"data_source {source!r}: the name {reward.name!r} is already used by a "
+                f"data_source {source!r}: the name {_entry_name(reward)!r} is already used by a "
                 f"different reward (for {other_source!r}); pass name='...' to tell them apart"
             )
         if other == reward:
@@ -302,7 +317,7 @@ def register_data_source(
 
 def registered_data_sources() -> dict[str, str]:
     """``{data_source: reward name}`` for every registered source."""
-    return {source: reward.name for source, reward in sorted(_DATA_SOURCES.items())}
+    return {source: _entry_name(reward) for source, reward in sorted(_DATA_SOURCES.items())}
 
 
 def data_source_rewards(sources: Sequence[str]) -> dict[str, RewardFunction]:
@@ -318,7 +333,7 @@ def data_source_rewards(sources: Sequence[str]) -> dict[str, RewardFunction]:
             f'groupflow.rewards.register_data_source("{unknown[0]}", fn), or list rewards '
             "explicitly in the config (rewards: [{name: gsm8k}])."
         )
-    return {s: _DATA_SOURCES[s] for s in dict.fromkeys(sources)}
+    return {s: _built(_DATA_SOURCES[s]) for s in dict.fromkeys(sources)}
 
 
 for _source in GSM8K_DATA_SOURCES:

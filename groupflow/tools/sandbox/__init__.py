@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
-from groupflow.tools.sandbox.bwrap import bwrap_sandbox
+from groupflow.tools.sandbox.bwrap import INSTALL_HINT, bwrap_sandbox
 from groupflow.tools.sandbox.guard import GuardSandbox
 from groupflow.tools.sandbox.limits import (
     LIMIT_REASONS,
@@ -114,14 +114,18 @@ def _build(spec: dict[str, Any]) -> Sandbox:
     try:
         return bwrap_sandbox()
     except SandboxUnavailable as exc:
-        if backend == "bwrap":
-            raise
-        raise SandboxUnavailable(
-            f"{exc}. Model-written code is run only in an isolating sandbox. Alternatives: a "
-            "SandboxFusion service (sandbox: {backend: remote, url: http://HOST:PORT}), or, "
-            "knowing that it is not a security boundary, the in-process guard "
-            f"(sandbox: guard, or {ENV_VAR}=guard)"
-        ) from None
+        raise SandboxUnavailable(f"{exc}. {REMEDIES}") from None
+
+
+# Said wherever no isolating sandbox can be built (the code tool and the code rewards refuse to
+# build then): every way on, the guard last and only for the run that names it.
+REMEDIES = (
+    "Model-written code runs only in an isolating sandbox. Either "
+    f"{INSTALL_HINT}; or run the code in a SandboxFusion service (sandbox: {{backend: remote, "
+    "url: http://HOST:PORT}); or, for this run only and knowing that it is not a security "
+    "boundary, opt in to the in-process guard (sandbox: guard in the kwargs of this tool or "
+    "reward)"
+)
 
 
 def run_python(

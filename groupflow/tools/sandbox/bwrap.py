@@ -50,7 +50,7 @@ CHILD_INSIDE = "/.groupflow/child.py"
 _UID_BASE, _UID_SPAN = 200_000, 50_000
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install "
-    "bubblewrap; Arch: pacman -S bubblewrap)"
+    "bubblewrap; Arch: pacman -S bubblewrap) where user namespaces are allowed"
 )
 
 
@@ -246,12 +246,12 @@ def bwrap_sandbox() -> BwrapSandbox:
     """The bubblewrap backend, or SandboxUnavailable saying what to install or what failed."""
     path = bwrap_path()
     if path is None:
-        raise SandboxUnavailable(f"the code sandbox needs bubblewrap (bwrap): {INSTALL_HINT}")
+        raise SandboxUnavailable("the code sandbox needs bubblewrap (bwrap), which is not on PATH")
     problem = probe(path)
     if problem is not None:
         raise SandboxUnavailable(
-            f"bubblewrap ({path}) cannot create a sandbox on this machine: {problem}. "
-            "It needs user or mount namespaces; in a container, allow them (e.g. run it with "
-            "--security-opt seccomp=unconfined or as privileged) or use a remote sandbox"
+            f"bubblewrap ({path}) cannot create a sandbox on this machine: {problem} (it needs "
+            "user or mount namespaces: in a container, allow them, e.g. with --security-opt "
+            "seccomp=unconfined, or run it privileged)"
         )
     return BwrapSandbox(path)

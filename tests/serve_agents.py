@@ -10,8 +10,10 @@ collected by pytest (no ``test_`` prefix); tests put ``tests/`` on the path with
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import sys
 
 SEEN: list[dict] = []  # one entry per call: row prompt, prompt_token_ids, token_ids, token_logprobs
 # A file every call's SEEN entry is also appended to, with the process id, when this environment
@@ -78,6 +80,30 @@ async def completions_api(client, row):
 async def raises(client, row):
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     raise RuntimeError("agent bug")
+
+
+_TOGGLE = itertools.count()
+
+
+async def exits(client, row):
+    """Every other episode ends with sys.exit(3) (a CLI-style helper inside the agent)."""
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    if next(_TOGGLE) % 2:
+        sys.exit(3)
+    return 1.0
+
+
+async def interrupts_in_a_task(client, row):
+    """Every other episode's helper task raises KeyboardInterrupt, which asyncio lets out of the
+    event loop itself (not only out of the task)."""
+
+    async def helper():
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        if next(_TOGGLE) % 2:
+            raise KeyboardInterrupt
+        return 1.0
+
+    return await asyncio.create_task(helper())
 
 
 async def sleeps(client, row):

@@ -43,6 +43,7 @@ __all__ = [
     "UserCodeExit",
     "call_with_timeout",
     "error_text",
+    "guarded",
     "run_async",
     "is_async_callable",
 ]
@@ -146,6 +147,9 @@ async def _guarded(awaitable: Any) -> Any:
         raise
     except BaseException as exc:  # SystemExit, GeneratorExit, ...
         raise UserCodeExit(exc) from exc
+
+
+guarded = _guarded  # for callers that await user code themselves (the agent workflow)
 
 
 def _in_thread(name: str, call: Callable[[], Any]) -> tuple[asyncio.Future, threading.Thread]:

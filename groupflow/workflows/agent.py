@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from groupflow.agents.calls import is_async_callable
+from groupflow.agents.calls import error_text, guarded, is_async_callable
 from groupflow.batch import Batch
 from groupflow.builders import EncodedPrompts
 from groupflow.config import Config
@@ -156,10 +156,21 @@ class AgentLoop:
 
     def __init__(self):
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+        self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name="groupflow-agents")  # fmt: skip
         self._thread.start()
         self.http = None  # one connection pool for every episode's client (made on the loop)
+
+    def _serve(self) -> None:
+        """Run the loop until :meth:`close` stops it. asyncio lets a task's SystemExit or
+        KeyboardInterrupt out of the loop itself (after storing it in the task, whose awaiter
+        sees it): an agent's helper task raising one must not end every episode's loop."""
+        while True:
+            try:
+                self._loop.run_forever()
+                return
+            except BaseException as exc:  # noqa: BLE001 - user code's, kept in its task
+                log.debug("an agent task raised %r out of the event loop; the loop goes on", exc)
 
     def run(self, coro, timeout_s: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
@@ -455,14 +466,16 @@ class AgentWorkflow:
             client = self.loop.client(self.server.url, key, r.agent_timeout_s)
             result = None
             try:
-                result = await asyncio.wait_for(self.agent(client, _row_dict(e.row)),
+                # guarded: SystemExit, KeyboardInterrupt (any BaseException but our own
+                # cancellation) arrive as an Exception, the episode's failure like any other
+                result = await asyncio.wait_for(guarded(self.agent(client, _row_dict(e.row))),
                                                 r.agent_timeout_s)  # fmt: skip
             except asyncio.TimeoutError:
                 e.fail(
                     "timeout", f"no result after rollout.agent_timeout_s={r.agent_timeout_s:g} s"
                 )
             except Exception as exc:  # user code: counted and logged, the step goes on
-                e.fail("raised", f"{type(exc).__name__}: {exc}")
+                e.fail("raised", error_text(exc))
             finally:
                 left = self.server.recorder.remaining_script(key)
                 e.calls = self.server.recorder.close(key)  # later calls of this key: refused

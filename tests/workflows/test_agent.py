@@ -166,6 +166,32 @@ def test_failing_agents_get_the_failure_value_and_are_counted(trainer, agents, a
     assert len(batch) == 4  # every episode still counts in its group
 
 
+def _collect_within(trainer, agents, agent: str, seconds: float):
+    """``_collect`` in a thread given ``seconds``: a hang fails the test instead of the suite."""
+    import threading
+
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(r=_collect(trainer, agents, agent)),
+                              daemon=True)  # fmt: skip
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"collect with agent {agent!r} still running after {seconds} s"
+    return out["r"]
+
+
+@pytest.mark.parametrize("agent", ["exits", "interrupts_in_a_task"])
+def test_an_agent_raising_systemexit_or_keyboardinterrupt_is_a_counted_failure(
+    trainer, agents, agent
+):
+    """Any BaseException of an agent (asyncio lets SystemExit/KeyboardInterrupt out of the loop)
+    is that episode's `raised` failure; the other episodes and the next collect go on."""
+    batch, m = _collect_within(trainer, agents, agent, 60)
+    assert m["rollout/agent/failures/raised"] == 2 and m["rollout/agent/failures"] == 2
+    assert sorted(batch["rewards"].tolist()) == [-1.0, -1.0, 1.0, 1.0]
+    _, m = _collect_within(trainer, agents, "two_calls", 60)  # the loop still runs
+    assert m["rollout/agent/failures"] == 0
+
+
 def test_reward_functions_score_the_final_conversation(agents, tiny_base, tmp_path):
     from groupflow.trainer import Trainer
 

@@ -106,6 +106,18 @@ async def interrupts_in_a_task(client, row):
     return await asyncio.create_task(helper())
 
 
+async def calls_on(client, row):
+    """Calls until refused, then returns a reward as if nothing happened."""
+    for _ in range(10):
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}]
+            )
+        except Exception:  # the server's 400 once the episode's calls are spent
+            break
+    return 1.0
+
+
 async def sleeps(client, row):
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     await asyncio.sleep(60)

@@ -289,6 +289,9 @@ class RolloutConfig(_Section):
     agent: str | None = None
     agent_concurrency: int = Field(16, ge=1)  # episodes running at once
     agent_timeout_s: float = Field(120.0, gt=0)  # one episode, all its calls; then failure_value
+    # calls one episode may make (each a sample at worst); a call beyond is refused (HTTP 400)
+    # and the episode fails (kind max_calls): its first calls train with reward.failure_value
+    agent_max_calls: int = Field(32, ge=1)
     # where an episode's reward comes from: "return" (the agent's return value), "functions"
     # (the configured reward functions on the final conversation), "both" (their sum)
     agent_reward: Literal["return", "functions", "both"] = "return"

@@ -34,6 +34,9 @@ class _Open:
     calls: list[CallRecord] = field(default_factory=list)
     sampled: int = 0  # completions drawn so far (the seed counter)
     script: list[list[int]] | None = None  # a demonstration's turns, answered in order
+    max_calls: int | None = None  # calls allowed; beyond, each is refused (and counted)
+    started: int = 0  # calls that reached sampling
+    refused: int = 0  # calls refused for max_calls
 
 
 class EpisodeRecorder:
@@ -47,14 +50,22 @@ class EpisodeRecorder:
         self.late_calls = 0  # calls that finished after their episode closed (dropped)
 
     def open(self, seed: int, sampling: SamplingParams,
-             script: list[list[int]] | None = None) -> str:  # fmt: skip
+             script: list[list[int]] | None = None, max_calls: int | None = None) -> str:  # fmt: skip
         """A new episode's API key. ``script``: the ids of a demonstration's model turns — each
         call is answered with the next one instead of a sample (the warm start plays
-        demonstrations through the agent itself, so its tools write the observations)."""
+        demonstrations through the agent itself, so its tools write the observations).
+        ``max_calls``: the episode's calls beyond this many are refused (``refused``)."""
         key = f"gf-episode-{secrets.token_hex(12)}"
+        script = None if script is None else list(script)
         with self._lock:
-            self._open[key] = _Open(seed, sampling, script=None if script is None else list(script))
+            self._open[key] = _Open(seed, sampling, script=script, max_calls=max_calls)
         return key
+
+    def refused(self, key: str) -> int:
+        """Calls of the open episode ``key`` refused for its ``max_calls``."""
+        with self._lock:
+            episode = self._open.get(key)
+            return episode.refused if episode is not None else 0
 
     def close(self, key: str) -> list[CallRecord]:
         with self._lock:
@@ -96,9 +107,19 @@ class EpisodeRecorder:
         return [call_seed(episode.seed, start + j) for j in range(count)]
 
     def scripted(self, key: str | None, count: int) -> list[list[int]] | None:
+        # every call passes here before it is sampled: the episode's call budget is spent here
         with self._lock:
             episode = self._open.get(key)
-            if episode is None or episode.script is None:
+            if episode is None:
+                return None
+            if episode.max_calls is not None and episode.started >= episode.max_calls:
+                episode.refused += 1
+                raise ValueError(
+                    f"this episode has made its {episode.max_calls} calls "
+                    "(rollout.agent_max_calls); further calls are refused"
+                )
+            episode.started += 1
+            if episode.script is None:
                 return None
             if count != 1 or not episode.script:
                 raise ValueError(

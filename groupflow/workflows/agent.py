@@ -18,7 +18,8 @@ Rewards (``rollout.agent_reward``): the agent's return value (a float, or a dict
 and extra fields, logged as ``rollout/agent/<field>`` means), the configured reward functions on
 the final conversation (they get ``completions`` = the last assistant text, ``messages`` = the
 whole conversation, and the dataset's fields), or their sum. An episode whose agent raised,
-passed ``rollout.agent_timeout_s``, made no call or returned no usable reward gets
+passed ``rollout.agent_timeout_s``, made no call, made more than ``rollout.agent_max_calls``
+calls (those beyond are refused: each call is a sample at worst) or returned no usable reward gets
 ``reward.failure_value`` — counted in ``rollout/agent/failures`` (per kind), logged once per
 kind; the step goes on. Episodes run concurrently (``rollout.agent_concurrency``) on one event
 loop while the server decodes their requests in shared batches. Server and episodes live where
@@ -85,6 +86,9 @@ __all__ = [
 ]
 
 _MAX_DEMOS = 1024  # rows whose demonstrations the warm start plays through the agent
+
+# Why an episode failed (rollout/agent/failures/<kind>).
+FAILURE_KINDS = ("raised", "timeout", "no_call", "invalid", "max_calls")
 
 # Per-episode fields a reward function may ask for by name (besides the dataset's).
 AGENT_FIELDS = ("messages", "agent_calls")
@@ -462,7 +466,8 @@ class AgentWorkflow:
         r = self.cfg.rollout
         left = 0
         async with gate:
-            key = self.server.recorder.open(e.seed, replace(params, n=1), script)
+            key = self.server.recorder.open(e.seed, replace(params, n=1), script,
+                                            r.agent_max_calls)  # fmt: skip
             client = self.loop.client(self.server.url, key, r.agent_timeout_s)
             result = None
             try:
@@ -477,6 +482,10 @@ class AgentWorkflow:
             except Exception as exc:  # user code: counted and logged, the step goes on
                 e.fail("raised", error_text(exc))
             finally:
+                refused = self.server.recorder.refused(key)
+                if refused:  # the cause, whatever the agent made of the refusal
+                    e.fail("max_calls", f"it made more than rollout.agent_max_calls="
+                           f"{r.agent_max_calls} calls ({refused} refused)")  # fmt: skip
                 left = self.server.recorder.remaining_script(key)
                 e.calls = self.server.recorder.close(key)  # later calls of this key: refused
                 if self.server.core.chat_prompts is not None:  # its conversations are done
@@ -581,7 +590,7 @@ def agent_metrics(episodes: list[AgentEpisode], counts: Counter) -> dict[str, fl
         "rollout/agent/tool_call_rate": sum(e.tool_calls > 0 for e in episodes) / n,
         "rollout/agent/failures": float(sum(failures.values())),
     }
-    for kind in ("raised", "timeout", "no_call", "invalid"):
+    for kind in FAILURE_KINDS:
         m[f"rollout/agent/failures/{kind}"] = float(failures.get(kind, 0))
     extras = {k for e in episodes for k in e.extras}
     for k in sorted(extras):

@@ -192,6 +192,16 @@ def test_an_agent_raising_systemexit_or_keyboardinterrupt_is_a_counted_failure(
     assert m["rollout/agent/failures"] == 0
 
 
+def test_calls_beyond_agent_max_calls_are_refused_and_the_episode_fails(
+    trainer, agents, monkeypatch
+):
+    monkeypatch.setattr(trainer.workflow.cfg.rollout, "agent_max_calls", 3)
+    batch, m = _collect(trainer, agents, "calls_on")
+    assert m["rollout/agent/failures/max_calls"] == 4 and m["rollout/agent/failures"] == 4
+    assert m["rollout/agent/calls/mean"] == 3  # the refused calls were never sampled
+    assert len(batch) == 4 * 3 and batch["rewards"].tolist() == [-1.0] * 12  # each call a sample
+
+
 def test_reward_functions_score_the_final_conversation(agents, tiny_base, tmp_path):
     from groupflow.trainer import Trainer
 

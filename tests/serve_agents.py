@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 
 SEEN: list[dict] = []  # one entry per call: row prompt, prompt_token_ids, token_ids, token_logprobs
 # A file every call's SEEN entry is also appended to, with the process id, when this environment
@@ -116,6 +117,28 @@ async def calls_on(client, row):
         except Exception:  # the server's 400 once the episode's calls are spent
             break
     return 1.0
+
+
+RELEASE = threading.Event()  # set by a test to let the blocking agents' threads go
+
+
+async def blocks_every_other(client, row):
+    """Every other episode blocks the event loop in sync code (time.sleep in an async def)."""
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    if next(_TOGGLE) % 2:
+        RELEASE.wait(30)
+    return 1.0
+
+
+async def blocks_in_a_task(client, row):
+    """Blocks in a helper task, until released."""
+
+    async def helper():
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        RELEASE.wait(60)
+        return 1.0
+
+    return await asyncio.create_task(helper())
 
 
 async def sleeps(client, row):

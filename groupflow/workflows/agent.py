@@ -39,12 +39,18 @@ of their own (``AgentLoop``) and one HTTP connection pool.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import inspect
 import json
 import logging
 import math
 import statistics
+import sys
+import sysconfig
 import threading
+import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -63,6 +69,7 @@ from groupflow.serve.build import server_core
 from groupflow.serve.recording import Chain, EpisodeRecorder, merge_calls
 from groupflow.serve.thread import ServerThread
 from groupflow.sft import warm_start
+from groupflow.utils.daemon_calls import Abandoned
 from groupflow.utils.imports import resolve_import_path
 from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.episodes import Episode, episodes_batch
@@ -77,6 +84,7 @@ from groupflow.workflows.llm import (
 log = logging.getLogger("groupflow")
 
 __all__ = [
+    "AgentBlockedError",
     "AgentWorkflow",
     "AgentEpisode",
     "resolve_agent",
@@ -87,8 +95,29 @@ __all__ = [
 
 _MAX_DEMOS = 1024  # rows whose demonstrations the warm start plays through the agent
 
-# Why an episode failed (rollout/agent/failures/<kind>).
-FAILURE_KINDS = ("raised", "timeout", "no_call", "invalid", "max_calls")
+# Why an episode failed (rollout/agent/failures/<kind>); "blocked": its sync code held the event
+# loop past its rollout.agent_timeout_s.
+FAILURE_KINDS = ("raised", "timeout", "blocked", "no_call", "invalid", "max_calls")
+# Abandoned event loops (each blocked by an agent's sync code) still blocked at once: the run stops.
+MAX_BLOCKED_LOOPS = 4
+_EPISODE: contextvars.ContextVar[Any] = contextvars.ContextVar("groupflow_episode", default=None)
+
+
+# Where Python's own and installed code lives: a blocked loop is reported at the first frame
+# outside these (the agent's line), not inside threading.py or an HTTP library.
+_LIBRARY_PATHS = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+def _frame_text(frame) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+class AgentBlockedError(ValueError):
+    """Agents keep blocking their event loop with sync code (a ValueError: the user fixes the
+    agent; shown without a traceback by the CLI)."""
+
 
 # Per-episode fields a reward function may ask for by name (besides the dataset's).
 AGENT_FIELDS = ("messages", "agent_calls")
@@ -158,12 +187,62 @@ class AgentLoop:
     loop-bound objects between calls (langchain-openai caches its async HTTP client), so a fresh
     loop per step (``asyncio.run``) would break them from the second step on."""
 
-    def __init__(self):
+    def __init__(self, beat_s: float = 0.25):
         self._loop = asyncio.new_event_loop()
+        # Who runs now, readable from another thread: every task's context (a task copies its
+        # creator's, so an agent's helper tasks carry the episode of the agent that made them).
+        self._contexts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if sys.version_info >= (3, 11):  # Task(context=...); before, a culprit goes unnamed
+            self._loop.set_task_factory(self._task)
+        self.beat_s = beat_s
+        self.last_beat = time.monotonic()  # the loop's heartbeat: stale while code blocks it
+        self.abandoned = False
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name="groupflow-agents")  # fmt: skip
         self._thread.start()
+        self._loop.call_soon_threadsafe(self._beat)
         self.http = None  # one connection pool for every episode's client (made on the loop)
+
+    def _task(self, loop, coro, context=None, **kwargs):
+        context = context if context is not None else contextvars.copy_context()
+        task = asyncio.Task(coro, loop=loop, context=context, **kwargs)
+        self._contexts[task] = context
+        return task
+
+    def _beat(self) -> None:
+        self.last_beat = time.monotonic()
+        self._loop.call_later(self.beat_s, self._beat)
+
+    def blocked_s(self) -> float:
+        """Seconds since the loop last ran its heartbeat (≈0 unless code blocks it)."""
+        return time.monotonic() - self.last_beat
+
+    def running_episode(self) -> Any:
+        """The episode whose code runs on the loop now (from another thread), or None."""
+        task = asyncio.current_task(self._loop)
+        context = self._contexts.get(task) if task is not None else None
+        return context.get(_EPISODE) if context is not None else None
+
+    def where(self) -> str:
+        """Where the loop's thread is now: the innermost frame of code outside Python's standard
+        library and installed packages (the agent's own line), and the innermost frame."""
+        frame = sys._current_frames().get(self._thread.ident)
+        if frame is None:
+            return "?"
+        innermost, own = _frame_text(frame), None
+        while frame is not None and own is None:
+            if not frame.f_code.co_filename.startswith(_LIBRARY_PATHS):
+                own = _frame_text(frame)
+            frame = frame.f_back
+        return innermost if own in (None, innermost) else f"{own} (blocked in {innermost})"
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def abandon(self) -> None:
+        """Give the loop up (an agent blocks it): it stops and closes once the code lets go."""
+        self.abandoned = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
     def _serve(self) -> None:
         """Run the loop until :meth:`close` stops it. asyncio lets a task's SystemExit or
@@ -172,12 +251,27 @@ class AgentLoop:
         while True:
             try:
                 self._loop.run_forever()
-                return
+                break
             except BaseException as exc:  # noqa: BLE001 - user code's, kept in its task
                 log.debug("an agent task raised %r out of the event loop; the loop goes on", exc)
+        if self.abandoned:  # nobody waits for its episodes: cancel them, then close
+            tasks = asyncio.all_tasks(self._loop)
+            for task in tasks:
+                task.cancel()
+            try:
+                if tasks:
+                    self._loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
+                if self.http is not None:
+                    self._loop.run_until_complete(asyncio.wait_for(self.http.aclose(), 1.0))
+                self._loop.close()
+            except BaseException as exc:  # noqa: BLE001 - an abandoned loop's last words
+                log.debug("an abandoned agent loop did not close: %r", exc)
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, coro, timeout_s: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+        return self.submit(coro).result(timeout_s)
 
     def client(self, url: str, key: str, timeout_s: float):
         """An ``openai.AsyncOpenAI`` for one episode. They share one HTTP client: building an
@@ -215,9 +309,17 @@ class AgentEpisode:
     extras: dict[str, float] = field(default_factory=dict)
     failure: str | None = None
     failure_kind: str | None = None
+    # the run of it on an event loop: its server key, when its agent started, whether it is done
+    key: str | None = None
+    started: float | None = None
+    finished: bool = False
 
     def fail(self, kind: str, message: str) -> None:
         self.failure_kind, self.failure = kind, message
+
+    def fresh(self) -> AgentEpisode:
+        """The same episode, not run yet."""
+        return AgentEpisode(self.row, self.seed, self.group)
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -238,6 +340,10 @@ class AgentEpisode:
     @property
     def tool_calls(self) -> int:
         return sum(c.tool_calls for c in self.calls)
+
+
+def _describe(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _row_dict(row: PromptRow) -> dict[str, Any]:
@@ -274,6 +380,7 @@ class AgentWorkflow:
         self.width = r.max_response_tokens or r.max_new_tokens * r.max_turns
         self._server: AgentServer | None = None
         self._loop: AgentLoop | None = None
+        self._blocked = Abandoned()  # loops given up on, while their agent's code still blocks
         self._logged: set[str] = set()
 
     @property
@@ -424,7 +531,7 @@ class AgentWorkflow:
             ids[-1] = ids[-1] + [tok.eos_token_id]
             scripts.append(ids)
         episodes = [AgentEpisode(r, self.cfg.run.seed + i, i) for i, r in enumerate(rows)]
-        left = self.loop.run(self._run_all(episodes, self.policy.sampling, scripts))
+        left = self._run_episodes(episodes, self.policy.sampling, scripts)
         examples = []
         for e, remaining in zip(episodes, left):
             chains = merge_calls(e.calls)
@@ -443,7 +550,7 @@ class AgentWorkflow:
 
     # ----- episodes -----------------------------------------------------------------------------
     def run(self, episodes: list[AgentEpisode], params: SamplingParams) -> None:
-        self.loop.run(self._run_all(episodes, params))
+        self._run_episodes(episodes, params)
         for e in episodes:
             if e.failure is not None and e.failure_kind not in self._logged:
                 self._logged.add(e.failure_kind)
@@ -453,22 +560,110 @@ class AgentWorkflow:
                     e.failure_kind, e.row.index, e.row.source, e.failure,
                 )  # fmt: skip
 
-    async def _run_all(self, episodes: list[AgentEpisode], params: SamplingParams,
-                       scripts: list | None = None) -> list[int]:  # fmt: skip
-        gate = asyncio.Semaphore(self.cfg.rollout.agent_concurrency)
+    def _run_episodes(self, episodes: list[AgentEpisode], params: SamplingParams,
+                      scripts: list | None = None) -> list[int]:  # fmt: skip
+        """Run ``episodes`` (replaced in the list by their runs); each one's unused scripted turns.
+
+        Sync code in an ``async def`` agent blocks the one event loop, and with it every episode
+        and their deadlines: ``asyncio.wait_for`` cannot fire. So the loop is watched from here
+        (its heartbeat): once the episode whose code blocks it is past ``rollout.agent_timeout_s``,
+        that episode alone fails (``blocked``), the loop is abandoned to the code, and the episodes
+        it had not finished run again from the start on a fresh loop. Abandoned loops still
+        blocked count against :data:`MAX_BLOCKED_LOOPS`, after which the run stops."""
         scripts = scripts or [None] * len(episodes)
+        left = [0] * len(episodes)
+        pending = list(range(len(episodes)))
+        while pending:
+            loop = self.loop
+            runs = {i: episodes[i].fresh() for i in pending}
+            future = loop.submit(self._run_all(
+                loop, [runs[i] for i in pending], params, [scripts[i] for i in pending]
+            ))  # fmt: skip
+            culprit = self._watch(loop, future)
+            if culprit is None:
+                for i, unused in zip(pending, future.result()):
+                    episodes[i], left[i] = runs[i], unused
+                return left
+            where = loop.where()
+            loop.abandon()
+            self._loop = None  # the next round runs on a fresh loop
+            self._blocked.add(where, loop._thread)
+            timeout = self.cfg.rollout.agent_timeout_s
+            for i in list(pending):
+                run = runs[i]
+                if run.finished:  # done before the block: final, the blocked loop cannot touch it
+                    episodes[i] = run
+                    pending.remove(i)
+                    continue
+                calls = self._forget(run.key)  # a run given up on: its later calls are refused
+                if run is culprit:
+                    failed = run.fresh()
+                    failed.calls = calls
+                    failed.fail("blocked", f"its code blocked the event loop past "
+                                f"rollout.agent_timeout_s={timeout:g} s (at {where}); use `await` "
+                                "for waits and asyncio.to_thread for blocking calls")  # fmt: skip
+                    episodes[i] = failed
+                    pending.remove(i)
+            self._check_blocked()
+        return left
+
+    def _watch(self, loop: AgentLoop, future: concurrent.futures.Future) -> Any:
+        """Wait for ``future``; the episode blocking ``loop`` past its deadline if one does first
+        (``AgentWorkflow`` itself when the code blocks outside any episode's task)."""
+        timeout = self.cfg.rollout.agent_timeout_s
+        while True:
+            try:
+                future.result(timeout=loop.beat_s)
+                return None
+            except concurrent.futures.TimeoutError:
+                pass
+            stalled = loop.blocked_s()
+            if stalled < 2 * loop.beat_s:
+                continue
+            run = loop.running_episode()
+            if run is not None and run.started is not None:
+                if time.monotonic() - run.started > timeout:
+                    return run
+            elif stalled > timeout:  # blocked by code of no episode (a callback): all rerun
+                return self
+
+    def _forget(self, key: str | None) -> list[CallRecord]:
+        if key is None:
+            return []
+        calls = self.server.recorder.close(key)
+        if self.server.core.chat_prompts is not None:
+            self.server.core.chat_prompts.forget(key)
+        return calls
+
+    def _check_blocked(self) -> None:
+        stuck = self._blocked.alive()
+        if len(stuck) >= MAX_BLOCKED_LOOPS:
+            raise AgentBlockedError(
+                f"rollout.agent {_describe(self.agent)} keeps blocking its event loop with sync "
+                f"code: {len(stuck)} abandoned loops are still blocked, at "
+                f"{Abandoned.summary(stuck)}. An `async def` agent must not call blocking "
+                "functions (time.sleep, requests, a sync client): await their async versions, or "
+                "run them with `await asyncio.to_thread(fn, ...)`"
+            )
+
+    async def _run_all(self, loop: AgentLoop, episodes: list[AgentEpisode],
+                       params: SamplingParams, scripts: list) -> list[int]:  # fmt: skip
+        gate = asyncio.Semaphore(self.cfg.rollout.agent_concurrency)
         return await asyncio.gather(
-            *(self._episode(e, params, gate, s) for e, s in zip(episodes, scripts))
+            *(self._episode(loop, e, params, gate, s) for e, s in zip(episodes, scripts))
         )
 
-    async def _episode(self, e: AgentEpisode, params: SamplingParams, gate, script=None) -> int:
+    async def _episode(self, loop: AgentLoop, e: AgentEpisode, params: SamplingParams, gate,
+                       script=None) -> int:  # fmt: skip
         """Run one episode; returns how many scripted turns it left unused."""
         r = self.cfg.rollout
         left = 0
         async with gate:
+            _EPISODE.set(e)  # this task's (and its helper tasks') episode, for the loop's watch
             key = self.server.recorder.open(e.seed, replace(params, n=1), script,
                                             r.agent_max_calls)  # fmt: skip
-            client = self.loop.client(self.server.url, key, r.agent_timeout_s)
+            e.key, e.started = key, time.monotonic()
+            client = loop.client(self.server.url, key, r.agent_timeout_s)
             result = None
             try:
                 # guarded: SystemExit, KeyboardInterrupt (any BaseException but our own
@@ -494,6 +689,7 @@ class AgentWorkflow:
             e.fail("no_call", "the agent made no call to the server")
         if e.failure is None:
             self._take_result(e, result)
+        e.finished = True  # last: a finished run is final (see _run_episodes)
         return left
 
     def _take_result(self, e: AgentEpisode, result: Any) -> None:

@@ -202,6 +202,41 @@ def test_calls_beyond_agent_max_calls_are_refused_and_the_episode_fails(
     assert len(batch) == 4 * 3 and batch["rewards"].tolist() == [-1.0] * 12  # each call a sample
 
 
+def test_an_agent_blocking_the_event_loop_fails_alone_at_its_timeout(trainer, agents):
+    """Sync code in an async agent (it would hold the loop 30 s): that episode alone fails at
+    rollout.agent_timeout_s (5 s), the others are not charged for it and succeed."""
+    import time
+
+    agents.RELEASE.clear()
+    try:
+        start = time.monotonic()
+        batch, m = _collect_within(trainer, agents, "blocks_every_other", 25)
+        assert time.monotonic() - start < 20
+        assert m["rollout/agent/failures/blocked"] == 2 and m["rollout/agent/failures"] == 2
+        assert sorted(batch["rewards"].tolist()) == [-1.0, -1.0, 1.0, 1.0]
+        _, m = _collect_within(trainer, agents, "two_calls", 30)  # a fresh loop serves on
+        assert m["rollout/agent/failures"] == 0
+    finally:
+        agents.RELEASE.set()
+
+
+def test_a_loop_that_stays_blocked_stops_the_run_with_a_named_error(trainer, agents, monkeypatch):
+    from groupflow.workflows import agent as agent_module
+
+    wf = trainer.workflow
+    monkeypatch.setattr(wf.cfg.rollout, "agent_timeout_s", 1.0)
+    monkeypatch.setattr(agent_module, "MAX_BLOCKED_LOOPS", 2)
+    monkeypatch.setattr(wf, "_blocked", agent_module.Abandoned())
+    agents.RELEASE.clear()
+    try:
+        with pytest.raises(agent_module.AgentBlockedError, match="serve_agents.py:.* in helper"):
+            _collect(trainer, agents, "blocks_in_a_task")  # helper tasks name their episode
+    finally:
+        agents.RELEASE.set()
+    _, m = _collect_within(trainer, agents, "two_calls", 30)
+    assert m["rollout/agent/failures"] == 0
+
+
 def test_reward_functions_score_the_final_conversation(agents, tiny_base, tmp_path):
     from groupflow.trainer import Trainer
 

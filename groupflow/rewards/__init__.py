@@ -10,6 +10,7 @@ say ``rewards: [{name: gsm8k, weight: 1.0}]``; with no rewards configured, each 
 from groupflow.rewards.base import RewardFn, RewardFunction, RewardResult, RewardRunner
 from groupflow.rewards.code import make_code_tests_reward
 from groupflow.rewards.errors import (
+    FailedScore,
     MissingRewardFieldError,
     RewardConfigError,
     RewardError,
@@ -34,6 +35,7 @@ from groupflow.rewards.registry import (
 )
 
 __all__ = [
+    "FailedScore",
     "MissingRewardFieldError",
     "RewardConfigError",
     "RewardError",

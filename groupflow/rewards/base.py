@@ -37,6 +37,7 @@ from groupflow.rewards.errors import (
     MissingRewardFieldError,
     RewardConfigError,
     RewardError,
+    RewardOutputError,
     describe_callable,
 )
 from groupflow.rewards.scoring import score_component, take_rows
@@ -345,6 +346,7 @@ class RewardRunner:
             metrics.update(_summary(f"reward/{spec.name}", column))
             metrics[f"reward/{spec.name}/failures"] = float(scored.failures)
             metrics[f"reward/{spec.name}/timeouts"] = float(scored.timeouts)
+            metrics.update(_own_metrics(spec))
         self._check_abandoned()
         weights = {spec.name: spec.weight for spec, _ in groups}
         total, all_none = _weighted_sum(components, weights, size, self.failure_value)
@@ -398,6 +400,24 @@ class RewardRunner:
                 )
             entry[1].append(row)
         return list(by_name.values())
+
+
+def _own_metrics(spec: RewardFunction) -> dict[str, float]:
+    """A reward's own counters since its last call, as ``reward/<name>/<key>``: a callable may
+    offer ``take_metrics() -> {key: number}`` (the code reward's sandbox failures, the judge's
+    invalid verdicts)."""
+    take = getattr(spec.fn, "take_metrics", None)
+    if not callable(take):
+        return {}
+    own = take()
+    if not isinstance(own, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in own.items()
+    ):
+        raise RewardOutputError(
+            f"reward {spec.name!r}: take_metrics() must return {{name: number}}, got {own!r}"
+        )
+    return {f"reward/{spec.name}/{k}": float(v) for k, v in own.items()}
 
 
 def _check_lengths(batch: Mapping[str, Any], size: int) -> None:

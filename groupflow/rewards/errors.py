@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "FailedScore",
     "MissingRewardFieldError",
     "RewardConfigError",
     "RewardError",
@@ -39,6 +40,25 @@ class RewardConfigError(ValueError):
 
 class MissingRewardFieldError(RewardConfigError):
     """A reward function requires a field that the batch does not provide."""
+
+
+class FailedScore(float):
+    """A NaN that says why: what a reward returns for a sample it could not score, so that the
+    runner's log line and its error when every sample fails name the real cause (a judge's reply
+    outside its scale, an HTTP 401) instead of "non-finite value nan"."""
+
+    reason: str
+
+    def __new__(cls, reason: Any = "") -> FailedScore:
+        obj = super().__new__(cls, "nan")
+        obj.reason = str(reason)
+        return obj
+
+    def __getnewargs__(self) -> tuple[str]:  # pickled (a Ray rollout side) with its reason
+        return (self.reason,)
+
+    def __repr__(self) -> str:
+        return f"FailedScore({self.reason!r})"
 
 
 def describe_callable(fn: Callable[..., Any]) -> str:

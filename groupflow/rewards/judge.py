@@ -24,28 +24,37 @@ import logging
 import math
 import os
 import re
+import secrets
 import sqlite3
 import string
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from groupflow.rewards.errors import RewardConfigError
+from groupflow.rewards.errors import FailedScore, RewardConfigError
 from groupflow.utils.env import parse_dotenv, scrub_text
 
-__all__ = ["DEFAULT_SCORE_REGEX", "make_judge_reward", "parse_score"]
+__all__ = ["DEFAULT_SCALE", "DEFAULT_SCORE_REGEX", "make_judge_reward", "parse_score"]
 
 logger = logging.getLogger("groupflow.rewards")
 
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
-# The LAST "Score: <number>" in the reply: a judge that reasons first may quote the format earlier.
+# "Score: <number>"; read only after the request's verdict marker (see make_judge_reward).
 DEFAULT_SCORE_REGEX = r"[Ss]core\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)"
+DEFAULT_SCALE = (0.0, 10.0)  # the default rubric's: a score outside the declared scale is invalid
 RUBRIC_SYSTEM = (
     "You are a careful, strict grader. Judge the RESPONSE to the PROMPT by this rubric:\n\n"
-    "{rubric}\n\nExplain briefly, then end your reply with one line of the form 'Score: <number>'."
+    "{rubric}\n\nExplain briefly, then end your reply with one line of the form "
+    "'{marker} Score: <number>', the number from {low:g} to {high:g}."
 )
+# For a template (the user writes the whole request): where the verdict begins.
+MARKER_SYSTEM = (
+    "Write {marker} immediately before your final verdict: only what follows it is read."
+)
+_MARKER_FIELD = "marker"  # a template may place the marker itself: "{marker}"
 RUBRIC_USER = "PROMPT:\n{prompt}\n\nRESPONSE:\n{response}"
 _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 60.0
@@ -61,11 +70,30 @@ class _JudgeFailure(Exception):
         self.reason, self.reply = reason, reply
 
 
-def parse_score(reply: str, score_regex: str | None = None, json_field: str | None = None) -> float:
-    """The score in a judge's reply: the first group of the LAST ``score_regex`` match, or the
-    (dotted) ``json_field`` of the JSON object in the reply (fenced or bare). Raises ValueError."""
+def parse_score(
+    reply: str,
+    score_regex: str | None = None,
+    json_field: str | None = None,
+    marker: str | None = None,
+    scale: tuple[float, float] | None = None,
+) -> float:
+    """The score in a judge's reply. Raises ValueError saying why there is none.
+
+    With ``marker`` (what the reward does), only the text after the marker's first occurrence is
+    read, and there the FIRST ``score_regex`` match (its first group) or the first JSON object
+    holding the (dotted) ``json_field``: the marker is drawn at random for each request, so a
+    judged response that the judge quotes, before or after its verdict, cannot supply the score.
+    Without one, the LAST match / the reply's JSON object. ``scale``: ``(low, high)``; a score
+    outside it is invalid.
+    """
+    text = reply
+    if marker is not None:
+        at = reply.find(marker)
+        if at == -1:
+            raise ValueError(f"the reply has no verdict marker {marker!r}")
+        text = reply[at + len(marker) :]
     if json_field is not None:
-        value: Any = _json_object(reply)
+        value: Any = _first_json_object(text) if marker is not None else _json_object(text)
         for part in json_field.split("."):
             if not isinstance(value, Mapping) or part not in value:
                 raise ValueError(f"the reply's JSON has no field {json_field!r}")
@@ -74,14 +102,31 @@ def parse_score(reply: str, score_regex: str | None = None, json_field: str | No
             raise ValueError(f"field {json_field!r} is {value!r}, not a number")
         score = float(value)
     else:
-        matches = list(re.finditer(score_regex or DEFAULT_SCORE_REGEX, reply))
+        matches = list(re.finditer(score_regex or DEFAULT_SCORE_REGEX, text))
         if not matches:
-            raise ValueError("no score found in the reply")
-        last = matches[-1]
-        score = float(last.group(1) if last.groups() else last.group(0))
+            raise ValueError(
+                "no score found in the reply" + (" after its marker" if marker else "")
+            )
+        chosen = matches[0] if marker is not None else matches[-1]
+        score = float(chosen.group(1) if chosen.groups() else chosen.group(0))
     if not math.isfinite(score):
         raise ValueError(f"score {score} is not finite")
+    if scale is not None and not scale[0] <= score <= scale[1]:
+        raise ValueError(
+            f"score {score:g} is outside the judge's scale [{scale[0]:g}, {scale[1]:g}]"
+        )
     return score
+
+
+def _first_json_object(text: str) -> Any:
+    """The first JSON object in ``text`` (fenced or bare)."""
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"\{", text):
+        try:
+            return decoder.raw_decode(text, match.start())[0]
+        except json.JSONDecodeError:
+            continue
+    raise ValueError("no JSON object after the marker")
 
 
 def _json_object(reply: str) -> Any:
@@ -180,6 +225,7 @@ def make_judge_reward(
     temperature: float = 0.0,
     max_tokens: int | None = 512,
     api_key_env: str | None = None,
+    scale: Sequence[float] = DEFAULT_SCALE,
 ) -> Callable[..., Any]:
     """An async reward scoring each completion with a judge model.
 
@@ -188,12 +234,15 @@ def make_judge_reward(
             ``http://127.0.0.1:8000/v1``; requests go to ``{base_url}/chat/completions``.
         model: the judge model's name at that endpoint.
         rubric: grading instructions; the judge gets them in a system message and the prompt and
-            response in a user message, and is asked to end with ``Score: <number>``.
+            response in a user message, and is asked to end with ``<marker> Score: <number>``
+            on the ``scale``.
         template: instead of ``rubric``, the whole user message as a format string with
-            ``{response}`` and optionally ``{prompt}`` and any dataset field (``{ground_truth}``).
-        score_regex: where the score is in the reply (its first group; the last match counts).
-            Default: ``Score: <number>``.
-        json_field: instead, a (dotted) field of a JSON object in the reply.
+            ``{response}`` and optionally ``{prompt}``, ``{marker}`` and any dataset field
+            (``{ground_truth}``); without ``{marker}``, a system message asks the judge to write
+            it before its verdict.
+        score_regex: where the score is in the reply (its first group; the first match after
+            the marker counts). Default: ``Score: <number>``.
+        json_field: instead, a (dotted) field of the first JSON object after the marker.
         max_concurrency: requests in flight at once.
         timeout_s: per request; a timed-out request is retried like a 5xx.
         cache: an SQLite file for successful judgements (``None``: no cache).
@@ -201,6 +250,13 @@ def make_judge_reward(
         temperature, max_tokens: sampling parameters of the judge.
         api_key_env: the variable holding the API key (default ``OPENAI_API_KEY``, optional:
             without it no ``Authorization`` header is sent; a named one must exist).
+        scale: ``[low, high]`` of a valid score (default ``[0, 10]``, the default rubric's); a
+            reply scoring outside it is an invalid verdict: a failed sample, counted in
+            ``reward/<name>/invalid_verdicts`` like a reply with no verdict.
+
+    The verdict marker (``VERDICT-`` and 6 random hex digits) is drawn for each request; only
+    the reply after it is read, so a response that quotes a verdict of its own — which the
+    judge may repeat before or after its own — never sets its score.
     """
     if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
         raise RewardConfigError(f"judge: base_url must be an http(s) URL, got {base_url!r}")
@@ -217,9 +273,10 @@ def make_judge_reward(
             raise RewardConfigError(f"judge: score_regex {score_regex!r} is invalid: {e}") from None
     fields_used: set[str] = set()
     if template is not None:
-        fields_used = _template_fields(template) - {"prompt", "response"}
+        fields_used = _template_fields(template) - {"prompt", "response", _MARKER_FIELD}
         if "response" not in _template_fields(template):
             raise RewardConfigError("judge: template must contain {response}")
+    bounds = _scale(scale)
     _check_positive("max_concurrency", max_concurrency, integer=True)
     _check_positive("timeout_s", timeout_s)
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
@@ -231,21 +288,37 @@ def make_judge_reward(
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def messages(prompt: Any, response: str, row: Mapping[str, Any]) -> list[dict[str, str]]:
+    low, high = bounds
+    counts = {"invalid_verdicts": 0}
+    counts_lock = threading.Lock()
+
+    def messages(prompt: Any, response: str, row: Mapping[str, Any], marker: str) -> list[dict]:
         prompt = _prompt_text(prompt)
         if rubric is not None:
+            system = RUBRIC_SYSTEM.format(rubric=rubric, marker=marker, low=low, high=high)
             return [
-                {"role": "system", "content": RUBRIC_SYSTEM.format(rubric=rubric)},
+                {"role": "system", "content": system},
                 {"role": "user", "content": RUBRIC_USER.format(prompt=prompt, response=response)},
             ]
+        user = template.format(prompt=prompt, response=response, marker=marker, **row)
+        if _MARKER_FIELD in _template_fields(template):
+            return [{"role": "user", "content": user}]
         return [
-            {"role": "user", "content": template.format(prompt=prompt, response=response, **row)}
+            {"role": "system", "content": MARKER_SYSTEM.format(marker=marker)},
+            {"role": "user", "content": user},
         ]
 
     def key_of(msgs: list[dict[str, str]]) -> str:
-        return hashlib.sha256(json.dumps([model, msgs], sort_keys=True).encode()).hexdigest()
+        # rendered with a fixed marker: the request's own marker is random
+        return hashlib.sha256(
+            json.dumps([model, msgs, list(bounds)], sort_keys=True).encode()
+        ).hexdigest()
 
-    async def ask(client: httpx.AsyncClient, msgs: list[dict[str, str]]) -> tuple[float, str]:
+    async def ask(
+        client: httpx.AsyncClient, request: tuple[Any, str, Mapping[str, Any]]
+    ) -> tuple[float, str]:
+        marker = f"VERDICT-{secrets.token_hex(3).upper()}"
+        msgs = messages(*request, marker)
         body: dict[str, Any] = {"model": model, "messages": msgs, "temperature": temperature}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
@@ -257,7 +330,7 @@ def make_judge_reward(
                 problem = f"{type(e).__name__}: {e}"
             else:
                 if resp.status_code == 200:
-                    return _score_of(resp)
+                    return _score_of(resp, marker)
                 problem = f"HTTP {resp.status_code}"
                 if resp.status_code not in _RETRY_STATUS:
                     raise _JudgeFailure(problem, resp.text)
@@ -266,7 +339,7 @@ def make_judge_reward(
                 await asyncio.sleep(min(wait, _MAX_BACKOFF_S))
         raise _JudgeFailure(f"{problem} after {max_retries + 1} attempts")
 
-    def _score_of(resp: httpx.Response) -> tuple[float, str]:
+    def _score_of(resp: httpx.Response, marker: str) -> tuple[float, str]:
         try:
             reply = resp.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError):
@@ -274,9 +347,11 @@ def make_judge_reward(
         if not isinstance(reply, str):
             raise _JudgeFailure("the completion has no text content", resp.text)
         try:
-            return parse_score(reply, score_regex, json_field), reply
+            return parse_score(reply, score_regex, json_field, marker, bounds), reply
         except ValueError as e:
-            raise _JudgeFailure(f"unparseable judgement ({e})", reply) from None
+            with counts_lock:
+                counts["invalid_verdicts"] += 1
+            raise _JudgeFailure(f"invalid judgement ({e})", reply) from None
 
     async def judge(prompts: list[str], completions: list[str], **fields: list[Any]) -> list[float]:
         missing = sorted(fields_used - set(fields))
@@ -286,9 +361,9 @@ def make_judge_reward(
                 f"prompt, response, {', '.join(sorted(fields)) or '(none)'}"
             )
         rows = [{k: fields[k][i] for k in fields_used} for i in range(len(completions))]
-        all_msgs = [messages(p, c, r) for p, c, r in zip(prompts, completions, rows)]
-        keys = [key_of(m) for m in all_msgs]
-        unique = dict(zip(keys, all_msgs))  # GRPO groups repeat completions: judge each once
+        requests = list(zip(prompts, completions, rows))
+        keys = [key_of(messages(*r, "VERDICT-MARKER")) for r in requests]
+        unique = dict(zip(keys, requests))  # GRPO groups repeat completions: judge each once
         known = store.get_many(list(unique)) if store is not None else {}
         todo = [k for k in unique if k not in known]
         results: dict[str, float | _JudgeFailure] = dict(known)
@@ -315,8 +390,29 @@ def make_judge_reward(
             )
         return _collect(results, keys, completions)
 
+    def take_metrics() -> dict[str, float]:
+        with counts_lock:
+            taken = dict(counts)
+            counts["invalid_verdicts"] = 0
+        return taken
+
     judge.__name__ = judge.__qualname__ = "judge"
+    judge.take_metrics = take_metrics
     return judge
+
+
+def _scale(scale: Any) -> tuple[float, float]:
+    if (
+        not isinstance(scale, (list, tuple))
+        or len(scale) != 2
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scale)
+        or not all(math.isfinite(v) for v in scale)
+        or not scale[0] < scale[1]
+    ):
+        raise RewardConfigError(
+            f"judge: scale must be [low, high] with finite low < high, got {scale!r}"
+        )
+    return float(scale[0]), float(scale[1])
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -342,7 +438,7 @@ def _collect(
     for i, key in enumerate(keys):
         result = results[key]
         if isinstance(result, _JudgeFailure):
-            out.append(math.nan)
+            out.append(FailedScore(f"judge: no score ({scrub_text(result.reason)})"))
             level = logging.WARNING if logged < _LOGGED_FAILURES_PER_CALL else logging.DEBUG
             logged += 1
             logger.log(

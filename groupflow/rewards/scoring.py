@@ -20,6 +20,7 @@ import torch
 
 from groupflow.rewards.calls import TIMED_OUT, CallGuard
 from groupflow.rewards.errors import (
+    FailedScore,
     RewardConfigError,
     RewardError,
     RewardOutputError,
@@ -90,7 +91,7 @@ def validate_output(name: str, fn: Callable[..., Any], output: Any, expected: in
                 f"({type(value).__name__}); expected float or None"
             )
         else:
-            values.append(float(value))
+            values.append(value if isinstance(value, FailedScore) else float(value))
     return values
 
 
@@ -179,7 +180,9 @@ def score_component(
         values = validate_output(spec.name, spec.fn, batched, size)
         errors = [None] * size
     for i, value in enumerate(values):
-        if _is_bad(value):
+        if isinstance(value, FailedScore):  # the reward said why
+            errors[i] = ValueError(value.reason or "returned NaN")
+        elif _is_bad(value):
             errors[i] = ValueError(f"returned non-finite value {value}")
     failed = [i for i, e in enumerate(errors) if e is not None]
     timeouts = sum(isinstance(errors[i], _DeadlineExceeded) for i in failed)

@@ -327,3 +327,37 @@ def test_missing_fields_of_a_row_chosen_by_data_source():
     assert runner.missing_fields({"prompt_id": 3})[0][0] == "data_source"
     with pytest.raises(UnknownDataSourceError, match="'nope'"):
         runner.missing_fields({"data_source": "nope"})
+
+
+def test_a_failed_score_says_why_in_the_log_and_in_the_error_when_every_sample_fails(caplog):
+    import logging
+    import pickle
+
+    from groupflow.rewards import FailedScore, RewardError
+
+    def picky(completions, **_):
+        return [1.0 if c == "ok" else FailedScore(f"cannot score {c!r}") for c in completions]
+
+    runner = RewardRunner([RewardFunction("picky", picky)], failure_value=-1.0)
+    with caplog.at_level(logging.WARNING, logger="groupflow.rewards"):
+        assert runner(["p", "p"], ["ok", "bad"]).total.tolist() == [1.0, -1.0]
+    assert "cannot score 'bad'" in caplog.text
+    with pytest.raises(RewardError, match="ValueError: cannot score 'x'"):
+        runner(["p"], ["x"])
+    again = pickle.loads(pickle.dumps(FailedScore("why")))
+    assert again.reason == "why" and math.isnan(again)
+
+
+def test_a_rewards_own_counters_are_logged_under_its_name():
+    counts = {"n": 0}
+
+    def counting(completions, **_):
+        counts["n"] += len(completions)
+        return [0.0] * len(completions)
+
+    counting.take_metrics = lambda: {"seen": counts["n"]}
+    result = RewardRunner([RewardFunction("c", counting)])(["p"] * 3, ["a"] * 3)
+    assert result.metrics["reward/c/seen"] == 3.0
+    counting.take_metrics = lambda: {"seen": "three"}
+    with pytest.raises(RewardOutputError, match="take_metrics"):
+        RewardRunner([RewardFunction("c", counting)])(["p"], ["a"])

@@ -10,8 +10,9 @@ is returned as NaN, which the runner counts in ``reward/<name>/failures`` and re
 failure value; the judge logs the reason and the judge's reply text. Successful judgements go to
 an optional on-disk cache (SQLite, safe across threads and runs) keyed by a hash of (model, the
 rendered messages) -- i.e. of the prompt, the response and the rubric or template -- so re-scoring
-a seen pair costs nothing. The API key comes from the environment or a ``.env`` file, is sent
-only in the ``Authorization`` header, and never appears in a log line or an error.
+a seen pair costs nothing. An API key is sent only when the config names its variable
+(``api_key_env``; read from the environment or a ``.env`` file), only in the ``Authorization``
+header, only over https or to a loopback host, and never appears in a log line or an error.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 
@@ -41,7 +43,7 @@ __all__ = ["DEFAULT_SCALE", "DEFAULT_SCORE_REGEX", "make_judge_reward", "parse_s
 
 logger = logging.getLogger("groupflow.rewards")
 
-DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")  # where a key may travel over plain http
 # "Score: <number>"; read only after the request's verdict marker (see make_judge_reward).
 DEFAULT_SCORE_REGEX = r"[Ss]core\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)"
 DEFAULT_SCALE = (0.0, 10.0)  # the default rubric's: a score outside the declared scale is invalid
@@ -145,22 +147,31 @@ def _json_object(reply: str) -> Any:
     raise ValueError("the reply holds no JSON object")
 
 
-def _api_key(env_name: str | None) -> str | None:
-    """The key from the environment, else from ./.env; None when the default name is unset
-    (local servers need none). An explicitly named variable that is missing is an error."""
-    name = env_name or DEFAULT_API_KEY_ENV
-    if os.environ.get(name):
-        return os.environ[name]
+def _api_key(env_name: str | None, base_url: str) -> str | None:
+    """The key in the variable the config names (the environment, else ./.env), or None when it
+    names none: a key is never picked up implicitly (an ``OPENAI_API_KEY`` set for another tool
+    would go to whatever ``base_url`` says), and never sent in clear text off this machine."""
+    if env_name is None:
+        return None
+    if not isinstance(env_name, str) or not env_name:
+        raise RewardConfigError(f"judge: api_key_env must be a variable name, got {env_name!r}")
+    parsed = urlparse(base_url)
+    if parsed.scheme != "https" and (parsed.hostname or "") not in _LOOPBACK:
+        raise RewardConfigError(
+            f"judge: api_key_env={env_name!r} would send the key over plain http to "
+            f"{parsed.hostname!r}; use an https:// base_url (plain http only to 127.0.0.1, "
+            "localhost or ::1)"
+        )
+    if os.environ.get(env_name):
+        return os.environ[env_name]
     dotenv = Path(".env")
     if dotenv.is_file():
-        value = parse_dotenv(dotenv.read_text(encoding="utf-8"), str(dotenv)).get(name)
+        value = parse_dotenv(dotenv.read_text(encoding="utf-8"), str(dotenv)).get(env_name)
         if value:
             return value
-    if env_name is not None:
-        raise RewardConfigError(
-            f"judge: api_key_env={env_name!r} is not set in the environment or in ./.env"
-        )
-    return None
+    raise RewardConfigError(
+        f"judge: api_key_env={env_name!r} is not set in the environment or in ./.env"
+    )
 
 
 class _Cache:
@@ -248,8 +259,9 @@ def make_judge_reward(
         cache: an SQLite file for successful judgements (``None``: no cache).
         max_retries, backoff_s: retries of a transient failure, waiting backoff_s * 2^attempt.
         temperature, max_tokens: sampling parameters of the judge.
-        api_key_env: the variable holding the API key (default ``OPENAI_API_KEY``, optional:
-            without it no ``Authorization`` header is sent; a named one must exist).
+        api_key_env: the variable holding the API key (e.g. ``OPENAI_API_KEY``; in the
+            environment or ./.env, and it must be set). Only then is an ``Authorization`` header
+            sent, and only over https or to a loopback host; without it, none.
         scale: ``[low, high]`` of a valid score (default ``[0, 10]``, the default rubric's); a
             reply scoring outside it is an invalid verdict: a failed sample, counted in
             ``reward/<name>/invalid_verdicts`` like a reply with no verdict.
@@ -283,7 +295,7 @@ def make_judge_reward(
         raise RewardConfigError(f"judge: max_retries must be an int >= 0, got {max_retries!r}")
     if isinstance(backoff_s, bool) or not isinstance(backoff_s, (int, float)) or backoff_s < 0:
         raise RewardConfigError(f"judge: backoff_s must be >= 0, got {backoff_s!r}")
-    api_key = _api_key(api_key_env)
+    api_key = _api_key(api_key_env, base_url)
     store = _Cache(Path(cache)) if cache is not None else None
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

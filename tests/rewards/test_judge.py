@@ -227,7 +227,7 @@ def test_api_key_from_env_or_dotenv_is_sent_and_never_logged(stub, monkeypatch, 
     secret = "sk-test-0123456789abcdef"
     (tmp_path / ".env").write_text(f"OPENAI_API_KEY={secret}\n")
     with caplog.at_level(logging.DEBUG):
-        fn = _judge(stub)
+        fn = _judge(stub, api_key_env="OPENAI_API_KEY")
         _run(fn, ["a", "GARBAGE", "BADREQ"])
     assert stub.auth == [f"Bearer {secret}"] * 3
     monkeypatch.setenv("JUDGE_KEY", "from-the-environment-1234")
@@ -236,6 +236,26 @@ def test_api_key_from_env_or_dotenv_is_sent_and_never_logged(stub, monkeypatch, 
     assert secret not in caplog.text and "GARBAGE" in caplog.text
     with pytest.raises(RewardConfigError, match="api_key_env='NOPE_KEY' is not set"):
         _judge(stub, api_key_env="NOPE_KEY")
+
+
+def test_a_key_is_sent_only_where_the_config_names_its_variable(stub, monkeypatch, tmp_path):
+    """OPENAI_API_KEY in the environment and in ./.env, but no api_key_env: no header."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-from-the-environment")
+    (tmp_path / ".env").write_text("OPENAI_API_KEY=sk-test-from-dotenv\n")
+    _run(_judge(stub), ["a"])
+    assert stub.auth == [None]
+
+
+@pytest.mark.parametrize("host", ["judge.example.com", "10.0.0.7", "[fe80::1]"])
+def test_a_key_never_goes_over_plain_http_off_this_machine(monkeypatch, host):
+    monkeypatch.setenv("JUDGE_KEY", "sk-test-secret")
+    with pytest.raises(RewardConfigError, match="plain http") as err:
+        get_reward("judge", base_url=f"http://{host}:8000/v1", model="m", rubric="r",
+                   api_key_env="JUDGE_KEY")  # fmt: skip
+    assert "sk-test-secret" not in str(err.value)
+    for ok in ("https://judge.example.com/v1", "http://localhost:8000/v1", "http://[::1]:1/v1"):
+        get_reward("judge", base_url=ok, model="m", rubric="r", api_key_env="JUDGE_KEY")
+    get_reward("judge", base_url=f"http://{host}:8000/v1", model="m", rubric="r")  # no key: fine
 
 
 def test_failed_judgements_are_counted_failures_with_the_reply_logged(stub, caplog):

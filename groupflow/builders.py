@@ -356,7 +356,7 @@ def build_data(
             d.task.name, d.task.num_train, d.task.num_val, d.task.seed, digits=d.task.digits
         )
     if d.task is not None:
-        images = ImageLimits(max_pixels=d.max_pixels, min_pixels=d.min_pixels)
+        images = _image_limits(d)
         train_set = load_prompt_rows(train, images=images)
         val_set = load_prompt_rows(val, images=images) if inputs.val_rows is None else None
     else:
@@ -381,6 +381,11 @@ def build_data(
     return train_rows, val_rows, stats
 
 
+def _image_limits(d) -> ImageLimits:
+    return ImageLimits(max_pixels=d.max_pixels, min_pixels=d.min_pixels,
+                       max_file_bytes=d.max_image_bytes, image_dirs=tuple(d.image_dirs))  # fmt: skip
+
+
 def _load_split(d, files: list, python_rows: list | None, split: str):
     """One split's rows: from Python (the API), else its files and Hub datasets, each row mapped
     by ``data.columns`` / ``prompt_template`` / ``data_source`` (a Hub dataset's default
@@ -389,7 +394,7 @@ def _load_split(d, files: list, python_rows: list | None, split: str):
     from groupflow.utils.hub import load_hub_rows, parse_hub_dataset
 
     mapper = row_mapper(d.columns, d.prompt_template, d.data_source)
-    images = ImageLimits(max_pixels=d.max_pixels, min_pixels=d.min_pixels)
+    images = _image_limits(d)
     if python_rows is not None:  # rows, never file paths (a list of strings is bad rows)
         rows = NamedRows(f"{split}_dataset", python_rows)
         return load_prompt_rows(rows, on_bad_row=d.bad_rows, prepare=mapper, images=images)

@@ -161,6 +161,10 @@ class DataConfig(_Section):
     # at load (groupflow.data.images); the defaults are Qwen2.5-VL's usual 4..1280 28x28 patches
     max_pixels: int = Field(1280 * 28 * 28, ge=1)
     min_pixels: int = Field(4 * 28 * 28, ge=1)
+    # an image file (or bytes, a data: URL) is refused beyond this many bytes, before it is read
+    max_image_bytes: int = Field(64 << 20, ge=1)
+    # a data file's image paths must lie in its own folder or in one of these (none by default)
+    image_dirs: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _pixels(self):

@@ -263,9 +263,11 @@ def _normalize_with_images(
     decoded image parts; ``fields["images"]`` holds the decoded images for rewards that look at
     them, in place of the raw image column. Relative image paths resolve against the file's
     directory."""
-    root = None if source == IN_MEMORY_SOURCE or "://" in source else Path(source).parent
+    # a data file's (or a Hub dataset's) image paths are confined; rows built in Python are not
+    is_file = source != IN_MEMORY_SOURCE and "://" not in source and Path(source).is_file()
+    root = Path(source).parent if is_file else None
     try:
-        prompt, column = normalize_image_prompt(raw, root, limits)
+        prompt, column = normalize_image_prompt(raw, root, limits, is_file or "://" in source)
     except ImageProblem as problem:
         raise _RowProblem(problem.field, problem.reason) from None
     for i, msg in enumerate(prompt):

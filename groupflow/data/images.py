@@ -15,8 +15,14 @@ Every image is decoded and resized once, at load, so a missing, unreadable or ab
 ``DataError`` naming the file, row and field before any training starts (or a counted skip with
 ``data.bad_rows=skip``), never a crash in step 800. Resizing keeps the aspect ratio and puts the
 pixel count within ``[min_pixels, max_pixels]`` (the budget that decides how many image tokens a
-processor makes); a decoded image above ``max_source_pixels`` (a decompression bomb) or with an
-aspect ratio above ``max_aspect`` (Qwen2-VL's processor rejects > 200) is an error, not resized.
+processor makes); an image above ``max_source_pixels`` (a decompression bomb) or with an aspect
+ratio above ``max_aspect`` (Qwen2-VL's processor rejects > 200) is an error, not resized — told
+from its header, before any pixel is decoded. A file is read only up to ``max_file_bytes``
+(``data.max_image_bytes``): a larger one (or ``bytes`` / a ``data:`` URL holding more) is an
+error before it is read whole. The paths of a data file's rows are confined to that file's
+directory (symbolic links resolved) and the folders listed in ``data.image_dirs``; a Hub
+dataset's path-only images to those folders; rows built in Python are the caller's own and not
+confined. Nothing is ever fetched from a URL.
 The images live in memory as PIL images: geo3k's 2.1k images are ~0.3 GB at the default budget.
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +71,8 @@ class ImageLimits:
     min_pixels: int = 4 * 28 * 28
     max_source_pixels: int = 89_478_485  # PIL's decompression-bomb threshold
     max_aspect: float = 200.0
+    max_file_bytes: int = 64 << 20  # data.max_image_bytes: an image's encoded bytes
+    image_dirs: tuple[str, ...] = ()  # data.image_dirs: folders image paths may point into
 
     def __post_init__(self):
         if self.min_pixels < 1 or self.max_pixels < self.min_pixels:
@@ -71,6 +80,7 @@ class ImageLimits:
                 f"image pixel budget needs 1 <= min_pixels <= max_pixels, got min_pixels="
                 f"{self.min_pixels}, max_pixels={self.max_pixels}"
             )
+        object.__setattr__(self, "image_dirs", tuple(self.image_dirs))
 
 
 def _pil():
@@ -91,11 +101,16 @@ def _is_pil(value: Any) -> bool:
         return False
 
 
-def _open_bytes(data: bytes, field: str, what: str):
+def _open_bytes(data: bytes, field: str, what: str, limits: ImageLimits):
     Image = _pil()
+    if len(data) > limits.max_file_bytes:
+        raise ImageProblem(field, _too_many_bytes(what, len(data), limits))
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data))  # reads the header only
+        _check_size(img.size, limits, field)  # so a bomb is refused before it is decoded
         img.load()
+    except ImageProblem:
+        raise
     except Image.DecompressionBombError as err:
         raise ImageProblem(field, f"{what}: image too large to decode safely ({err})") from None
     except Exception as err:  # PIL raises many types for corrupt data; all mean "unreadable"
@@ -105,51 +120,104 @@ def _open_bytes(data: bytes, field: str, what: str):
     return img
 
 
-def _read_path(text: str, field: str, root: Path | None):
+def _too_many_bytes(what: str, size: int | str, limits: ImageLimits) -> str:
+    return (
+        f"{what}: {size} bytes, above the {limits.max_file_bytes} an image may have "
+        "(data.max_image_bytes)"
+    )
+
+
+def _check_size(size: tuple[int, int], limits: ImageLimits, field: str) -> None:
+    w, h = size
+    if w < 1 or h < 1:
+        raise ImageProblem(field, f"image has no pixels ({w}x{h})")
+    if w * h > limits.max_source_pixels:
+        raise ImageProblem(
+            field,
+            f"image is {w}x{h} = {w * h} pixels, above the {limits.max_source_pixels} a decoded "
+            "image may have; shrink it before training",
+        )
+    if max(w, h) / min(w, h) > limits.max_aspect:
+        raise ImageProblem(
+            field, f"image is {w}x{h}: aspect ratio above {limits.max_aspect:g} is not supported"
+        )
+
+
+def _allowed_dirs(root: Path | None, limits: ImageLimits) -> list[Path]:
+    dirs = [Path(d).expanduser() for d in limits.image_dirs]
+    return [Path(os.path.realpath(d)) for d in ([root] if root is not None else []) + dirs]
+
+
+def _read_path(text: str, field: str, root: Path | None, limits: ImageLimits, confine: bool):
     path = Path(text.removeprefix("file://")).expanduser()
     if not path.is_absolute() and root is not None:
         path = root / path
+    if confine:
+        real = Path(os.path.realpath(path))
+        allowed = _allowed_dirs(root, limits)
+        if not any(real == d or d in real.parents for d in allowed):
+            where = " or ".join(str(d) for d in allowed) or "no folder (data.image_dirs is empty)"
+            raise ImageProblem(
+                field,
+                f"image path {text[:200]!r} is outside {where}; list its folder in "
+                "data.image_dirs to allow it",
+            )
     if not path.is_file():
         raise ImageProblem(field, f"image file not found: {path}")
-    return _open_bytes(path.read_bytes(), field, str(path))
+    with open(path, "rb") as f:
+        data = f.read(limits.max_file_bytes + 1)  # never more than the cap, whatever stat says
+    if len(data) > limits.max_file_bytes:
+        raise ImageProblem(field, _too_many_bytes(str(path), "more than that, at least", limits))
+    return _open_bytes(data, field, str(path), limits)
 
 
-def _from_string(text: str, field: str, root: Path | None):
+def _from_string(text: str, field: str, root: Path | None, limits: ImageLimits, confine: bool):
     if text.startswith("data:"):
         header, _, payload = text.partition(",")
         if ";base64" not in header:
             raise ImageProblem(field, "a data: URL image must be base64 encoded")
+        size = len(payload.rstrip("=")) * 3 // 4  # decoded bytes, told before decoding them
+        if size > limits.max_file_bytes:
+            raise ImageProblem(field, _too_many_bytes("data: URL", size, limits))
         try:
             data = base64.b64decode(payload, validate=True)
         except ValueError:
             raise ImageProblem(field, "data: URL image holds invalid base64") from None
-        return _open_bytes(data, field, "data: URL")
+        return _open_bytes(data, field, "data: URL", limits)
     if re.match(r"^[a-z][a-z0-9+.-]*://", text) and not text.startswith("file://"):
         raise ImageProblem(
             field,
             f"image URL {text[:80]!r}: only local files, file:// and data: URLs are read "
             "(no network at run time); download the images and give their paths",
         )
-    return _read_path(text, field, root)
+    return _read_path(text, field, root, limits, confine)
 
 
 def load_image(
-    value: Any, field: str, root: Path | None = None, limits: ImageLimits = ImageLimits()
+    value: Any,
+    field: str,
+    root: Path | None = None,
+    limits: ImageLimits = ImageLimits(),
+    confine: bool = False,
 ):
-    """Decode one image value (see the module docstring) to an RGB PIL image within ``limits``."""
+    """Decode one image value (see the module docstring) to an RGB PIL image within ``limits``.
+
+    ``root``: the folder relative paths start from; ``confine``: a path must lie in ``root`` or
+    ``limits.image_dirs`` (a data file's rows; code's own values are not confined)."""
     if _is_pil(value):
         img = value
     elif isinstance(value, (bytes, bytearray)):
-        img = _open_bytes(bytes(value), field, "image bytes")
+        img = _open_bytes(bytes(value), field, "image bytes", limits)
     elif isinstance(value, str):
         if not value.strip():
             raise ImageProblem(field, "empty image path")
-        img = _from_string(value, field, root)
+        img = _from_string(value, field, root, limits, confine)
     elif isinstance(value, dict) and ("bytes" in value or "path" in value):
         if value.get("bytes") is not None:  # datasets.Image storage: bytes win over the path
-            img = _open_bytes(bytes(value["bytes"]), field, str(value.get("path") or "image bytes"))
+            what = str(value.get("path") or "image bytes")
+            img = _open_bytes(bytes(value["bytes"]), field, what, limits)
         elif value.get("path"):
-            img = _from_string(str(value["path"]), field, root)
+            img = _from_string(str(value["path"]), field, root, limits, confine)
         else:
             raise ImageProblem(field, "image struct has neither bytes nor path")
     elif value is None:
@@ -166,19 +234,8 @@ def load_image(
 def resize_within(img, limits: ImageLimits, field: str = "image"):
     """``img`` as RGB with its pixel count in ``[min_pixels, max_pixels]``, aspect ratio kept
     (to the pixel); errors for a decompression bomb or an extreme aspect ratio."""
+    _check_size(img.size, limits, field)
     w, h = img.size
-    if w < 1 or h < 1:
-        raise ImageProblem(field, f"image has no pixels ({w}x{h})")
-    if w * h > limits.max_source_pixels:
-        raise ImageProblem(
-            field,
-            f"image is {w}x{h} = {w * h} pixels, above the {limits.max_source_pixels} a decoded "
-            "image may have; shrink it before training",
-        )
-    if max(w, h) / min(w, h) > limits.max_aspect:
-        raise ImageProblem(
-            field, f"image is {w}x{h}: aspect ratio above {limits.max_aspect:g} is not supported"
-        )
     img = img.convert("RGB") if img.mode != "RGB" else img
     pixels = w * h
     if limits.min_pixels <= pixels <= limits.max_pixels:
@@ -212,8 +269,9 @@ def _part_image_value(part: dict) -> tuple[bool, Any]:
 class _ColumnImages:
     """The row's image column, handed out in order to bare image parts and ``<image>`` markers."""
 
-    def __init__(self, values: Sequence[Any], column: str, root, limits):
+    def __init__(self, values: Sequence[Any], column: str, root, limits, confine: bool):
         self.values, self.column, self.root, self.limits = list(values), column, root, limits
+        self.confine = confine
         self.used = 0
 
     def next(self, field: str):
@@ -225,7 +283,8 @@ class _ColumnImages:
             )
         i = self.used
         self.used += 1
-        return load_image(self.values[i], f"{self.column}[{i}]", self.root, self.limits)
+        where = f"{self.column}[{i}]"
+        return load_image(self.values[i], where, self.root, self.limits, self.confine)
 
 
 def _text_parts(text: str, images: _ColumnImages | None, field: str) -> list[dict]:
@@ -240,7 +299,7 @@ def _text_parts(text: str, images: _ColumnImages | None, field: str) -> list[dic
     return parts
 
 
-def _content_parts(content: Any, field: str, images, root, limits) -> list[dict]:
+def _content_parts(content: Any, field: str, images, root, limits, confine) -> list[dict]:
     if isinstance(content, str):
         return _text_parts(content, images, field)
     if not isinstance(content, (list, tuple)):
@@ -261,7 +320,8 @@ def _content_parts(content: Any, field: str, images, root, limits) -> list[dict]
         elif kind in ("image", "image_url"):
             own, value = _part_image_value(part)
             if own:
-                parts.append({"type": "image", "image": load_image(value, where, root, limits)})
+                image = load_image(value, where, root, limits, confine)
+                parts.append({"type": "image", "image": image})
             elif images is not None:
                 parts.append({"type": "image", "image": images.next(where)})
             else:
@@ -295,11 +355,13 @@ def has_image_input(raw: dict) -> bool:
 
 
 def normalize_image_prompt(raw: dict, root: Path | None = None,
-                           limits: ImageLimits = ImageLimits()) -> tuple[list[dict], str | None]:  # fmt: skip
+                           limits: ImageLimits = ImageLimits(),
+                           confine: bool = False) -> tuple[list[dict], str | None]:  # fmt: skip
     """The row's prompt as chat messages with decoded image parts, and the image column it read
-    (None: images only inside the messages). Every image of the column must be used."""
+    (None: images only inside the messages). Every image of the column must be used.
+    ``root``, ``confine``: see :func:`load_image`."""
     col = _column(raw)
-    images = _ColumnImages(col[1], col[0], root, limits) if col else None
+    images = _ColumnImages(col[1], col[0], root, limits, confine) if col else None
     prompt = raw["prompt"]
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]  # images need a chat template's markers
@@ -311,7 +373,8 @@ def normalize_image_prompt(raw: dict, root: Path | None = None,
     for i, msg in enumerate(prompt):
         if not isinstance(msg, dict) or "content" not in msg:
             raise ImageProblem(f"prompt[{i}]", "chat message must be a dict with 'content'")
-        parts = _content_parts(msg["content"], f"prompt[{i}].content", images, root, limits)
+        where = f"prompt[{i}].content"
+        parts = _content_parts(msg["content"], where, images, root, limits, confine)
         messages.append({**msg, "content": parts})
     if images is not None and images.used < len(images.values):
         if images.used:

@@ -94,7 +94,8 @@ class MultiTurnWorkflow:
             templated = False
         elif processor is not None:  # a vision-language model: prompts and observations may
             # show images, rendered by the processor's template (agents.formats)
-            limits = ImageLimits(max_pixels=cfg.data.max_pixels, min_pixels=cfg.data.min_pixels)
+            limits = ImageLimits(max_pixels=cfg.data.max_pixels, min_pixels=cfg.data.min_pixels,
+                                 max_file_bytes=cfg.data.max_image_bytes)  # fmt: skip
             self.format = VisionChatFormat(processor, schemas, limits)
             templated = True
         else:

@@ -199,3 +199,68 @@ def test_the_shapes_count_reward_gives_exact_and_near_credit():
 
     got = count_reward(["3", "2<eos>", " 4", "1", "x", ""], ["3", "3", "3", "3", "3", "3"])
     assert got == [1.0, 0.25, 0.25, 0.0, 0.0, 0.0]
+
+
+def _png_header(w: int, h: int) -> bytes:
+    """A PNG that declares w x h pixels in its header and holds no pixel data at all."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+def test_a_decompression_bomb_is_refused_from_its_header_before_decoding(tmp_path, monkeypatch):
+    """12000 x 12000 declared (551 MB to decode): refused from the header, nothing decoded."""
+    from PIL import ImageFile
+
+    decoded = []
+    original = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load",
+                        lambda self: decoded.append(self.size) or original(self))  # fmt: skip
+    (tmp_path / "bomb.png").write_bytes(_png_header(12000, 12000))
+    url = "data:image/png;base64," + base64.b64encode(_png_header(12000, 12000)).decode()
+    for value in ("bomb.png", url):
+        err = _bad(tmp_path, {"prompt": "x", "images": [value]})
+        assert "12000x12000 = 144000000 pixels, above the 89478485" in err.reason
+    assert decoded == []
+
+
+def test_an_image_is_read_only_up_to_the_byte_cap(tmp_path):
+    with open(tmp_path / "huge.png", "wb") as f:
+        f.truncate(100 << 20)  # 100 MiB (sparse: no disk), not an image
+    err = _bad(tmp_path, {"prompt": "x", "images": ["huge.png"]})
+    assert "above the 67108864 an image may have (data.max_image_bytes)" in err.reason
+    small = ImageLimits(max_file_bytes=1000, min_pixels=1)
+    assert load_image(png(4, 4), "f", None, small).size == (4, 4)
+    with pytest.raises(Exception, match="above the 1000"):
+        load_image(png(4, 4) + b"\0" * 1000, "f", None, small)
+    url = "data:image/png;base64," + base64.b64encode(b"\0" * 4000).decode()
+    with pytest.raises(Exception, match="data: URL: 4000 bytes, above the 1000"):
+        load_image(url, "f", None, small)
+
+
+def test_image_paths_are_confined_to_the_dataset_folder_unless_data_image_dirs_allows(tmp_path):
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    data.mkdir()
+    outside.mkdir()
+    Image.new("RGB", (8, 8)).save(outside / "secret.png")
+    (data / "link.png").symlink_to(outside / "secret.png")
+    for value in ("../outside/secret.png", str(outside / "secret.png"), "link.png",
+                  f"file://{outside / 'secret.png'}"):  # fmt: skip
+        err = _bad(data, {"prompt": "x", "images": [value]})
+        assert err.field == "images[0]" and "is outside" in err.reason
+        assert "data.image_dirs" in err.reason
+    path = data / "ok.jsonl"
+    path.write_text(json.dumps({"prompt": "x", "images": ["../outside/secret.png"]}) + "\n")
+    allowed = ImageLimits(min_pixels=1, image_dirs=(str(outside),))
+    assert len(load_prompt_rows(path, images=allowed)) == 1
+    # rows built in Python are the caller's own: not confined
+    rows = load_prompt_rows([{"prompt": "x", "images": [str(outside / "secret.png")]}],
+                            images=ImageLimits(min_pixels=1))  # fmt: skip
+    assert len(rows) == 1

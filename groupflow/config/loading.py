@@ -7,6 +7,7 @@ Design decision: every way in (a file, overrides, a dict from the Python API) en
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,13 @@ import yaml
 from pydantic import ValidationError
 
 from groupflow.config.keys import suggest
+from groupflow.config.presets import shadowed_by_file
 from groupflow.config.root import Config
 from groupflow.config.sections import ConfigError
 
 __all__ = ["apply_overrides", "config_from_dict", "load_config", "parse_overrides"]
+
+log = logging.getLogger("groupflow")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -157,6 +161,14 @@ def load_config(
         data = _yaml11_float(data)
     if overrides:
         ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        if path is not None:
+            for key, preset_value, file_value in shadowed_by_file(data, ov):
+                log.warning(
+                    "algorithm.preset=%s sets %s=%r, but %s gives %s=%r, which wins (a key "
+                    "given explicitly does); add %s=%r to take the preset's",
+                    ov.get("algorithm.preset") or ov["algorithm"]["preset"], key, preset_value,
+                    path, key, file_value, key, preset_value,
+                )  # fmt: skip
         data = apply_overrides(data, ov)
         source = f"{source} with overrides" if path is not None else source
     return config_from_dict(data, source, python_data=python_data)

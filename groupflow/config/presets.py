@@ -18,7 +18,14 @@ from typing import Any
 
 from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
 
-__all__ = ["PRESETS", "Preset", "expand_preset", "preset_note", "preset_report"]
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "expand_preset",
+    "preset_note",
+    "preset_report",
+    "shadowed_by_file",
+]
 
 
 @dataclass(frozen=True)
@@ -242,3 +249,50 @@ def preset_report(cfg: Any) -> list[str]:
             same = found and actual == value
         lines.append(f"{dotted}={actual!r} ({'preset' if same else 'overridden'})")
     return lines
+
+
+def shadowed_by_file(file_data: Any, overrides: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, preset's value, file's value)`` for each key of a preset chosen by ``overrides``
+    that the config file sets to another value and no override resets: the file's value wins, as
+    any explicit key does, but whoever adds ``algorithm.preset=...`` to a file that happens to set
+    ``actor.loss_agg`` (as the examples do) did not ask for that, so the loader warns.
+
+    A preset written in the file itself is taken to be chosen together with the file's keys."""
+    if not isinstance(file_data, dict):
+        return []
+    chosen = overrides.get("algorithm.preset")
+    if chosen is None and isinstance(overrides.get("algorithm"), dict):
+        chosen = overrides["algorithm"].get("preset")
+    in_file, file_preset = _get(file_data, "algorithm.preset")
+    if not isinstance(chosen, str) or chosen not in PRESETS or (in_file and file_preset == chosen):
+        return []
+    merged = copy.deepcopy(file_data)
+    for dotted, value in overrides.items():
+        _set_path(merged, dotted, value)
+    resolved = expand_preset(merged)  # what the preset keeps, given the final actor.loss_fn
+    shadowed = []
+    for dotted, value in PRESETS[chosen].keys.items():
+        found, mine = _get(file_data, dotted)
+        if not found or _overridden(overrides, dotted):
+            continue
+        kept, final = _get(resolved, dotted)
+        if kept and final != value and final == mine:
+            shadowed.append((dotted, value, mine))
+    return shadowed
+
+
+def _overridden(overrides: dict[str, Any], dotted: str) -> bool:
+    if dotted in overrides:
+        return True
+    return _get({k: v for k, v in overrides.items() if "." not in k}, dotted)[0]
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value

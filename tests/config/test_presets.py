@@ -166,3 +166,43 @@ def test_a_diffusion_run_refuses_a_preset(tmp_path):
     data["algorithm"] = {"preset": "dapo"}
     with pytest.raises(ConfigError, match="algorithm.preset='dapo' sets LLM loss keys"):
         config_from_dict(data)
+
+
+def test_a_preset_chosen_on_the_command_line_warns_about_each_key_the_file_shadows(caplog):
+    """examples/reverse_demo.yaml sets actor.loss_agg: token_mean; preset dr_grpo on top of it
+    keeps token_mean (the file's key wins, as explicit keys do) and the loader says so, naming
+    both values; an override of the key, or a preset written in the file, is deliberate."""
+    import logging
+
+    from groupflow.config import load_config
+
+    with caplog.at_level(logging.WARNING, logger="groupflow"):
+        cfg = load_config("examples/reverse_demo.yaml", ["algorithm.preset=dr_grpo"])
+    assert cfg.actor.loss_agg == "token_mean"
+    assert (
+        "algorithm.preset=dr_grpo sets actor.loss_agg='seq_mean_token_sum_norm', but "
+        "examples/reverse_demo.yaml gives actor.loss_agg='token_mean', which wins" in caplog.text
+    )
+    assert "add actor.loss_agg='seq_mean_token_sum_norm'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="groupflow"):
+        load_config("examples/reverse_demo.yaml",
+                    ["algorithm.preset=dr_grpo", "actor.loss_agg=seq_mean_token_sum_norm"])  # fmt: skip
+        load_config("examples/reverse_demo.yaml", ["algorithm.preset=dapo"])  # same value
+    assert "algorithm.preset" not in caplog.text
+
+
+def test_a_preset_in_the_file_with_its_own_keys_does_not_warn(tmp_path, caplog):
+    import logging
+
+    import yaml
+
+    from groupflow.config import load_config
+
+    data = yaml.safe_load(open("examples/reverse_demo.yaml"))
+    data.setdefault("algorithm", {})["preset"] = "gspo"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with caplog.at_level(logging.WARNING, logger="groupflow"):
+        cfg = load_config(path, ["run.seed=3"])
+    assert cfg.actor.loss_agg == "token_mean" and "algorithm.preset" not in caplog.text

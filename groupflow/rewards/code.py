@@ -31,7 +31,11 @@ the harness and can reach anything in it (frames, ``gc``, the harness's report f
 child only *computes*: call tests return each call's value (JSON), stdin/stdout tests their
 stdout, and an assert statement of the shape ``assert EXPR == LITERAL`` (or ``LITERAL == EXPR``,
 ``!=``, ``is``/``is not`` None/True/False) is split: the child evaluates ``EXPR`` and returns its
-``repr``, and the parent compares it with the literal (``ast.literal_eval``). A solution that
+``repr`` when it is a plain value — exactly a builtin scalar, or a list, tuple, set or dict of
+them, whose ``repr`` reads back as the same value (a subclass or any other object could print as
+one value and compare as another: it fails the case) — and the parent compares it with the
+literal (``ast.literal_eval``); for ``is``/``is not`` the child reports the value's identity (None,
+True, False or other), which no object can fake. A solution that
 forges reports (it can find the random token that tags them) therefore still has to produce the
 right values without knowing them, i.e. solve the problem; a case reported twice fails. Assert
 statements of any other shape (``assert f(x) > 3``, several statements, a call of a helper) can
@@ -235,6 +239,26 @@ def _plain(value):
         return value.item()
     return value
 
+_SCALARS = (int, float, complex, str, bytes, bool, type(None))
+
+def _is_plain(value, depth=0):
+    # exactly the builtin types whose repr reads back as the same value: a subclass, or any other
+    # object, could print as one value and compare as another
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if depth > 20:
+        return False
+    if kind in (list, tuple, set, frozenset):
+        return all(_is_plain(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+def _identity(value):
+    # what `is` compares, which no object can fake: None, True, False or something else
+    return "None" if value is None else "True" if value is True else "False" if value is False else "other"
+
 def _main():
     spec = json.loads(sys.stdin.readline())
     sys.stdin.close()
@@ -254,14 +278,21 @@ def _main():
     if spec["kind"] == "assert":
         for i, (how, source) in enumerate(spec["cases"]):
             try:
-                if how == "expr":
-                    value = repr(_plain(eval(compile(source, f"<test {i}>", "eval"), namespace)))
-                else:
+                if how == "stmt":
                     exec(compile(source, f"<test {i}>", "exec"), namespace)
+                    status, value = "pass", ""
+                else:
+                    value = _plain(eval(compile(source, f"<test {i}>", "eval"), namespace))
+                    if how == "ident":
+                        status, value = "ident", _identity(value)
+                    elif _is_plain(value):
+                        status, value = "value", repr(value)
+                    else:
+                        status, value = "opaque", type(value).__qualname__
             except BaseException as exc:
                 report(i, "fail", _describe(exc))
             else:
-                report(i, "value", value) if how == "expr" else report(i, "pass")
+                report(i, status, value)
         return
     name = spec["fn_name"]
     target = namespace.get("Solution")
@@ -393,7 +424,12 @@ def _case_outcome(
         return False, f"case {index}: no value reported ({status!r})"
     split = splits[index]
     if split is not None:
-        if status == "value" and isinstance(detail, str) and _assert_passed(detail, split):
+        if status == "ident" and split.op in ("is", "is not") and isinstance(detail, str):
+            if (detail == repr(split.expected)) == (split.op == "is"):
+                return True, ""
+        elif status == "opaque":
+            return False, f"case {index}: got a {str(detail)[:80]}, not a plain value to compare"
+        elif status == "value" and isinstance(detail, str) and _assert_passed(detail, split):
             return True, ""
         return (
             False,
@@ -411,7 +447,9 @@ def _harness_run(code: str, tests: CodeTests, limits: SandboxLimits, sandbox: An
     else:
         splits = [split_assert(statement) for statement in tests.cases]
         cases = [
-            ("expr", split.expr) if split is not None else ("stmt", statement)
+            ("stmt", statement)
+            if split is None
+            else ("ident" if split.op in ("is", "is not") else "expr", split.expr)
             for split, statement in zip(splits, tests.cases)
         ]
     spec = {"token": token, "kind": tests.kind, "cases": cases, "fn_name": tests.fn_name}

@@ -301,3 +301,36 @@ def test_asserts_against_literals_are_judged_in_the_parent():
     ]
     numpy_scalar = "import numpy as np\ndef add(a, b):\n    return np.int64(a) + b"
     assert reward()(completions=[fenced(numpy_scalar)], tests=[UNGUESSABLE]) == [1.0]
+
+
+# A value that prints as one value and compares as another, and one that prints as True.
+LIAR = """
+class Liar(int):
+    def __repr__(self):
+        return "6"
+
+class Truthy:
+    def __repr__(self):
+        return "True"
+
+def f(x):
+    return Liar(5)
+
+def g():
+    return Truthy()
+
+def h():
+    return object()
+"""
+
+
+def test_a_crafted_object_cannot_satisfy_negative_or_identity_asserts():
+    """`!=` needs a plain value (a subclass of int printing "6" is not 6); `is` / `is not` are
+    judged by the value's identity in the child, which no object can fake — so an honest object
+    that is not a literal passes `is not None` too."""
+    cases = ["assert f(1) != 5", "assert g() is True", "assert h() is not None",
+             "assert g() is not None", "assert None is not h()"]  # fmt: skip
+    scores = [reward()(completions=[fenced(LIAR)], tests=[[case]])[0] for case in cases]
+    assert scores == [0.0, 0.0, 1.0, 1.0, 1.0]
+    honest = "def f(x):\n    return 6\ndef g():\n    return True"
+    assert reward()(completions=[fenced(honest)], tests=[cases[:2]]) == [1.0]

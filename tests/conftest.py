@@ -224,3 +224,12 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (runs in scripts/gpu_check.sh)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sandbox_health(monkeypatch):
+    """Each test starts with no sandbox failures in a row: tests that make the sandbox fail on
+    purpose must not stop a later test with SandboxBroken."""
+    from groupflow.tools import sandbox
+
+    monkeypatch.setattr(sandbox, "_health", sandbox._Health())

@@ -34,6 +34,7 @@ from groupflow.agents.calls import CallTimeout, StuckCallsError, call_with_timeo
 from groupflow.agents.parsers import ToolCallParser
 from groupflow.agents.tools import Tool, tool_result_text
 from groupflow.data.images import is_pil_image as _is_pil
+from groupflow.tools.sandbox import SandboxBroken, SandboxError
 
 log = logging.getLogger("groupflow")
 
@@ -206,7 +207,8 @@ class ToolEnvironment:
         self.parser = parser
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
-        self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "bad_calls": 0}
+        self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "bad_calls": 0,
+                      "sandbox_failures": 0}  # fmt: skip
 
     async def reset(self, row: Mapping[str, Any]) -> None:
         return None  # async: awaited on the loop, no thread for a no-op
@@ -245,8 +247,11 @@ class ToolEnvironment:
         except CallTimeout:
             self.stats["tool_timeouts"] += 1
             return f"Error: {call.name} timed out after {tool.timeout_s:g} s"
-        except StuckCallsError:
+        except (StuckCallsError, SandboxBroken):
             raise  # stops the run
+        except SandboxError as exc:  # the sandbox failed, not the model's code: no result at all
+            self.stats["sandbox_failures"] += 1
+            return f"Error: {call.name} could not run (its code sandbox failed: {exc})"
         except Exception as exc:  # the model's observation, not ours (SystemExit included)
             self.stats["tool_errors"] += 1
             return f"Error: {error_text(exc)}"

@@ -52,12 +52,16 @@ import json
 import os
 import re
 import secrets
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from groupflow.rewards.base import RewardConfigError
+from groupflow.rewards.errors import FailedScore
 from groupflow.tools.sandbox import (
+    SandboxBroken,
+    SandboxError,
     SandboxLimits,
     SandboxUnavailable,
     resolve_sandbox,
@@ -65,6 +69,12 @@ from groupflow.tools.sandbox import (
 )
 
 KINDS = ("assert", "stdio", "call")
+
+
+class CodeSandboxError(RewardConfigError):
+    """The code sandbox keeps failing (``SandboxBroken``): the run stops. A RewardConfigError so
+    that it is never isolated per sample: the machine's sandbox, not a sample, is at fault."""
+
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 # A fenced block: an opening fence line with an optional language tag, then everything up to
@@ -363,13 +373,17 @@ def split_assert(statement: str) -> SplitAssert | None:
 
 @dataclass(frozen=True)
 class CodeReport:
-    """How one sample did: ``passed`` of ``total`` cases, and the first problem seen."""
+    """How one sample did: ``passed`` of ``total`` cases, and the first problem seen;
+    ``sandbox_failed``: the sandbox failed (not the program), so there is no score."""
 
     passed: int
     total: int
     first_error: str = ""
+    sandbox_failed: bool = False
 
     def score(self, partial_credit: bool = True) -> float:
+        if self.sandbox_failed:
+            return FailedScore(f"code sandbox failed: {self.first_error}")
         if self.total == 0:
             return 0.0
         if partial_credit:
@@ -383,8 +397,11 @@ def _normalize_stdout(text: str) -> str:
 
 def _stdio_case(
     code: str, stdin: str, expected: str, limits: SandboxLimits, sandbox: Any
-) -> tuple[bool, str]:
-    result = run_python(code, stdin=stdin, sandbox=sandbox, **limits.as_kwargs())
+) -> tuple[bool, str] | CodeReport:
+    try:
+        result = run_python(code, stdin=stdin, sandbox=sandbox, **limits.as_kwargs())
+    except SandboxError as exc:
+        return CodeReport(0, 1, str(exc), sandbox_failed=True)
     if not result.ok:
         return False, result.error_line or f"exit code {result.exit_code}, limit {result.limit}"
     if _normalize_stdout(result.stdout) != _normalize_stdout(expected):
@@ -453,13 +470,16 @@ def _harness_run(code: str, tests: CodeTests, limits: SandboxLimits, sandbox: An
             for split, statement in zip(splits, tests.cases)
         ]
     spec = {"token": token, "kind": tests.kind, "cases": cases, "fn_name": tests.fn_name}
-    result = run_python(
-        HARNESS,
-        stdin=json.dumps(spec) + "\n",
-        files={"solution.py": code},
-        sandbox=sandbox,
-        **limits.as_kwargs(),
-    )
+    try:
+        result = run_python(
+            HARNESS,
+            stdin=json.dumps(spec) + "\n",
+            files={"solution.py": code},
+            sandbox=sandbox,
+            **limits.as_kwargs(),
+        )
+    except SandboxError as exc:  # no verdict on the program: its own kind of failure
+        return CodeReport(0, len(tests.cases), str(exc), sandbox_failed=True)
     outcomes: dict[int, bool] = {}
     reported: set[int] = set()
     first_error = ""
@@ -497,8 +517,9 @@ def run_code_tests(
 ) -> list[CodeReport]:
     """Run each program against its tests, in parallel on ``max_workers`` threads.
 
-    A sandbox that fails (a remote service that does not answer) raises SandboxError: the
-    reward runner counts it as the failure of that sample's reward."""
+    A sandbox that fails (bubblewrap's own error, a remote service that does not answer) makes
+    that sample's report ``sandbox_failed``: no score, never a 0 for the program; one broken on
+    every run raises SandboxBroken."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
         pending: list[Any] = []
         for code, suite in zip(codes, tests):
@@ -519,6 +540,9 @@ def _collect(item: Any) -> CodeReport:
     if isinstance(item, concurrent.futures.Future):
         return item.result()
     outcomes = [future.result() for future in item]
+    failed = [o for o in outcomes if isinstance(o, CodeReport)]
+    if failed:  # a case's sandbox failed: the sample has no verdict
+        return CodeReport(0, len(outcomes), failed[0].first_error, sandbox_failed=True)
     errors = [error for ok, error in outcomes if not ok]
     return CodeReport(sum(ok for ok, _ in outcomes), len(outcomes), errors[0] if errors else "")
 
@@ -585,9 +609,23 @@ def make_code_tests_reward(
                 raise ValueError(f"{exc} (sample {i})") from None
             suites.append(CodeTests(suite.kind, suite.cases[:max_tests], suite.fn_name))
         codes = [extract_code(c) for c in completions]
-        reports = run_code_tests(codes, suites, limits, workers, backend)
+        try:
+            reports = run_code_tests(codes, suites, limits, workers, backend)
+        except SandboxBroken as exc:
+            raise CodeSandboxError(f"code_tests: {exc}") from exc
+        with counts_lock:
+            counts["sandbox_failures"] += sum(r.sandbox_failed for r in reports)
         return [report.score(partial_credit) for report in reports]
 
+    def take_metrics() -> dict[str, float]:
+        """Samples whose sandbox failed since the last call (reward/<name>/sandbox_failures)."""
+        with counts_lock:
+            taken, counts["sandbox_failures"] = dict(counts), 0
+        return taken
+
+    counts = {"sandbox_failures": 0}
+    counts_lock = threading.Lock()
+    code_tests.take_metrics = take_metrics
     return code_tests
 
 

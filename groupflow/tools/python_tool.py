@@ -7,7 +7,9 @@ ready-made :data:`python` or a factory call. The reply is meant for a model's co
 stdout (a final bare expression is echoed, notebook style), then on failure only the error's last
 line and where it happened (``ZeroDivisionError: division by zero (line 2)``) rather than a
 traceback, and every cut is marked
-so the model can tell a truncated answer from a complete one.
+so the model can tell a truncated answer from a complete one. When the sandbox itself fails (not
+the code), the tool raises ``SandboxError`` rather than answer: the tool environment turns that
+into an error observation and counts it, and the reply is never mistaken for the program's output.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from typing import Any
 
 from groupflow.tools.sandbox import (
     MAIN_FILE,
-    SandboxError,
     SandboxLimits,
     SandboxResult,
     resolve_sandbox,
@@ -99,12 +100,9 @@ def python_tool(
         Args:
             code: The complete Python program to run, e.g. "print(123 * 456)".
         """
-        try:
-            result = run_python(
-                code, echo_last_expression=True, sandbox=sandbox, **checked.as_kwargs()
-            )
-        except SandboxError as exc:
-            return f"Error: the sandbox failed ({exc})"
+        # a SandboxError (the sandbox failed, not the code) is raised, never shown as output:
+        # the tool environment counts it (rollout/sandbox_failures); SandboxBroken stops the run
+        result = run_python(code, echo_last_expression=True, sandbox=sandbox, **checked.as_kwargs())
         return format_result(result, checked, max_chars)
 
     return python

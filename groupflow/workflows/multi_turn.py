@@ -365,7 +365,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     if any(hasattr(e.env, "stats") for e in episodes):
         m["rollout/tool_calls/mean"] = sum(calls) / n
         m["rollout/tool_call_rate"] = sum(c > 0 for c in calls) / n
-        for key in ("tool_errors", "tool_timeouts", "bad_calls"):
+        for key in ("tool_errors", "tool_timeouts", "bad_calls", "sandbox_failures"):
             m[f"rollout/{key}"] = float(stats.get(key, 0))
     for reason in ("stop", "length", "max_turns", "env_failure"):
         m[f"rollout/finish/{reason}"] = finishes.get(reason, 0) / n

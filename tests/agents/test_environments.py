@@ -46,7 +46,13 @@ def test_tool_environment_answers_each_call(helpers):
     assert (reward, done) == (0.0, False)
     assert [m["content"] for m in obs] == ["42", "Error: ZeroDivisionError: division by zero"]
     assert all(m["role"] == "tool" and m["name"] == "calculator" for m in obs)
-    assert env.stats == {"tool_calls": 2, "tool_errors": 1, "tool_timeouts": 0, "bad_calls": 0}
+    assert env.stats == {
+        "tool_calls": 2,
+        "tool_errors": 1,
+        "tool_timeouts": 0,
+        "bad_calls": 0,
+        "sandbox_failures": 0,
+    }
     obs, reward, done = asyncio.run(env.step("The answer is 42."))
     assert obs is None and done
 
@@ -65,7 +71,13 @@ def test_tool_timeout_error_and_bad_calls_are_observations(helpers):
     assert contents[3] == "Error: RuntimeError: cannot handle a"
     assert contents[4].startswith("Error: unknown tool 'nope'; available: ")
     assert not done
-    assert env.stats == {"tool_calls": 3, "tool_errors": 1, "tool_timeouts": 1, "bad_calls": 2}
+    assert env.stats == {
+        "tool_calls": 3,
+        "tool_errors": 1,
+        "tool_timeouts": 1,
+        "bad_calls": 2,
+        "sandbox_failures": 0,
+    }
     obs, _, _ = asyncio.run(env.step(_call("calculator", expr="1")))
     assert "unknown argument(s) ['expr']" in obs[0]["content"]
 
@@ -81,7 +93,13 @@ def test_an_unprintable_result_and_a_call_nested_too_deeply_are_the_tools_failur
         "Error: unprintable_tool returned a _Unprintable that cannot be shown as text "
         "(RuntimeError)",
     ]
-    assert env.stats == {"tool_calls": 1, "tool_errors": 1, "tool_timeouts": 0, "bad_calls": 1}
+    assert env.stats == {
+        "tool_calls": 1,
+        "tool_errors": 1,
+        "tool_timeouts": 0,
+        "bad_calls": 1,
+        "sandbox_failures": 0,
+    }
 
 
 def test_user_environment_async_and_sync(helpers):

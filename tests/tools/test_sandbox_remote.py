@@ -171,9 +171,24 @@ def test_a_failing_service_is_a_sandbox_error(service, reply, message):
 
 
 def test_a_failing_service_costs_the_tool_call_not_the_run(service):
-    service.script.append((200, "garbage"))
-    reply = python_tool(sandbox=remote(service, retries=0))("print(1)")
-    assert reply.startswith("Error: the sandbox failed (remote sandbox http://127.0.0.1:")
+    """The tool raises (its reply is never the program's output); a tool environment makes that
+    an error observation, counted in sandbox_failures."""
+    import asyncio
+    import json
+
+    from groupflow.agents.environments import ToolEnvironment
+    from groupflow.agents.parsers import build_parser
+    from groupflow.agents.tools import make_tool
+
+    service.script += [(200, "garbage")] * 2
+    tool = python_tool(sandbox=remote(service, retries=0))
+    with pytest.raises(SandboxError, match="the reply is not JSON"):
+        tool("print(1)")
+    env = ToolEnvironment([make_tool(tool, "python", None, 30)], build_parser("hermes"))
+    call = json.dumps({"name": "python", "arguments": {"code": "print(1)"}})
+    messages, _, _ = asyncio.run(env.step(f"<tool_call>{call}</tool_call>"))
+    assert messages[-1]["content"].startswith("Error: python could not run (its code sandbox")
+    assert env.stats["sandbox_failures"] == 1 and env.stats["tool_errors"] == 0
 
 
 def test_an_unreachable_service_is_a_sandbox_error():

@@ -13,15 +13,19 @@ one runs their code:
 - ``"guard"``: the old in-process audit-hook guard, only by explicit opt-in: it is NOT a security
   boundary (:mod:`~groupflow.tools.sandbox.guard`).
 
-Where no isolating backend works, resolving ``"auto"`` raises :class:`SandboxUnavailable` saying
-what to install: the code tool and the code rewards resolve their sandbox when they are built,
-so a run refuses to start rather than run model code unisolated. ``GROUPFLOW_SANDBOX`` sets the
+Where no isolating backend works, resolving ``"auto"`` raises :class:`SandboxUnavailable` naming
+every remedy: the code tool and the code rewards resolve their sandbox when they are built (and
+nothing else does), so a run that would execute model code refuses to start rather than run it
+unisolated. A run whose sandbox fails raises :class:`SandboxError` (counted here); one that fails
+``MAX_CONSECUTIVE_FAILURES`` times in a row raises :class:`SandboxBroken`, which stops the run. ``GROUPFLOW_SANDBOX`` sets the
 spec for a machine (``bwrap``, ``guard`` or a service URL) where a tool or reward does not.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from typing import Any, Protocol
 
 from groupflow.tools.sandbox.bwrap import INSTALL_HINT, bwrap_sandbox
@@ -30,6 +34,7 @@ from groupflow.tools.sandbox.limits import (
     LIMIT_REASONS,
     MAIN_FILE,
     Job,
+    SandboxBroken,
     SandboxError,
     SandboxLimits,
     SandboxResult,
@@ -43,7 +48,9 @@ __all__ = [
     "MAIN_FILE",
     "BACKENDS",
     "Job",
+    "MAX_CONSECUTIVE_FAILURES",
     "Sandbox",
+    "SandboxBroken",
     "SandboxError",
     "SandboxLimits",
     "SandboxResult",
@@ -51,9 +58,14 @@ __all__ = [
     "child_environment",
     "resolve_sandbox",
     "run_python",
+    "sandbox_failures",
 ]
 
+log = logging.getLogger(__name__)
+
 BACKENDS = ("auto", "bwrap", "remote", "guard")
+# Runs in a row whose sandbox failed (not their code) before the run stops with SandboxBroken.
+MAX_CONSECUTIVE_FAILURES = 8
 ENV_VAR = "GROUPFLOW_SANDBOX"
 _DEFAULTS = SandboxLimits()
 
@@ -128,6 +140,43 @@ REMEDIES = (
 )
 
 
+class _Health:
+    """Sandbox failures of this process: in a row (to stop a run whose sandbox is broken) and in
+    all (what tools and rewards report)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_a_row = 0
+        self.total = 0
+
+    def ok(self) -> None:
+        with self.lock:
+            self.in_a_row = 0
+
+    def failed(self, backend: str, exc: SandboxError) -> None:
+        with self.lock:
+            self.in_a_row += 1
+            self.total += 1
+            in_a_row, first = self.in_a_row, self.total == 1
+        if first:
+            log.warning("code sandbox (%s) failed: %s; counted as a sandbox failure, never as the "
+                        "program's output; further failures are counted", backend, exc)  # fmt: skip
+        if in_a_row >= MAX_CONSECUTIVE_FAILURES:
+            raise SandboxBroken(
+                f"the code sandbox ({backend}) failed on the last {in_a_row} runs in a row; the "
+                f"last time: {exc}. Fix it (the message says what failed) or choose another "
+                "sandbox backend"
+            ) from exc
+
+
+_health = _Health()
+
+
+def sandbox_failures() -> int:
+    """Runs of this process whose sandbox failed (:class:`SandboxError`), in all."""
+    return _health.total
+
+
 def run_python(
     code: str,
     *,
@@ -158,7 +207,9 @@ def run_python(
         sandbox: the backend spec (see :func:`resolve_sandbox`).
 
     Never raises for anything the code does; raises ValueError for bad arguments,
-    SandboxUnavailable when no backend can run here, SandboxError when a remote service fails.
+    SandboxUnavailable when no backend can run here, SandboxError when the sandbox itself fails
+    (bubblewrap's error, a remote service's), SandboxBroken when it has failed on
+    :data:`MAX_CONSECUTIVE_FAILURES` runs in a row.
     """
     limits = SandboxLimits(
         timeout_s,
@@ -173,4 +224,11 @@ def run_python(
     job = Job.checked(code, stdin, files, echo_last_expression, readable_paths)
     if not hasattr(os, "killpg") or not hasattr(os, "waitid"):
         raise RuntimeError("run_python needs a POSIX system (Linux or macOS)")
-    return resolve_sandbox(sandbox).run(job, limits)
+    backend = resolve_sandbox(sandbox)
+    try:
+        result = backend.run(job, limits)
+    except SandboxError as exc:
+        _health.failed(backend.name, exc)
+        raise
+    _health.ok()
+    return result

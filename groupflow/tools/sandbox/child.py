@@ -3,12 +3,16 @@
 Design decision: everything that must hold before model-written code runs happens here, in the
 child, in a fixed order. Two modes, one per local backend:
 
-- ``isolated`` (bubblewrap): this script starts inside the new namespaces as root with only
-  CAP_SETUID/CAP_SETGID. It forks; the child drops to the sandbox's own unprivileged user (no
-  capabilities left, so RLIMIT_NPROC now binds), sets the resource limits and runs ``main.py``.
-  The parent stays behind as a supervisor the code cannot signal (another user): it waits and
-  writes the exit status and CPU time to a pipe the code never holds, since bubblewrap reports
-  neither faithfully.
+- ``isolated`` (bubblewrap): this script is the first process of the new PID namespace — as
+  root with only CAP_SETUID/CAP_SETGID when the trainer is root, else as the trainer's user in
+  bubblewrap's user namespace. It joins the run's cgroups (descriptors of their ``cgroup.procs``,
+  opened by the trainer) and forks; the child closes every descriptor but its standard streams,
+  offers itself first to the OOM killer, drops to the sandbox's own unprivileged user when there
+  is one (no capabilities left, so RLIMIT_NPROC binds), sets the resource limits and runs
+  ``main.py``. The parent stays behind as a supervisor the code cannot signal (the namespace's
+  first process ignores signals from inside it): it reaps every orphan and writes the code's
+  exit status and CPU time to a pipe the code never holds, since bubblewrap reports neither
+  faithfully.
 - ``guard`` (opt-in, not a security boundary): resource limits, then an audit hook (PEP 578) that
   refuses what rlimits cannot stop for root (new processes, network, writes outside the working
   directory, reads outside an allow-list, raising the limits again). It stops accidents only:
@@ -267,19 +271,37 @@ def _become_sandbox_user(uid: int) -> None:
 
 
 def _supervise(pid: int, status_fd: int) -> None:
-    """Wait for the code's process, write its exit status and CPU time, exit the same way."""
+    """Reap every process that ends (orphans come to the namespace's first process) until the
+    code's own does; write its exit status and CPU time; exit the same way."""
     while True:
         try:
-            _, status, usage = os.wait4(pid, 0)
-            break
+            done, status, usage = os.wait4(-1, 0)
         except ChildProcessError:
             os._exit(1)
         except InterruptedError:
             continue
+        if done == pid:
+            break
     code = os.waitstatus_to_exitcode(status)
     report = {"exit_code": code, "cpu_s": usage.ru_utime + usage.ru_stime}
     os.write(status_fd, json.dumps(report).encode())
     os._exit(code if code >= 0 else 128 - code)
+
+
+def _join_cgroups(fds: list[int]) -> None:
+    """Move this process into the run's cgroups: what it forks after this inherits them."""
+    for fd in fds:
+        os.write(fd, b"0")
+        os.close(fd)
+
+
+def _first_to_be_killed() -> None:
+    """On an out-of-memory kill in the run's cgroup, the code goes before its supervisor."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
 
 
 def main() -> None:
@@ -290,11 +312,14 @@ def main() -> None:
     sys.argv = [config["filename"]]
     if config["mode"] == "isolated":
         status_fd = int(config["status_fd"])
+        _join_cgroups([int(fd) for fd in config.get("cgroup_fds") or ()])
         sys.stdout.flush()
         pid = os.fork()
         if pid:
             _supervise(pid, status_fd)
-        os.close(status_fd)  # the code must not be able to forge its own status
+        # nothing but the standard streams: the code must not forge its own status
+        os.closerange(3, 1 << 16)
+        _first_to_be_killed()
         if config.get("uid") is not None:
             _become_sandbox_user(int(config["uid"]))
         sys.stdout.reconfigure(line_buffering=True)

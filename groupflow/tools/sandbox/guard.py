@@ -78,4 +78,4 @@ class GuardSandbox:
             config = child_config("guard", job, limits, 0, readable=readable)
             argv = [sys.executable, "-s", "-B", str(CHILD_SCRIPT), json.dumps(config)]
             launch = Launch(argv, workdir, child_environment(workdir), stdin_path)
-            return run_child(launch, limits, self.name)
+            return run_child(launch, limits, self.name)[0]

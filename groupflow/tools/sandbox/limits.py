@@ -25,8 +25,14 @@ class SandboxUnavailable(RuntimeError):
 
 
 class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the code in it): a service that does not answer, a
-    malformed reply. Callers treat it as a failure of that sample or tool call."""
+    """The sandbox itself failed (not the code in it): bubblewrap's own error, a service that
+    does not answer, a malformed reply. Callers treat it as a failure of that sample or tool
+    call, counted as a sandbox failure, never as the program's result."""
+
+
+class SandboxBroken(RuntimeError):
+    """The sandbox failed on every one of the last runs (``MAX_CONSECUTIVE_FAILURES``): the run
+    stops. Not a :class:`SandboxError`, so a handler of one run's failure does not swallow it."""
 
 
 @dataclass(frozen=True)

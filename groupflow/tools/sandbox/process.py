@@ -83,8 +83,9 @@ class Launch:
     status_fd: int | None = None
 
 
-def run_child(launch: Launch, limits: SandboxLimits, backend: str) -> SandboxResult:
-    """Start the child, watch it until it ends or a limit passes, kill its group, report."""
+def run_child(launch: Launch, limits: SandboxLimits, backend: str) -> tuple[SandboxResult, bool]:
+    """Start the child, watch it until it ends or a limit passes, kill its group, report; and
+    whether the status pipe's supervisor reported (True without a status pipe)."""
     started = time.monotonic()
     deadline = started + limits.timeout_s
     with open(launch.stdin_path, "rb") as stdin_file:
@@ -116,9 +117,10 @@ def run_child(launch: Launch, limits: SandboxLimits, backend: str) -> SandboxRes
     status = _read_status(launch.status_fd) if capture.reason is None else None
     if status is not None:
         code, cpu = status
+    reported = launch.status_fd is None or status is not None
     stdout = capture.out.decode("utf-8", errors="replace")
     stderr = capture.err.decode("utf-8", errors="replace")
-    return SandboxResult(
+    result = SandboxResult(
         stdout=stdout,
         stderr=stderr,
         exit_code=code,
@@ -130,6 +132,7 @@ def run_child(launch: Launch, limits: SandboxLimits, backend: str) -> SandboxRes
         cpu_time_s=cpu,
         backend=backend,
     )
+    return result, reported
 
 
 def _read_status(fd: int | None) -> tuple[int, float] | None:

@@ -67,12 +67,16 @@ def _length_rewards_match_the_responses(metrics: dict) -> None:
 
 @pytest.fixture
 def judge_url():
-    """A stub OpenAI-compatible judge on 127.0.0.1 that gives every response a score of 1."""
+    """A stub OpenAI-compatible judge on 127.0.0.1 that gives every response a score of 1,
+    after the verdict marker the request asks for."""
+    import re
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 (http.server's name)
-            self.rfile.read(int(self.headers["Content-Length"]))
-            reply = {"choices": [{"message": {"role": "assistant", "content": "Score: 1"}}]}
+            request = self.rfile.read(int(self.headers["Content-Length"])).decode()
+            marker = re.search(r"VERDICT-[0-9A-F]{6}", request).group(0)
+            content = f"{marker} Score: 1"
+            reply = {"choices": [{"message": {"role": "assistant", "content": content}}]}
             body = json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")

@@ -241,3 +241,36 @@ def test_the_setup_decides_user_namespace_and_cgroup_once():
     setup = machine_setup(bwrap_path()) if bwrap_path() else pytest.skip("needs bubblewrap")
     assert isinstance(setup, Setup)
     assert setup.user_namespace == (os.geteuid() != 0)
+
+
+def test_a_cgroup_v2_parent_is_checked_and_gets_each_runs_limits(tmp_path, monkeypatch):
+    """GROUPFLOW_SANDBOX_CGROUP names a v2 directory (here a stand-in: a folder with its files);
+    a run's cgroup gets memory.max, no swap and pids.max, and is removed after the run."""
+    from groupflow.tools.sandbox import cgroups
+
+    assert find_cgroup("none") == (None, "GROUPFLOW_SANDBOX_CGROUP=none")
+    with pytest.raises(ValueError, match="GROUPFLOW_SANDBOX_CGROUP=.*is not a cgroup v2 directory"):
+        find_cgroup(str(tmp_path / "missing"))
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("memory pids\n")
+    place, _ = find_cgroup(str(tmp_path))
+    assert place.version == 2 and place.controllers == ("memory", "pids")
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args):  # a cgroup directory comes with its interface files
+        real_mkdir(path, *args)
+        for name in ("cgroup.procs", "memory.swap.max"):
+            Path(path, name).write_text("")
+
+    monkeypatch.setattr(cgroups.os, "mkdir", mkdir)
+    run = cgroups.RunCgroup(place, 89 * MB, 17)
+    (path,) = set(run.paths.values())
+    assert Path(path, "memory.max").read_text() == str(89 * MB)
+    assert Path(path, "memory.swap.max").read_text() == "0"
+    assert Path(path, "pids.max").read_text() == "17" and len(run.fds) == 1
+    Path(path, "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert run.oom_killed()
+    for name in os.listdir(path):  # the kernel's files vanish with the directory
+        os.remove(os.path.join(path, name))
+    run.close()
+    assert not os.path.exists(path)

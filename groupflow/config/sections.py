@@ -375,6 +375,9 @@ class ServeConfig(_Section):
     max_conversations: int = Field(1024, ge=1)  # answered conversations kept for continuation
     max_batch_samples: int = Field(64, ge=1)  # samples per engine call (concurrent requests)
     max_pending_samples: int = Field(1024, ge=1)  # samples waiting for the engine; beyond: 429
+    # a longer prompt (characters; a chat's messages together) is refused (400) before it is
+    # tokenized; None: 16 characters per token of the context length
+    max_prompt_chars: int | None = Field(None, ge=1)
     # an idle server's first request waits while more arrive: until batch_wait_ms passes without
     # one (at most 10 × batch_wait_ms), so calls sent together share one engine call
     batch_wait_ms: float = Field(5.0, ge=0)

@@ -732,6 +732,9 @@ class RunConfig(_Section):
     )
     console_every: int = Field(10, ge=1)
     samples_every: int = Field(10, ge=0)
+    # samples.jsonl rows also carry prompt_ids, response_ids and response_mask (the trained ids;
+    # a few KB a row for long completions, so off by default)
+    samples_token_ids: bool = False
     num_threads: int | None = Field(None, ge=1)
     # Where the actor workers run: in this process ("local", one worker) or as Ray actors
     # ("ray"; num_workers data-parallel ranks, FSDP2 when > 1). The driver code is the same.

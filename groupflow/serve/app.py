@@ -6,8 +6,14 @@ object holding the tokenizer, the chat renderer, the batcher, the limits and an 
 policy. ``Access`` is the seam between serving and training: ``OpenAccess`` (``groupflow
 serve``: one optional API key, the request's sampling settings) or a training run's episode
 recorder (one key per episode, the run's sampling settings, every call recorded) — the HTTP code
-is the same for both. Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param"}}``)
-with a 4xx status and the offending field in ``param``.
+is the same for both. Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param",
+"code"}}``) — a 4xx with the offending field in ``param``, a 404/405, an engine's 500 alike.
+A request's samples are queued at once or not at all (``_enqueue``: 429 when the queue has no
+room now), and a request whose client goes away is cancelled: a non-streamed one when the
+disconnect arrives (``_answer``), a stream when its generator is closed — the batchers drop
+cancelled requests' rows. Prompts longer than ``_INLINE_CHARS`` are rendered and tokenized on a
+thread of their own, after a character cap (``ServeLimits.max_prompt_chars``), so a huge prompt
+never stalls the event loop.
 
 Streaming (``stream: true``) sends server-sent events in OpenAI's chunk formats (chat: role,
 content, tool calls, finish reason, usage; completions: text, finish reason, usage). A chat
@@ -351,9 +357,8 @@ class ServerCore:
                 (completions,) = task.result()
                 scores = await self._chat_scores(req, prompt, params, completions)
                 out = self._chat_answer(key, req, prompt, params, completions, scores)
-            except (
-                Exception
-            ) as exc:  # the stream has started (status 200): the error is its last event
+            except Exception as exc:
+                # the stream has started (status 200): the error is its last event
                 yield _stream_error(exc)
                 yield "data: [DONE]\n\n"
                 return
@@ -497,9 +502,8 @@ class ServerCore:
                 scores = await self._completion_scores(req, prompts, settings, sampled)
                 out = self._completion_answer(key, req, prompts, prompt_texts, settings, sampled,
                                               scores)  # fmt: skip
-            except (
-                Exception
-            ) as exc:  # the stream has started (status 200): the error is its last event
+            except Exception as exc:
+                # the stream has started (status 200): the error is its last event
                 yield _stream_error(exc)
                 yield "data: [DONE]\n\n"
                 return

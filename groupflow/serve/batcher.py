@@ -473,9 +473,7 @@ class ContinuousBatcher:
                         self.decoder.drop(lambda tag: tag[0].future.cancelled())
                     progress, finished = self.decoder.step()
                     self.decoded_tokens += len(progress)
-            except (
-                Exception
-            ) as exc:  # a failed step: the engine's error goes to every row's request
+            except Exception as exc:  # a failed step: its error goes to every row's request
                 failed = {item for item, _ in self.decoder.reset()}
                 self._post(self._fail, failed, exc)
                 continue

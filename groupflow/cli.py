@@ -174,8 +174,7 @@ def _serve(args) -> int:
     api_key = args.api_key or os.environ.get("GROUPFLOW_API_KEY") or None
     host = args.host
     check_bind(host, api_key)  # before minutes of model loading
-    trainer = _load_trainer_for_inference(args)
-    cfg, policy = trainer.cfg, trainer.policy
+    cfg, policy = _serving(args)
     defaults = replace(policy.sampling, n=1)
     core = server_core(cfg, policy.tokenizer, policy.rollout, defaults,
                        OpenAccess(api_key))  # fmt: skip
@@ -185,6 +184,70 @@ def _serve(args) -> int:
     )
     uvicorn.run(build_app(core), host=host, port=port, log_level="warning")
     return 0
+
+
+def _serving(args):
+    """(config with Hub ids resolved, policy) for ``groupflow serve``: a run's config (its
+    checkpoint with ``--checkpoint``), or a plain model — a local Hugging Face directory or a
+    Hub id in the HF cache — with no config at all (only the policy is built: no data)."""
+    from groupflow.builders import resolve_hub_models
+
+    if _serve_target(args.config) == "config":
+        trainer = _load_trainer_for_inference(args)
+        return resolve_hub_models(trainer.cfg), trainer.policy
+    if args.checkpoint:
+        raise ValueError(
+            f"--checkpoint needs the run's config: groupflow serve CONFIG --checkpoint "
+            f"{args.checkpoint} ('{args.config}' is a model, served as it is)"
+        )
+    import atexit
+    import tempfile
+
+    from groupflow.config import apply_overrides, config_from_dict, parse_overrides
+    from groupflow.policies.llm import LLMPolicy
+    from groupflow.workflows import check_paths
+
+    data = {"model": {"path": args.config}, "data": {}, "run": {"name": "serve", "loggers": []},
+            "serve": {"model_name": args.config}}  # fmt: skip
+    data = apply_overrides(data, parse_overrides(list(args.overrides)))
+    data = apply_overrides(data, {"run.backend": "local", "run.num_workers": 1})
+    # no data section: serving reads none (the validation's "datasets come from elsewhere")
+    cfg = config_from_dict(data, f"groupflow serve {args.config}", python_data=("train", "val"))
+    built = resolve_hub_models(cfg)  # a Hub id: its snapshot in the HF cache (offline there)
+    check_paths(built)
+    # the policy writes nothing for a model directory; its run directory is a scratch one
+    scratch = tempfile.TemporaryDirectory(prefix="groupflow-serve-")
+    atexit.register(scratch.cleanup)
+    return built, LLMPolicy(built, Path(scratch.name), corpus=[])
+
+
+def _serve_target(arg: str) -> str:
+    """ "config" (a YAML file) or "model" (a Hugging Face directory, or a Hub id); anything
+    else is a FileNotFoundError naming the path."""
+    from groupflow.utils.hub import is_hub_id
+
+    path = Path(arg).expanduser()
+    if path.suffix in (".yaml", ".yml"):
+        return "config"  # a missing one: load_config names it
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "model"
+        raise FileNotFoundError(
+            f"'{arg}' is a directory but not a Hugging Face model directory (no config.json); "
+            "give a model directory, a Hub id (owner/name) or a run's CONFIG.yaml "
+            "(with --checkpoint RUN_DIR for a trained run)"
+        )
+    if path.is_file():
+        raise FileNotFoundError(
+            f"'{arg}' is a file but not a config (.yaml); give a CONFIG.yaml, a model "
+            "directory or a Hub id (owner/name)"
+        )
+    if is_hub_id(arg):
+        return "model"
+    raise FileNotFoundError(
+        f"'{arg}' does not exist: give a CONFIG.yaml, a Hugging Face model directory or a Hub "
+        "id (owner/name, resolved through the Hugging Face cache)"
+    )
 
 
 def _export(args) -> int:
@@ -270,10 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=_train)
 
-    def inference(name, help_, func):
+    def inference(name, help_, func, metavar="CONFIG"):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("config")
-        s.add_argument("overrides", nargs="*")
+        s.add_argument("config", metavar=metavar)
+        s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
         s.add_argument(
             "--checkpoint", help="a checkpoint dir, or a run dir (its newest checkpoint)"
         )
@@ -289,7 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     x = inference("export", "write an HF model directory (safetensors, config, tokenizer)", _export)
     x.add_argument("--out", required=True)
 
-    sv = inference("serve", "an OpenAI-compatible server (chat, completions, tools)", _serve)
+    sv = inference(
+        "serve", "an OpenAI-compatible server (chat, completions, tools) for a run's CONFIG, "
+        "or a plain MODEL (a Hugging Face directory or Hub id)", _serve, "CONFIG_OR_MODEL",
+    )  # fmt: skip
     sv.add_argument("--host", default="127.0.0.1", help="another address needs --api-key")
     sv.add_argument("--port", type=int, default=None, help="default: serve.port (8000)")
     sv.add_argument("--api-key", default=None, help="default: $GROUPFLOW_API_KEY")
@@ -338,8 +404,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; ``key=value`` overrides may come anywhere, after options too
+    (``serve CONFIG --port 8001 serve.max_tokens=64``): argparse takes positionals only before
+    the first option, so those after it are picked up here."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides"):
+        unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+        if not unknown:
+            args.overrides = [*args.overrides, *extra]
+            return args
+        extra = unknown
+    if extra:
+        parser.error(
+            f"unrecognized arguments: {' '.join(extra)} (options are --name VALUE; config "
+            "overrides are key=value and may go anywhere after the command)"
+        )
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from groupflow.utils.env import load_dotenv_file
 

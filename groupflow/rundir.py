@@ -94,6 +94,7 @@ SAFE_TO_CHANGE = (
     "run.loggers",
     "run.console_every",
     "run.samples_every",
+    "run.samples_token_ids",
     "run.num_threads",
     "run.backend",
     "run.num_workers",

@@ -47,6 +47,25 @@ log = logging.getLogger("groupflow")
 __all__ = ["Trainer"]
 
 
+def sample_rows(batch: Batch, token_ids: bool = False, count: int = 8) -> list[dict]:
+    """The first ``count`` samples as ``samples.jsonl`` logs them: prompt, completion (or the
+    trajectory) and rewards; with ``token_ids`` also ``prompt_ids``, ``response_ids`` (the
+    response through its last sampled token, tool observations included) and ``response_mask``
+    (1: a sampled token) — exactly the ids the update trains on."""
+    keys = [k for k in ("prompt", "completion", "trajectory", "rewards") if k in batch]
+    rows = batch.rows(keys)[:count]
+    if token_ids and "responses" in batch:
+        for i, row in enumerate(rows):
+            mask = batch["response_mask"][i].bool()
+            end = int(mask.nonzero().max()) + 1 if mask.any() else 0
+            if "prompt_ids" in batch:
+                kept = batch["prompt_mask"][i].bool() if "prompt_mask" in batch else slice(None)
+                row["prompt_ids"] = batch["prompt_ids"][i][kept].tolist()
+            row["response_ids"] = batch["responses"][i][:end].tolist()
+            row["response_mask"] = mask[:end].int().tolist()
+    return rows
+
+
 class Trainer:
     """The driver. ``inference_run_dir``: build the workers to evaluate or sample a finished run
     (its tokenizer comes from that directory), leaving the directory as it is; such a trainer
@@ -119,10 +138,9 @@ class Trainer:
                     last.update(self.workflow.validate(self.step))
                 self.tracker.log(last, step=self.step)
                 if self._due(cfg.run.samples_every):
-                    keys = [
-                        k for k in ("prompt", "completion", "trajectory", "rewards") if k in batch
-                    ]
-                    self.tracker.log_samples(self.step, batch.rows(keys)[:8])
+                    self.tracker.log_samples(
+                        self.step, sample_rows(batch, cfg.run.samples_token_ids)
+                    )
                 if self._due(cfg.run.save_every) or (
                     self.step == cfg.run.total_steps and cfg.run.save_final
                 ):

@@ -78,3 +78,18 @@ async def async_hangs_on_one_sample(prompts, completions, answer):
     if index == FAILING_SAMPLE:
         await asyncio.sleep(3600)
     return answer_match_reward(prompts, completions, answer)
+
+
+def last_word_match(prompts, completions, answer, stop=()):
+    """1.0 when the last word of the completion, cut at the first of ``stop``, is the answer:
+    lm-evaluation-harness's ``exact_match`` after a ``regex`` filter ``(\\w+)\\W*$`` on a
+    generation its server cut at the task's ``until`` (tests/serve/test_lm_eval.py)."""
+    import re
+
+    out = []
+    for c, a in zip(completions, answer):
+        cuts = [c.find(s) for s in stop if s in c]
+        text = c[: min(cuts)] if cuts else c
+        words = re.findall(r"(\w+)\W*$", text)
+        out.append(1.0 if words and words[0].strip() == str(a) else 0.0)
+    return out

@@ -95,6 +95,27 @@ def test_three_steps_write_reloadable_config_and_finite_metrics(tiny_config):
     assert "val/greedy/acc" in rows[3]
 
 
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_sample_logs_carry_the_trained_token_ids_on_request(tiny_config, token_ids):
+    import json
+
+    cfg = tiny_config(run__total_steps=1, run__samples_every=1, run__samples_token_ids=token_ids)
+    trainer = Trainer(cfg)
+    trainer.fit()
+    rows = [json.loads(line) for line in (trainer.run_dir / "samples.jsonl").open()]
+    assert len(rows) == 8 and all(r["step"] == 1 for r in rows)
+    tok = trainer.policy.tokenizer
+    for row in rows:
+        if not token_ids:
+            assert "response_ids" not in row and "prompt_ids" not in row
+            continue
+        # the ids are the text the row shows: the prompt, then the completion as sampled
+        assert tok.decode(row["prompt_ids"]) == row["prompt"]
+        assert tok.decode(row["response_ids"], skip_special_tokens=True) == row["completion"]
+        assert 1 <= len(row["response_ids"]) <= 8 and row["response_mask"] == [1] * len(
+            row["response_ids"])  # fmt: skip
+
+
 def test_gradient_checkpointing_gives_the_same_step(tiny_config, tmp_path):
     plain = Trainer(tiny_config(run__total_steps=1, run__name="plain"))
     plain.fit()

@@ -382,6 +382,9 @@ class ServeConfig(_Section):
     max_conversations: int = Field(1024, ge=1)  # answered conversations kept for continuation
     max_batch_samples: int = Field(64, ge=1)  # samples per engine call (concurrent requests)
     max_pending_samples: int = Field(1024, ge=1)  # samples waiting for the engine; beyond: 429
+    # a longer prompt (characters; a chat's messages together) is refused (400) before it is
+    # tokenized; None: 16 characters per token of the context length
+    max_prompt_chars: int | None = Field(None, ge=1)
     # an idle server's first request waits while more arrive: until batch_wait_ms passes without
     # one (at most 10 × batch_wait_ms), so calls sent together share one engine call
     batch_wait_ms: float = Field(5.0, ge=0)
@@ -736,6 +739,9 @@ class RunConfig(_Section):
     )
     console_every: int = Field(10, ge=1)
     samples_every: int = Field(10, ge=0)
+    # samples.jsonl rows also carry prompt_ids, response_ids and response_mask (the trained ids;
+    # a few KB a row for long completions, so off by default)
+    samples_token_ids: bool = False
     num_threads: int | None = Field(None, ge=1)
     # Where the actor workers run: in this process ("local", one worker) or as Ray actors
     # ("ray"; num_workers data-parallel ranks, FSDP2 when > 1). The driver code is the same.

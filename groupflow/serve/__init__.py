@@ -8,6 +8,7 @@ completion) and tokenizes only the messages added since — so the ids trained a
 sampled, and every response carries them (``prompt_token_ids``, and ``token_ids`` /
 ``token_logprobs`` per choice, vLLM's ``return_token_ids`` names). Concurrent requests share
 decode steps through a dynamic batcher (``batcher``). Modules: ``protocol`` (request schemas),
-``chat`` (messages → ids, tool calls → ``tool_calls``), ``batcher``, ``app`` (the FastAPI app),
+``chat`` (messages → ids, tool calls → ``tool_calls``), ``batcher``, ``scoring`` (prompt
+log-probs and top alternatives: ``echo``, ``logprobs``), ``app`` (the FastAPI app),
 ``thread`` (uvicorn in a background thread, for a training run's in-process server).
 """

@@ -5,7 +5,13 @@ running decode at its next step and leave when they end, so a request never wait
 request's tokens; it also hands each request its tokens as they are decoded (token-by-token
 streaming). ``DynamicBatcher`` (any other engine: a Ray or vLLM rollout group, a vision model)
 batches per engine call, as described below; its requests get their tokens when the call ends.
-Both have the same interface: ``await submit(prompts, params, seeds, listener)``.
+Both have the same interface: ``await submit(prompts, params, seeds, listener)``, or
+``enqueue`` (the same, queued at once and returning the future: a request of several prompts
+queues them all in one go, or — past ``max_pending_samples`` — none); ``await score(jobs, k)``
+runs a scoring forward (``serve.scoring``) on the engine's thread. A request's failure stays
+its own: when an engine call or a join fails for several requests, each is retried alone, and
+only the ones that fail alone get the error. A request whose future is cancelled (its client
+went away) is dropped from the queue, and the continuous batcher drops its rows mid-decode.
 
 The dynamic batcher:
 
@@ -38,6 +44,7 @@ from groupflow.rollout.batching import prompts_batch
 from groupflow.rollout.continuous import ContinuousDecoder, Finished, continuous_reason
 from groupflow.rollout.engine import HFEngine
 from groupflow.rollout.hf import GenerationOutput, SamplingParams
+from groupflow.serve.scoring import ScoreFn, ScoreJob, TokenScores, model_scorer
 
 __all__ = [
     "Completion",
@@ -46,6 +53,7 @@ __all__ = [
     "ContinuousBatcher",
     "Listener",
     "Overloaded",
+    "Unsupported",
     "engine_generate",
     "group_generate",
     "group_batcher",
@@ -67,6 +75,10 @@ Listener = Callable[[int, list[int]], None]
 
 class Overloaded(RuntimeError):
     """More samples are waiting than ``max_pending_samples``."""
+
+
+class Unsupported(RuntimeError):
+    """The batcher's engine cannot do this (a scoring forward without a model in this process)."""
 
 
 def _completions(responses, mask, logprobs, finishes: Sequence[str]) -> list[Completion]:
@@ -107,14 +119,30 @@ def group_batcher(
     local group whose model ``ContinuousDecoder`` supports (with ``continuous``; its prefix cache
     keeps ``prefix_tokens``), else per engine call through ``group.generate`` (Ray, several
     workers, vLLM, other models)."""
-    engine = None
-    if continuous and getattr(group, "backend", None) == "local" and group.world_size == 1:
-        engine = getattr(group.local_worker(), "engine", None)
-    if isinstance(engine, HFEngine) and continuous_reason(engine.model) is None:
+    engine = worker = None
+    if getattr(group, "backend", None) == "local" and group.world_size == 1:
+        worker = group.local_worker()
+        engine = getattr(worker, "engine", None)
+    if continuous and isinstance(engine, HFEngine) and continuous_reason(engine.model) is None:
         decoder = ContinuousDecoder(engine.model, engine.tokenizer, eos_ids=engine.eos_ids,
                                     pad_id=engine.pad_id, prefix_tokens=prefix_tokens)  # fmt: skip
-        return ContinuousBatcher(decoder, **options)
-    return DynamicBatcher(group_generate(group), **options)
+        return ContinuousBatcher(decoder, score=model_scorer(engine.model, engine.pad_id),
+                                 **options)  # fmt: skip
+    return DynamicBatcher(group_generate(group), score=_worker_scorer(worker, engine), **options)
+
+
+def _worker_scorer(worker, engine) -> ScoreFn | None:
+    """Scoring over the model a one-worker local group decodes with (the HF engine's) or keeps
+    beside a separate engine (vLLM's torch copy); None on Ray or several workers (no model in
+    this process)."""
+    if worker is None:
+        return None
+    model = engine.model if isinstance(engine, HFEngine) else None
+    model = model or getattr(worker, "rollout_model", None) or getattr(worker, "model", None)
+    pad_id = getattr(worker, "pad_id", None)
+    if model is None or pad_id is None or not hasattr(model, "get_output_embeddings"):
+        return None
+    return model_scorer(model, pad_id)
 
 
 @dataclass(eq=False)  # hashed by identity: the continuous decoder's row tags
@@ -127,6 +155,11 @@ class _Pending:
     results: list[Completion | None] = dataclasses.field(default_factory=list)
 
 
+def _waiting(items: list[_Pending]) -> int:
+    """Samples of ``items`` someone still waits for."""
+    return sum(len(p.prompts) for p in items if not p.future.cancelled())
+
+
 def _sampling_key(p: SamplingParams) -> SamplingParams:
     """What must agree for requests to share an engine call (``max_new_tokens`` need not)."""
     return dataclasses.replace(p, max_new_tokens=1, n=1)
@@ -135,9 +168,10 @@ def _sampling_key(p: SamplingParams) -> SamplingParams:
 class DynamicBatcher:
     """``await submit(prompts, params, seeds)`` → completions; see the module docstring."""
 
-    def __init__(self, generate: GenerateFn, *, max_batch_samples: int = 64,
-                 max_pending_samples: int = 1024, wait_s: float = 0.005):  # fmt: skip
-        self.generate = generate
+    def __init__(self, generate: GenerateFn, *, score: ScoreFn | None = None,
+                 max_batch_samples: int = 64, max_pending_samples: int = 1024,
+                 wait_s: float = 0.005):  # fmt: skip
+        self.generate, self.score_fn = generate, score
         self.max_batch_samples, self.max_pending_samples = max_batch_samples, max_pending_samples
         self.wait_s = wait_s
         self.expected: Callable[[], int] | None = None  # requests to wait for (see _gather)
@@ -149,14 +183,21 @@ class DynamicBatcher:
         self.samples = 0
         self.engine_seconds = 0.0  # wall time inside the engine (the rest is HTTP and clients)
         self.reused_tokens = 0  # no prefix cache of its own (an engine may keep one: vLLM's)
+        self.decoded_tokens = 0  # completion tokens decoded (a cut completion counts whole)
 
     @property
     def pending_samples(self) -> int:
-        return sum(len(p.prompts) for p in self._queue)
+        return _waiting(self._queue)
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                     listener: Listener | None = None) -> list[Completion]:  # fmt: skip
-        """The completions; ``listener`` gets each sample's ids when its engine call ends."""
+    def check_room(self, samples: int) -> None:
+        """``Overloaded`` unless ``samples`` more fit in the queue now."""
+        _check_room(self, samples)
+
+    def enqueue(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                listener: Listener | None = None) -> asyncio.Future:  # fmt: skip
+        """Queue a request now (``Overloaded`` when it does not fit) and return the future of its
+        completions; ``listener`` gets each sample's ids when its engine call ends. Cancelling
+        the future takes the request out of the queue."""
         item = _pending(self, prompts, params, seeds, listener)
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
@@ -164,7 +205,19 @@ class DynamicBatcher:
             self._task = loop.create_task(self._run())
         self._queue.append(item)
         self._wake.set()
-        return await item.future
+        return item.future
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                     listener: Listener | None = None) -> list[Completion]:  # fmt: skip
+        """The completions (``enqueue``, awaited)."""
+        return await self.enqueue(prompts, params, seeds, listener)
+
+    async def score(self, jobs: list[ScoreJob], k: int) -> list[TokenScores]:
+        """A scoring forward (``serve.scoring``) on the engine's thread, between engine calls."""
+        if self.score_fn is None:
+            raise Unsupported("this server's engine has no model in the server's process")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.score_fn, jobs, k)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -174,40 +227,54 @@ class DynamicBatcher:
             await self._gather()
             while self._queue:
                 group = self._take()
-                prompts = [p for item in group for p in item.prompts]
-                seeds = [s for item in group for s in item.seeds]
-                width = max(item.params.max_new_tokens for item in group)
-                params = dataclasses.replace(group[0].params, max_new_tokens=width)
-                start = time.perf_counter()
-                try:
-                    outs = await loop.run_in_executor(
-                        self._executor, self.generate, prompts, params, seeds
-                    )
-                except Exception as exc:  # every waiting request gets the engine's error
-                    for item in group:
-                        if not item.future.done():
-                            item.future.set_exception(exc)
-                    continue
-                self.engine_seconds += time.perf_counter() - start
-                self.engine_calls += 1
-                self.samples += len(prompts)
-                first = 0
-                for item in group:
-                    mine = outs[first : first + len(item.prompts)]
-                    first += len(item.prompts)
-                    if not item.future.done():  # the client may have gone
-                        cut = [_cut(c, item.params.max_new_tokens) for c in mine]
-                        if item.listener is not None:
-                            for j, c in enumerate(cut):
-                                item.listener(j, c.ids)
-                        item.future.set_result(cut)
+                if group:
+                    await self._call(loop, group)
                 await self._gather()  # the answered conversations' next calls are on their way
+
+    async def _call(self, loop, group: list[_Pending]) -> None:
+        """One engine call for ``group``; if it fails, each request alone (a request's bad input
+        must not fail the others), and a request failing alone gets the error."""
+        prompts = [p for item in group for p in item.prompts]
+        seeds = [s for item in group for s in item.seeds]
+        width = max(item.params.max_new_tokens for item in group)
+        params = dataclasses.replace(group[0].params, max_new_tokens=width)
+        start = time.perf_counter()
+        try:
+            outs = await loop.run_in_executor(self._executor, self.generate, prompts, params, seeds)
+        except Exception as exc:
+            if len(group) == 1:
+                if not group[0].future.done():
+                    group[0].future.set_exception(exc)
+                return
+            for item in group:
+                if not item.future.done():
+                    await self._call(loop, [item])
+            return
+        finally:
+            self.engine_seconds += time.perf_counter() - start
+        self.engine_calls += 1
+        self.samples += len(prompts)
+        self.decoded_tokens += sum(len(c.ids) for c in outs)
+        first = 0
+        for item in group:
+            mine = outs[first : first + len(item.prompts)]
+            first += len(item.prompts)
+            if not item.future.done():  # the client may have gone
+                cut = [_cut(c, item.params.max_new_tokens) for c in mine]
+                if item.listener is not None:
+                    for j, c in enumerate(cut):
+                        item.listener(j, c.ids)
+                item.future.set_result(cut)
 
     async def _gather(self) -> None:
         await _gather(self)
 
     def _take(self) -> list[_Pending]:
-        """The oldest request and the queued ones that sample like it, up to the batch size."""
+        """The oldest request and the queued ones that sample like it, up to the batch size
+        (requests nobody waits for any more are dropped)."""
+        self._queue = [item for item in self._queue if not item.future.cancelled()]
+        if not self._queue:
+            return []
         key = _sampling_key(self._queue[0].params)
         group, rest, size = [], [], 0
         for item in self._queue:
@@ -226,15 +293,20 @@ class DynamicBatcher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def _check_room(batcher, samples: int) -> None:
+    waiting = batcher.pending_samples
+    if waiting + samples > batcher.max_pending_samples:
+        raise Overloaded(
+            f"{waiting} samples are waiting and this request adds {samples} "
+            f"(serve.max_pending_samples={batcher.max_pending_samples}); retry later"
+        )
+
+
 def _pending(batcher, prompts, params: SamplingParams, seeds, listener) -> _Pending:
     """A request's queue entry, after the checks every batcher makes."""
     if len(prompts) != len(seeds):
         raise ValueError(f"submit: {len(prompts)} prompts but {len(seeds)} seeds")
-    if batcher.pending_samples + len(prompts) > batcher.max_pending_samples:
-        raise Overloaded(
-            f"{batcher.pending_samples} samples are waiting (serve.max_pending_samples="
-            f"{batcher.max_pending_samples}); retry later"
-        )
+    _check_room(batcher, len(prompts))
     future = asyncio.get_running_loop().create_future()
     return _Pending([list(p) for p in prompts], dataclasses.replace(params, n=1), list(seeds),
                     future, listener, [None] * len(prompts))  # fmt: skip
@@ -277,10 +349,11 @@ class ContinuousBatcher:
     ``max_batch_samples``; its buffer is freed after ``release_s`` without a request (kept
     between an agent's calls, given back while a trainer updates the model)."""
 
-    def __init__(self, decoder: ContinuousDecoder, *, max_batch_samples: int = 64,
-                 max_pending_samples: int = 1024, wait_s: float = 0.005,
-                 release_s: float = 2.0):  # fmt: skip
+    def __init__(self, decoder: ContinuousDecoder, *, score: ScoreFn | None = None,
+                 max_batch_samples: int = 64, max_pending_samples: int = 1024,
+                 wait_s: float = 0.005, release_s: float = 2.0):  # fmt: skip
         self.decoder = decoder
+        self.score_fn = score or model_scorer(decoder.model, decoder.pad_id)
         decoder.max_rows = max_batch_samples
         self.release_s = release_s
         self.max_batch_samples, self.max_pending_samples = max_batch_samples, max_pending_samples
@@ -288,6 +361,7 @@ class ContinuousBatcher:
         self.expected: Callable[[], int] | None = None
         self._queue: list[_Pending] = []  # on the event loop, not yet handed to the thread
         self._inbox: list[_Pending] = []  # handed over (under _cv), not yet decoding
+        self._jobs: list[tuple] = []  # (fn, args, future): run on the decode thread (under _cv)
         self._cv = threading.Condition()
         self._busy = False  # the thread has rows or an inbox (under _cv)
         self._closed = False
@@ -298,20 +372,47 @@ class ContinuousBatcher:
         self.engine_calls = 0
         self.samples = 0
         self.engine_seconds = 0.0
+        self.decoded_tokens = 0  # tokens sampled (rows dropped mid-decode count what they got)
 
     @property
     def pending_samples(self) -> int:
-        return sum(len(p.prompts) for p in (*self._queue, *self._inbox))
+        return _waiting(self._queue) + _waiting(self._inbox)
+
+    def check_room(self, samples: int) -> None:
+        """``Overloaded`` unless ``samples`` more fit in the queue now."""
+        _check_room(self, samples)
 
     @property
     def reused_tokens(self) -> int:
         """Prompt tokens the decoder's prefix cache spared prefilling."""
         return self.decoder.reused_tokens
 
+    def enqueue(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                listener: Listener | None = None) -> asyncio.Future:  # fmt: skip
+        """Queue a request now (``Overloaded`` when it does not fit) and return the future of its
+        completions; ``listener`` gets each sample's ids as they are decoded. Cancelling the
+        future drops the request, its rows within a few decode steps."""
+        item = _pending(self, prompts, params, seeds, listener)
+        self._start()
+        self._queue.append(item)
+        self._wake.set()
+        return item.future
+
     async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
                      listener: Listener | None = None) -> list[Completion]:  # fmt: skip
-        """The completions; ``listener`` gets each sample's ids as they are decoded."""
-        item = _pending(self, prompts, params, seeds, listener)
+        """The completions (``enqueue``, awaited)."""
+        return await self.enqueue(prompts, params, seeds, listener)
+
+    async def score(self, jobs: list[ScoreJob], k: int) -> list[TokenScores]:
+        """A scoring forward (``serve.scoring``) on the decode thread, between two steps."""
+        self._start()
+        future = self._loop.create_future()
+        with self._cv:
+            self._jobs.append((self.score_fn, (jobs, k), future))
+            self._cv.notify()
+        return await future
+
+    def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._loop is not loop:
             self._loop, self._wake = loop, asyncio.Event()
@@ -320,9 +421,6 @@ class ContinuousBatcher:
             self._thread = threading.Thread(target=self._decode_loop, daemon=True,
                                             name="groupflow-decode")  # fmt: skip
             self._thread.start()
-        self._queue.append(item)
-        self._wake.set()
-        return await item.future
 
     async def _run(self) -> None:
         while True:
@@ -344,7 +442,8 @@ class ContinuousBatcher:
         steps = 0
         while True:
             with self._cv:
-                while not self._inbox and not self.decoder.active and not self._closed:
+                while (not self._inbox and not self.decoder.active and not self._jobs
+                       and not self._closed):  # fmt: skip
                     if was_training is not None:  # idle: give the model back as it was
                         model.train(was_training)
                         was_training = None
@@ -354,31 +453,28 @@ class ContinuousBatcher:
                 if self._closed:
                     return
                 admit = self._admit()
+                jobs, self._jobs = self._jobs, []
             if was_training is None:
                 was_training = model.training
                 model.eval()
             start = time.perf_counter()
+            for fn, args, future in jobs:  # scoring forwards, between two steps
+                self._run_job(fn, args, future)
             progress: list = []
             finished: list[Finished] = []
             try:
                 if admit:
-                    rows = [(item, j) for item in admit for j in range(len(item.prompts))]
-                    p, f = self.decoder.add(
-                        [item.prompts[j] for item, j in rows],
-                        [item.params for item, _ in rows], [item.seeds[j] for item, j in rows],
-                        rows,
-                    )  # fmt: skip
+                    p, f = self._join(admit)
                     progress += p
                     finished += f
-                    self.engine_calls += 1
-                    self.samples += len(rows)
-                else:
+                elif self.decoder.active:
                     steps += 1
                     if steps % 8 == 0:  # a client that went (or an agent timed out) frees its rows
                         self.decoder.drop(lambda tag: tag[0].future.cancelled())
                     progress, finished = self.decoder.step()
-            except Exception as exc:  # the engine's error goes to every request it touched
-                failed = {item for item, _ in self.decoder.reset()} | set(admit)
+                    self.decoded_tokens += len(progress)
+            except Exception as exc:  # a failed step: its error goes to every row's request
+                failed = {item for item, _ in self.decoder.reset()}
                 self._post(self._fail, failed, exc)
                 continue
             finally:
@@ -391,6 +487,44 @@ class ContinuousBatcher:
             progress = [(tag, t) for tag, t in progress if tag[0].listener is not None]
             if progress or finished:
                 self._post(self._deliver, progress, finished)
+
+    def _join(self, admit: list[_Pending]) -> tuple[list, list[Finished]]:
+        """Prefill the admitted requests into the running decode. If that fails, each request
+        alone: a failed join leaves the live rows as they were (``ContinuousDecoder.add`` changes
+        them only once the new rows are prefilled), so one request's bad input fails only it."""
+        rows = [(item, j) for item in admit for j in range(len(item.prompts))]
+        live = len(self.decoder.rows)
+        try:
+            progress, finished = self.decoder.add(
+                [item.prompts[j] for item, j in rows], [item.params for item, _ in rows],
+                [item.seeds[j] for item, j in rows], rows,
+            )  # fmt: skip
+        except Exception as exc:
+            if len(self.decoder.rows) != live:  # it failed while joining: the batch is unknown
+                failed = {item for item, _ in self.decoder.reset()} | set(admit)
+                self._post(self._fail, failed, exc)
+                return [], []
+            if len(admit) == 1:
+                self._post(self._fail, admit, exc)
+                return [], []
+            progress, finished = [], []
+            for item in admit:
+                p, f = self._join([item])
+                progress += p
+                finished += f
+            return progress, finished
+        self.engine_calls += 1
+        self.samples += len(rows)
+        self.decoded_tokens += len(progress)
+        return progress, finished
+
+    def _run_job(self, fn, args, future) -> None:
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            self._post(_settle, future, None, exc)
+        else:
+            self._post(_settle, future, result, None)
 
     def _admit(self) -> list[_Pending]:
         """The inbox's oldest requests that fit beside the running rows (at least one)."""
@@ -433,6 +567,15 @@ class ContinuousBatcher:
         with self._cv:
             self._closed = True
             self._cv.notify()
+
+
+def _settle(future: asyncio.Future, result, exc: Exception | None) -> None:
+    if future.done():  # cancelled: nobody waits
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def _cut(c: Completion, max_tokens: int) -> Completion:

@@ -42,7 +42,7 @@ def server_core(cfg: Config, tokenizer, rollout, defaults: SamplingParams,
         max_body_bytes=s.max_body_bytes, max_tokens=s.max_tokens,
         max_context_tokens=context_length(cfg), max_n=s.max_n,
         max_conversations=s.max_conversations, max_batch_samples=s.max_batch_samples,
-        max_pending_samples=s.max_pending_samples,
+        max_pending_samples=s.max_pending_samples, max_prompt_chars=s.max_prompt_chars,
     )  # fmt: skip
     batcher = group_batcher(
         rollout, continuous=s.continuous_batching, prefix_tokens=s.prefix_cache_tokens,

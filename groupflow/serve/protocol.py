@@ -4,9 +4,11 @@ Design decision: a request is parsed by pydantic before anything runs, so a bad 
 naming the field (``messages.2.role``) instead of an error mid-generation. Unknown fields are
 ignored, as OpenAI-compatible servers do (clients send ``user``, ``metadata``,
 ``parallel_tool_calls`` …); fields that would change the sampling distribution in a way the
-engine cannot honour (penalties, ``top_logprobs``, a JSON response format) are refused by name
-rather than silently ignored — a client must not believe it sampled from a distribution it did
-not.
+engine cannot honour (penalties, a JSON response format) are refused by name rather than
+silently ignored — a client must not believe it sampled from a distribution it did not. Every
+number that reaches the engine is range-checked here (a ``seed`` outside 64-bit signed integers,
+a NaN temperature): a value the engine cannot take is this request's 400, never an error in the
+decode step that every request in flight shares.
 """
 
 from __future__ import annotations
@@ -16,16 +18,26 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "MAX_LOGPROBS",
+    "MAX_STOP",
     "ChatMessage",
     "ToolSpec",
     "ChatRequest",
     "CompletionRequest",
+    "TokenizeRequest",
+    "DetokenizeRequest",
     "content_text",
 ]
 
 
+MAX_LOGPROBS = 20  # alternatives per token (``logprobs`` / ``top_logprobs``), as vLLM's default
+MAX_STOP = 16  # stop sequences per request (OpenAI allows 4; harnesses send their own plus EOS)
+MAX_STOP_CHARS = 256  # one stop sequence (each decoded token is searched for them)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer, as OpenAI's and vLLM's
+
+
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class FunctionSpec(_Lenient):
@@ -95,11 +107,11 @@ class _Sampling(_Lenient):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extra: -1 or 0 is off
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # vLLM's extra: -1 or 0 is off
     min_p: float | None = Field(None, ge=0, lt=1)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -109,10 +121,12 @@ class _Sampling(_Lenient):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(not s for s in stops):
             raise ValueError("a stop sequence must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -130,7 +144,7 @@ class ChatRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)  # only 0: no alternatives are computed
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     response_format: dict[str, Any] | None = None
 
     @field_validator("response_format")
@@ -157,17 +171,10 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # text, several texts, token ids, or several token-id lists (token-in)
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=0)  # only 0: the sampled tokens' log-probs
-    echo: bool = False
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (needs echo)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    echo: bool = False  # the prompt in front of the text (and its tokens' log-probs)
     suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
     @field_validator("suffix")
     @classmethod
@@ -184,6 +191,28 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v):
             raise ValueError("a prompt of the list is empty")
         return v
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's ``/tokenize``: a text (``add_special_tokens`` as vLLM's default, true) or chat
+    messages (the ids a chat request with them would be decoded from)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolSpec] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
 
 
 def content_text(content: str | list[ContentPart] | None) -> str:

@@ -167,7 +167,7 @@ class AgentServer:
 
     def close(self) -> None:
         self.thread.stop()
-        self.core.batcher.close()
+        self.core.close()
 
 
 def shared_http_client(timeout_s: float):

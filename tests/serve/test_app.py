@@ -278,9 +278,12 @@ def test_a_bad_streamed_completion_gets_a_400_not_a_stream(served, body, param):
 def test_a_full_queue_is_a_429_before_a_streamed_completion_starts(served):
     _, core, _, tok = served
 
-    class Full:  # a batcher whose queue is full: its checks fail when a request is submitted
-        async def submit(self, prompts, params, seeds, listener=None):
+    class Full:  # a batcher whose queue is full: its checks fail when a request is queued
+        def check_room(self, samples):
             raise Overloaded("1024 samples are waiting")
+
+        def enqueue(self, prompts, params, seeds, listener=None):
+            raise AssertionError("a request the queue has no room for is not queued")
 
     full = ServerCore(tok, Full(), SamplingParams(), model_name="tiny", limits=core.limits)
     req = CompletionRequest(prompt=["AB", "CD"], max_tokens=4, stream=True)

@@ -1,6 +1,8 @@
 """``groupflow serve``: an address other than the loopback without an API key is refused before
 any model is loaded (exit 2, the fix named); a trained checkpoint is served to the official client
-(a subprocess on 127.0.0.1 with one thread, bounded by timeouts)."""
+(a subprocess on 127.0.0.1 with one thread, bounded by timeouts); a plain model — a Hugging Face
+directory, or a Hub id in the HF cache — is served without a config; a path that is neither
+is exit 2 naming it; config overrides may follow the options."""
 
 import os
 import socket
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from groupflow.cli import main
+from groupflow.cli import _parse, _serving, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,3 +69,92 @@ def test_serve_a_trained_checkpoint_to_an_openai_client(tiny_base, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_overrides_may_follow_the_options(capsys):
+    parser = build_parser()
+    args = _parse(parser, ["serve", "c.yaml", "--port", "8001", "serve.max_tokens=64",
+                           "--host", "127.0.0.1", "rollout.temperature=0.5"])  # fmt: skip
+    assert args.port == 8001 and args.config == "c.yaml"
+    assert args.overrides == ["serve.max_tokens=64", "rollout.temperature=0.5"]
+    args = _parse(parser, ["train", "c.yaml", "actor.lr=1e-3", "--no-plot", "run.seed=1"])
+    assert args.overrides == ["actor.lr=1e-3", "run.seed=1"] and not args.plot
+    with pytest.raises(SystemExit) as exit_:
+        _parse(parser, ["serve", "c.yaml", "--port", "8001", "--bogus", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--bogus" in err and "key=value and may go anywhere" in err
+
+
+def _model_dir(out: Path) -> Path:
+    from groupflow.data import train_char_tokenizer
+    from groupflow.models.causal_lm import build_tiny_llama
+
+    tok = train_char_tokenizer("0123456789 abc", out)
+    build_tiny_llama(len(tok), hidden_size=32, num_layers=1, num_heads=2, max_positions=64,
+                     seed=0, pad_token_id=tok.pad_token_id,
+                     eos_token_id=tok.eos_token_id).save_pretrained(out)  # fmt: skip
+    return out
+
+
+def _served_completion(target: str, overrides=()):
+    """Build what `groupflow serve TARGET OVERRIDES` serves; one completion through it."""
+    openai = pytest.importorskip("openai", reason="needs the openai package")
+    from dataclasses import replace
+
+    from groupflow.serve.app import build_app
+    from groupflow.serve.build import server_core
+    from groupflow.serve.thread import ServerThread
+
+    args = _parse(build_parser(), ["serve", target, *overrides])
+    cfg, policy = _serving(args)
+    core = server_core(cfg, policy.tokenizer, policy.rollout, replace(policy.sampling, n=1))
+    server = ServerThread(build_app(core)).start()
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+        models = [m.id for m in client.models.list().data]
+        r = client.completions.create(model="anything", prompt="12", max_tokens=3, seed=0)
+        return models, r, core
+    finally:
+        server.stop()
+        core.close()
+        policy.shutdown()
+
+
+def test_serve_a_plain_model_directory_without_a_config(tmp_path):
+    model = _model_dir(tmp_path / "m")
+    models, r, core = _served_completion(str(model), ["serve.max_tokens=3"])
+    assert models == [str(model)]  # the model as named on the command line
+    assert 1 <= len(r.choices[0].model_extra["token_ids"]) <= 3
+    assert core.limits.max_tokens == 3 and core.limits.max_context_tokens == 64  # config.json's
+
+
+def test_serve_a_hub_id_from_the_hf_cache_offline(tmp_path, monkeypatch):
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    commit = "c" * 40
+    repo = home / "hub" / "models--tiny-org--tiny-lm"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    _model_dir(repo / "snapshots" / commit)
+    monkeypatch.chdir(tmp_path)  # no local directory of that name
+    models, r, core = _served_completion("tiny-org/tiny-lm")
+    assert models == ["tiny-org/tiny-lm"] and r.choices[0].model_extra["token_ids"]
+    assert core.limits.max_context_tokens == 64  # read from the snapshot's config.json
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-a-model-dir", "not-a-config", "uncached-hub-id"])
+def test_serve_a_bad_path_is_exit_2_naming_it(kind, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    target = {"missing": str(tmp_path / "no" / "such-model"), "not-a-model-dir": str(tmp_path),
+              "not-a-config": str(tmp_path / "notes.txt"),
+              "uncached-hub-id": "nobody/no-such-model"}[kind]  # fmt: skip
+    (tmp_path / "notes.txt").write_text("hi")
+    assert main(["serve", target]) == 2
+    err = capsys.readouterr().err
+    assert target in err and "Traceback" not in err

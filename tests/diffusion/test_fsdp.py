@@ -65,11 +65,15 @@ def test_two_sharded_workers_equal_one_worker_and_checkpoints_reshard(wan_setup,
         assert max(m[key] for m in mem2) < 0.6 * mem1[0][key], key
     a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
     for ra, rb in zip(a[1:], b[1:], strict=True):
-        assert ra["reward/mean"] == rb["reward/mean"]  # same samples: per-sample seeds
+        # same samples (per-sample seeds); batch-size-dependent CPU kernels (AVX-512 here) may
+        # round the halves' images differently in the last bit, so not bit-exact
+        assert rb["reward/mean"] == pytest.approx(ra["reward/mean"], rel=1e-6)
         for key in ("actor/grad_norm", "actor/pg_loss", "actor/loss"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
     for k in s1["model"]:
-        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
+        # Adam turns those last-bit differences of small gradients into up to ~3e-6 (measured);
+        # a wrong update would move a weight by ~lr = 1e-3
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5), k
     # the sharded checkpoint holds each rank's DCP shards and no gathered model
     step1 = two.run_dir / "checkpoints" / "step_1"
     assert sorted(p.name for p in (step1 / "shards").glob("*.distcp")) == [
@@ -92,7 +96,7 @@ def test_two_sharded_workers_equal_one_worker_and_checkpoints_reshard(wan_setup,
         for key in ("actor/grad_norm", "actor/pg_loss", "reward/mean"):
             assert last[key] == pytest.approx(a[-1][key], rel=1e-4, abs=1e-7), (name, key)
         for k in s1["model"]:
-            assert torch.allclose(s1["model"][k], s3["model"][k], atol=1e-6), (name, k)
+            assert torch.allclose(s1["model"][k], s3["model"][k], atol=1e-5), (name, k)
 
 
 @pytest.mark.slow
@@ -175,7 +179,9 @@ def test_two_sharded_workers_equal_one_worker_on_an_sd3_transformer(wan_setup, t
     assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
     assert b["actor/kl_loss"] == pytest.approx(a["actor/kl_loss"], rel=1e-4, abs=1e-9)
     for k in s1["model"]:
-        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
+        # Adam turns those last-bit differences of small gradients into up to ~3e-6 (measured);
+        # a wrong update would move a weight by ~lr = 1e-3
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5), k
 
 
 @pytest.mark.slow
@@ -232,7 +238,9 @@ def test_the_renoising_objectives_on_two_workers_equal_one_worker(
         for key in ("reward/mean", "actor/grad_norm", "actor/pg_loss", "actor/loss"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-7), (step, key)
     for k in s1["model"]:
-        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
+        # Adam turns those last-bit differences of small gradients into up to ~3e-6 (measured);
+        # a wrong update would move a weight by ~lr = 1e-3
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5), k
     assert s2["nft_old"].keys() == s2["model"].keys()
     for k in s2["model"]:
         old = s2["nft_old"][k]

@@ -10,7 +10,6 @@ collected by pytest (no ``test_`` prefix); tests put ``tests/`` on the path with
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import sys
@@ -83,24 +82,31 @@ async def raises(client, row):
     raise RuntimeError("agent bug")
 
 
-_TOGGLE = itertools.count()
+# Which rows misbehave, fixed per prompt in the order first seen (every other row): an episode
+# that is run again after a blocked loop keeps its part, so the failure counts do not depend on
+# how far each episode got before the block (a shared counter gave 3 failures under load).
+_ROW_PARTS: dict[str, bool] = {}
+
+
+def _misbehaves(row) -> bool:
+    return _ROW_PARTS.setdefault(row["prompt"], len(_ROW_PARTS) % 2 == 1)
 
 
 async def exits(client, row):
-    """Every other episode ends with sys.exit(3) (a CLI-style helper inside the agent)."""
+    """Every other row's episodes end with sys.exit(3) (a CLI-style helper inside the agent)."""
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
-    if next(_TOGGLE) % 2:
+    if _misbehaves(row):
         sys.exit(3)
     return 1.0
 
 
 async def interrupts_in_a_task(client, row):
-    """Every other episode's helper task raises KeyboardInterrupt, which asyncio lets out of the
-    event loop itself (not only out of the task)."""
+    """Every other row's episodes have a helper task raise KeyboardInterrupt, which asyncio lets
+    out of the event loop itself (not only out of the task)."""
 
     async def helper():
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
-        if next(_TOGGLE) % 2:
+        if _misbehaves(row):
             raise KeyboardInterrupt
         return 1.0
 
@@ -123,9 +129,9 @@ RELEASE = threading.Event()  # set by a test to let the blocking agents' threads
 
 
 async def blocks_every_other(client, row):
-    """Every other episode blocks the event loop in sync code (time.sleep in an async def)."""
+    """Every other row's episodes block the event loop in sync code (time.sleep in an async def)."""
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
-    if next(_TOGGLE) % 2:
+    if _misbehaves(row):
         RELEASE.wait(30)
     return 1.0
 

@@ -646,7 +646,7 @@ def pool_spec(cfg: Config, role: str) -> PoolSpec:
         return replace(pool_spec(cfg, "actor"), name=role)
     default = cfg.run.num_workers // pool.nodes if role == "actor" else 1
     return PoolSpec(pool.nodes, pool.workers_per_node or default, pool.cpus_per_worker,
-                    pool.gpus_per_worker, name=role)  # fmt: skip
+                    pool.gpus_per_worker, name=role, resources=dict(pool.resources))  # fmt: skip
 
 
 def total_cpus(cfg: Config) -> float:

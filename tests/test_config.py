@@ -259,6 +259,45 @@ def test_placement_pools_per_role():
     assert config_from_dict(_base()).placement.rollout == "colocated"
 
 
+def test_a_pool_pinned_to_a_node_resource_and_bad_resources_named_by_key():
+    from groupflow.builders import pool_spec
+
+    pin = {"run.backend": "ray", "placement.rollout": {"resources": {"node_b": 1}}}
+    cfg = config_from_dict(apply_overrides(_base(), pin))
+    assert pool_spec(cfg, "rollout").bundle() == {"CPU": 1, "node_b": 1}
+    assert pool_spec(cfg, "actor").bundle() == {"CPU": 1}
+    for bad, why in (({"CPU": 2}, "'CPU' is one of Ray's own resources"),
+                     ({"node_b": 0}, "resource 'node_b' needs a name and an amount > 0"),
+                     ({"node_b": "one"}, "Input should be a valid number")):  # fmt: skip
+        data = apply_overrides(_base(), {**pin, "placement.rollout": {"resources": bad}})
+        with pytest.raises(
+            ConfigError, match=rf"placement\.rollout\.(PoolConfig\.)?resources(\.node_b)?': {why}"
+        ):
+            config_from_dict(data)
+
+
+def test_the_filesystem_transport_across_nodes_needs_a_shared_weight_dir(tmp_path):
+    from groupflow.config.root import spans_nodes
+
+    apart = {"run.backend": "ray", "rollout.weight_transport": "filesystem",
+             "placement.actor": {"resources": {"node_a": 1}},
+             "placement.rollout": {"resources": {"node_b": 1}}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"rollout\.weight_dir: the filesystem weight transport "
+                       r"across nodes \(the pools are pinned to different resources \(placement"
+                       r"\.actor\.resources=\{'node_a': 1(\.0)?\}, placement\.rollout"):  # fmt: skip
+        config_from_dict(apply_overrides(_base(), apart))
+    shared = config_from_dict(
+        apply_overrides(_base(), {**apart, "rollout.weight_dir": str(tmp_path)})
+    )
+    assert spans_nodes(shared).startswith("the pools are pinned to different resources")
+    # the same pins on every pool, or one node: nothing says the pools are apart
+    together = {**apart, "placement.actor": {"resources": {"node_b": 1}}}
+    assert spans_nodes(config_from_dict(apply_overrides(_base(), together))) is None
+    spread = {**apart, "placement.rollout": {"nodes": 2}, "placement.actor": {}}
+    with pytest.raises(ConfigError, match=r"rollout\.weight_dir: .*placement\.rollout\.nodes is 2"):
+        config_from_dict(apply_overrides(_base(), spread))
+
+
 def test_mini_batch_dividing_samples_is_accepted():
     cfg = config_from_dict(apply_overrides(_base(), {"actor.mini_batch_samples": 64}))
     assert cfg.actor.mini_batch_samples == 64

@@ -35,7 +35,7 @@ from groupflow.config.sections import (
     _Section,
 )
 
-__all__ = ["Config", "collective_refusal"]
+__all__ = ["Config", "collective_refusal", "spans_nodes"]
 
 
 def collective_refusal(cfg: Config) -> str | None:
@@ -49,6 +49,30 @@ def collective_refusal(cfg: Config) -> str | None:
         return (
             f"needs rollout.max_staleness=0 (got {cfg.rollout.max_staleness}): the asynchronous "
             "rollout fetches each version when it starts a batch, which a broadcast cannot wait for"
+        )
+    return None
+
+
+def spans_nodes(cfg: Config) -> str | None:
+    """Why this run's pools are on more than one node by its own placement, or None: a pool of
+    several nodes, or pools pinned to different custom resources (``placement.<role>.resources``).
+    Whether unpinned pools share a node is Ray's choice at run time, unknown here."""
+    if cfg.run.backend != "ray":
+        return None
+    pl = cfg.placement
+    pools = {"actor": pl.actor}
+    pools |= {r: getattr(pl, r) for r in ("rollout", "reference") if getattr(pl, r) != "colocated"}
+    pools |= {r: getattr(pl, r) for r in ("critic", "reward_model", "teacher")
+              if getattr(pl, r) is not None}  # fmt: skip
+    for role, pool in pools.items():
+        if pool.nodes > 1:
+            return f"placement.{role}.nodes is {pool.nodes}"
+    pinned = {role: pool.resources for role, pool in pools.items()}
+    if len({tuple(sorted(r.items())) for r in pinned.values()}) > 1:
+        return (
+            "the pools are pinned to different resources ("
+            + ", ".join(f"placement.{role}.resources={dict(r)}" for role, r in pinned.items())
+            + ")"
         )
     return None
 
@@ -180,6 +204,18 @@ class Config(_Section):
             why = collective_refusal(self)
             if why:
                 raise ValueError(f"rollout.weight_transport=collective {why}; use auto or ray")
+        apart = spans_nodes(self)
+        if (
+            apart
+            and self.rollout.weight_transport == "filesystem"
+            and self.rollout.weight_dir is None
+        ):
+            # the default <run dir>/weights is on the driver's disk, which other nodes need not see
+            raise ValueError(
+                f"rollout.weight_dir: the filesystem weight transport across nodes ({apart}) needs "
+                "a directory every node sees (shared storage); set rollout.weight_dir to one, or "
+                "use rollout.weight_transport=auto (Ray's object store crosses nodes)"
+            )
         return self
 
     @model_validator(mode="after")

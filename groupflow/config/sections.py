@@ -26,6 +26,10 @@ from pydantic import (
 
 from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
 
+# Ray's predefined resources, which a pool sets by its own keys; the same set as
+# groupflow.distributed.placement.RESERVED_RESOURCES (the config does not import the Ray layer).
+RAY_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
 
 class ConfigError(ValueError):
     """The configuration file or an override is invalid."""
@@ -833,6 +837,22 @@ class PoolConfig(_Section):
     cpus_per_worker: float = Field(1.0, ge=0)  # CPUs each worker reserves from Ray
     # GPUs each worker reserves from Ray (fractions share a GPU)
     gpus_per_worker: float = Field(0.0, ge=0)
+    # custom Ray resources each worker reserves, e.g. {node_b: 1}: pins the pool to the nodes
+    # started with them (ray start --resources '{"node_b": 8}'); CPU and GPU are set above
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, amount in value.items():
+            if key in RAY_RESOURCES:
+                raise ValueError(
+                    f"'{key}' is one of Ray's own resources; use cpus_per_worker / "
+                    "gpus_per_worker, and name only custom resources here"
+                )
+            if not key or not amount > 0:
+                raise ValueError(f"resource {key!r} needs a name and an amount > 0, got {amount}")
+        return value
 
 
 class PlacementConfig(_Section):

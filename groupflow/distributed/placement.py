@@ -7,14 +7,21 @@ chooses the machines. Rank ``r`` lives on node ``r // workers_per_node``, bundle
 ``r % workers_per_node`` — consecutive ranks are neighbours, which is what FSDP's collectives want.
 Creating a pool waits for the cluster with a timeout and names the missing resources: a request
 the cluster cannot satisfy would otherwise wait forever (seen with two 1-CPU actors on 2 cores).
+A pool is pinned to chosen machines by Ray's custom resources (``resources``, e.g. ``{"node_b": 1}``
+for a node started with ``--resources '{"node_b": 8}'``): they go into every bundle, so Ray can only
+place the pool where they exist — placement stays Ray's, the config just narrows it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PoolSpec", "RayPool", "PlacementError"]
+__all__ = ["PoolSpec", "RayPool", "PlacementError", "RESERVED_RESOURCES"]
+
+# Ray's predefined resources: a pool asks for them by their own fields, never as custom ones.
+RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
 
 class PlacementError(RuntimeError):
@@ -30,6 +37,8 @@ class PoolSpec:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     name: str = "pool"
+    # custom Ray resources each worker reserves besides CPUs/GPUs (pins the pool to nodes)
+    resources: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.nodes < 1 or self.workers_per_node < 1:
@@ -39,6 +48,14 @@ class PoolSpec:
             )
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
             raise ValueError(f"pool '{self.name}': CPU/GPU counts must be >= 0")
+        for key, amount in self.resources.items():
+            if key in RESERVED_RESOURCES:
+                raise ValueError(
+                    f"pool '{self.name}': resource '{key}' is Ray's own; set it with "
+                    "cpus_per_worker / gpus_per_worker, and name custom resources in resources"
+                )
+            if not amount > 0:
+                raise ValueError(f"pool '{self.name}': resource '{key}' must be > 0, got {amount}")
 
     @property
     def world_size(self) -> int:
@@ -49,7 +66,7 @@ class PoolSpec:
         b = {"CPU": self.cpus_per_worker or 0.001}
         if self.gpus_per_worker:
             b["GPU"] = self.gpus_per_worker
-        return b
+        return {**b, **self.resources}
 
     def slot(self, rank: int) -> tuple[int, int]:
         """(node index, bundle index on that node) of a rank."""
@@ -77,8 +94,8 @@ class RayPool:
             raise PlacementError(
                 f"pool '{spec.name}': Ray could not place {spec.nodes} node(s) × "
                 f"{spec.workers_per_node} worker(s) with {spec.bundle()} each within {timeout_s:g} s; "
-                f"the cluster has {_resources(ray)}. Lower placement.{spec.name}'s counts, add nodes, "
-                "or raise placement.timeout_s"
+                f"the cluster has {_resources(ray, spec.resources)}. Lower placement.{spec.name}'s "
+                "counts, add nodes (with the resources it names), or raise placement.timeout_s"
             )
 
     def options(self, rank: int) -> dict[str, Any]:
@@ -102,8 +119,10 @@ class RayPool:
         self.groups = []
 
 
-def _resources(ray) -> str:
+def _resources(ray, custom: Mapping[str, float] = {}) -> str:
     total = ray.cluster_resources()
     free = ray.available_resources()
-    keys = [k for k in ("CPU", "GPU") if k in total]
-    return ", ".join(f"{k}: {free.get(k, 0):g} free of {total[k]:g}" for k in keys) or "nothing"
+    keys = [k for k in ("CPU", "GPU", *custom) if k in total]
+    have = ", ".join(f"{k}: {free.get(k, 0):g} free of {total[k]:g}" for k in keys) or "nothing"
+    missing = [k for k in custom if k not in total]
+    return have + (f"; no node has {', '.join(missing)}" if missing else "")

@@ -134,6 +134,22 @@ def test_pool_spec_slots_and_bad_counts():
         PoolSpec(nodes=0, name="ref")
 
 
+def test_pool_spec_custom_resources_go_into_every_bundle_and_bad_ones_are_named():
+    spec = PoolSpec(cpus_per_worker=0.5, name="rollout", resources={"node_b": 1})
+    assert spec.bundle() == {"CPU": 0.5, "node_b": 1}
+    with pytest.raises(ValueError, match=r"pool 'rollout': resource 'GPU' is Ray's own"):
+        PoolSpec(name="rollout", resources={"GPU": 1})
+    with pytest.raises(ValueError, match=r"pool 'rollout': resource 'node_b' must be > 0, got 0"):
+        PoolSpec(name="rollout", resources={"node_b": 0})
+
+
+def test_the_config_refuses_the_same_ray_resources_as_the_pool():
+    from groupflow.config.sections import RAY_RESOURCES
+    from groupflow.distributed.placement import RESERVED_RESOURCES
+
+    assert RAY_RESOURCES == RESERVED_RESOURCES
+
+
 @pytest.mark.slow
 def test_ray_pools_place_workers_per_node_and_report_what_cannot_fit():
     ray_sees_toy_worker()

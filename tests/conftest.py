@@ -159,6 +159,66 @@ def shared_ray(request):
     return ensure_ray(None, num_cpus=max(need, SHARED_RAY_CPUS))
 
 
+class TwoNodes:
+    """The ``two_nodes`` fixture's cluster: ``address``, the node ids of ``a`` (head: the driver's
+    node) and ``b``, and ``driver_only``, a directory node B's processes cannot open."""
+
+    def __init__(self, cluster, driver_only: Path, a: str, b: str):
+        self.cluster, self.driver_only, self.a, self.b = cluster, driver_only, a, b
+        self.address = cluster.address
+
+    def node_of(self, group) -> list[str]:
+        """The node id of each rank of a Ray ``WorkerGroup`` (from its placement groups)."""
+        from ray.util import placement_group_table
+
+        pool = group._pool
+        return [
+            placement_group_table(pool.groups[node])["bundles_to_node_id"][index]
+            for node, index in map(pool.spec.slot, range(pool.spec.world_size))
+        ]
+
+
+# Logical CPUs of each node of the two-node cluster: a pool or two of 0.5-CPU workers each, the
+# asynchronous side's actor and a probe; what really runs is one torch thread per process.
+NODE_CPUS = 3
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), this process the driver:
+    node A (the head) offers the custom resource ``node_a``, node B ``node_b``, so
+    ``placement.<role>.resources: {node_b: 1}`` pins a role there. Node B's processes cannot open
+    anything under ``driver_only`` (tests/node_b_site/sitecustomize.py): a run whose
+    ``run.output_dir`` is in it fails if a worker on node B reads or writes the run directory.
+    Any other Ray instance of this session is shut down first (one cluster at a time); the
+    cluster is shut down after the module."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    driver_only = tmp_path_factory.mktemp("driver_only")
+    one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(TESTS_DIR / "node_b_site"), str(TESTS_DIR.parent),
+                                       os.environ.get("PYTHONPATH", "")) if p)  # fmt: skip
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": NODE_CPUS, "resources": {"node_a": 100},
+                        "include_dashboard": False, "env_vars": one_thread},
+    )  # fmt: skip
+    try:
+        node_b = cluster.add_node(
+            num_cpus=NODE_CPUS, resources={"node_b": 100},
+            env_vars={**one_thread, "PYTHONPATH": path, "GROUPFLOW_DRIVER_ONLY": str(driver_only)},
+        )  # fmt: skip
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
+        yield TwoNodes(cluster, driver_only, cluster.head_node.node_id, node_b.node_id)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """``spy(obj, "name")``: record every return value of the bound method ``obj.name`` while

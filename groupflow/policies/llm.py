@@ -133,7 +133,12 @@ class LLMPolicy:
         self.sampling = sampling_params(cfg)
         # Workers build their own models in their own processes (local: this one). Rollout and
         # reference live inside the actor worker unless placement gives them pools of their own.
-        spec = ModelSpec(cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed)
+        # a tokenizer trained by the run lives in the driver's run directory: it travels with the
+        # spec, so a worker on another node does not need to see that directory
+        own_tokenizer = cfg.model.tiny is not None and cfg.model.tokenizer_path is None
+        spec = (ModelSpec.carrying if own_tokenizer else ModelSpec)(
+            cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed
+        )
         self.spec, self.engine, self.run_dir = spec, engine, run_dir
         # How new weights reach a rollout pool, the reference and a critic (rollout.weight_transport)
         self.transport = builders.build_weight_transport(cfg, run_dir)
@@ -177,7 +182,7 @@ class LLMPolicy:
                                         trust_remote_code=tc.trust_remote_code)  # fmt: skip
             self.teacher = builders.role_group(
                 cfg, "teacher", InferenceWorker, role="teacher", cfg=cfg.actor,
-                spec=ModelSpec(teacher_model, spec.tokenizer_dir, cfg.run.seed),
+                spec=ModelSpec(teacher_model, spec.tokenizer_dir, cfg.run.seed, spec.tokenizer_files),
                 role_name="teacher",
             )  # fmt: skip
         self.critic = self.reward_model = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -57,10 +58,41 @@ def loss_options(cfg: ActorConfig) -> dict:
 
 
 class ModelSpec:
-    """How a worker builds its model and tokenizer inside its own process (picklable for Ray)."""
+    """How a worker builds its model and tokenizer inside its own process (picklable for Ray).
 
-    def __init__(self, model_cfg, tokenizer_dir: str, seed: int):
+    ``tokenizer_files`` (name → bytes): a tokenizer the run trained itself travels with the spec,
+    because its directory is in the driver's run directory, which a worker on another node need
+    not see; a model's own tokenizer (``model.path``) is read where the model is."""
+
+    def __init__(self, model_cfg, tokenizer_dir: str, seed: int,
+                 tokenizer_files: dict[str, bytes] | None = None):  # fmt: skip
         self.model_cfg, self.tokenizer_dir, self.seed = model_cfg, tokenizer_dir, seed
+        self.tokenizer_files = tokenizer_files
+        self._local: str | None = None
+
+    @classmethod
+    def carrying(cls, model_cfg, tokenizer_dir: str, seed: int) -> ModelSpec:
+        """A spec that carries the (small) files of ``tokenizer_dir`` with it."""
+        files = {
+            p.name: p.read_bytes() for p in sorted(Path(tokenizer_dir).iterdir()) if p.is_file()
+        }
+        return cls(model_cfg, tokenizer_dir, seed, files)
+
+    def tokenizer_path(self) -> str:
+        """A directory on this node holding the tokenizer (the carried files, written once)."""
+        if self.tokenizer_files is None:
+            return self.tokenizer_dir
+        if self._local is None:
+            import tempfile
+
+            local = Path(tempfile.mkdtemp(prefix="groupflow-tokenizer-"))
+            for name, data in self.tokenizer_files.items():
+                (local / name).write_bytes(data)
+            self._local = str(local)
+        return self._local
+
+    def __getstate__(self):
+        return {**self.__dict__, "_local": None}  # a temp directory is this process's own
 
     def build(self):
         from transformers import AutoTokenizer
@@ -68,7 +100,7 @@ class ModelSpec:
         from groupflow.builders import build_model
 
         tok = AutoTokenizer.from_pretrained(
-            self.tokenizer_dir,
+            self.tokenizer_path(),
             local_files_only=True,
             trust_remote_code=self.model_cfg.trust_remote_code,
         )

@@ -72,7 +72,7 @@ class CriticSpec:
 
             from groupflow.models.causal_lm import build_tiny_llama
 
-            tok = AutoTokenizer.from_pretrained(self.policy.tokenizer_dir, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(self.policy.tokenizer_path(), local_files_only=True)
             t = c.tiny
             lm = build_tiny_llama(
                 len(tok), hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads,

@@ -1,0 +1,185 @@
+"""Two Ray nodes on one machine (the ``two_nodes`` fixture): pools pinned to a node by a custom
+resource land there, and a run whose rollout pool (or reference) is on the other node than its
+actor gives the single-node numbers with no weights through the driver and nothing read from or
+written to the driver's run directory by node B.
+
+Slow (a cluster start and worker processes); one torch thread per process.
+"""
+
+import json
+
+import pytest
+
+from groupflow.config import load_config
+from groupflow.distributed import PlacementError, PoolSpec
+from groupflow.distributed.placement import RayPool
+from groupflow.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+
+BASE = [
+    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2}",
+    "data.task={name: reverse, digits: 4, num_train: 200, num_val: 16}",
+    "data.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=8",
+    "run.loggers=[]",
+    "run.num_threads=1",
+    "run.samples_every=1",
+    "validation.before_training=false",
+    "validation.every_steps=0",
+    "validation.samples_per_prompt=1",
+    "actor.lr=1e-3",
+    "actor.lr_schedule=cosine",
+    "actor.warmup_steps=2",
+]
+KEYS = (
+    "reward/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "actor/lr",
+    "response_length/mean",
+)
+ON_A = "{nodes: 1, workers_per_node: 1, cpus_per_worker: 0.5, resources: {node_a: 1}}"
+ON_B = "{workers_per_node: 1, cpus_per_worker: 0.5, resources: {node_b: 1}}"
+
+
+def config(out, name, steps, *extra):
+    return load_config(
+        None,
+        [*BASE, f"run.output_dir={out}", f"run.name={name}", f"run.total_steps={steps}", *extra],
+    )
+
+
+def metrics(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "reward/mean" in r}
+
+
+def samples(run_dir):
+    out: dict = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.setdefault(row["step"], []).append((row["prompt"], row["completion"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """``local_run(*overrides)``: the run directory of the same run on run.backend=local (one
+    process, no Ray), made once per distinct override list."""
+    root, done = tmp_path_factory.mktemp("local"), {}
+
+    def get(steps, *extra):
+        key = (steps, *extra)
+        if key not in done:
+            name = f"local{len(done)}"
+            trainer = Trainer(config(root, name, steps, *extra))
+            try:
+                trainer.fit()
+            finally:
+                trainer.shutdown()
+            done[key] = root / name
+        return done[key]
+
+    return get
+
+
+@ray.remote(num_cpus=0)
+def _node_id():
+    return ray.get_runtime_context().get_node_id()
+
+
+def test_a_pool_pinned_to_a_node_resource_lands_there_and_a_missing_one_is_named(two_nodes):
+    for resource, node in (("node_a", two_nodes.a), ("node_b", two_nodes.b)):
+        pool = RayPool(PoolSpec(cpus_per_worker=0.1, name="rollout", resources={resource: 1}))
+        try:
+            strategy = pool.options(0)["scheduling_strategy"]
+            assert ray.get(_node_id.options(scheduling_strategy=strategy).remote()) == node
+        finally:
+            pool.remove()
+    with pytest.raises(PlacementError, match=r"pool 'rollout'.*no node has node_c"):
+        RayPool(PoolSpec(name="rollout", resources={"node_c": 1}), timeout_s=1)
+
+
+def test_node_b_cannot_open_the_driver_only_directory(two_nodes):
+    """The fixture's premise: a path under ``driver_only`` exists for the driver, not on node B."""
+    marker = two_nodes.driver_only / "here.txt"
+    marker.write_text("driver")
+
+    @ray.remote(num_cpus=0)
+    def read(path):
+        try:
+            return open(path).read()
+        except FileNotFoundError as e:
+            return f"missing: {e}"
+
+    on = {
+        n: ray.get(read.options(resources={n: 0.01}).remote(str(marker)))
+        for n in ("node_a", "node_b")
+    }
+    assert on["node_a"] == "driver"
+    assert on["node_b"].startswith("missing:") and "on the driver's node only" in on["node_b"]
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_actor_on_node_a_and_rollout_pool_on_node_b_give_the_single_node_run(
+    two_nodes, local_run, staleness
+):
+    """The actor on node A (the driver's), the rollout pool on node B; synchronously (the
+    collective transport: the actor rank broadcasts to the pool across nodes) and with
+    max_staleness 1 (Ray's object store; the asynchronous side runs on the pool). The run
+    directory is on the driver's node only: node B never opens it (the tokenizer the run
+    trained travels with the workers' spec). Every batch is generated on node B, no byte of the
+    weights passes the driver, and the samples and numbers are those of the one-process run."""
+    k = f"rollout.max_staleness={staleness}"
+    cfg = config(two_nodes.driver_only, f"apart{staleness}", 3, k, "run.backend=ray",
+                 f"placement.actor={ON_A}", f"placement.rollout={ON_B}")  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.policy.transport.name == ("ray" if staleness else "collective")
+        assert two_nodes.node_of(trainer.policy.actor) == [two_nodes.a]
+        assert two_nodes.node_of(trainer.policy.rollout_pool) == [two_nodes.b]
+        trainer.fit()
+        generated = trainer.policy.rollout_pool.generated()
+    finally:
+        trainer.shutdown()
+    run_dir = two_nodes.driver_only / f"apart{staleness}"
+    rows, local_dir = metrics(run_dir), local_run(3, k)
+    local = metrics(local_dir)
+    assert [rows[s]["weights/bytes_via_driver"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
+    train_samples = 3 * 4 * 4  # steps × prompts × samples per prompt
+    if staleness:  # the side generated exactly the training batches (validation: the actor)
+        assert generated == [train_samples]
+    else:  # the training batches and the final validation
+        assert generated[0] > train_samples
+    # what was sampled on node B is what was trained: the one-process run's samples and numbers
+    assert samples(run_dir) == samples(local_dir)
+    for step in (1, 2, 3):
+        for key in KEYS:
+            assert rows[step][key] == pytest.approx(local[step][key], rel=1e-5, abs=1e-7), (
+                step, key,
+            )  # fmt: skip
+
+
+def test_reference_on_node_b_gives_the_colocated_kl(two_nodes, local_run):
+    """The reference in a pool on node B (fed once through Ray's object store), the actor and
+    rollout on node A: the KL loss and the rest are the one-process run's."""
+    kl = "actor.kl_coef=0.1"
+    cfg = config(two_nodes.driver_only, "reference", 2, kl, "run.backend=ray",
+                 f"placement.actor={ON_A}", f"placement.reference={ON_B}")  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        assert two_nodes.node_of(trainer.policy.reference) == [two_nodes.b]
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    rows, local = metrics(two_nodes.driver_only / "reference"), metrics(local_run(2, kl))
+    for step in (1, 2):
+        assert rows[step]["weights/bytes_via_driver"] == 0.0
+        for key in (*KEYS, "actor/kl_loss"):
+            assert rows[step][key] == pytest.approx(local[step][key], rel=1e-5, abs=1e-7), (
+                step, key,
+            )  # fmt: skip

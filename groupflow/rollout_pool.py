@@ -117,6 +117,7 @@ class PoolSideHost:
         from ray.exceptions import GetTimeoutError, RayActorError
 
         self.ring, self.status, self.conn = ring, status, self
+        self.where = pool.node_report  # the loop actor shares the pool's first bundle
         remote = ray.remote(SideActor).options(**pool.placement(0), max_concurrency=1)
         self.actor = remote.remote(recipe, ring.slots, eager)
         try:
@@ -128,7 +129,9 @@ class PoolSideHost:
             ) from None
         except RayActorError as e:
             self.close()
-            raise ChildProcessError(f"the rollout loop's Ray actor failed to start: {e}") from None
+            raise ChildProcessError(
+                f"the rollout loop's Ray actor failed to start: {e}{self.where(0)}"
+            ) from None
 
     def _get(self, ref, timeout_s: float):
         import ray
@@ -137,7 +140,9 @@ class PoolSideHost:
         try:
             return ray.get(ref, timeout=timeout_s)
         except RayActorError as e:
-            raise EOFError(f"the rollout loop's Ray actor died ({type(e).__name__}: {e})") from None
+            raise EOFError(
+                f"the rollout loop's Ray actor died ({type(e).__name__}: {e}{self.where(0)})"
+            ) from None
         except GetTimeoutError:
             raise TimeoutError from None
 

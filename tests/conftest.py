@@ -163,9 +163,20 @@ class TwoNodes:
     """The ``two_nodes`` fixture's cluster: ``address``, the node ids of ``a`` (head: the driver's
     node) and ``b``, and ``driver_only``, a directory node B's processes cannot open."""
 
-    def __init__(self, cluster, driver_only: Path, a: str, b: str):
-        self.cluster, self.driver_only, self.a, self.b = cluster, driver_only, a, b
+    def __init__(self, cluster, driver_only: Path, a: str, b_args: dict):
+        self.cluster, self.driver_only, self.a, self._b_args = cluster, driver_only, a, b_args
         self.address = cluster.address
+        self.start_b()
+
+    def start_b(self) -> None:
+        """Start node B (again, after ``kill_b``: a fresh node with the same resources)."""
+        self._b = self.cluster.add_node(**self._b_args)
+        self.cluster.wait_for_nodes()
+        self.b = self._b.node_id
+
+    def kill_b(self) -> None:
+        """Stop node B's raylet and every worker on it at once, as a machine that dies."""
+        self.cluster.remove_node(self._b, allow_graceful=False)
 
     def node_of(self, group) -> list[str]:
         """The node id of each rank of a Ray ``WorkerGroup`` (from its placement groups)."""
@@ -207,13 +218,13 @@ def two_nodes(tmp_path_factory):
                         "include_dashboard": False, "env_vars": one_thread},
     )  # fmt: skip
     try:
-        node_b = cluster.add_node(
+        b_args = dict(
             num_cpus=NODE_CPUS, resources={"node_b": 100},
             env_vars={**one_thread, "PYTHONPATH": path, "GROUPFLOW_DRIVER_ONLY": str(driver_only)},
         )  # fmt: skip
-        cluster.wait_for_nodes()
+        nodes = TwoNodes(cluster, driver_only, cluster.head_node.node_id, b_args)
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
-        yield TwoNodes(cluster, driver_only, cluster.head_node.node_id, node_b.node_id)
+        yield nodes
     finally:
         ray.shutdown()
         cluster.shutdown()

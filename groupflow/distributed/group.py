@@ -318,13 +318,35 @@ class WorkerGroup:
             except GetTimeoutError:
                 outcomes.append(("timeout", f"no answer within {timeout:g} s (timeout)"))
             except RayActorError as e:
-                outcomes.append(("died", f"the worker process died ({type(e).__name__}: {e})"))
+                where = self.node_report(len(outcomes))
+                outcomes.append(
+                    ("died", f"the worker process died ({type(e).__name__}: {e}){where}")
+                )
         for kind in ("died", "timeout"):
             for rank, (k, detail) in enumerate(outcomes):
                 if k == kind:
                     raise WorkerError(self.name, rank, method, detail)
         return [self._check(rank, method, *value) if isinstance(value, tuple) else value
                 for rank, (_, value) in enumerate(outcomes)]  # fmt: skip
+
+    def node_report(self, rank: int) -> str:
+        """'; it ran on node <id> (<ip>[, now dead])' for a rank of this group's Ray pool, or ''
+        if unknown (not on Ray, or the group travelled to another process): on a cluster the
+        node is what a failure report needs first (a whole machine may be gone)."""
+        if self._pool is None:
+            return ""
+        import ray
+        from ray.util import placement_group_table
+
+        try:
+            node, index = self._pool.spec.slot(rank)
+            node_id = placement_group_table(self._pool.groups[node])["bundles_to_node_id"][index]
+            nodes = {n["NodeID"]: n for n in ray.nodes()}
+        except Exception:  # noqa: BLE001 - a report of where must not hide the failure itself
+            return ""
+        info = nodes.get(node_id, {})
+        state = "" if info.get("Alive", True) else ", now dead"
+        return f"; it ran on node {node_id} ({info.get('NodeManagerAddress', '?')}{state})"
 
     def shutdown(self) -> None:
         if self.backend == "ray":

@@ -7,6 +7,7 @@ Slow (a cluster start and worker processes); one torch thread per process.
 """
 
 import json
+import re
 
 import pytest
 
@@ -124,9 +125,42 @@ def test_node_b_cannot_open_the_driver_only_directory(two_nodes):
     assert on["node_b"].startswith("missing:") and "on the driver's node only" in on["node_b"]
 
 
+# max_staleness 1 also saves at step 2 with a constant LR: the node-failure test resumes from it
+APART = {0: ("rollout.max_staleness=0",),
+         1: ("rollout.max_staleness=1", "run.save_every=2", "actor.lr_schedule=constant")}  # fmt: skip
+PINNED = ("run.backend=ray", f"placement.actor={ON_A}", f"placement.rollout={ON_B}")
+NOT_TRAINED = ("time/", "perf/", "wall_time", "val/")
+
+
+@pytest.fixture(scope="module")
+def apart_run(two_nodes):
+    """``apart_run(staleness)``: (run directory, what the trainer saw) of the 3-step run with the
+    actor on node A and the rollout pool on node B, made once per module."""
+    done = {}
+
+    def get(staleness):
+        if staleness not in done:
+            name = f"apart{staleness}"
+            trainer = Trainer(config(two_nodes.driver_only, name, 3, *APART[staleness], *PINNED))
+            try:
+                seen = {
+                    "transport": trainer.policy.transport.name,
+                    "actor": two_nodes.node_of(trainer.policy.actor),
+                    "rollout": two_nodes.node_of(trainer.policy.rollout_pool),
+                }
+                trainer.fit()
+                seen["generated"] = trainer.policy.rollout_pool.generated()
+            finally:
+                trainer.shutdown()
+            done[staleness] = two_nodes.driver_only / name, seen
+        return done[staleness]
+
+    return get
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_actor_on_node_a_and_rollout_pool_on_node_b_give_the_single_node_run(
-    two_nodes, local_run, staleness
+    two_nodes, local_run, apart_run, staleness
 ):
     """The actor on node A (the driver's), the rollout pool on node B; synchronously (the
     collective transport: the actor rank broadcasts to the pool across nodes) and with
@@ -134,27 +168,17 @@ def test_actor_on_node_a_and_rollout_pool_on_node_b_give_the_single_node_run(
     directory is on the driver's node only: node B never opens it (the tokenizer the run
     trained travels with the workers' spec). Every batch is generated on node B, no byte of the
     weights passes the driver, and the samples and numbers are those of the one-process run."""
-    k = f"rollout.max_staleness={staleness}"
-    cfg = config(two_nodes.driver_only, f"apart{staleness}", 3, k, "run.backend=ray",
-                 f"placement.actor={ON_A}", f"placement.rollout={ON_B}")  # fmt: skip
-    trainer = Trainer(cfg)
-    try:
-        assert trainer.policy.transport.name == ("ray" if staleness else "collective")
-        assert two_nodes.node_of(trainer.policy.actor) == [two_nodes.a]
-        assert two_nodes.node_of(trainer.policy.rollout_pool) == [two_nodes.b]
-        trainer.fit()
-        generated = trainer.policy.rollout_pool.generated()
-    finally:
-        trainer.shutdown()
-    run_dir = two_nodes.driver_only / f"apart{staleness}"
-    rows, local_dir = metrics(run_dir), local_run(3, k)
+    run_dir, seen = apart_run(staleness)
+    assert seen["transport"] == ("ray" if staleness else "collective")
+    assert (seen["actor"], seen["rollout"]) == ([two_nodes.a], [two_nodes.b])
+    rows, local_dir = metrics(run_dir), local_run(3, *APART[staleness])
     local = metrics(local_dir)
     assert [rows[s]["weights/bytes_via_driver"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
     train_samples = 3 * 4 * 4  # steps × prompts × samples per prompt
     if staleness:  # the side generated exactly the training batches (validation: the actor)
-        assert generated == [train_samples]
+        assert seen["generated"] == [train_samples]
     else:  # the training batches and the final validation
-        assert generated[0] > train_samples
+        assert seen["generated"][0] > train_samples
     # what was sampled on node B is what was trained: the one-process run's samples and numbers
     assert samples(run_dir) == samples(local_dir)
     for step in (1, 2, 3):
@@ -183,3 +207,56 @@ def test_reference_on_node_b_gives_the_colocated_kl(two_nodes, local_run):
             assert rows[step][key] == pytest.approx(local[step][key], rel=1e-5, abs=1e-7), (
                 step, key,
             )  # fmt: skip
+
+
+def test_node_b_dying_mid_run_is_named_and_a_fresh_node_b_resumes_exactly(two_nodes, apart_run):
+    """max_staleness 1, the rollout pool (and the asynchronous loop) on node B. After step 2 (a
+    checkpoint; a batch in flight) node B's raylet and workers are killed: the next step fails
+    within a bounded time with an error naming the role, the rank, the step, the policy version
+    and node B. A fresh node B with the same resources, run.resume=auto: the uninterrupted run's
+    metrics, exactly. Runs last: it replaces node B."""
+    import threading
+    import time
+
+    from groupflow.async_rollout import RolloutError
+    from groupflow.distributed import WorkerError
+
+    full_dir, _ = apart_run(1)
+    args = (*APART[1], *PINNED, "run.worker_timeout_s=60")
+    # more steps than it lives (the LR is constant: total_steps changes nothing trained)
+    trainer = Trainer(config(two_nodes.driver_only, "crash", 6, *args))
+    marker = two_nodes.driver_only / "crash" / "checkpoints" / "step_2" / "manifest.json"
+    dead, killed_at = two_nodes.b, []
+
+    def kill_once_saved():
+        while not marker.is_file():
+            time.sleep(0.02)
+        two_nodes.kill_b()
+        killed_at.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_once_saved, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises((RolloutError, WorkerError)) as err:
+            trainer.fit()
+        took = time.monotonic() - killed_at[0]
+    finally:
+        trainer.shutdown()
+    text = f"{err.value} {' '.join(getattr(err.value, '__notes__', []))}"
+    assert took < 60, took  # Ray notices the dead node; no wait for run.worker_timeout_s
+    assert "(rollout role) rank 0" in text and "Ray actor died" in text, text
+    assert re.search(r"policy version [234] for step [345]\b", text), text
+    assert f"it ran on node {dead} (" in text, text  # ", now dead" once Ray has noticed
+    two_nodes.start_b()
+    trainer = Trainer(config(two_nodes.driver_only, "crash", 3, *args))
+    try:
+        assert two_nodes.node_of(trainer.policy.rollout_pool) == [two_nodes.b] != [dead]
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    full, resumed = metrics(full_dir), metrics(two_nodes.driver_only / "crash")
+    assert sorted(resumed) == [1, 2, 3]
+    for s in resumed:  # what is trained, not how fast
+        keys = {k for k in full[s].keys() | resumed[s].keys() if not k.startswith(NOT_TRAINED)}
+        differ = sorted(k for k in keys if full[s].get(k) != resumed[s].get(k))
+        assert not differ, (s, differ)

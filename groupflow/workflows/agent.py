@@ -372,6 +372,9 @@ class AgentWorkflow:
         # an environment adapter (rollout.openenv) is the agent, else the user's own function
         self.agent = build_env_agent(cfg.rollout) or resolve_agent(cfg.rollout.agent)
         self._train_rows, self.val_rows = list(train_rows), list(val_rows)
+        if hasattr(self.agent, "rows"):  # an environment's own tasks (a verifiers taskset)
+            self._train_rows, self.val_rows = self.agent.rows()
+            train_rows, val_rows = self._train_rows, self.val_rows
         self.reward_fn = None
         if cfg.rollout.agent_reward != "return":
             self.reward_fn = build_rewards(cfg, policy, rewards, [])

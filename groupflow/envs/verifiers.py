@@ -49,8 +49,14 @@ class VerifiersAgent:
         require("verifiers", _PIP, "rollout.verifiers")
         vf = _vf()
         self.cfg = cfg
-        if cfg.taskset_dir is not None and cfg.taskset_dir not in sys.path:
-            sys.path.insert(0, str(Path(cfg.taskset_dir).resolve()))
+        if cfg.taskset_dir is not None:
+            where = str(Path(cfg.taskset_dir).resolve())
+            if where not in sys.path:
+                sys.path.insert(0, where)
+            # verifiers serves a task's toolsets as `python -m <module>` in child processes
+            paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if where not in paths:
+                os.environ["PYTHONPATH"] = os.pathsep.join([where, *filter(None, paths)])
         # verifiers' runtimes run the harness program with `uv`; the one of this environment
         # (the extra installs it) when it is not on PATH already
         here = str(Path(sys.executable).parent)

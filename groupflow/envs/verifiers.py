@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import sys
@@ -49,6 +50,10 @@ class VerifiersAgent:
         require("verifiers", _PIP, "rollout.verifiers")
         vf = _vf()
         self.cfg = cfg
+        # verifiers logs every rollout's start at INFO: it would bury the run's console (a level
+        # set explicitly by the user is kept)
+        if logging.getLogger("verifiers").level == logging.NOTSET:
+            logging.getLogger("verifiers").setLevel(logging.WARNING)
         if cfg.taskset_dir is not None:
             where = str(Path(cfg.taskset_dir).resolve())
             if where not in sys.path:

@@ -220,3 +220,13 @@ def test_openenv_and_an_agent_are_exclusive_and_need_the_agent_workflow(tiny_bas
         _config(tiny_base, tmp_path, **{"rollout.agent": "x:y"})
     with pytest.raises((ConfigError, ValueError), match="set rollout.workflow=agent"):
         _config(tiny_base, tmp_path, **{"rollout.workflow": "auto"})
+
+
+def test_the_cli_shows_a_server_error_with_the_fix_and_exit_2():
+    from groupflow.cli_errors import explain
+    from groupflow.envs import MissingEnvPackageError, OpenEnvServerError
+
+    e = explain(OpenEnvServerError("the OpenEnv server 'x:app' exited with code 1"))
+    assert e.exit_code == 2 and "exited with code 1" in e.message
+    assert "rollout.openenv.startup_timeout_s" in e.message
+    assert explain(MissingEnvPackageError("pip install 'groupflow[openenv]'")).exit_code == 2

@@ -129,8 +129,12 @@ def test_every_error_is_reported_at_once():
             "'reward': functions: every reward is a monitor",
         ),
         (
-            {"reward.functions": [{"name": "gsm8k"}, {"name": "format_tags", "monitor": True,
-                                                       "weight": 2.0}]},
+            {
+                "reward.functions": [
+                    {"name": "gsm8k"},
+                    {"name": "format_tags", "monitor": True, "weight": 2.0},
+                ]
+            },
             "'reward.functions.1': weight: a monitor reward is not trained on",
         ),
     ],

@@ -618,10 +618,10 @@ class RewardFunctionConfig(_Section):
             raise ValueError(
                 "each reward needs exactly one of 'name' (built-in) or 'function' (import path)"
             )
-        if self.monitor and "weight" in self.model_fields_set:
+        if self.monitor and self.weight != 1.0:
             raise ValueError(
-                "weight: a monitor reward is not trained on, so its weight has no effect; drop "
-                "weight or set monitor: false"
+                f"weight: a monitor reward is not trained on, so weight={self.weight:g} has no "
+                "effect; drop weight or set monitor: false"
             )
         return self
 

@@ -139,7 +139,9 @@ def test_group_normalisation_covers_the_reward_model_too():
         def score(self, batch):
             return {"scores": torch.tensor([10.0, 30.0, 5.0, 5.0])}
 
-    rules = RewardRunner([RewardFunction("num", lambda completions: [float(c) for c in completions])])
+    rules = RewardRunner(
+        [RewardFunction("num", lambda completions: [float(c) for c in completions])]
+    )
     runner = ModelRewardRunner(
         rules, Scorer(), weight=2.0, label="rm", raw_prompts={}, normalize="group",
         normalize_eps=0.0,

@@ -680,7 +680,7 @@ class RewardConfig(_Section):
     # so that a reward with a narrow spread is not drowned by a wide one. Validation and eval
     # report the plain weighted sum either way (groupflow.rewards.combine).
     normalize: Literal["none", "group"] = "none"
-    normalize_eps: float = Field(1e-6, ge=0)
+    normalize_eps: float = Field(1e-6, ge=0)  # added to each group's std under normalize: group
 
     @model_validator(mode="after")
     def _trained(self):

@@ -4,7 +4,11 @@ trained reward's mean share of the within-group signal, per seed, side by side.
 
 One torch thread; the runs go one after another in this process.
 
-    .venv/bin/python benchmarks/diffusion_multi_reward.py --steps 80 --seeds 0 1
+    .venv/bin/python benchmarks/diffusion_multi_reward.py --steps 80 --seeds 0 1 2 \
+        --results examples/results/diffusion_two_rewards.json
+
+``--results`` writes the table as a results file (``groupflow.utils.results``), which
+docs/guides/data-rewards.md and the README's results table are rendered from.
 """
 
 from __future__ import annotations
@@ -56,12 +60,42 @@ def run(mode: str, seed: int, steps: int, every: int, out: Path) -> dict:
     return result
 
 
+def _row(r: dict, steps: int) -> dict[str, str]:
+    cells = {f"{n} before → after {steps} steps": f"{r[n][0]:.3f} → {r[n][1]:.3f}" for n in REWARDS}
+    return {"reward.normalize": r["mode"], "seed": str(r["seed"]), **cells,
+            "mean share sky / compressibility":
+                f"{r['sky_share']:.2f} / {r['compressibility_share']:.2f}",
+            "training time": f"{r['train_seconds']:.0f} s"}  # fmt: skip
+
+
+def _write(args, results: list[dict], rows: list[dict]) -> None:
+    from groupflow.utils.results import write_results
+
+    def span(mode: str, name: str, at: int) -> str:
+        values = [r[name][at] for r in results if r["mode"] == mode]
+        return f"{min(values):.2f}–{max(values):.2f}"
+
+    write_results(
+        args.results, name="diffusion_two_rewards", rows=rows,
+        command="python benchmarks/diffusion_multi_reward.py "
+                f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))}",
+        summary={
+            "recipe": "examples/diffusion_two_rewards.yaml (sky ×100 + compressibility)",
+            "what": "eval compressibility, weighted sum vs normalize: group",
+            "before": span("none", "compressibility", 0),
+            "after": f"{span('none', 'compressibility', 1)} vs {span('group', 'compressibility', 1)}",
+            "guide": "docs/guides/data-rewards.md",
+        },
+    )  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--results", type=Path, help="write a results file (groupflow.utils.results)")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -73,15 +107,13 @@ def main(argv=None) -> int:
             for mode in ("none", "group"):
                 results.append(run(mode, seed, args.steps, args.eval_every, Path(tmp)))
                 print(json.dumps(results[-1]), flush=True)
-    print(f"\n| reward.normalize | seed | sky (×100) before → after {args.steps} steps | "
-          "compressibility | sky_pixel (monitor) | mean share sky / compressibility | "
-          "training time |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        cells = [f"{r[n][0]:.3f} → {r[n][1]:.3f}" for n in REWARDS]
-        print(f"| {r['mode']} | {r['seed']} | {' | '.join(cells)} | "
-              f"{r['sky_share']:.2f} / {r['compressibility_share']:.2f} | "
-              f"{r['train_seconds']:.0f} s |")  # fmt: skip
+    rows = [_row(r, args.steps) for r in results]
+    print("\n| " + " | ".join(rows[0]) + " |")
+    print("|" + "---|" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(row.values()) + " |")
+    if args.results:
+        _write(args, results, rows)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -713,12 +713,20 @@ class RewardFunctionConfig(_Section):
     failure_value: float | None = None  # None: reward.failure_value
     # keyword arguments passed to the reward on every call
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    # true: scored and logged as reward/<label>/mean (val/ too) but not trained on: a held-out
+    # reward beside the trained ones, to see the model hack them
+    monitor: bool = False
 
     @model_validator(mode="after")
     def _one(self):
         if (self.name is None) == (self.function is None):
             raise ValueError(
                 "each reward needs exactly one of 'name' (built-in) or 'function' (import path)"
+            )
+        if self.monitor and self.weight != 1.0:
+            raise ValueError(
+                f"weight: a monitor reward is not trained on, so weight={self.weight:g} has no "
+                "effect; drop weight or set monitor: false"
             )
         return self
 
@@ -733,6 +741,21 @@ class RewardConfig(_Section):
     # deadline, sync ones abandoned (groupflow.rewards.calls). null: no limit, called in the
     # driver's own thread (for rewards that need the main thread, e.g. signal-based timeouts).
     timeout_s: float | None = Field(300.0, gt=0)
+    # How the trained rewards combine into a training batch's reward: "none", their weighted
+    # sum; "group", the weighted sum of each reward's z-score inside its prompt's group (GDPO),
+    # so that a reward with a narrow spread is not drowned by a wide one. Validation and eval
+    # report the plain weighted sum either way (groupflow.rewards.combine).
+    normalize: Literal["none", "group"] = "none"
+    normalize_eps: float = Field(1e-6, ge=0)  # added to each group's std under normalize: group
+
+    @model_validator(mode="after")
+    def _trained(self):
+        if self.functions and all(f.monitor for f in self.functions):
+            raise ValueError(
+                "functions: every reward is a monitor (monitor: true); at least one must be "
+                "trained on"
+            )
+        return self
 
 
 class SFTConfig(_Section):

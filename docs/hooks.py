@@ -108,8 +108,8 @@ def recipes_markdown() -> str:
         "# Recipes",
         "",
         "Every example config shipped in `examples/`, with what its own header says and the command "
-        "that runs it (each is loaded and validated by `tests/test_config.py`). Measured results "
-        "are in the guide each links to.",
+        "that runs it (each is loaded and validated by `tests/test_config.py`), and its measured "
+        "results where a results file (`examples/results/`) holds them.",
         "",
     ]
     for path in sorted((ROOT / "examples").glob("*.yaml")):
@@ -120,6 +120,9 @@ def recipes_markdown() -> str:
         )
         out += [f"## `{path.name}`", "", f"*{kind}, {algo}*", ""]
         out += ["```bash", f".venv/bin/groupflow train examples/{path.name}", "```", ""]
+        results = ROOT / "examples" / "results" / f"{path.stem}.json"
+        if results.is_file():  # rendered by on_page_markdown like any page's placeholder
+            out += ["Measured:", "", f"<!-- results: examples/results/{results.name} -->", ""]
         header = _header(path)
         if header:
             out += ["```yaml", header, "```", ""]
@@ -164,6 +167,46 @@ def layout_markdown() -> str:
     return "\n".join(out)
 
 
+RESULTS = re.compile(r"<!-- results: (\S+) -->")
+README_BEGIN, README_END = "<!-- results table: begin -->", "<!-- results table: end -->"
+
+
+def results_tables(markdown: str) -> str:
+    """Each ``<!-- results: PATH -->`` in a page becomes that results file's table."""
+    from groupflow.utils.results import markdown_table, read_results
+
+    return RESULTS.sub(lambda m: markdown_table(read_results(ROOT / m.group(1))), markdown)
+
+
+def readme_results() -> str:
+    """The README's results table: one line per results file under examples/results/."""
+    from groupflow.utils.results import read_results
+
+    lines = ["| recipe | what is measured | before → after | details |", "|---|---|---|---|"]
+    for path in sorted((ROOT / "examples" / "results").glob("*.json")):
+        s = read_results(path)["summary"]
+        where = f"`{s['guide']}`" if s.get("guide") else ""
+        lines.append(f"| {s['recipe']} | {s['what']} | {s['before']} → {s['after']} | {where} |")
+    return "\n".join(lines)
+
+
+def sync_readme(check: bool = False) -> bool:
+    """Rewrite (or with ``check`` only compare) the README's table between its markers;
+    True when it already matched."""
+    path = ROOT / "README.md"
+    text = path.read_text()
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    new = f"{head}{README_BEGIN}\n{readme_results()}\n{README_END}{tail}"
+    if not check and new != text:
+        path.write_text(new)
+    return new == text
+
+
+def on_page_markdown(markdown, page, config, files):
+    return results_tables(markdown)
+
+
 GENERATED = {
     "design/layout.md": layout_markdown,
     "reference/config.md": config_markdown,
@@ -178,3 +221,7 @@ def on_files(files, config):
     for uri, render in GENERATED.items():
         files.append(File.generated(config, uri, content=render()))
     return files
+
+
+if __name__ == "__main__":  # python docs/hooks.py: the README's results table from the files
+    print("README.md results table", "unchanged" if sync_readme() else "rewritten")

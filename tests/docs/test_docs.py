@@ -154,3 +154,25 @@ def test_the_site_builds_strictly(tmp_path):
     assert "What it has, next to TRL and verl" in home
     reference = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
     assert "rollout.max_staleness" in reference
+
+
+def test_every_results_file_is_valid_and_the_readme_table_is_rendered_from_them():
+    from groupflow.utils.results import read_results
+
+    files = sorted((ROOT / "examples" / "results").glob("*.json"))
+    assert len(files) >= 6
+    for path in files:
+        read_results(path)
+    hooks = _hooks()
+    assert hooks.sync_readme(check=True), "README's results table is stale: python docs/hooks.py"
+    for path in files:
+        assert read_results(path)["summary"]["recipe"] in hooks.readme_results()
+
+
+def test_results_placeholders_become_tables_and_name_existing_files():
+    hooks = _hooks()
+    for page in PAGES:
+        for name in hooks.RESULTS.findall(page.read_text()):
+            assert (ROOT / name).is_file(), f"{page}: {name} does not exist"
+    table = hooks.results_tables("x\n<!-- results: examples/results/calc_tools_demo.json -->\ny")
+    assert table.startswith("x\n| ") and "44.5 % → 87.5 %" in table and table.endswith("\ny")

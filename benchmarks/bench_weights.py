@@ -12,13 +12,20 @@ process returned its freed heap to the OS). Then, from the
 measured seconds per byte, what a sync would cost for 7B and 70B parameters in bf16 — a linear
 extrapolation of *this* machine's costs, not a measurement.
 
+``--two-nodes`` adds, per model, the same measurement across two Ray nodes on this machine
+(``ray.cluster_utils.Cluster``: the actor pinned to node A, the pool to node B by
+``placement.<role>.resources``), so the object store's buckets are copied between the nodes'
+stores and the collective's gloo runs between nodes' processes — the cross-node cost of the
+transports without the network a real cluster adds (rows ``<model>@2n``).
+
     .venv/bin/python benchmarks/bench_weights.py [--models medium smollm2] [--repeats 5]
-        [--bucket-mb 64] [--json out.json]
+        [--bucket-mb 64] [--two-nodes] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -34,17 +41,21 @@ MODELS = {
 }
 
 
-def build(model: str, out_dir: str, bucket_mb: float):
+def build(model: str, out_dir: str, bucket_mb: float, two_nodes: bool = False):
     from groupflow.config import load_config
     from groupflow.trainer import Trainer
+
+    def pin(node: str) -> str:
+        return f", resources: {{node_{node}: 1}}" if two_nodes else ""
 
     overrides = [
         f"model.tiny={MODELS[model]}",
         "data.task={name: reverse, digits: 4, num_train: 64, num_val: 8}",
         f"run.output_dir={out_dir}", f"run.name={model}", "run.total_steps=1", "run.loggers=[]",
         "run.num_threads=1", "run.resume=never", "run.backend=ray", "run.num_workers=2",
-        "run.worker_timeout_s=1200", "placement.actor={nodes: 1, workers_per_node: 2, cpus_per_worker: 0.5}",
-        "placement.rollout={workers_per_node: 1, cpus_per_worker: 0.5}",
+        "run.worker_timeout_s=1200",
+        f"placement.actor={{nodes: 1, workers_per_node: 2, cpus_per_worker: 0.5{pin('a')}}}",
+        f"placement.rollout={{workers_per_node: 1, cpus_per_worker: 0.5{pin('b')}}}",
         f"rollout.weight_bucket_mb={bucket_mb}", "validation.before_training=false", "sft.steps=0",
         "rollout.weight_transport=collective",
     ]  # fmt: skip
@@ -128,9 +139,34 @@ def collective_path(policy, version: int) -> int:
 PATHS = {"old": old_path, "ray": ray_path, "collective": collective_path}
 
 
-def measure(model: str, repeats: int, bucket_mb: float) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        trainer = build(model, out, bucket_mb)
+@contextlib.contextmanager
+def cluster(two_nodes: bool):
+    """Two Ray nodes on this machine (node_a, node_b) for the cross-node rows; else nothing (the
+    Trainer starts its local instance)."""
+    if not two_nodes:
+        yield
+        return
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    one = {"OMP_NUM_THREADS": "1"}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"node_a": 9},
+                                                      "include_dashboard": False, "env_vars": one})  # fmt: skip
+    try:
+        c.add_node(num_cpus=3, resources={"node_b": 9}, env_vars=one)
+        c.wait_for_nodes()
+        ray.init(address=c.address, include_dashboard=False)
+        yield
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def measure(model: str, repeats: int, bucket_mb: float, two_nodes: bool = False) -> dict:
+    with tempfile.TemporaryDirectory() as out, cluster(two_nodes):
+        trainer = build(model, out, bucket_mb, two_nodes)
         try:
             policy = trainer.policy
             assert policy.transport.name == "collective", policy.transport
@@ -149,7 +185,7 @@ def measure(model: str, repeats: int, bucket_mb: float) -> dict:
                                            mem.actor_extra, mem.rollout_extra))  # fmt: skip
         finally:
             trainer.shutdown()
-    out = {"model": model, "bytes": nbytes}
+    out = {"model": f"{model}@2n" if two_nodes else model, "bytes": nbytes}
     for name, rs in rows.items():
         out[name] = {
             "seconds": statistics.median(r[0] for r in rs),
@@ -172,7 +208,7 @@ def report(results: list[dict]) -> None:
                   f"{ratio:>7.2f}{p['bytes_via_driver'] / 2**20:>15.1f}"
                   f"{p['driver_peak_extra_mb']:>12.1f}{p['actor_rank_peak_extra_mb']:>11.1f}"
                   f"{p['rollout_worker_peak_extra_mb']:>13.1f}")  # fmt: skip
-    big = max(results, key=lambda r: r["bytes"])
+    big = max((r for r in results if "@" not in r["model"]), key=lambda r: r["bytes"])
     print(f"\nextrapolated from {big['model']}'s seconds per byte (this machine, linear):")
     for label, params in (("7B", 7e9), ("70B", 70e9)):
         nbytes = params * 2  # bf16
@@ -187,9 +223,15 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--two-nodes", action="store_true", help="also across two Ray nodes")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     results = [measure(m, args.repeats, args.bucket_mb) for m in args.models]
+    if args.two_nodes:
+        import ray
+
+        ray.shutdown()  # the one-node rows' local instance: one cluster at a time
+        results += [measure(m, args.repeats, args.bucket_mb, True) for m in args.models]
     report(results)
     if args.json:
         with open(args.json, "w") as f:

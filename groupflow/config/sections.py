@@ -267,9 +267,9 @@ class OpenEnvConfig(_Section):
     started from ``app`` (a FastAPI app's import path, e.g. ``my_env.server.app:app``, served
     on 127.0.0.1) or already running at ``url``; exactly one of the two."""
 
-    app: str | None = None
+    app: str | None = None  # "package.module:app": groupflow starts it with uvicorn on 127.0.0.1
     app_dir: str | None = None  # a directory put first on the server's import path (uvicorn's)
-    url: str | None = None
+    url: str | None = None  # a server already running (http://host:port); groupflow only connects
     action_field: str = "message"  # the action's field the model's reply fills
     observation_field: str | None = None  # what the model reads; None: the only text field
     reset_fields: list[str] = Field(default_factory=list)  # row fields passed to reset(...)
@@ -300,15 +300,15 @@ class VerifiersConfig(_Section):
     ``--env.taskset.id``), its tasks the prompt rows, its harness's rollout pointed at the run's
     server, its ``@vf.reward`` functions the reward."""
 
-    taskset: str
+    taskset: str  # the taskset's id (an installed package, as verifiers' --env.taskset.id)
     taskset_args: dict[str, Any] = Field(default_factory=dict)  # the taskset config's fields
     # the same taskset with these fields on top (e.g. its eval split) gives the validation rows
     val_taskset_args: dict[str, Any] | None = None
     env: str = ""  # an Env id to pair with the taskset ("" : the taskset's own, else single-agent)
     harness: str = "null"  # the agent's harness program (null: verifiers' plain chat loop)
     taskset_dir: str | None = None  # a directory put first on the import path (a local package)
-    max_train_tasks: int | None = Field(None, ge=1)
-    max_val_tasks: int | None = Field(None, ge=1)
+    max_train_tasks: int | None = Field(None, ge=1)  # use at most this many tasks (None: all)
+    max_val_tasks: int | None = Field(None, ge=1)  # validation tasks kept (None: all)
 
 
 class RolloutConfig(_Section):

@@ -80,6 +80,15 @@ class RolloutTimeoutError(RuntimeError):
     """The rollout role did not deliver a batch (or load weights) within its timeout."""
 
 
+def _sending(msg) -> str:
+    """What a message to the rollout side was for (an error names the step and version)."""
+    if isinstance(msg, tuple) and msg[0] == "job":
+        return f" (submitting the batch of step {msg[1]}, policy version {msg[2]})"
+    if isinstance(msg, tuple) and msg[0] == "weights":
+        return f" (sending policy version {msg[1]})"
+    return ""
+
+
 class RolloutError(RuntimeError):
     """The rollout side failed with an exception that could not be sent back as itself."""
 
@@ -218,6 +227,8 @@ class AsyncRollout:
             self._conn.send(msg)
         except (BrokenPipeError, OSError) as e:
             detail = self._death(f"could not be reached ({e})")
+            if not self._doing():  # the side was idle: say what the driver was sending it
+                detail += _sending(msg)
             raise WorkerError(self._name(), 0, "submit", detail) from None
 
     def _receive(self, step: int) -> None:

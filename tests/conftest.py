@@ -175,7 +175,16 @@ class TwoNodes:
         self.b = self._b.node_id
 
     def kill_b(self) -> None:
-        """Stop node B's raylet and every worker on it at once, as a machine that dies."""
+        """Stop node B's raylet and every worker on it at once, as a machine that dies: its
+        workers are SIGKILLed too (left alone they would notice the raylet's death only later,
+        and could finish a step that a dead machine would not)."""
+        import psutil
+        from ray._private import ray_constants
+
+        raylet = self._b.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        workers = psutil.Process(raylet).children(recursive=True)
+        for w in workers:
+            w.kill()
         self.cluster.remove_node(self._b, allow_graceful=False)
 
     def node_of(self, group) -> list[str]:

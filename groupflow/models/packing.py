@@ -17,23 +17,122 @@ losses, their aggregations (``loss_agg``) and global denominators run unchanged 
 changes how states are computed, never what is optimised. The LM head runs on the response
 positions only (N_resp × V logits, chunked as in ``models.logprobs``).
 
-One row, not several: flash-attention's varlen detection needs a batch of one row, and on the
-CPU a block-diagonal SDPA mask of one row measured no slower than several shorter rows at the
-budgets used (benchmarks/bench_packing.py). The prompt is not shared across a group's rows here
-(``actor.share_prompt_prefix`` needs a second decoder call on a KV cache of padded rows).
+Attention: one row, so that flash-attention's varlen detection (a batch of one row) applies. A
+flash (or flex) implementation gets the packed position ids as they are. SDPA and eager would
+build that block-diagonal mask densely — N × N for the whole micro-batch, attention compute
+growing with the square of the micro-batch's tokens, which on the CPU measured no faster than
+the padded forward (benchmarks/README.md) — so for them the forward switches the model to
+:func:`segment_attention` for the call: the samples' queries, keys and values laid out per
+sample for one causal SDPA call (exact; the padded forward's attention work, the rest of the
+model on real tokens only). The segment layout reaches it as a keyword argument that HF
+decoders pass down to attention, so a checkpointed layer replays it alike. Models with
+sliding-window or recurrent layers keep transformers' masks (``full_attention_only``).
+The prompt is not shared across a group's rows here (``actor.share_prompt_prefix`` needs a
+second decoder call on a KV cache of padded rows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from groupflow.algorithms.masks import response_span
+from groupflow.models.causal_lm import full_attention_only
 from groupflow.models.logprobs import hidden_logprobs
 
-__all__ = ["Packed", "pack", "packed_hidden", "packed_logprobs", "packed_values"]
+__all__ = [
+    "ATTENTION_NAME",
+    "Packed",
+    "pack",
+    "segment_attention",
+    "packed_hidden",
+    "packed_logprobs",
+    "packed_values",
+]
+
+ATTENTION_NAME = "groupflow_packed"
+
+
+def segment_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention-interface function for a packed row: ``query`` [1, Hq, N, D],
+    ``key``/``value`` [1, Hkv, N, D] → [1, N, Hq, D], causal attention inside each sample and
+    none across. ``packed_segments`` = (``index`` [S, W], ``valid`` [S, W]): sample s's tokens
+    are the row's columns ``index[s, :length_s]`` (``valid`` marks them; the rest point anywhere).
+
+    The samples are laid out [S, H, W, D] for attention alone — right-padded, so plain causal
+    attention never lets a real query see a padded key — and put back in row order: one SDPA
+    call per layer (per-sample calls measured far slower on a loaded CPU), attention work
+    S × W² as in the padded forward, while every other layer of the model sees the N real
+    tokens only."""
+    if packed_segments is None:
+        raise RuntimeError(
+            f"the {ATTENTION_NAME!r} attention needs packed_segments (models.packing's forward)"
+        )
+    index, valid = packed_segments
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query K/V heads: one per query head
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    # [1, H, N, D] → [S, H, W, D]
+    q, k, v = (t[0][:, index].transpose(0, 1) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout, scale=scaling, is_causal=True
+    )  # [S, H, W, D]
+    # back to the row: [S, W, H, D] at the valid columns, in row order → [1, N, H, D]
+    return out.transpose(1, 2)[valid][None].contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The mask function of :func:`segment_attention`: it masks by segments, needs no tensor."""
+    return None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, segment_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+_register()
+
+
+@contextmanager
+def _segment_attention(model: nn.Module, packed: Packed) -> Iterator[dict]:
+    """Decoder keyword arguments for ``packed``: the segment bounds, with the model switched to
+    :func:`segment_attention` for the duration, where its attention would build a dense mask
+    (SDPA, eager) and every layer attends to the whole prefix; nothing for flash/flex."""
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    lengths = packed.lengths.tolist()
+    if impl not in ("sdpa", "eager", None) or not full_attention_only(model, max(lengths, default=1)):
+        yield {}
+        return
+    width = max(lengths, default=1)
+    starts = packed.lengths.cumsum(0) - packed.lengths
+    columns = torch.arange(width, device=packed.lengths.device)
+    valid = columns[None, :] < packed.lengths[:, None]
+    index = torch.where(valid, starts[:, None] + columns[None, :], 0)
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield {"packed_segments": (index, valid)}
+    finally:
+        config._attn_implementation = impl
 
 
 @dataclass(frozen=True)
@@ -47,6 +146,7 @@ class Packed:
     span: torch.Tensor
     source: torch.Tensor
     targets: torch.Tensor  # [M] the response tokens at ``span``
+    lengths: torch.Tensor  # [B] each sample's tokens in the row (in row order)
 
 
 def pack(
@@ -82,6 +182,7 @@ def pack(
         span=span,
         source=flat[:, p:][span] - 1,
         targets=responses[span],
+        lengths=keep.sum(1),
     )
 
 
@@ -93,9 +194,11 @@ def _unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
 
 def packed_hidden(model: nn.Module, packed: Packed) -> torch.Tensor:
     """Decoder states [M, H] that predict the response tokens at ``packed.span``."""
-    out = model.get_decoder()(
-        input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
-    )
+    with _segment_attention(model, packed) as extra:
+        out = model.get_decoder()(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+            **extra,
+        )  # fmt: skip
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden[0, packed.source]
 
@@ -145,5 +248,9 @@ def packed_values(
     """``models.value.response_values`` [B, T] (float32) of a token-classification value model
     from one packed forward; 0 outside each response's span."""
     packed = pack(prompt_ids, prompt_mask, responses, response_mask)
-    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    with _segment_attention(model, packed) as extra:
+        out = model(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+            **extra,
+        )  # fmt: skip
     return _unpack(out.logits[0, packed.source, 0], packed)

@@ -45,6 +45,7 @@ from groupflow.workers.actor import ActorRolloutWorker
 from groupflow.workers.update import forward_groups, sample_tokens, trim
 
 SMOLLM2 = Path("models/smollm2-135m-instruct")
+TINY_VOCAB = 64
 
 
 def skewed_batch(n: int, vocab: int, seed: int = 0) -> Batch:
@@ -190,12 +191,13 @@ def main(argv=None) -> dict:
     results = {}
     for name in a.models.split(","):
         if name == "tiny":
-            vocab = 64
             results["tiny"] = bench_model(
                 "tiny (demo architecture)",
-                lambda: build_tiny_llama(vocab, hidden_size=64, num_layers=4, num_heads=4,
-                                         max_positions=512),  # fmt: skip
-                skewed_batch(a.tiny_samples, vocab), {**base, "micro_batch_tokens": 8192},
+                lambda: build_tiny_llama(
+                    TINY_VOCAB, hidden_size=64, num_layers=4, num_heads=4, max_positions=512
+                ),  # fmt: skip
+                skewed_batch(a.tiny_samples, TINY_VOCAB),
+                {**base, "micro_batch_tokens": 8192},
                 a.repeats,
             )
         elif name == "smollm2":
@@ -207,7 +209,8 @@ def main(argv=None) -> dict:
                 "SmolLM2-135M-Instruct + LoRA r16",
                 lambda: load_causal_lm(a.smollm2, dtype="float32"),
                 skewed_batch(a.smollm2_samples, 49152, seed=1),
-                {**base, "micro_batch_tokens": 2048, "lora": lora}, a.repeats,
+                {**base, "micro_batch_tokens": 2048, "lora": lora},
+                a.repeats,
             )
         else:
             raise SystemExit(f"--models: unknown model {name!r} (tiny, smollm2)")

@@ -80,9 +80,7 @@ def test_sequence_parallel_refuses_a_vision_language_model():
 def test_packing_defaults_off_and_is_refused_by_name_where_it_cannot_apply():
     assert not config_from_dict(_base()).actor.packing
     gae = {"estimator": "gae"}
-    cfg = config_from_dict(
-        _base(actor={"packing": True}, critic={"packing": True}, algorithm=gae)
-    )
+    cfg = config_from_dict(_base(actor={"packing": True}, critic={"packing": True}, algorithm=gae))
     assert cfg.actor.packing and cfg.critic.packing
     ray2 = {"backend": "ray", "num_workers": 2}
     msg = _error(_base(actor={"packing": True}, run=ray2, parallel={"sequence_parallel": 2}))

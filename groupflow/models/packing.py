@@ -120,7 +120,9 @@ def _segment_attention(model: nn.Module, packed: Packed) -> Iterator[dict]:
     config = model.config
     impl = getattr(config, "_attn_implementation", None)
     lengths = packed.lengths.tolist()
-    if impl not in ("sdpa", "eager", None) or not full_attention_only(model, max(lengths, default=1)):
+    if impl not in ("sdpa", "eager", None) or not full_attention_only(
+        model, max(lengths, default=1)
+    ):
         yield {}
         return
     width = max(lengths, default=1)

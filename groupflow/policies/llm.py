@@ -31,9 +31,9 @@ from groupflow.workers.actor import ActorRolloutWorker
 from groupflow.workers.common import ModelSpec
 from groupflow.workers.critic import CriticSpec, CriticWorker
 from groupflow.workers.inference import InferenceWorker
-from groupflow.workers.packing import balanced_rank_order
-from groupflow.workers.update import sample_tokens
+from groupflow.workers.packing import balanced_rank_order, check_token_budget
 from groupflow.workers.reward_model import RewardModelWorker, check_reward_model_path
+from groupflow.workers.update import sample_tokens
 
 log = logging.getLogger("groupflow")
 
@@ -217,6 +217,7 @@ class LLMPolicy:
         timer = timer or StageTimer()
         metrics: dict[str, float] = {}
         a = self.cfg.actor
+        self._check_packing_budgets(batch)
         t = self.sampling.temperature
         # the credit stage needs the sampling policy's log-probs before the update
         early = self.cfg.algorithm.kl_in_reward is not None or self.teacher is not None
@@ -256,6 +257,17 @@ class LLMPolicy:
                     self.cfg.critic.packing,
                 )["values"]  # fmt: skip
         return batch, metrics
+
+    def _check_packing_budgets(self, batch: Batch) -> None:
+        """A sample over a packed token budget stops the step here, named by its uid (the
+        workers see only model inputs)."""
+        names = [str(u) for u in batch["uid"]] if "uid" in batch else None
+        for section, cfg in (("actor", self.cfg.actor), ("critic", self.cfg.critic)):
+            if cfg is not None and cfg.packing:
+                check_token_budget(
+                    sample_tokens(batch), cfg.micro_batch_tokens,
+                    key=f"{section}.micro_batch_tokens", names=names,
+                )  # fmt: skip
 
     def update(self, batch: Batch, *, step: int, seed: int) -> dict[str, float]:
         """Critic update (if any), then the actor's — except during the critic warm-up steps."""

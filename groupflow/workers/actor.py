@@ -227,7 +227,10 @@ class ActorRolloutWorker:
             if self.sharded:  # sharded like the policy: 1/world of the reference per rank
                 self.ref_policy = shard(
                     _PolicyForward(
-                        self.ref_model, cfg.share_prompt_prefix, sharded=True, sp=self.sp,
+                        self.ref_model,
+                        cfg.share_prompt_prefix,
+                        sharded=True,
+                        sp=self.sp,
                         packing=cfg.packing,
                     ),
                     list(decoder_layers(self.ref_model)),
@@ -265,7 +268,10 @@ class ActorRolloutWorker:
         # actor.cpu_offload: shards, gradients and AdamW state in CPU memory (config: FSDP only)
         self.policy = shard(
             _PolicyForward(
-                model, cfg.share_prompt_prefix, sharded=self.sharded, sp=self.sp,
+                model,
+                cfg.share_prompt_prefix,
+                sharded=self.sharded,
+                sp=self.sp,
                 packing=cfg.packing,
             ),
             list(decoder_layers(model)),

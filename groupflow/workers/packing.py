@@ -17,7 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["packed_micro_batches", "balanced_rank_order", "OverBudgetError"]
+__all__ = [
+    "packed_micro_batches",
+    "check_token_budget",
+    "balanced_rank_order",
+    "OverBudgetError",
+]
 
 
 class OverBudgetError(ValueError):
@@ -45,14 +50,7 @@ def packed_micro_batches(
     if max_tokens is None:
         size = max_samples or n
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-    for i, length in enumerate(lengths):
-        if length > max_tokens:
-            who = f"sample {names[i]!r}" if names is not None else f"sample {i}"
-            raise OverBudgetError(
-                f"{who} has {length} tokens (prompt + response), more than {key}={max_tokens}: "
-                f"a packed micro-batch cannot hold it; raise {key} to at least {length} or "
-                "filter longer samples"
-            )
+    check_token_budget(lengths, max_tokens, key=key, names=names)
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     room: list[int] = []
@@ -66,6 +64,27 @@ def packed_micro_batches(
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def check_token_budget(
+    lengths: Sequence[int],
+    max_tokens: int | None,
+    *,
+    key: str = "actor.micro_batch_tokens",
+    names: Sequence[str] | None = None,
+) -> None:
+    """Raise ``OverBudgetError`` naming the first sample longer than ``max_tokens`` and ``key``
+    (by ``names[i]``, e.g. its uid, else its index); nothing without a budget."""
+    if max_tokens is None:
+        return
+    for i, length in enumerate(lengths):
+        if length > max_tokens:
+            who = f"sample {names[i]!r}" if names is not None else f"sample {i}"
+            raise OverBudgetError(
+                f"{who} has {length} tokens (prompt + response), more than {key}={max_tokens}: "
+                f"a packed micro-batch cannot hold it; raise {key} to at least {length} or "
+                "filter longer samples"
+            )
 
 
 def balanced_rank_order(lengths: Sequence[int], parts: int) -> list[int]:

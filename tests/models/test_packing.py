@@ -10,7 +10,7 @@ import torch
 from groupflow.config import LoraConfig
 from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.models.logprobs import response_logprobs
-from groupflow.models.packing import pack, packed_logprobs, packed_values
+from groupflow.models.packing import pack, packed_hidden, packed_logprobs, packed_values
 from groupflow.models.value import response_values, value_model_from_config
 from groupflow.workers.lora import apply_lora
 
@@ -65,7 +65,12 @@ def test_logprobs_entropy_and_gradients_equal_the_padded_forward(entropy_grad):
     out = {}
     for name in ("padded", "packed"):
         model = _model()
-        kw = {"temperature": 0.7, "chunk_tokens": 5, "with_entropy": True, "entropy_grad": entropy_grad}
+        kw = {
+            "temperature": 0.7,
+            "chunk_tokens": 5,
+            "with_entropy": True,
+            "entropy_grad": entropy_grad,
+        }
         if name == "padded":
             lp, ent = response_logprobs(model, *rows, share_prompt=False, **kw)
         else:
@@ -93,10 +98,17 @@ def test_lora_adapters_packed_equal_padded_with_gradients():
         for n, p in model.named_parameters():  # PEFT starts B at 0: make the adapters matter
             if "lora_B" in n:
                 torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(len(n)))
-        fn = (lambda m, *r: response_logprobs(m, *r, share_prompt=False)) if name == "padded" else packed_logprobs
+        fn = (
+            (lambda m, *r: response_logprobs(m, *r, share_prompt=False))
+            if name == "padded"
+            else packed_logprobs
+        )
         lp, _ = fn(model, *rows)
         torch.where(span, lp, 0).sum().backward()
-        grads[name] = (lp.detach()[span], {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+        grads[name] = (
+            lp.detach()[span],
+            {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+        )
     torch.testing.assert_close(grads["packed"][0], grads["padded"][0], atol=1e-5, rtol=1e-5)
     assert grads["padded"][1] and all("lora" in n for n in grads["padded"][1])
     for n, g in grads["padded"][1].items():
@@ -124,3 +136,33 @@ def test_a_response_without_a_prompt_token_is_refused():
     rows[1][2] = 0  # sample 2's prompt masked out, its response kept
     with pytest.raises(ValueError, match="sample 2 .* no prompt token"):
         packed_logprobs(_model(), *rows)
+
+
+def test_segment_attention_equals_transformers_packed_sequence_masks():
+    # what a flash/flex model gets: the packed position ids alone, transformers' own masks
+    model, rows = _model(), _rows()
+    packed = pack(*rows)
+    native = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids)
+    ours = packed_hidden(model, packed)
+    torch.testing.assert_close(
+        ours, native.last_hidden_state[0, packed.source], atol=1e-5, rtol=1e-5
+    )
+    assert model.config._attn_implementation == "sdpa"  # switched back after the call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2"])
+def test_on_cuda_packed_equals_padded_with_the_varlen_path(attention):
+    # flash-attention's varlen path (cu_seqlens from the restarting position ids) in bf16;
+    # SDPA (through segment_attention) in fp32
+    if attention == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    dtype = torch.bfloat16 if attention == "flash_attention_2" else torch.float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    model = _model().to("cuda", dtype)
+    model.config._attn_implementation = attention
+    rows = [t.cuda() for t in _rows()]
+    span = _span(rows[3].cpu()).cuda()
+    padded, _ = response_logprobs(model, *rows, share_prompt=False)
+    packed, _ = packed_logprobs(model, *rows)
+    torch.testing.assert_close(packed[span], padded[span], atol=tol, rtol=tol)

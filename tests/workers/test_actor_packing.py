@@ -106,7 +106,9 @@ def test_a_sample_over_the_token_budget_names_its_uid_and_the_key():
         pad_id=PAD, eos_ids=[EOS],
     )  # fmt: skip
     batch = _batch()  # sample 2: 4 prompt + 2 response tokens fit; sample 1: 3 + 4 do not
-    with pytest.raises(OverBudgetError, match=r"sample '1' has 7 tokens.*actor\.micro_batch_tokens=6"):
+    with pytest.raises(
+        OverBudgetError, match=r"sample '1' has 7 tokens.*actor\.micro_batch_tokens=6"
+    ):
         worker.update(batch, temperature=1.0)
 
 
@@ -117,7 +119,9 @@ def _critic_run(cfg: dict) -> dict:
         CriticConfig(**{"lr": 1e-2, "ppo_epochs": 2, **cfg}), total_steps=10,
     )  # fmt: skip
     batch = _gapped_batch()
-    batch["returns"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(4))
+    batch["returns"] = torch.randn(
+        batch["response_mask"].shape, generator=torch.Generator().manual_seed(4)
+    )
     values = worker.compute_values(batch)["values"]
     batch["values"] = values
     grads = _record_gradients(worker)

@@ -27,7 +27,9 @@ def test_without_a_budget_groups_are_consecutive():
 
 
 def test_a_sample_over_the_budget_is_named_with_the_key():
-    with pytest.raises(OverBudgetError, match=r"sample 'u7' has 12 tokens.*critic\.micro_batch_tokens=10"):
+    with pytest.raises(
+        OverBudgetError, match=r"sample 'u7' has 12 tokens.*critic\.micro_batch_tokens=10"
+    ):
         packed_micro_batches([3, 12], 10, key="critic.micro_batch_tokens", names=["u1", "u7"])
     with pytest.raises(OverBudgetError, match=r"sample 1 has 12 tokens.*actor\.micro_batch_tokens"):
         packed_micro_batches([3, 12], 10)

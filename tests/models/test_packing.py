@@ -142,7 +142,10 @@ def test_segment_attention_equals_transformers_packed_sequence_masks():
     # what a flash/flex model gets: the packed position ids alone, transformers' own masks
     model, rows = _model(), _rows()
     packed = pack(*rows)
-    native = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids)
+    # (transformers detects packed sequences only without a cache: use_cache=False, as training)
+    native = model.get_decoder()(
+        input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+    )
     ours = packed_hidden(model, packed)
     torch.testing.assert_close(
         ours, native.last_hidden_state[0, packed.source], atol=1e-5, rtol=1e-5

@@ -440,7 +440,7 @@ class AgentWorkflow:
         calls, samples, seconds = batcher.engine_calls, batcher.samples, batcher.engine_seconds
         reused = batcher.reused_tokens
         self.run(episodes, params)
-        rewards, reward_metrics = self.rewards(episodes)
+        rewards, reward_metrics = self.rewards(episodes, train=True)
         batch, counts = self.samples_batch(episodes, rewards, f"{step}-{round_}", version)
         validate(batch, self.contracts["rollout"])
         metrics = {**agent_metrics(episodes, counts), **reward_metrics}
@@ -711,8 +711,11 @@ class AgentWorkflow:
             e.reward = None if result is None else float(result)
 
     # ----- rewards and samples ----------------------------------------------------------------
-    def rewards(self, episodes: list[AgentEpisode]) -> tuple[torch.Tensor, dict[str, float]]:
-        """One reward per episode (see the module docstring)."""
+    def rewards(
+        self, episodes: list[AgentEpisode], train: bool = False
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One reward per episode (see the module docstring); ``train``: a training batch, whose
+        groups ``reward.normalize: group`` uses (validation reports the plain weighted sum)."""
         how = self.cfg.rollout.agent_reward
         total = torch.tensor([e.reward or 0.0 for e in episodes], dtype=torch.float32)
         metrics: dict[str, float] = {}
@@ -723,6 +726,7 @@ class AgentWorkflow:
                 [_prompt_key(e.row) for e in episodes], [e.completion for e in episodes],
                 completion_lengths=[sum(len(c.ids) for call in e.calls for c in call.completions)
                                     for e in episodes],
+                group_ids=[e.group for e in episodes] if train else None,
                 **row_fields([e.row for e in episodes]), **fields,
             )  # fmt: skip
             total = total + result.total.float() if how == "both" else result.total.float()

@@ -33,8 +33,12 @@ def test_a_packed_step_equals_a_padded_one(tiny_config):
 
 
 def test_a_sample_over_the_packed_budget_names_its_uid(tiny_config):
-    trainer = Trainer(tiny_config(run__total_steps=1, actor__packing=True, actor__micro_batch_tokens=4))
-    with pytest.raises(OverBudgetError, match=r"sample '.+' has \d+ tokens.*actor\.micro_batch_tokens=4"):
+    trainer = Trainer(
+        tiny_config(run__total_steps=1, actor__packing=True, actor__micro_batch_tokens=4)
+    )
+    with pytest.raises(
+        OverBudgetError, match=r"sample '.+' has \d+ tokens.*actor\.micro_batch_tokens=4"
+    ):
         trainer.fit()
 
 

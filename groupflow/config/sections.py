@@ -405,6 +405,10 @@ class ValidationConfig(_Section):
     samples_per_prompt: int = Field(1, ge=1)  # k of pass@k / mean@k (sampled)
     temperature: float = Field(1.0, ge=0)
     greedy: bool = True
+    # named benchmarks (groupflow.evals.BENCHMARKS) run greedy at each validation, logged as
+    # bench/<name>/<metric>; names are checked when the trainer starts
+    benchmarks: list[str] = Field(default_factory=list)
+    benchmark_limit: int | None = Field(None, ge=1)  # first N prompts of each (None: all)
 
 
 class KLInRewardConfig(_Section):

@@ -214,6 +214,8 @@ class Trainer:
         v = self.cfg.validation
         for name in v.benchmarks:
             result = run_benchmark(self.policy, name, limit=v.benchmark_limit, seed=self.cfg.run.seed,
+                                   max_new_tokens=v.benchmark_max_new_tokens,
+                                   use_chat_template=self.cfg.data.use_chat_template,
                                    progress_label=f"bench {name}", leave=False)  # fmt: skip
             metrics.update({f"bench/{name}/{k}": val for k, val in result.metrics.items()})
         return metrics

@@ -409,6 +409,7 @@ class ValidationConfig(_Section):
     # bench/<name>/<metric>; names are checked when the trainer starts
     benchmarks: list[str] = Field(default_factory=list)
     benchmark_limit: int | None = Field(None, ge=1)  # first N prompts of each (None: all)
+    benchmark_max_new_tokens: int | None = Field(None, ge=1)  # None: each benchmark's own
 
 
 class KLInRewardConfig(_Section):

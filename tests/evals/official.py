@@ -13,7 +13,7 @@ import sys
 import types
 from pathlib import Path
 
-from groupflow.evals.nltk_data import ensure_punkt, no_downloads
+from groupflow.utils.nltk_data import ensure_punkt, no_downloads
 
 
 def ifbench_lib():

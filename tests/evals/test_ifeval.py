@@ -12,7 +12,8 @@ import langdetect
 import pytest
 
 from groupflow.evals import get_benchmark
-from groupflow.evals.instruction_following import checker_registry, grade_rows, if_metrics
+from groupflow.evals.instruction_following import grade_rows, if_metrics
+from groupflow.rewards.official_checkers import checker_registry
 
 from .official import ifeval_lib
 

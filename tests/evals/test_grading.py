@@ -10,7 +10,8 @@ import pytest
 from groupflow.data import PromptRow
 from groupflow.evals._jsonl import instruction_rows
 from groupflow.evals.base import BenchmarkDataMissing
-from groupflow.evals.instruction_following import follow_lists, grade_rows
+from groupflow.evals.instruction_following import grade_rows
+from groupflow.rewards.official_checkers import follow_lists
 
 
 class _Endswith:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import nltk
 
-from groupflow.evals.nltk_data import ensure_punkt, no_downloads
+from groupflow.utils.nltk_data import ensure_punkt, no_downloads
 
 
 def test_the_checkers_sentence_tokenizer_loads_offline_and_splits_english(tmp_path, monkeypatch):

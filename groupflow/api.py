@@ -46,8 +46,9 @@ class Run:
             built-in name (``"gsm8k"``), an import path (``"pkg.mod:fn"``), a
             :class:`~groupflow.rewards.RewardFunction`, or a mapping ``{"function": fn,
             "weight": 0.5, "label": "short", "kwargs": {...}}``.
-        train_dataset / val_dataset: rows (``{"prompt": ..., <fields>}``) as a
+        train_dataset: training rows (``{"prompt": ..., <fields>}``) as a
             ``datasets.Dataset``, a pandas DataFrame or any iterable of dicts.
+        val_dataset: validation rows, in the same forms.
 
     The trainer is built here (data and rewards checked, model loaded), as in TRL; ``fit()``
     trains and returns the last step's metrics.

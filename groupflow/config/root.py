@@ -57,13 +57,20 @@ class Config(_Section):
     # Modules imported before validation, so that user code can register estimators, losses
     # and rewards (e.g. "my_pkg.algos") and the config can name them.
     imports: list[str] = Field(default_factory=list)
+    # the run: name, output directory, seed, steps, checkpoints, loggers, backend
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig | None = None  # an LLM policy; absent when `diffusion` is set
+    # where the prompts come from (files, a Hub dataset or a built-in task) and batch size
     data: DataConfig
+    # how samples are generated: engine, sampling, multi-turn, agents, asynchrony
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    # held-out evaluation before, during and after training
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    # advantage estimation: the estimator, its scaling, presets, dynamic sampling
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    # the policy's optimizer and loss: learning rate, clipping, KL, micro-batching, LoRA
     actor: ActorConfig = Field(default_factory=ActorConfig)
+    # the reward functions and their weights, failure values and timeouts
     reward: RewardConfig = Field(default_factory=RewardConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)

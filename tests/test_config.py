@@ -122,6 +122,21 @@ def test_every_error_is_reported_at_once():
             {"reward.functions": [{"name": "gsm8k", "function": "m:f"}]},
             "exactly one of 'name' (built-in) or 'function'",
         ),
+        ({"reward.normalize": "batch"}, "'reward.normalize': Input should be 'none' or 'group'"),
+        ({"reward.normalize_eps": -1}, "'reward.normalize_eps'"),
+        (
+            {"reward.functions": [{"name": "gsm8k", "monitor": True}]},
+            "'reward': functions: every reward is a monitor",
+        ),
+        (
+            {
+                "reward.functions": [
+                    {"name": "gsm8k"},
+                    {"name": "format_tags", "monitor": True, "weight": 2.0},
+                ]
+            },
+            "'reward.functions.1': weight: a monitor reward is not trained on",
+        ),
     ],
 )
 def test_invalid_values_name_the_key(overrides, expected):

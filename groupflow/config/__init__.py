@@ -28,6 +28,7 @@ from groupflow.config.sections import (
     KLInRewardConfig,
     LoraConfig,
     ModelConfig,
+    OpenEnvConfig,
     ParallelConfig,
     PlacementConfig,
     PoolConfig,
@@ -43,6 +44,7 @@ from groupflow.config.sections import (
     TinyModelConfig,
     ToolConfig,
     ValidationConfig,
+    VerifiersConfig,
     VLLMConfig,
 )
 
@@ -58,6 +60,8 @@ __all__ = [
     "DiffusionLoraConfig",
     "DiffusionModelConfig",
     "EnvironmentConfig",
+    "OpenEnvConfig",
+    "VerifiersConfig",
     "HubDatasetConfig",
     "KLInRewardConfig",
     "LoraConfig",

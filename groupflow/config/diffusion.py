@@ -30,11 +30,14 @@ class DiffusionLoraConfig(_Section):
 class DiffusionModelConfig(_Section):
     """Where the flow-matching model comes from (a local directory or a Hub id)."""
 
-    # the model family: tiny (built in), sd3 (SD3/3.5 transformer), wan (Wan2.1/2.2)
-    kind: Literal["tiny", "sd3", "wan"] = "tiny"
-    path: str  # tiny: a `groupflow pretrain-diffusion` dir; sd3/wan: a diffusers transformer dir
+    # the model family: tiny (built in), sd3 (SD3/3.5 transformer), wan (Wan2.1/2.2), flux (FLUX.1)
+    kind: Literal["tiny", "sd3", "wan", "flux"] = "tiny"
+    path: str  # tiny: a `groupflow pretrain-diffusion` dir; else a diffusers transformer dir
     revision: str | None = None  # of a Hub id in path
-    latent_shape: list[int] | None = None  # sd3: [C, H, W]; wan: [C, F, H, W]; tiny: from the model
+    # sd3, flux: [C, H, W] (flux: the unpacked latent, H and W even); wan: [C, F, H, W]
+    latent_shape: list[int] | None = None
+    # flux only: the guidance scale a guidance-distilled FLUX (guidance_embeds, FLUX.1-dev) takes
+    guidance: float = Field(3.5, ge=0)
     # tiny only: pre-train the base model into `path` first when it is missing (cached after)
     pretrain_if_missing: bool = False
     # tiny with pretrain_if_missing: steps of flow-matching pre-training
@@ -57,6 +60,8 @@ class DiffusionModelConfig(_Section):
             )
         if self.kind != "tiny" and self.latent_shape is None:
             raise ValueError(f"diffusion.model.latent_shape is required for kind '{self.kind}'")
+        if self.kind != "flux" and self.guidance != 3.5:  # (a dumped config holds the default)
+            raise ValueError(f"diffusion.model.guidance is for kind 'flux', not '{self.kind}'")
         if self.kind != "tiny" and self.pretrain_if_missing:
             raise ValueError("diffusion.model.pretrain_if_missing applies to kind 'tiny' only")
         return self
@@ -114,7 +119,9 @@ class DiffusionConfig(_Section):
     sampler: str = "flow_sde"  # training sampler: flow_sde | dance_sde | cps (nft: any, ode too)
     noise_level: float | None = Field(None, ge=0)  # None: flow_sde 0.7, dance_sde 0.3
     num_steps: int = Field(10, ge=1)  # denoising steps per sample
-    shift: float = Field(3.0, gt=0)  # timestep shift of the flow-matching schedule (SD3's shift)
+    # timestep shift of the flow-matching schedule (SD3's shift); None: 3.0, or for kind flux
+    # its image-size-dependent shift (schedule.flux_shift)
+    shift: float | None = Field(None, gt=0)
     cfg_scale: float = Field(1.0, ge=0)  # 1: no classifier-free guidance
     # a group's samples start from the same initial noise (Flow-GRPO)
     same_noise_per_group: bool = True

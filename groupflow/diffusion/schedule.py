@@ -8,9 +8,26 @@ uniform grid). The schedule is float64 internally so the last step lands exactly
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["sigma_schedule", "shift_sigmas"]
+__all__ = ["sigma_schedule", "shift_sigmas", "flux_shift"]
+
+
+def flux_shift(
+    image_seq_len: int,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """FLUX's image-size-dependent shift: exp(μ), μ linear in the packed token count from
+    ``base_shift`` at ``base_seq_len`` to ``max_shift`` at ``max_seq_len`` (FluxPipeline's
+    ``calculate_shift`` with its scheduler's defaults). The scheduler's exponential time shift
+    e^μ / (e^μ + 1/σ − 1) is :func:`shift_sigmas` with s = e^μ."""
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return math.exp(slope * image_seq_len + base_shift - slope * base_seq_len)
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:

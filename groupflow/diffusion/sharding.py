@@ -52,10 +52,15 @@ def _transformer(model: nn.Module) -> nn.Module:
 def flow_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one (the root keeps embeddings and heads)."""
     inner = _transformer(model)
-    for name in ("blocks", "transformer_blocks"):
-        blocks = getattr(inner, name, None)
-        if isinstance(blocks, nn.ModuleList):
-            return list(blocks)
+    # FLUX has dual-stream transformer_blocks, then single_transformer_blocks: both are shards
+    found = [
+        block
+        for name in ("blocks", "transformer_blocks", "single_transformer_blocks")
+        if isinstance(getattr(inner, name, None), nn.ModuleList)
+        for block in getattr(inner, name)
+    ]
+    if found:
+        return found
     raise ValueError(
         f"diffusion.fsdp: {type(inner).__name__} has no `blocks` / `transformer_blocks` list to shard"
     )

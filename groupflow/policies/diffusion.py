@@ -34,6 +34,7 @@ from groupflow.config import Config, DiffusionConfig, TeacherConfig
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.models import check_teacher_model
+from groupflow.diffusion.schedule import flux_shift
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport, ticket_nbytes
 from groupflow.utils.timing import StageTimer
@@ -83,8 +84,20 @@ class FlowModelSpec:
 
             decoder = WanVaeDecoder(self.parts["vae_path"])
         return load_diffusers_model(
-            self.path, self.kind, self.latent_shape, encoder, decoder, empty=empty
-        )
+            self.path, self.kind, self.latent_shape, encoder, decoder, empty=empty,
+            guidance=self.parts.get("guidance", 3.5),
+        )  # fmt: skip
+
+
+def resolve_shift(d: DiffusionConfig) -> float:
+    """``diffusion.shift``, or when unset 3.0 — for FLUX its image-size-dependent e^μ of the
+    packed token count (H/2 · W/2), as FluxPipeline computes it."""
+    if d.shift is not None:
+        return d.shift
+    if d.model.kind == "flux":
+        _, h, w = d.model.latent_shape
+        return flux_shift((h // 2) * (w // 2))
+    return 3.0
 
 
 def settings_from_config(
@@ -92,7 +105,8 @@ def settings_from_config(
 ) -> DiffusionSettings:
     distill = {"coef": teacher.coef, "reward_weight": teacher.reward_weight} if teacher else None
     return DiffusionSettings(
-        sampler=d.sampler, noise_level=d.noise_level, num_steps=d.num_steps, shift=d.shift,
+        sampler=d.sampler, noise_level=d.noise_level, num_steps=d.num_steps,
+        shift=resolve_shift(d),
         cfg_scale=d.cfg_scale, same_noise_per_group=d.same_noise_per_group,
         timestep_selection=d.timestep_selection, timestep_fraction=d.timestep_fraction,
         window=d.window, lora=d.model.lora.model_dump() if d.model.lora else None,
@@ -150,7 +164,13 @@ class DiffusionPolicy:
         if d.model.kind == "tiny":
             check_labels(Path(d.model.path), corpus)
         parts = d.model.model_dump(
-            include={"text_encoder_path", "tokenizer_path", "max_sequence_length", "vae_path"}
+            include={
+                "text_encoder_path",
+                "tokenizer_path",
+                "max_sequence_length",
+                "vae_path",
+                "guidance",
+            }
         )
         spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape, parts)
         settings = settings_from_config(d, cfg.algorithm.adv_clip_max, cfg.teacher)

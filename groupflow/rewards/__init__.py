@@ -66,4 +66,5 @@ __all__ = [
 
 # The image/video rewards are built-ins too: registering them here (not when the diffusion policy
 # happens to be imported) keeps the set of reward names the same in every process.
+import groupflow.diffusion.ocr  # noqa: E402,F401  (RapidOCR is imported when the reward is built)
 import groupflow.diffusion.rewards  # noqa: E402,F401  (torch only; registers by name)

@@ -15,6 +15,12 @@ with an error naming the function.
 ``None`` means "no opinion": the weighted sum skips it (TRL's ``nansum``) and a sample where every
 component is ``None`` gets the failure value and is counted in ``reward/all_none``.
 
+Combining is :func:`groupflow.rewards.combine.combine_rewards`: the weighted sum, or with
+``normalize="group"`` and the batch's ``group_ids`` the weighted sum of each reward's group
+z-scores; ``reward/<name>/share`` logs how much of the within-group signal each reward carries. A
+``monitor`` reward is scored and logged like the others but left out of the total: a held-out
+check that the trained rewards are not being hacked.
+
 Every call has a time limit (``timeout_s``, see :mod:`groupflow.rewards.calls`): a sample with no
 value by then gets the failure value and counts in ``reward/<name>/timeouts`` as well as in
 ``failures``. Fields a function requires are checked per dataset row before training
@@ -33,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from groupflow.rewards.calls import MAX_ABANDONED, CallGuard
+from groupflow.rewards.combine import NORMALIZE_MODES, combine_rewards
 from groupflow.rewards.errors import (
     MissingRewardFieldError,
     RewardConfigError,
@@ -118,6 +125,7 @@ class RewardFunction:
             ``None`` takes the runner's ``failure_value`` (0.0 by default).
         options: fixed keyword arguments passed on every call (e.g. a user function's
             ``kwargs`` from the config); they are never filled from dataset fields.
+        monitor: scored and logged, but not part of the total (a held-out hacking monitor).
     """
 
     name: str
@@ -125,6 +133,7 @@ class RewardFunction:
     weight: float = 1.0
     failure_value: float | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    monitor: bool = False
     _params: _Params = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +144,10 @@ class RewardFunction:
                 f"reward {self.name!r}: fn must be callable, got {type(self.fn).__name__}"
             )
         object.__setattr__(self, "weight", _finite_float(self.name, "weight", self.weight))
+        if not isinstance(self.monitor, bool):
+            raise RewardConfigError(
+                f"reward {self.name!r}: monitor must be true or false, got {self.monitor!r}"
+            )
         if self.failure_value is not None:
             object.__setattr__(
                 self, "failure_value", _finite_float(self.name, "failure_value", self.failure_value)
@@ -204,17 +217,22 @@ def _finite_float(name: str, key: str, value: Any) -> float:
 class RewardResult:
     """Rewards for one batch.
 
-    total: [B] float32, the weighted sum of components (NaN-skipping).
-    components: name -> [B] float32 unweighted values; NaN where the function returned ``None``
-        (or, in data_source mode, where the sample belongs to another source).
-    metrics: ``reward/<name>/{mean,std,failures,timeouts}``, ``reward/total/{mean,std}``,
-        ``reward/all_none``. Means/stds skip NaN and are omitted when nothing is left; std is
-        the population std (0 for a single value).
+    total: [B] float32, the weighted sum of the trained components (NaN-skipping; of their group
+        z-scores under ``normalize="group"`` when the call had ``group_ids``).
+    components: name -> [B] float32 unweighted values, monitors included; NaN where the
+        function returned ``None`` (or, in data_source mode, where the sample belongs to another
+        source).
+    metrics: ``reward/<name>/{mean,std,failures,timeouts}`` (and ``share`` with groups),
+        ``reward/total/{mean,std}``, ``reward/all_none``. Means/stds skip NaN and are omitted
+        when nothing is left; std is the population std (0 for a single value).
+    weights: name -> weight of every trained component (monitors absent), for a caller that
+        adds components of its own (the reward-model runner).
     """
 
     total: torch.Tensor
     components: dict[str, torch.Tensor]
     metrics: dict[str, float]
+    weights: dict[str, float] = field(default_factory=dict)
 
 
 # Maps the distinct data_source values of a batch to their rewards; raises a RewardConfigError
@@ -235,6 +253,8 @@ class RewardRunner:
         specs: Sequence[RewardFunction],
         failure_value: float = 0.0,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        normalize: str = "none",
+        normalize_eps: float = 1e-6,
     ) -> None:
         specs = list(specs)
         if not specs:
@@ -242,7 +262,7 @@ class RewardRunner:
                 "RewardRunner needs at least one RewardFunction; use RewardRunner.by_data_source() "
                 "to pick rewards from each sample's data_source"
             )
-        self._init(specs, None, failure_value, timeout_s)
+        self._init(specs, None, failure_value, timeout_s, normalize, normalize_eps)
 
     @classmethod
     def by_data_source(
@@ -250,6 +270,8 @@ class RewardRunner:
         lookup: DataSourceLookup,
         failure_value: float = 0.0,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        normalize: str = "none",
+        normalize_eps: float = 1e-6,
     ) -> RewardRunner:
         """A runner that scores each sample with the reward registered for its ``data_source``.
 
@@ -257,7 +279,7 @@ class RewardRunner:
         sources and raises a :class:`RewardConfigError` subclass naming any unknown ones.
         """
         runner = cls.__new__(cls)
-        runner._init([], lookup, failure_value, timeout_s)
+        runner._init([], lookup, failure_value, timeout_s, normalize, normalize_eps)
         return runner
 
     def _init(
@@ -266,6 +288,8 @@ class RewardRunner:
         lookup: DataSourceLookup | None,
         failure_value: float,
         timeout_s: float | None,
+        normalize: str,
+        normalize_eps: float,
     ) -> None:
         for spec in specs:
             if not isinstance(spec, RewardFunction):
@@ -276,6 +300,21 @@ class RewardRunner:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise RewardConfigError(f"reward names must be unique; repeated: {duplicates}")
+        if specs and all(s.monitor for s in specs):
+            raise RewardConfigError(
+                f"every reward ({names}) is a monitor: at least one must be trained on"
+            )
+        if normalize not in NORMALIZE_MODES:
+            raise RewardConfigError(
+                f"RewardRunner: normalize must be one of {list(NORMALIZE_MODES)}, got {normalize!r}"
+            )
+        if isinstance(normalize_eps, bool) or not (
+            isinstance(normalize_eps, (int, float)) and 0 <= normalize_eps < math.inf
+        ):
+            raise RewardConfigError(
+                f"RewardRunner: normalize_eps must be a finite number >= 0, got {normalize_eps!r}"
+            )
+        self.normalize, self.normalize_eps = normalize, float(normalize_eps)
         self.specs = specs
         if (
             isinstance(failure_value, bool)
@@ -323,9 +362,20 @@ class RewardRunner:
         ]
 
     def __call__(
-        self, prompts: Sequence[str], completions: Sequence[str], **fields: Sequence[Any]
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        *,
+        group_ids: Sequence[int] | torch.Tensor | None = None,
+        **fields: Sequence[Any],
     ) -> RewardResult:
+        """Score a batch; ``group_ids`` (training batches) enable ``normalize="group"`` and the
+        ``share`` metrics, and are not passed to the reward functions."""
         size = len(completions)
+        if group_ids is not None and len(group_ids) != size:
+            raise ValueError(
+                f"group_ids has {len(group_ids)} entries but there are {size} completions"
+            )
         batch = {"prompts": list(prompts), "completions": list(completions), **fields}
         _check_lengths(batch, size)
         if size == 0:
@@ -348,8 +398,10 @@ class RewardRunner:
             metrics[f"reward/{spec.name}/timeouts"] = float(scored.timeouts)
             metrics.update(_own_metrics(spec))
         self._check_abandoned()
-        weights = {spec.name: spec.weight for spec, _ in groups}
-        total, all_none = _weighted_sum(components, weights, size, self.failure_value)
+        weights = {spec.name: spec.weight for spec, _ in groups if not spec.monitor}
+        combined = self.combine(components, weights, group_ids)
+        total, all_none = combined.total, combined.all_none
+        metrics.update({f"reward/{k}/share": v for k, v in combined.shares.items()})
         if all_none.any():
             logger.warning(
                 "%d of %d samples got no reward from any of %s (all returned None); "
@@ -361,7 +413,14 @@ class RewardRunner:
             )
         metrics.update(_summary("reward/total", total))
         metrics["reward/all_none"] = float(all_none.sum())
-        return RewardResult(total=total, components=components, metrics=metrics)
+        return RewardResult(total, components, metrics, weights)
+
+    def combine(self, components, weights, group_ids=None):
+        """This runner's combination (``normalize``, ``failure_value``) of any components."""
+        return combine_rewards(
+            components, weights, self.failure_value, group_ids=group_ids,
+            normalize=self.normalize, eps=self.normalize_eps,
+        )  # fmt: skip
 
     def _check_abandoned(self) -> None:
         stuck = self.guard.abandoned()
@@ -435,24 +494,6 @@ def _check_lengths(batch: Mapping[str, Any], size: int) -> None:
 
 def _to_tensor(values: Sequence[float | None]) -> torch.Tensor:
     return torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
-
-
-def _weighted_sum(
-    components: Mapping[str, torch.Tensor],
-    weights: Mapping[str, float],
-    size: int,
-    failure_value: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """NaN-skipping weighted sum over components; samples with no value get ``failure_value``."""
-    if not components:
-        return torch.zeros(size), torch.zeros(size, dtype=torch.bool)
-    stacked = torch.stack([components[n] for n in components])  # [K, B]
-    w = torch.tensor([weights[n] for n in components], dtype=torch.float32).unsqueeze(1)
-    present = ~torch.isnan(stacked)
-    total = torch.where(present, stacked * w, torch.zeros_like(stacked)).sum(dim=0)
-    all_none = ~present.any(dim=0)
-    total = torch.where(all_none, torch.full_like(total, failure_value), total)
-    return total, all_none
 
 
 def _summary(prefix: str, values: torch.Tensor) -> dict[str, float]:

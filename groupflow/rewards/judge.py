@@ -13,11 +13,17 @@ rendered messages) -- i.e. of the prompt, the response and the rubric or templat
 a seen pair costs nothing. An API key is sent only when the config names its variable
 (``api_key_env``; read from the environment or a ``.env`` file), only in the ``Authorization``
 header, only over https or to a loopback host, and never appears in a log line or an error.
+
+A completion that is an image (a [3, H, W] tensor in [0, 1], or a [3, F, H, W] video whose
+``frames`` are chosen as by the image rewards) is sent as the response in OpenAI's vision format:
+the text part says the response is the attached image, and each chosen frame follows as a PNG
+``image_url`` data URL. The cache key hashes those bytes, so a repeated image is judged once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import json
@@ -35,8 +41,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+import torch
 
 from groupflow.rewards.errors import FailedScore, RewardConfigError
+from groupflow.rewards.frames import check_frames, select_frames
 from groupflow.utils.env import parse_dotenv, scrub_text
 
 __all__ = ["DEFAULT_SCALE", "DEFAULT_SCORE_REGEX", "make_judge_reward", "parse_score"]
@@ -58,6 +66,8 @@ MARKER_SYSTEM = (
 )
 _MARKER_FIELD = "marker"  # a template may place the marker itself: "{marker}"
 RUBRIC_USER = "PROMPT:\n{prompt}\n\nRESPONSE:\n{response}"
+# What {response} reads when the response is an image (the image parts follow the text).
+IMAGE_RESPONSE = "(the generated image, attached below)"
 _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 60.0
 _LOGGED_FAILURES_PER_CALL = 3  # the rest of a batch's failures go to the debug log
@@ -237,6 +247,7 @@ def make_judge_reward(
     max_tokens: int | None = 512,
     api_key_env: str | None = None,
     scale: Sequence[float] = DEFAULT_SCALE,
+    frames: str | int | Sequence[int] = "first",
 ) -> Callable[..., Any]:
     """An async reward scoring each completion with a judge model.
 
@@ -265,6 +276,7 @@ def make_judge_reward(
         scale: ``[low, high]`` of a valid score (default ``[0, 10]``, the default rubric's); a
             reply scoring outside it is an invalid verdict: a failed sample, counted in
             ``reward/<name>/invalid_verdicts`` like a reply with no verdict.
+        frames: for video completions, the frames sent ('first', every k-th, or a list).
 
     The verdict marker (``VERDICT-`` and 6 random hex digits) is drawn for each request; only
     the reply after it is read, so a response that quotes a verdict of its own — which the
@@ -289,6 +301,7 @@ def make_judge_reward(
         if "response" not in _template_fields(template):
             raise RewardConfigError("judge: template must contain {response}")
     bounds = _scale(scale)
+    frames = check_frames(frames)
     _check_positive("max_concurrency", max_concurrency, integer=True)
     _check_positive("timeout_s", timeout_s)
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
@@ -304,15 +317,15 @@ def make_judge_reward(
     counts = {"invalid_verdicts": 0}
     counts_lock = threading.Lock()
 
-    def messages(prompt: Any, response: str, row: Mapping[str, Any], marker: str) -> list[dict]:
+    def messages(prompt: Any, response: Any, row: Mapping[str, Any], marker: str) -> list[dict]:
         prompt = _prompt_text(prompt)
+        images = _image_parts(response, frames) if isinstance(response, torch.Tensor) else None
+        text = IMAGE_RESPONSE if images is not None else response
         if rubric is not None:
             system = RUBRIC_SYSTEM.format(rubric=rubric, marker=marker, low=low, high=high)
-            return [
-                {"role": "system", "content": system},
-                {"role": "user", "content": RUBRIC_USER.format(prompt=prompt, response=response)},
-            ]
-        user = template.format(prompt=prompt, response=response, marker=marker, **row)
+            user = _content(RUBRIC_USER.format(prompt=prompt, response=text), images)
+            return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        user = _content(template.format(prompt=prompt, response=text, marker=marker, **row), images)
         if _MARKER_FIELD in _template_fields(template):
             return [{"role": "user", "content": user}]
         return [
@@ -365,7 +378,7 @@ def make_judge_reward(
                 counts["invalid_verdicts"] += 1
             raise _JudgeFailure(f"invalid judgement ({e})", reply) from None
 
-    async def judge(prompts: list[str], completions: list[str], **fields: list[Any]) -> list[float]:
+    async def judge(prompts: list[str], completions: list[Any], **fields: list[Any]) -> list[float]:
         missing = sorted(fields_used - set(fields))
         if missing:
             raise RewardConfigError(
@@ -411,6 +424,31 @@ def make_judge_reward(
     judge.__name__ = judge.__qualname__ = "judge"
     judge.take_metrics = take_metrics
     return judge
+
+
+def _image_parts(media: torch.Tensor, frames) -> list[dict]:
+    """The chosen frames of an image/video completion as PNG data-URL ``image_url`` parts;
+    a tensor that is no image in [0, 1] raises ValueError (a failed sample, counted)."""
+    import io
+
+    from PIL import Image
+
+    chosen = select_frames(media, frames)
+    if not bool(torch.isfinite(chosen).all()):
+        raise ValueError("judge: the image has non-finite pixels")
+    parts = []
+    for frame in chosen:
+        pixels = (frame.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+def _content(text: str, images: list[dict] | None) -> str | list[dict]:
+    """A user message's content: the text alone, or the text then the image parts."""
+    return text if images is None else [{"type": "text", "text": text}, *images]
 
 
 def _scale(scale: Any) -> tuple[float, float]:
@@ -466,6 +504,8 @@ def _collect(
     return out
 
 
-def _shown(text: str) -> str:
+def _shown(text: Any) -> str:
+    if isinstance(text, torch.Tensor):
+        return f"<image {'x'.join(map(str, text.shape))}>"
     text = scrub_text(text or "")
     return repr(text if len(text) <= _REPLY_SHOWN else text[: _REPLY_SHOWN - 3] + "...")

@@ -52,7 +52,7 @@ _BUILTINS: dict[str, RewardFactory] = {
     "judge": make_judge_reward,  # an LLM judge behind any OpenAI-compatible endpoint
 }
 
-SPEC_KEYS = ("name", "function", "label", "weight", "kwargs", "failure_value")
+SPEC_KEYS = ("name", "function", "label", "weight", "kwargs", "failure_value", "monitor")
 
 GSM8K_DATA_SOURCES = ("openai/gsm8k",)
 MATH_DATA_SOURCES = (
@@ -176,7 +176,8 @@ def make_reward_function(spec: Any, where: str = "reward") -> RewardFunction:
     Keys: ``name`` (a built-in, see :func:`reward_names`) or ``function`` ("module:attr");
     ``label`` (component name, to use one built-in twice; defaults to ``name``, else the
     function's attribute name); ``weight`` (default 1.0); ``kwargs`` (a built-in's options, or
-    fixed keyword arguments for a user function); ``failure_value`` (default: the runner's).
+    fixed keyword arguments for a user function); ``failure_value`` (default: the runner's);
+    ``monitor`` (true: scored and logged, not trained on).
     """
     entry = _as_mapping(spec, where)
     unknown = [k for k in entry if k not in SPEC_KEYS]
@@ -190,16 +191,18 @@ def make_reward_function(spec: Any, where: str = "reward") -> RewardFunction:
         raise RewardConfigError(f"{where}: kwargs must be a mapping, got {type(options).__name__}")
     weight = entry.get("weight", 1.0)
     failure_value = entry.get("failure_value")
+    monitor = entry.get("monitor", False)
     if "function" in entry:
         fn = resolve_import_path(entry["function"])
         name = entry.get("label") or entry.get("name") or _attr_name(entry["function"])
-        return RewardFunction(name, fn, weight, failure_value, options=dict(options))
+        return RewardFunction(name, fn, weight, failure_value, dict(options), monitor)
     if "name" not in entry:
         raise RewardConfigError(
             f"{where}: needs 'name' (one of {reward_names()}) or 'function' ('module:attr')"
         )
     fn = get_reward(entry["name"], **options)
-    return RewardFunction(entry.get("label") or entry["name"], fn, weight, failure_value)
+    name = entry.get("label") or entry["name"]
+    return RewardFunction(name, fn, weight, failure_value, monitor=monitor)
 
 
 def build_reward_runner(
@@ -207,14 +210,18 @@ def build_reward_runner(
     failure_value: float = 0.0,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     functions: Sequence[RewardFunction] = (),
+    normalize: str = "none",
+    normalize_eps: float = 1e-6,
 ) -> RewardRunner:
     """The trainer's entry point: a runner for the configured rewards plus ``functions`` (reward
     objects built in Python), or, when there are none, one that picks each sample's reward from
-    its ``data_source``. ``timeout_s`` limits every call (None: no limit)."""
+    its ``data_source``. ``timeout_s`` limits every call (None: no limit); ``normalize`` and
+    ``normalize_eps`` choose how components combine (:mod:`groupflow.rewards.combine`)."""
     if not specs and not functions:
         return RewardRunner.by_data_source(
-            data_source_rewards, failure_value=failure_value, timeout_s=timeout_s
-        )
+            data_source_rewards, failure_value=failure_value, timeout_s=timeout_s,
+            normalize=normalize, normalize_eps=normalize_eps,
+        )  # fmt: skip
     if isinstance(specs, (str, Mapping)):
         raise RewardConfigError(
             f"rewards must be a list of mappings like [{{name: gsm8k, weight: 1.0}}], "
@@ -237,7 +244,10 @@ def build_reward_runner(
             f"rewards: component names must be unique, {repeated} appear more than once; "
             "give each a distinct label:"
         )
-    return RewardRunner(functions, failure_value=failure_value, timeout_s=timeout_s)
+    return RewardRunner(
+        functions, failure_value=failure_value, timeout_s=timeout_s, normalize=normalize,
+        normalize_eps=normalize_eps,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

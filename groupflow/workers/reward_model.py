@@ -26,6 +26,7 @@ from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import init_process_group
 from groupflow.models.causal_lm import ModelLoadError, resolve_dtype, token_positions
 from groupflow.rewards.base import RewardResult
+from groupflow.rewards.combine import combine_rewards
 
 __all__ = ["RewardModelWorker", "ModelRewardRunner", "check_reward_model_path", "reward_texts"]
 
@@ -172,9 +173,11 @@ class ModelRewardRunner:
     the reward model renders with its own template.
     """
 
-    def __init__(self, rules, scorer, *, weight: float, label: str, raw_prompts: Mapping[str, Any]):
+    def __init__(self, rules, scorer, *, weight: float, label: str, raw_prompts: Mapping[str, Any],
+                 normalize: str = "none", normalize_eps: float = 1e-6):  # fmt: skip
         self.rules, self.scorer, self.weight, self.label = rules, scorer, weight, label
         self.raw_prompts = dict(raw_prompts)
+        self.normalize, self.normalize_eps = normalize, normalize_eps
 
     def check_fields(self, available) -> None:
         if self.rules is not None:
@@ -184,7 +187,7 @@ class ModelRewardRunner:
         return [] if self.rules is None else self.rules.missing_fields(row)
 
     def __call__(
-        self, prompts: Sequence[str], completions: Sequence[str], **fields
+        self, prompts: Sequence[str], completions: Sequence[str], *, group_ids=None, **fields
     ) -> RewardResult:
         raw = [self.raw_prompts.get(p, p) for p in prompts]
         batch = Batch(non_tensors={"prompt": raw, "completion": list(completions)})
@@ -193,13 +196,20 @@ class ModelRewardRunner:
             f"reward/{self.label}/mean": float(scores.mean()),
             f"reward/{self.label}/std": float(scores.std(unbiased=False)),
         }
-        if self.rules is None:
-            total, components = self.weight * scores, {self.label: scores}
-        else:
+        components, weights, failure = {self.label: scores}, {self.label: self.weight}, 0.0
+        if self.rules is not None:
             ruled = self.rules(prompts, completions, **fields)
-            total = ruled.total + self.weight * scores
-            components = {**ruled.components, self.label: scores}
+            components = {**ruled.components, **components}
+            weights = {**ruled.weights, **weights}
             metrics = {**ruled.metrics, **metrics}
+            failure = self.rules.failure_value
+        # one combination of all components, the model's included (reward.normalize applies to it)
+        combined = combine_rewards(
+            components, weights, failure, group_ids=group_ids, normalize=self.normalize,
+            eps=self.normalize_eps,
+        )  # fmt: skip
+        total = combined.total
+        metrics.update({f"reward/{k}/share": v for k, v in combined.shares.items()})
         metrics["reward/total/mean"] = float(total.mean())
         metrics["reward/total/std"] = float(total.std(unbiased=False))
-        return RewardResult(total=total, components=components, metrics=metrics)
+        return RewardResult(total, components, metrics, weights)

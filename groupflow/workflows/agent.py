@@ -63,6 +63,7 @@ from groupflow.builders import EncodedPrompts
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptRow
+from groupflow.envs import build_env_agent
 from groupflow.rollout.hf import SamplingParams
 from groupflow.serve.app import CallRecord, build_app
 from groupflow.serve.build import server_core
@@ -368,8 +369,12 @@ class AgentWorkflow:
             if logging.getLogger(name).level == logging.NOTSET:
                 logging.getLogger(name).setLevel(logging.WARNING)
         self.cfg, self.policy = cfg, policy
-        self.agent = resolve_agent(cfg.rollout.agent)
+        # an environment adapter (rollout.openenv) is the agent, else the user's own function
+        self.agent = build_env_agent(cfg.rollout) or resolve_agent(cfg.rollout.agent)
         self._train_rows, self.val_rows = list(train_rows), list(val_rows)
+        if hasattr(self.agent, "rows"):  # an environment's own tasks (a verifiers taskset)
+            self._train_rows, self.val_rows = self.agent.rows()
+            train_rows, val_rows = self._train_rows, self.val_rows
         self.reward_fn = None
         if cfg.rollout.agent_reward != "return":
             self.reward_fn = build_rewards(cfg, policy, rewards, [])
@@ -424,6 +429,8 @@ class AgentWorkflow:
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+        if hasattr(self.agent, "close"):  # an environment adapter's server
+            self.agent.close()
 
     # ----- the trainer's calls ------------------------------------------------------------------
     def collect(self, rows: list[PromptRow], step: int, round_: int,
@@ -440,7 +447,7 @@ class AgentWorkflow:
         calls, samples, seconds = batcher.engine_calls, batcher.samples, batcher.engine_seconds
         reused = batcher.reused_tokens
         self.run(episodes, params)
-        rewards, reward_metrics = self.rewards(episodes)
+        rewards, reward_metrics = self.rewards(episodes, train=True)
         batch, counts = self.samples_batch(episodes, rewards, f"{step}-{round_}", version)
         validate(batch, self.contracts["rollout"])
         metrics = {**agent_metrics(episodes, counts), **reward_metrics}
@@ -551,6 +558,8 @@ class AgentWorkflow:
     # ----- episodes -----------------------------------------------------------------------------
     def run(self, episodes: list[AgentEpisode], params: SamplingParams) -> None:
         self._run_episodes(episodes, params)
+        if hasattr(self.agent, "check"):  # an adapter's environment died: not the episodes' fault
+            self.agent.check()
         for e in episodes:
             if e.failure is not None and e.failure_kind not in self._logged:
                 self._logged.add(e.failure_kind)
@@ -711,8 +720,11 @@ class AgentWorkflow:
             e.reward = None if result is None else float(result)
 
     # ----- rewards and samples ----------------------------------------------------------------
-    def rewards(self, episodes: list[AgentEpisode]) -> tuple[torch.Tensor, dict[str, float]]:
-        """One reward per episode (see the module docstring)."""
+    def rewards(
+        self, episodes: list[AgentEpisode], train: bool = False
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One reward per episode (see the module docstring); ``train``: a training batch, whose
+        groups ``reward.normalize: group`` uses (validation reports the plain weighted sum)."""
         how = self.cfg.rollout.agent_reward
         total = torch.tensor([e.reward or 0.0 for e in episodes], dtype=torch.float32)
         metrics: dict[str, float] = {}
@@ -723,6 +735,7 @@ class AgentWorkflow:
                 [_prompt_key(e.row) for e in episodes], [e.completion for e in episodes],
                 completion_lengths=[sum(len(c.ids) for call in e.calls for c in call.completions)
                                     for e in episodes],
+                group_ids=[e.group for e in episodes] if train else None,
                 **row_fields([e.row for e in episodes]), **fields,
             )  # fmt: skip
             total = total + result.total.float() if how == "both" else result.total.float()

@@ -71,8 +71,9 @@ class DiffusionWorkflow:
         batch["completion"] = [_describe(img) for img in batch["images"]]
         validate(batch, self.contracts["rollout"])
         result = self.reward_fn(
-            list(batch["prompt"]), list(batch["images"]), **row_fields(batch["row"])
-        )
+            list(batch["prompt"]), list(batch["images"]), group_ids=batch["group_ids"],
+            **row_fields(batch["row"]),
+        )  # fmt: skip
         batch["rewards"] = result.total.float()
         return validate(batch, self.contracts["rewarded"]), finite_metrics(result.metrics)
 

@@ -84,8 +84,9 @@ def build_rewards(cfg: Config, policy, rules, prompt_tables: Sequence):
         rm = cfg.reward_model
         raw = {t: r.prompt for table in prompt_tables for t, r in zip(table.texts, table.rows)}
         reward_fn = ModelRewardRunner(
-            reward_fn, policy.reward_model, weight=rm.weight, label=rm.label, raw_prompts=raw
-        )
+            reward_fn, policy.reward_model, weight=rm.weight, label=rm.label, raw_prompts=raw,
+            normalize=cfg.reward.normalize, normalize_eps=cfg.reward.normalize_eps,
+        )  # fmt: skip
     return reward_fn
 
 
@@ -104,7 +105,7 @@ def add_rewards(reward_fn, batch: Batch, completions: list[str],
     lengths = batch["response_mask"].sum(1).tolist()
     result = reward_fn(
         list(batch["prompt"]), completions, completion_lengths=lengths,
-        **row_fields(batch["row"]), **extra,
+        group_ids=batch["group_ids"], **row_fields(batch["row"]), **extra,
     )  # fmt: skip
     batch["rewards"] = result.total.float()
     return batch, finite_metrics(result.metrics)

@@ -198,7 +198,7 @@ class MultiTurnWorkflow:
         lengths = batch["response_mask"].sum(1).tolist()
         result = self.reward_fn(
             list(batch["prompt"]), list(batch["completion"]), completion_lengths=lengths,
-            **row_fields(batch["row"]), **fields,
+            group_ids=batch["group_ids"], **row_fields(batch["row"]), **fields,
         )  # fmt: skip
         batch["rewards"] = self.failed_to_failure_value(result.total.float(), episodes)
         batch["trajectory"] = fields["trajectory"]

@@ -248,3 +248,30 @@ def test_the_renoising_objectives_on_two_workers_equal_one_worker(
             assert torch.equal(old, s2["model"][k]), k
         else:  # DiffusionNFT's EMA, shard-wise on 2 ranks as on one
             assert torch.allclose(old, s1["nft_old"][k], atol=1e-6), k
+
+
+@pytest.mark.slow
+def test_two_sharded_workers_equal_one_worker_on_a_flux_transformer_with_lora(wan_setup, tmp_path):
+    """FLUX's two block lists are both sharded; LoRA adapters on the meta-built model start as
+    a whole model's would, so 1 worker and 2 FSDP2 ranks take the same step."""
+    pytest.importorskip("ray")
+    from diffusers import FluxTransformer2DModel
+
+    from tests.diffusion.test_flux import TINY_FLUX
+
+    torch.manual_seed(0)
+    model = tmp_path / "flux"
+    FluxTransformer2DModel(**TINY_FLUX).save_pretrained(model)
+    prompts = wan_setup[1]
+    flux = {"diffusion.model.kind": "flux", "diffusion.model.path": str(model),
+            "diffusion.model.latent_shape": [4, 8, 8], "run.total_steps": 1,
+            "diffusion.model.lora": {"rank": 2, "target_modules": ["to_q", "to_k", "to_v"]}}  # fmt: skip
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **flux))
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **flux, **{
+        "run.name": "two", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True}))  # fmt: skip
+    a = read_metrics(one.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(two.run_dir / "metrics.jsonl")[-1]
+    assert a["actor/grad_norm"] > 0
+    assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    lora = [k for k in s1["model"] if "lora_" in k]
+    assert lora and all(torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5) for k in lora)

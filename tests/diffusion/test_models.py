@@ -106,9 +106,10 @@ def test_diffusers_adapter_bad_input(tmp_path):
     with pytest.raises(ModelPathError, match="has no config.json"):
         load_diffusers_model(tmp_path / "nothing", "sd3", (4, 8, 8))
     with pytest.raises(
-        ValueError, match=r"unknown diffusers model kind 'flux'; valid kinds: \['sd3', 'wan'\]"
+        ValueError,
+        match=r"unknown diffusers model kind 'qwen_image'; valid kinds: \['flux', 'sd3', 'wan'\]",
     ):
-        load_diffusers_model(tmp_path, "flux", (4, 8, 8))
+        load_diffusers_model(tmp_path, "qwen_image", (4, 8, 8))
     with pytest.raises(ValueError, match=r"a 'wan' latent is \(C, F, H, W\)"):
         DiffusersFlowModel(torch.nn.Identity(), "wan", (4, 8, 8), HashPromptEncoder(4))
 

@@ -66,6 +66,7 @@ def test_builtin_names_and_defaults():
         "judge",  # an LLM judge behind an OpenAI-compatible endpoint (groupflow.rewards.judge)
         "length_penalty",
         "math_boxed",
+        "ocr",  # text read off a generated image vs the prompt's target (groupflow.diffusion.ocr)
         "overlong_penalty",
         "target_color",
         "tool_use",

@@ -361,3 +361,69 @@ def test_a_rewards_own_counters_are_logged_under_its_name():
     counting.take_metrics = lambda: {"seen": "three"}
     with pytest.raises(RewardOutputError, match="take_metrics"):
         RewardRunner([RewardFunction("c", counting)])(["p"], ["a"])
+
+
+# ----- normalize: group, shares and monitors -----------------------------------------------------
+
+
+def _wide_and_narrow(**kw):
+    return RewardRunner(
+        [
+            RewardFunction("wide", lambda completions: [1.0, 3.0, 10.0, 10.0]),
+            RewardFunction("narrow", lambda completions: [0.1, 0.0, 0.0, 0.2]),
+            RewardFunction("held_out", lambda completions: [5.0, 0.0, 0.0, 5.0], monitor=True),
+        ],
+        **kw,
+    )
+
+
+def test_group_normalised_runner_totals_shares_and_monitor():
+    r = 1 / math.sqrt(2)
+    runner = _wide_and_narrow(normalize="group", normalize_eps=0.0)
+    result = runner(PROMPTS, COMPLETIONS, group_ids=[0, 0, 1, 1])
+    # wide: z [-r, r, 0, 0]; narrow: z [r, -r, -r, r]; the monitor is not in the sum
+    assert torch.allclose(result.total, torch.tensor([0.0, 0.0, -r, r]), atol=1e-6)
+    assert result.metrics["reward/wide/share"] == pytest.approx(1 / 3)
+    assert result.metrics["reward/narrow/share"] == pytest.approx(2 / 3)
+    assert "reward/held_out/share" not in result.metrics
+    assert result.metrics["reward/held_out/mean"] == pytest.approx(2.5)  # logged all the same
+    assert result.weights == {"wide": 1.0, "narrow": 1.0}
+    # without groups (validation): the plain weighted sum, monitor still left out
+    plain = runner(PROMPTS, COMPLETIONS)
+    assert torch.allclose(plain.total, torch.tensor([1.1, 3.0, 10.0, 10.2]))
+    assert not any(k.endswith("/share") for k in plain.metrics)
+    # group_ids never reach the reward functions
+    seen = []
+    spy = RewardRunner([RewardFunction("spy", lambda completions, **kw: seen.append(kw) or [0.0])])
+    spy(["p"], ["c"], group_ids=[0])
+    assert seen == [{"prompts": ["p"]}]
+
+
+def test_weighted_sum_runner_logs_shares_with_groups():
+    result = _wide_and_narrow()(PROMPTS, COMPLETIONS, group_ids=torch.tensor([0, 0, 1, 1]))
+    assert torch.allclose(result.total, torch.tensor([1.1, 3.0, 10.0, 10.2]))
+    assert result.metrics["reward/wide/share"] == pytest.approx(0.5 / 0.575)
+
+
+def test_normalize_and_monitor_bad_input():
+    only = [RewardFunction("m", length, monitor=True)]
+    with pytest.raises(RewardConfigError, match="every reward .* is a monitor"):
+        RewardRunner(only)
+    with pytest.raises(RewardConfigError, match="normalize must be one of"):
+        RewardRunner([RewardFunction("n", length)], normalize="batch")
+    with pytest.raises(RewardConfigError, match="normalize_eps must be a finite number >= 0"):
+        RewardRunner([RewardFunction("n", length)], normalize_eps=-1)
+    with pytest.raises(RewardConfigError, match="monitor must be true or false"):
+        RewardFunction("n", length, monitor="yes")
+    with pytest.raises(ValueError, match="group_ids has 3 entries but there are 4 completions"):
+        _wide_and_narrow()(PROMPTS, COMPLETIONS, group_ids=[0, 0, 1])
+
+
+def test_monitor_and_normalize_from_config_specs():
+    runner = reg.build_reward_runner(
+        [{"name": "format_tags"},
+         {"function": "tests.rewards.test_runner:length", "monitor": True}],
+        normalize="group",
+    )  # fmt: skip
+    assert runner.normalize == "group"
+    assert [s.monitor for s in runner.specs] == [False, True]

@@ -11,7 +11,7 @@ from groupflow.batch import Batch
 from groupflow.config import RewardModelConfig
 from groupflow.data import train_char_tokenizer
 from groupflow.models.causal_lm import ModelLoadError
-from groupflow.rewards.base import RewardResult
+from groupflow.rewards.base import RewardFunction, RewardResult, RewardRunner
 from groupflow.workers.reward_model import (
     ModelRewardRunner,
     RewardModelWorker,
@@ -90,10 +90,12 @@ def test_combined_with_rule_rewards_by_weight(rm_dir):
     class Rules:
         def __call__(self, prompts, completions, **fields):
             total = torch.tensor([1.0, 0.0])
-            return RewardResult(total, {"exact": total}, {"reward/exact/mean": 0.5})
+            return RewardResult(total, {"exact": total}, {"reward/exact/mean": 0.5}, {"exact": 1.0})
 
         def check_fields(self, available):
             pass
+
+        failure_value = 0.0
 
     runner = ModelRewardRunner(
         Rules(), w, weight=0.5, label="rm", raw_prompts={"P": [{"role": "user", "content": "12"}]}
@@ -128,3 +130,29 @@ def test_a_model_with_two_labels_is_refused(tmp_path):
                       num_attention_heads=2, num_key_value_heads=2, num_labels=2)  # fmt: skip
     with pytest.raises(ModelLoadError, match="2 labels"):
         RewardModelWorker(LlamaForSequenceClassification(cfg), None, RewardModelConfig(path="x"))
+
+
+def test_group_normalisation_covers_the_reward_model_too():
+    """reward.normalize: group z-scores the model's scores inside each group like any rule."""
+
+    class Scorer:  # a stand-in for the reward-model group: fixed scores
+        def score(self, batch):
+            return {"scores": torch.tensor([10.0, 30.0, 5.0, 5.0])}
+
+    rules = RewardRunner(
+        [RewardFunction("num", lambda completions: [float(c) for c in completions])]
+    )
+    runner = ModelRewardRunner(
+        rules, Scorer(), weight=2.0, label="rm", raw_prompts={}, normalize="group",
+        normalize_eps=0.0,
+    )  # fmt: skip
+    res = runner(["p"] * 4, ["0", "1", "1", "3"], group_ids=[0, 0, 1, 1])
+    r = 1 / 2**0.5  # each non-constant pair's z-scores are -1/sqrt2, 1/sqrt2
+    # num: [-r, r, -r, r]; rm: [-r, r, 0, 0] (group 1 constant) times 2
+    torch.testing.assert_close(res.total, torch.tensor([-3 * r, 3 * r, -r, r]))
+    assert res.metrics["reward/rm/share"] == pytest.approx(0.5)  # |2z| mean r vs num's r
+    assert res.weights == {"num": 1.0, "rm": 2.0}
+    plain = ModelRewardRunner(rules, Scorer(), weight=2.0, label="rm", raw_prompts={})
+    torch.testing.assert_close(
+        plain(["p"] * 4, ["0", "1", "1", "3"]).total, torch.tensor([20.0, 61.0, 11.0, 13.0])
+    )

@@ -488,6 +488,13 @@ class ValidationConfig(_Section):
     # sampling temperature of the sampled evaluation (samples_per_prompt > 1)
     temperature: float = Field(1.0, ge=0)
     greedy: bool = True  # also evaluate greedily (val/greedy/*)
+    # named benchmarks (groupflow.evals.BENCHMARKS) run greedy at each validation, logged as
+    # bench/<name>/<metric>; names are checked when the trainer starts
+    benchmarks: list[str] = Field(default_factory=list)
+    # the first N prompts of each benchmark (None: all)
+    benchmark_limit: int | None = Field(None, ge=1)
+    # new tokens per benchmark answer (None: each benchmark's own budget)
+    benchmark_max_new_tokens: int | None = Field(None, ge=1)
 
 
 class KLInRewardConfig(_Section):

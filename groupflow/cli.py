@@ -115,6 +115,12 @@ def _locate_checkpoint(path: Path, config_run_dir: Path) -> tuple[Path, Path]:
 
 
 def _eval(args) -> int:
+    if args.benchmark is not None:
+        return _eval_benchmark(args)
+    if args.limit is not None:
+        raise ValueError(
+            "--limit applies to --benchmark NAME (the validation data has data.max_val_prompts)"
+        )
     trainer = _load_trainer_for_inference(args)
     if getattr(trainer.workflow, "val", None) is None:
         raise ValueError(
@@ -130,6 +136,35 @@ def _eval(args) -> int:
                     f.write(json.dumps({"mode": mode, **r}) + "\n")
         print(f"wrote {args.output}")
     return 0
+
+
+def _eval_benchmark(args) -> int:
+    from groupflow.evals import get_benchmark
+    from groupflow.evals.runner import run_benchmark, write_records
+
+    get_benchmark(args.benchmark)  # an unknown name fails before the model loads
+    trainer = _load_trainer_for_inference(args)
+    result = run_benchmark(
+        trainer.policy, args.benchmark, limit=args.limit, samples=args.samples,
+        temperature=args.temperature, seed=trainer.cfg.run.seed,
+        max_new_tokens=args.max_new_tokens,
+        use_chat_template=trainer.cfg.data.use_chat_template, progress_label=f"eval {args.benchmark}",
+    )  # fmt: skip
+    by_reason: dict[str, list[str]] = {}
+    for key, reason in result.excluded.items():
+        by_reason.setdefault(reason, []).append(key)
+    for reason, keys in by_reason.items():
+        print(f"{args.benchmark}: {len(keys)} prompt(s) excluded, {reason}: keys "
+              f"{', '.join(sorted(keys, key=_key_order))}")  # fmt: skip
+    for k, val in result.metrics.items():
+        print(f"{args.benchmark}/{k:<28} {val:.4f}")
+    if args.output:
+        print(f"wrote {write_records(args.output, result)}")
+    return 0
+
+
+def _key_order(key: str):
+    return (0, int(key)) if key.isdigit() else (1, key)
 
 
 def _generate(args) -> int:
@@ -343,8 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(func=func)
         return s
 
-    e = inference("eval", "evaluate a model on the validation data", _eval)
-    e.add_argument("--output", help="write per-sample records (JSONL) here")
+    e = inference("eval", "evaluate a model on the validation data or a named benchmark", _eval)
+    e.add_argument("--output", "--out", dest="output", help="write per-sample records (JSONL) here")
+    e.add_argument("--benchmark", default=None,
+                   help="a named benchmark (ifeval, ifbench, gsm8k, reverse, add, calc, instructions)")  # fmt: skip
+    e.add_argument("--limit", type=int, default=None, help="the benchmark's first N prompts")
+    e.add_argument("--samples", type=int, default=1, help="k > 1: sampled, mean@k and pass@k")
+    e.add_argument("--temperature", type=float, default=1.0, help="of sampled evaluation")
+    e.add_argument("--max-new-tokens", type=int, default=None,
+                   help="replace the benchmark's own new-token budget")  # fmt: skip
     g = inference("generate", "sample completions for prompts", _generate)
     g.add_argument("--prompt", action="append")
     g.add_argument("--num-samples", type=int, default=1)

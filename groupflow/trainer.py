@@ -32,6 +32,8 @@ from groupflow.config import Config
 from groupflow.config.presets import preset_note, preset_report
 from groupflow.contracts import check_staleness, validate
 from groupflow.credit import CreditAssignment
+from groupflow.evals import get_benchmark
+from groupflow.evals.runner import run_benchmark
 from groupflow.health import CollapseMonitor
 from groupflow.rollout_source import RolloutSource, build_rollout_source
 from groupflow.rundir import plain_config, prepare_run_dir
@@ -66,6 +68,18 @@ def sample_rows(batch: Batch, token_ids: bool = False, count: int = 8) -> list[d
     return rows
 
 
+def check_benchmark_names(cfg: Config) -> None:
+    """``validation.benchmarks`` names known benchmarks, on an LLM policy."""
+    names = cfg.validation.benchmarks
+    if names and cfg.diffusion is not None:
+        raise ValueError("validation.benchmarks: named benchmarks evaluate LLM policies only")
+    for name in names:
+        try:
+            get_benchmark(name)
+        except ValueError as e:
+            raise ValueError(f"validation.benchmarks: {e}") from None
+
+
 class Trainer:
     """The driver. ``inference_run_dir``: build the workers to evaluate or sample a finished run
     (its tokenizer comes from that directory), leaving the directory as it is; such a trainer
@@ -77,6 +91,7 @@ class Trainer:
         self.cfg = cfg
         self.inference = inference_run_dir is not None
         self.run_dir = Path(inference_run_dir or Path(cfg.run.output_dir) / cfg.run.name)
+        check_benchmark_names(cfg)  # a misspelt validation.benchmarks name fails before any load
         # Hub ids become local snapshot directories for building; self.cfg keeps the ids
         built_cfg = resolve_hub_models(cfg)
         check_paths(built_cfg)  # a missing model directory fails now, not mid-run
@@ -135,7 +150,7 @@ class Trainer:
             while self.step < cfg.run.total_steps:
                 batch, last = self.train_step()
                 if self._due(cfg.validation.every_steps) or self.step == cfg.run.total_steps:
-                    last.update(self.workflow.validate(self.step))
+                    last.update(self.validation_metrics())
                 self.tracker.log(last, step=self.step)
                 if self._due(cfg.run.samples_every):
                     self.tracker.log_samples(
@@ -189,7 +204,20 @@ class Trainer:
         metrics.update(warm)
         self.policy.begin(warm_started=bool(self.cfg.sft.steps))
         if self.cfg.validation.before_training:
-            metrics.update(self.workflow.validate(self.step))
+            metrics.update(self.validation_metrics())
+        return metrics
+
+    def validation_metrics(self) -> dict[str, float]:
+        """The workflow's held-out metrics plus ``bench/<name>/<metric>`` of each of
+        ``validation.benchmarks`` (greedy, on the policy's rollout engine)."""
+        metrics = self.workflow.validate(self.step)
+        v = self.cfg.validation
+        for name in v.benchmarks:
+            result = run_benchmark(self.policy, name, limit=v.benchmark_limit, seed=self.cfg.run.seed,
+                                   max_new_tokens=v.benchmark_max_new_tokens,
+                                   use_chat_template=self.cfg.data.use_chat_template,
+                                   progress_label=f"bench {name}", leave=False)  # fmt: skip
+            metrics.update({f"bench/{name}/{k}": val for k, val in result.metrics.items()})
         return metrics
 
     def validate(self, return_records: bool = False, progress_label: str = "validation"):

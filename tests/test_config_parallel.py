@@ -75,3 +75,19 @@ def test_sequence_parallel_refuses_a_vision_language_model():
         model={"tiny": {"vision": {"image_size": 32, "patch_size": 8}}},
     )
     assert "does not support vision-language models yet" in _error(data)
+
+
+def test_packing_defaults_off_and_is_refused_by_name_where_it_cannot_apply():
+    assert not config_from_dict(_base()).actor.packing
+    gae = {"estimator": "gae"}
+    cfg = config_from_dict(_base(actor={"packing": True}, critic={"packing": True}, algorithm=gae))
+    assert cfg.actor.packing and cfg.critic.packing
+    ray2 = {"backend": "ray", "num_workers": 2}
+    msg = _error(_base(actor={"packing": True}, run=ray2, parallel={"sequence_parallel": 2}))
+    assert "actor.packing" in msg and "parallel.sequence_parallel=2" in msg
+    msg = _error(_base(model={"tiny": {"vision": {}}}, actor={"packing": True}))
+    assert "actor.packing" in msg and "vision" in msg
+    msg = _error(_base(critic={"packing": "sometimes"}, algorithm=gae))
+    assert "critic.packing" in msg
+    with pytest.raises(ConfigError, match="actor.packing"):
+        load_config(EXAMPLES / "diffusion_demo.yaml", ["actor.packing=true"])

@@ -165,6 +165,29 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _packing(self):
+        keys = [k for k, on in (("actor.packing", self.actor.packing),
+                                ("critic.packing", self.critic is not None and self.critic.packing))
+                if on]  # fmt: skip
+        if not keys:
+            return self
+        if self.diffusion is not None:
+            raise ValueError(f"{keys[0]} packs token sequences: it is for LLM policies only")
+        if self.parallel.sequence_parallel > 1:
+            raise ValueError(
+                f"{keys[0]} is not implemented with parallel.sequence_parallel="
+                f"{self.parallel.sequence_parallel} (Ulysses attention masks padded rows); "
+                f"set {keys[0]}: false or parallel.sequence_parallel: 1"
+            )
+        tiny = self.model.tiny if self.model is not None else None
+        if tiny is not None and tiny.vision is not None:
+            raise ValueError(
+                f"{keys[0]} does not support vision-language models (model.tiny.vision is set): "
+                "image rows take the padded forward"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sequence_parallel(self):
         n = self.parallel.sequence_parallel
         if n == 1:

@@ -492,6 +492,13 @@ class ValidationConfig(_Section):
     # sampling temperature of the sampled evaluation (samples_per_prompt > 1)
     temperature: float = Field(1.0, ge=0)
     greedy: bool = True  # also evaluate greedily (val/greedy/*)
+    # named benchmarks (groupflow.evals.BENCHMARKS) run greedy at each validation, logged as
+    # bench/<name>/<metric>; names are checked when the trainer starts
+    benchmarks: list[str] = Field(default_factory=list)
+    # the first N prompts of each benchmark (None: all)
+    benchmark_limit: int | None = Field(None, ge=1)
+    # new tokens per benchmark answer (None: each benchmark's own budget)
+    benchmark_max_new_tokens: int | None = Field(None, ge=1)
 
 
 class KLInRewardConfig(_Section):
@@ -625,6 +632,16 @@ class ActorConfig(_Section):
     # it (GRPO's G samples): the same log-probs and gradients with (G-1)/G of the prompt compute
     # saved. A switch only to rule it out when debugging; it falls back to one pass by itself.
     share_prompt_prefix: bool = True
+    # Padding-free forwards (groupflow.models.packing): each micro-batch's samples (their
+    # attended prompt and response tokens only) concatenated into one row, position ids
+    # restarting per sample, attention confined to each sample (flash-attention's varlen path on
+    # GPU, a block-diagonal SDPA mask on CPU) — for the update, the old-policy and reference
+    # log-probs and the supervised warm start; the same log-probs, losses and gradients as the
+    # padded forward. micro_batch_tokens then counts real tokens (a sample longer than it is an
+    # error), micro-batches are filled first-fit-decreasing, and several workers get a split of
+    # the batch balanced by tokens. Replaces share_prompt_prefix. Not with
+    # parallel.sequence_parallel > 1 or vision-language models (refused at load).
+    packing: bool = False
     # auto: recompute when there are several optimizer steps per batch, or when the rollout
     # engine is vLLM (its log-probs differ numerically from the training forward); with off_policy
     # tis/decoupled and one optimizer step the update's own forward gives the proximal log-probs
@@ -798,6 +815,9 @@ class CriticConfig(_Section):
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
     ] = "token_mean"
     value_clip: float | None = Field(0.5, gt=0)  # verl cliprange_value; None: no clipping
+    # Padding-free value forwards and updates, as actor.packing (critic.micro_batch_tokens then
+    # counts real tokens)
+    packing: bool = False
     warmup_steps: int = Field(0, ge=0)  # steps in which only the critic trains (verl critic_warmup)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the critic
 

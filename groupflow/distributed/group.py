@@ -90,17 +90,23 @@ class RayOptions:
 
 
 def ensure_ray(address: str | None, num_cpus: int | None = None):
-    """Connect to ``address`` or start a local Ray instance bound to localhost."""
+    """Connect to ``address`` (else ``$RAY_ADDRESS``) or start a new local Ray instance bound to
+    localhost."""
     os.environ.setdefault(
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"
     )  # bind 127.0.0.1 unless clustered
     import ray
 
     if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS")  # Ray's own variable, if a user set it
         if address:
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
         else:
+            # "local": a new instance even when a cluster started on this machine (`ray start`, or
+            # another run's) left its address in /tmp/ray, which a bare ray.init() would join
+            # and then refuse num_cpus for
             ray.init(
+                address="local",
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 log_to_driver=True,

@@ -31,7 +31,9 @@ from groupflow.workers.actor import ActorRolloutWorker
 from groupflow.workers.common import ModelSpec
 from groupflow.workers.critic import CriticSpec, CriticWorker
 from groupflow.workers.inference import InferenceWorker
+from groupflow.workers.packing import balanced_rank_order, check_token_budget
 from groupflow.workers.reward_model import RewardModelWorker, check_reward_model_path
+from groupflow.workers.update import sample_tokens
 
 log = logging.getLogger("groupflow")
 
@@ -60,6 +62,22 @@ MODEL_KEYS = (
 def model_inputs(batch: Batch) -> Batch:
     """Only the tensors the workers need: dataset rows and texts stay on the driver."""
     return batch.select(*[k for k in MODEL_KEYS if k in batch], meta=False)
+
+
+def balanced_call(method, group, batch: Batch, packing: bool, **kwargs):
+    """``method(batch, **kwargs)`` on a ``dp`` worker group; with ``packing`` and several workers
+    the batch is first reordered so that each worker's share holds a near-equal number of tokens
+    (``workers.packing.balanced_rank_order``), and a Batch result is put back in batch order."""
+    if not packing or group.world_size == 1:
+        return method(batch, **kwargs)
+    order = balanced_rank_order(sample_tokens(batch), group.world_size)
+    out = method(batch.index(order), **kwargs)
+    if not isinstance(out, Batch):
+        return out
+    inverse = [0] * len(order)
+    for pos, row in enumerate(order):
+        inverse[row] = pos
+    return out.index(inverse)
 
 
 def old_logprobs_source(actor: ActorConfig, engine: str, num_samples: int,
@@ -204,15 +222,17 @@ class LLMPolicy:
         timer = timer or StageTimer()
         metrics: dict[str, float] = {}
         a = self.cfg.actor
+        self._check_packing_budgets(batch)
         t = self.sampling.temperature
         # the credit stage needs the sampling policy's log-probs before the update
         early = self.cfg.algorithm.kl_in_reward is not None or self.teacher is not None
         source = old_logprobs_source(a, self.cfg.rollout.engine, len(batch), early)
         with timer("old_logprobs"):
             if source == "recompute":
-                batch["old_logprobs"] = self.actor.compute_logprobs(
-                    model_inputs(batch), temperature=t
-                )["logprobs"]
+                batch["old_logprobs"] = balanced_call(
+                    self.actor.compute_logprobs, self.actor, model_inputs(batch), a.packing,
+                    temperature=t,
+                )["logprobs"]  # fmt: skip
                 # How far the rollout engine's numerics are from the training forward's.
                 diff = logprob_mismatch(
                     batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
@@ -226,9 +246,10 @@ class LLMPolicy:
             # "forward": no old_logprobs here; the update anchors the ratio at its own forward
             # (detached) and logs the rollout/logprob_diff_* gap from it
             if self.reference is not None:
-                batch["ref_logprobs"] = self.reference.compute_logprobs(
-                    model_inputs(batch), temperature=t, reference=True
-                )["logprobs"]
+                batch["ref_logprobs"] = balanced_call(
+                    self.reference.compute_logprobs, self.reference, model_inputs(batch),
+                    a.packing, temperature=t, reference=True,
+                )["logprobs"]  # fmt: skip
         if self.teacher is not None:
             with timer("teacher_logprobs"):  # at the sampling temperature, as the student's
                 batch["teacher_logprobs"] = self.teacher.compute_logprobs(
@@ -236,8 +257,22 @@ class LLMPolicy:
                 )["logprobs"]
         if self.critic is not None:
             with timer("values"):
-                batch["values"] = self.critic.compute_values(model_inputs(batch))["values"]
+                batch["values"] = balanced_call(
+                    self.critic.compute_values, self.critic, model_inputs(batch),
+                    self.cfg.critic.packing,
+                )["values"]  # fmt: skip
         return batch, metrics
+
+    def _check_packing_budgets(self, batch: Batch) -> None:
+        """A sample over a packed token budget stops the step here, named by its uid (the
+        workers see only model inputs)."""
+        names = [str(u) for u in batch["uid"]] if "uid" in batch else None
+        for section, cfg in (("actor", self.cfg.actor), ("critic", self.cfg.critic)):
+            if cfg is not None and cfg.packing:
+                check_token_budget(
+                    sample_tokens(batch), cfg.micro_batch_tokens,
+                    key=f"{section}.micro_batch_tokens", names=names,
+                )  # fmt: skip
 
     def update(self, batch: Batch, *, step: int, seed: int) -> dict[str, float]:
         """Critic update (if any), then the actor's — except during the critic warm-up steps."""
@@ -245,15 +280,20 @@ class LLMPolicy:
         if self.critic is not None:
             critic_keys = [*(k for k in MODEL_KEYS if k in batch), "values", "returns"]
             metrics.update(
-                self.critic.update_critic(batch.select(*critic_keys, meta=False), shuffle_seed=seed)
-            )
+                balanced_call(
+                    self.critic.update_critic, self.critic,
+                    batch.select(*critic_keys, meta=False), self.cfg.critic.packing,
+                    shuffle_seed=seed,
+                )
+            )  # fmt: skip
             if step < self.cfg.critic.warmup_steps:
                 return metrics
         metrics.update(
-            self.actor.update(
-                model_inputs(batch), temperature=self.sampling.temperature, shuffle_seed=seed
+            balanced_call(
+                self.actor.update, self.actor, model_inputs(batch), self.cfg.actor.packing,
+                temperature=self.sampling.temperature, shuffle_seed=seed,
             )
-        )
+        )  # fmt: skip
         return metrics
 
     def sync(self, version: int = -1) -> int:

@@ -1,8 +1,11 @@
 """Verifiable instruction-following constraints (IFEval-style) with partial credit.
 
 Design decision: each constraint is a ``(kind, argument)`` pair stored in the dataset row
-(``constraints: [{kind: keyword, arg: lantern}, ...]``) and checked by one small pure function on
-the response text, as IFEval's instruction checkers and Tulu 3's RLVR constraint rewards do. The
+(``constraints: [{kind: keyword, arg: lantern}, ...]``) and checked by the official IFEval checker
+of that kind (``groupflow.rewards.official_checkers``, strict, as the benchmark grades): what is
+rewarded is exactly what IFEval measures (e.g. "lowercase" means lowercase *English*, as detected
+by langdetect; a keyword matches anywhere, case-insensitively, as IFEval's regex does). Only
+``start_word`` stays ours: IFEval has no such checker. The
 reward is the fraction of a prompt's constraints the response satisfies (partial credit gives a
 weak policy a signal long before it satisfies every constraint), so ``val/*/acc`` (reward 1.0)
 is IFEval's strict prompt-level accuracy and ``val/*/reward`` its instruction-level accuracy.
@@ -18,13 +21,18 @@ SmolLM2-135M: response length 42 → 14 tokens while strict accuracy rose 6 → 
 
 from __future__ import annotations
 
-import json
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from groupflow.rewards.official_checkers import checker_registry, follow_lists
+
+log = logging.getLogger(__name__)
+
 __all__ = [
-    "CHECKERS",
+    "KINDS",
+    "OFFICIAL",
     "answers_request",
     "check_constraint",
     "instruction_score",
@@ -32,8 +40,6 @@ __all__ = [
 ]
 
 _WORD = re.compile(r"[A-Za-z0-9']+")
-_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)")
-_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 
 
 def _words(text: str) -> list[str]:
@@ -72,80 +78,50 @@ def answers_request(text: str, topic: str | None = None, min_words: int = MIN_AN
     return topic is None or mentions_topic(text, topic)
 
 
-def has_keyword(text: str, word: str) -> bool:
-    """The word appears as a whole word, in any case."""
-    return word.lower() in (w.lower() for w in _words(text))
-
-
-def all_lowercase(text: str) -> bool:
-    """Letters present and none of them upper case."""
-    return any(c.isalpha() for c in text) and text == text.lower()
-
-
-def max_words(text: str, limit: int) -> bool:
-    """At most ``limit`` words (and at least one)."""
-    return 0 < len(_words(text)) <= int(limit)
-
-
-def max_sentences(text: str, limit: int) -> bool:
-    """At most ``limit`` sentences: runs of . ! ? before a space or the end, plus a last sentence
-    left without one."""
-    text = text.strip()
-    if not text:
-        return False
-    ends = _SENTENCE_END.findall(text)
-    tail = 0 if re.search(r"[.!?]\s*$", text) else 1
-    return len(ends) + tail <= int(limit)
-
-
-def ends_with(text: str, phrase: str) -> bool:
-    """The response ends with exactly ``phrase`` (trailing whitespace ignored)."""
-    return text.rstrip().endswith(phrase)
-
-
-def is_json(text: str) -> bool:
-    """The whole response is one JSON value (a ```json fence around it is allowed, as IFEval)."""
-    body = text.strip()
-    fenced = _FENCE.match(body)
-    if fenced:
-        body = fenced.group(1)
-    try:
-        json.loads(body)
-    except ValueError:
-        return False
-    return bool(body)
-
-
-def no_commas(text: str) -> bool:
-    return bool(text.strip()) and "," not in text
-
-
 def starts_with(text: str, word: str) -> bool:
     """The first word is ``word`` (case-insensitive)."""
     words = _words(text)
     return bool(words) and words[0].lower() == word.lower()
 
 
-CHECKERS: dict[str, Callable[..., bool]] = {
-    "keyword": has_keyword,
-    "lowercase": all_lowercase,
-    "max_words": max_words,
-    "max_sentences": max_sentences,
-    "end_phrase": ends_with,
-    "json": is_json,
-    "no_commas": no_commas,
-    "start_word": starts_with,
-}
+# kind -> (the official IFEval instruction id, its kwargs from the row's ``arg``). "At most N" is
+# the official relation "less than" N + 1.
+OFFICIAL: dict[str, tuple[str, Callable[[Any], dict[str, Any]]]] = {
+    "keyword": ("keywords:existence", lambda arg: {"keywords": [arg]}),
+    "lowercase": ("change_case:english_lowercase", lambda arg: {}),
+    "max_words": ("length_constraints:number_words",
+                  lambda arg: {"relation": "less than", "num_words": int(arg) + 1}),
+    "max_sentences": ("length_constraints:number_sentences",
+                      lambda arg: {"relation": "less than", "num_sentences": int(arg) + 1}),
+    "end_phrase": ("startend:end_checker", lambda arg: {"end_phrase": arg}),
+    "json": ("detectable_format:json_format", lambda arg: {}),
+    "no_commas": ("punctuation:no_comma", lambda arg: {}),
+}  # fmt: skip
+# IFEval has no "the first word is W": its nearest, length_constraints:nth_paragraph_first_word,
+# also demands an exact number of paragraphs, a different constraint.
+OURS: dict[str, Callable[..., bool]] = {"start_word": starts_with}
+KINDS = (*OFFICIAL, *OURS)
+
+
+def _official(text: str, kind: str, arg: Any) -> bool:
+    instruction_id, kwargs = OFFICIAL[kind]
+    strict, _, errors = follow_lists(
+        checker_registry("ifeval"), "", [instruction_id], [kwargs(arg)], text
+    )
+    for e in errors:  # scored as not followed, like the benchmark's grader
+        log.warning("instructions reward: official checker raised: %s", e)
+    return strict[0]
 
 
 def check_constraint(text: str, constraint: Mapping[str, Any]) -> bool:
     """Whether ``text`` satisfies one ``{kind, arg}`` constraint; an unknown kind is an error."""
     kind = constraint.get("kind")
-    if kind not in CHECKERS:
-        raise ValueError(f"unknown instruction constraint {kind!r}; known: {sorted(CHECKERS)}")
-    fn = CHECKERS[kind]
     arg = constraint.get("arg")
-    return bool(fn(text) if arg is None else fn(text, arg))
+    if kind in OFFICIAL:
+        return _official(text, kind, arg)
+    if kind not in OURS:
+        raise ValueError(f"unknown instruction constraint {kind!r}; known: {sorted(KINDS)}")
+    return bool(OURS[kind](text) if arg is None else OURS[kind](text, arg))
 
 
 def _text(completion: Any) -> str:

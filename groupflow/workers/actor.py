@@ -65,6 +65,7 @@ from groupflow.distributed.parallel import (
 from groupflow.distributed.ulysses import SequenceGroup, gather_rows, sequence_groups
 from groupflow.models.causal_lm import observation_images, prompt_sharing_applies
 from groupflow.models.logprobs import response_logprobs
+from groupflow.models.packing import packed_logprobs
 from groupflow.models.sequence_parallel import check_heads, sequence_parallel_logprobs
 from groupflow.rollout.batching import generate_batch
 from groupflow.rollout.engine import HF
@@ -85,13 +86,13 @@ from groupflow.workers.update import (
     REDUCE_OP,
     accumulate,
     batch_logprobs,
+    check_no_images,
     check_text_only,
     combine_steps,
     drop_padding,
+    forward_groups,
     global_denominators,
     lockstep_logprobs,
-    micro_batches,
-    row_widths,
     skips_zero_advantage,
     trim,
     update_rows,
@@ -125,12 +126,14 @@ class _PolicyForward(nn.Module):
         share_prompt_prefix: bool = True,
         sharded: bool = False,
         sp: SequenceGroup | None = None,
+        packing: bool = False,
     ):
         super().__init__()
         self.lm = lm
         self.share_prompt_prefix = share_prompt_prefix
         self.sharded = sharded
         self.sp = sp  # Ulysses: this rank's sequence-parallel group (None: off)
+        self.packing = packing  # actor.packing: one padding-free row per call (models.packing)
 
     def forward(
         self,
@@ -144,6 +147,13 @@ class _PolicyForward(nn.Module):
         entropy_grad=True,
         vision=None,
     ):
+        if self.packing:  # one decoder call whatever the rows: FSDP ranks stay in step
+            check_no_images(vision)
+            return packed_logprobs(
+                self.lm, prompt_ids, prompt_mask, responses, response_mask,
+                temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+            )  # fmt: skip
         if self.sp is not None:  # one pass over whole rows, 1/N of each on this rank
             check_text_only(vision)
             return sequence_parallel_logprobs(
@@ -217,7 +227,11 @@ class ActorRolloutWorker:
             if self.sharded:  # sharded like the policy: 1/world of the reference per rank
                 self.ref_policy = shard(
                     _PolicyForward(
-                        self.ref_model, cfg.share_prompt_prefix, sharded=True, sp=self.sp
+                        self.ref_model,
+                        cfg.share_prompt_prefix,
+                        sharded=True,
+                        sp=self.sp,
+                        packing=cfg.packing,
                     ),
                     list(decoder_layers(self.ref_model)),
                     offload_policy=offload,
@@ -253,7 +267,13 @@ class ActorRolloutWorker:
         self.model = model
         # actor.cpu_offload: shards, gradients and AdamW state in CPU memory (config: FSDP only)
         self.policy = shard(
-            _PolicyForward(model, cfg.share_prompt_prefix, sharded=self.sharded, sp=self.sp),
+            _PolicyForward(
+                model,
+                cfg.share_prompt_prefix,
+                sharded=self.sharded,
+                sp=self.sp,
+                packing=cfg.packing,
+            ),
             list(decoder_layers(model)),
             offload_policy=offload,
         )
@@ -391,13 +411,7 @@ class ActorRolloutWorker:
     def _optimizer_step(self, mini: Batch, temperature: float) -> dict[str, float]:
         cfg = self.cfg
         rows = update_rows(mini, cfg)
-        lengths = row_widths(mini)
-        groups = [
-            [rows[j] for j in group]
-            for group in micro_batches(
-                [lengths[r] for r in rows], cfg.micro_batch_samples, cfg.micro_batch_tokens
-            )
-        ]
+        groups = forward_groups(mini, cfg, rows)
         denominators = global_denominators(mini, groups, replicas=self.sp_size)
         # Ratio/clip/entropy metrics average over the samples that are run (all, unless skipped).
         # (decided by config, not by this rank's rows: global_denominators is a collective)

@@ -29,6 +29,7 @@ from groupflow.distributed.parallel import (
     save_sharded_state,
     shard,
 )
+from groupflow.models.packing import packed_values
 from groupflow.models.value import (
     decoder_layers,
     load_value_model,
@@ -41,9 +42,8 @@ from groupflow.workers.common import ModelSpec, lr_lambda, worker_device
 from groupflow.workers.update import (
     combine_steps,
     drop_padding,
+    forward_groups,
     global_denominators,
-    micro_batches,
-    row_widths,
     trim,
 )
 
@@ -89,12 +89,14 @@ class CriticSpec:
 class _ValueForward(nn.Module):
     """The FSDP root: its forward computes response values, so root-level parameters are gathered."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, packing: bool = False):
         super().__init__()
         self.model = model
+        self.packing = packing  # critic.packing: one padding-free row per call (models.packing)
 
     def forward(self, prompt_ids, prompt_mask, responses, response_mask):
-        return response_values(self.model, prompt_ids, prompt_mask, responses, response_mask)
+        values = packed_values if self.packing else response_values
+        return values(self.model, prompt_ids, prompt_mask, responses, response_mask)
 
 
 class CriticWorker:
@@ -112,7 +114,7 @@ class CriticWorker:
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         self.device = next(model.parameters()).device
         self.model = model
-        self.critic = shard(_ValueForward(model), decoder_layers(model))
+        self.critic = shard(_ValueForward(model, cfg.packing), decoder_layers(model))
         self.optimizer = torch.optim.AdamW(
             [p for p in self.critic.parameters() if p.requires_grad],
             lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
@@ -145,9 +147,7 @@ class CriticWorker:
         batch = batch.to(self.device)
         self.critic.eval()
         out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-        groups = micro_batches(
-            row_widths(batch), self.cfg.micro_batch_samples, self.cfg.micro_batch_tokens
-        )
+        groups = forward_groups(batch, self.cfg, section="critic")
         # Through the FSDP root (it gathers the shards), so every rank runs the same number of
         # forwards: a rank with fewer micro-batches repeats its last one and discards it.
         n_micro = int(all_reduce(len(groups), op="max"))
@@ -193,7 +193,7 @@ class CriticWorker:
 
     def _optimizer_step(self, mini: Batch) -> dict[str, float]:
         cfg = self.cfg
-        groups = micro_batches(row_widths(mini), cfg.micro_batch_samples, cfg.micro_batch_tokens)
+        groups = forward_groups(mini, cfg, section="critic")
         dens = global_denominators(mini, groups)
         # Same number of forward/backward passes on every rank (FSDP collectives); extra passes
         # repeat the last micro-batch with a zero mask.

@@ -28,10 +28,14 @@ from groupflow.distributed import PAD_KEY
 from groupflow.distributed.parallel import all_reduce
 from groupflow.distributed.ulysses import SequenceGroup
 from groupflow.models.logprobs import response_logprobs
+from groupflow.models.packing import packed_logprobs
 from groupflow.models.sequence_parallel import sequence_parallel_logprobs
+from groupflow.workers.packing import packed_micro_batches
 
 __all__ = [
     "micro_batches",
+    "sample_tokens",
+    "forward_groups",
     "accumulate",
     "combine_steps",
     "row_widths",
@@ -53,6 +57,15 @@ def check_text_only(vision) -> None:
         raise ValueError(
             "parallel.sequence_parallel > 1 does not support prompts with images yet; "
             "set parallel.sequence_parallel: 1 for a vision-language model"
+        )
+
+
+def check_no_images(vision) -> None:
+    """Packed forwards concatenate token sequences; image rows take the padded forward."""
+    if vision is not None and any(v is not None for v in vision):
+        raise ValueError(
+            "actor.packing does not support prompts with images; set actor.packing: false for a "
+            "vision-language model"
         )
 
 
@@ -87,6 +100,36 @@ def micro_batches(
     if cur:
         out.append(cur)
     return out
+
+
+def sample_tokens(batch: Batch) -> list[int]:
+    """Tokens each sample puts in a packed row: its attended prompt tokens and its response up to
+    its last action (``models.packing.pack``)."""
+    prompts = (batch["prompt_mask"] != 0).sum(1)
+    return (prompts + response_widths(batch["response_mask"])).tolist()
+
+
+def forward_groups(batch: Batch, cfg, rows: Sequence[int] | None = None, *,
+                   section: str = "actor") -> list[list[int]]:  # fmt: skip
+    """The micro-batches (lists of row indices into ``batch``) of ``rows`` (None: all rows, in
+    order) under ``cfg`` (``ActorConfig`` or ``CriticConfig``): budgeted by padded width, or with
+    ``cfg.packing`` by real tokens (``workers.packing.packed_micro_batches``; a sample over the
+    budget is an error naming its uid and ``<section>.micro_batch_tokens``)."""
+    rows = list(range(len(batch))) if rows is None else list(rows)
+    if getattr(cfg, "packing", False):
+        lengths = sample_tokens(batch)
+        uids = list(batch["uid"]) if "uid" in batch else None
+        groups = packed_micro_batches(
+            [lengths[r] for r in rows], cfg.micro_batch_tokens, cfg.micro_batch_samples,
+            key=f"{section}.micro_batch_tokens",
+            names=None if uids is None else [uids[r] for r in rows],
+        )  # fmt: skip
+    else:
+        widths = row_widths(batch)
+        groups = micro_batches(
+            [widths[r] for r in rows], cfg.micro_batch_samples, cfg.micro_batch_tokens
+        )
+    return [[rows[j] for j in g] for g in groups]
 
 
 # Metrics that are extremes combine by max/min; the rest are sums of micro-batch contributions
@@ -217,13 +260,16 @@ def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: Acto
     model.eval()
     out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
     try:
-        for idx in micro_batches(
-            row_widths(batch), cfg.micro_batch_samples, cfg.micro_batch_tokens
-        ):
+        for idx in forward_groups(batch, cfg):
             mb = trim(batch.index(idx))
             rows = mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"]
             vision = list(mb["vision"]) if "vision" in mb else None
-            if sp is not None:
+            if cfg.packing:
+                check_no_images(vision)
+                lp, _ = packed_logprobs(
+                    model, *rows, temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens
+                )
+            elif sp is not None:
                 check_text_only(vision)
                 lp, _ = sequence_parallel_logprobs(
                     model, *rows, sp, temperature=temperature, chunk_tokens=cfg.logprob_chunk_tokens
@@ -255,7 +301,7 @@ def lockstep_logprobs(forward: nn.Module, batch: Batch, temperature: float, cfg:
     was_training = forward.training
     forward.eval()
     out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-    groups = micro_batches(row_widths(batch), cfg.micro_batch_samples, cfg.micro_batch_tokens)
+    groups = forward_groups(batch, cfg)
     n_micro = max(1, int(all_reduce(len(groups), op="max")))
     try:
         for i in range(n_micro):

@@ -186,3 +186,23 @@ def test_ray_pools_place_workers_per_node_and_report_what_cannot_fit():
         WorkerGroup(ToyWorker, 2, backend="ray", timeout_s=60,
                     pool=PoolSpec(workers_per_node=2, cpus_per_worker=0.5), bogus=1)  # fmt: skip
     assert live_groups() == before
+
+
+def test_ensure_ray_without_an_address_starts_its_own_instance(monkeypatch):
+    """A cluster started on this machine earlier (``ray start``, another run) leaves its address
+    in /tmp/ray, which a bare ``ray.init()`` joins, then refusing ``num_cpus``: without
+    ``run.ray_address`` (and ``$RAY_ADDRESS``) a new local instance starts instead."""
+    ray = pytest.importorskip("ray")
+    from groupflow.distributed.group import ensure_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ensure_ray(None, num_cpus=3)
+    assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] == 3
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    ensure_ray(None, num_cpus=3)
+    assert calls[-1]["address"] == "10.0.0.5:6379" and "num_cpus" not in calls[-1]
+    ensure_ray("auto")
+    assert calls[-1]["address"] == "auto"

@@ -1,4 +1,5 @@
-"""The instruction-following checkers and the partial-credit reward, on hand-written responses."""
+"""The instruction-following reward (official IFEval checkers but for start_word) and its partial
+credit, on hand-written responses."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ from groupflow.rewards.instructions import (
     "kind, arg, text, expected",
     [
         ("keyword", "lantern", "An old Lantern glows.", True),
-        ("keyword", "lantern", "Lanterns glow.", False),  # a whole word, not a prefix
-        ("lowercase", None, "all quiet here.", True),
+        # IFEval's keywords:existence is a case-insensitive regex search, not a whole-word match
+        ("keyword", "lantern", "Lanterns glow.", True),
+        ("keyword", "lantern", "A lamp glows.", False),
+        ("lowercase", None, "all is quiet here tonight and the whole town is asleep.", True),
+        # change_case:english_lowercase: lowercase *English* (langdetect), as IFEval grades it
+        ("lowercase", None, "le chat dort sur le canapé pendant que la pluie tombe.", False),
         ("lowercase", None, "all quiet here. Mostly.", False),
         ("lowercase", None, "123 ...", False),  # no letters: nothing was written in lowercase
         ("max_words", 3, "one two three", True),

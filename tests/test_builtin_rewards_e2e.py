@@ -37,7 +37,8 @@ MULTI_TURN = {
     "length_penalty": SINGLE_TURN["length_penalty"],
     "overlong_penalty": SINGLE_TURN["overlong_penalty"],
 }
-IMAGE = ("target_color", "brightness", "compressibility", "image_scorer")  # diffusion/test_rewards
+# diffusion/test_rewards; ocr: diffusion/test_ocr (RapidOCR reading rendered text, its failures)
+IMAGE = ("target_color", "brightness", "compressibility", "image_scorer", "ocr")
 
 
 def _train(tmp_path, tiny_config_data, rewards: dict, **overrides) -> dict:

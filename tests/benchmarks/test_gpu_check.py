@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every test marked gpu in these files: the dry run's `pytest -m gpu` must see them all skip.
 GPU_TEST_FILES = {
     "tests/distributed/test_parallel.py": 1,
+    "tests/models/test_packing.py": 2,
     "tests/rollout/test_static_cache.py": 2,
     "tests/test_checkpoint.py": 1,
     "tests/test_trainer.py": 1,

@@ -18,14 +18,21 @@ from groupflow.utils.nltk_data import ensure_punkt, no_downloads
 
 def ifbench_lib():
     ensure_punkt()
-    if "spacy.cli" not in sys.modules:
+    stand_in = "spacy" not in sys.modules
+    if stand_in:
         spacy, cli = types.ModuleType("spacy"), types.ModuleType("spacy.cli")
         cli.download = lambda *a, **k: None
         spacy.cli = cli
-        sys.modules.setdefault("spacy", spacy)
-        sys.modules["spacy.cli"] = cli
-    with no_downloads():
-        from ifbench import evaluation_lib
+        sys.modules.update({"spacy": spacy, "spacy.cli": cli})
+    try:
+        with no_downloads():
+            from ifbench import evaluation_lib
+    finally:
+        # the stand-in must not outlive the import: other code (datasets' hashing) takes a
+        # "spacy" in sys.modules for the real one and reads spacy.Language
+        if stand_in:
+            sys.modules.pop("spacy", None)
+            sys.modules.pop("spacy.cli", None)
     return evaluation_lib
 
 

@@ -225,7 +225,7 @@ def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) ->
 
 def curves(args) -> None:
     from groupflow.config import load_config
-    from groupflow.tracking import read_metrics
+    from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer
 
     rows, runs = {}, {}

@@ -39,7 +39,7 @@ def _prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def _groupflow(model, prompts, new_tokens):
-    from groupflow.rollout.hf import SamplingParams, generate
+    from groupflow.rollout.engines.hf import SamplingParams, generate
 
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     out = generate(model, prompts, params, seeds=list(range(len(prompts))), pad_id=0, eos_ids=[])

@@ -65,7 +65,7 @@ def worker(a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from groupflow.models.causal_lm import load_causal_lm
-    from groupflow.rollout.hf import SamplingParams, generate
+    from groupflow.rollout.engines.hf import SamplingParams, generate
 
     torch.set_num_threads(a.threads)
     model = load_causal_lm(a.model).eval()

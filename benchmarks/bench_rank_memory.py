@@ -91,7 +91,7 @@ def _storage_bytes(*modules) -> int:
 def _rank(rank: int, world: int, store: str, out: str, shape: str, layout: str, new_tokens: int):
     from groupflow.batch import Batch
     from groupflow.config import ActorConfig
-    from groupflow.rollout.hf import SamplingParams
+    from groupflow.rollout.engines.hf import SamplingParams
     from groupflow.workers.actor import ActorRolloutWorker
     from groupflow.workers.update import batch_logprobs
 

@@ -5,7 +5,7 @@ Methodology:
 - The work is K agent conversations of ``--turns`` calls each (call, a user turn appended,
   call again …), ``--new-tokens`` new tokens per call at temperature 1, for K in ``--concurrency``
   (default 1, 8, 32), with one torch thread.
-- **in-process**: the HF engine (``groupflow.rollout.engine.HFEngine``) decodes the K
+- **in-process**: the HF engine (``groupflow.rollout.engines.base.HFEngine``) decodes the K
   conversations' calls of one turn in one ``generate`` call — the best batching there is.
 - **server**: a server in a thread of the same process (uvicorn on 127.0.0.1, the continuous
   batcher — ``--batcher dynamic``: per engine call —, ``ServerCore``) and K concurrent ``openai.AsyncOpenAI`` clients sending
@@ -57,9 +57,9 @@ import time
 
 import torch
 
-from groupflow.rollout.continuous import ContinuousDecoder
-from groupflow.rollout.engine import HF
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.base import HF
+from groupflow.rollout.engines.continuous import ContinuousDecoder
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.app import ServeLimits, ServerCore, build_app
 from groupflow.serve.batcher import ContinuousBatcher, DynamicBatcher, engine_generate
 from groupflow.serve.thread import ServerThread

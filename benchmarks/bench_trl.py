@@ -415,10 +415,10 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
 
 def _matmul_kernels(a: torch.Tensor, b: torch.Tensor) -> list[Callable[[], Any]]:
     """``a @ b`` on each CPU GEMM kernel PyTorch ships: MKL (``matmul``) and oneDNN, which the
-    decode's LM head uses where it is faster (``groupflow/rollout/kernels.py``; 1.3-1.8x on
+    decode's LM head uses where it is faster (``groupflow/rollout/engines/kernels.py``; 1.3-1.8x on
     vocabulary-sized heads on our CPU)."""
     kernels = [lambda: a @ b]
-    # (the check of groupflow.rollout.kernels.onednn_linear_available, inlined so that the floor
+    # (the check of groupflow.rollout.engines.kernels.onednn_linear_available, inlined so that the floor
     # also runs beside a groupflow from before that module: bench_generation.py --baseline)
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if a.device.type == "cpu" and onednn:

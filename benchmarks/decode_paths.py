@@ -41,7 +41,7 @@ def timed(fn, device: torch.device, reps: int = 3):
 
 
 def decode_case(name, model, prompts, n, new_tokens, device, dtype=torch.float32) -> None:
-    from groupflow.rollout.hf import SamplingParams, generate
+    from groupflow.rollout.engines.hf import SamplingParams, generate
 
     model = model.to(device, dtype).eval()
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, n=n)
@@ -62,7 +62,7 @@ def decode_case(name, model, prompts, n, new_tokens, device, dtype=torch.float32
 
 
 def sampler_case(vocab: int, rows: int, device: torch.device) -> None:
-    from groupflow.rollout.hf import SamplingParams, _sample
+    from groupflow.rollout.engines.hf import SamplingParams, _sample
 
     logits = torch.randn(rows, vocab, device=device)
     gens = [torch.Generator().manual_seed(i) for i in range(rows)]
@@ -74,7 +74,7 @@ def head_case(vocab: int, hidden: int, rows: int) -> None:
     """The LM head of a decode step: F.linear (MKL on CPU) vs the kernel the decode picks."""
     import torch.nn.functional as F
 
-    from groupflow.rollout.kernels import head_kernel
+    from groupflow.rollout.engines.kernels import head_kernel
 
     head = torch.nn.Linear(hidden, vocab, bias=False)
     kernel = head_kernel(head)
@@ -94,7 +94,7 @@ def attention_case(rows: int, q_heads: int, kv_heads: int, length: int, layers: 
     hold, as in a real model): SDPA (what the static decode used) vs grouped_attention."""
     import torch.nn.functional as F
 
-    from groupflow.rollout.static_cache import grouped_attention
+    from groupflow.rollout.engines.static_cache import grouped_attention
 
     dim, cpu = 64, torch.device("cpu")
     keys = [torch.randn(rows, kv_heads, length, dim) for _ in range(layers)]

@@ -41,7 +41,7 @@ VARIANTS = {
 
 def run(variant: str, seed: int, steps: int, every: int, out: Path) -> dict:
     from groupflow.config import apply_overrides, config_from_dict
-    from groupflow.tracking import read_metrics
+    from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer
 
     data = yaml.safe_load((ROOT / "examples" / "diffusion_demo.yaml").read_text())

@@ -30,7 +30,7 @@ REWARDS = ("sky", "compressibility", "sky_pixel")
 
 def run(mode: str, seed: int, steps: int, every: int, out: Path) -> dict:
     from groupflow.config import apply_overrides, config_from_dict
-    from groupflow.tracking import read_metrics
+    from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer
 
     data = yaml.safe_load(CONFIG.read_text())

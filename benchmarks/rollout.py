@@ -75,8 +75,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
 
-    from groupflow.rollout.hf import SamplingParams, generate
-    from groupflow.rollout.vllm_engine import VLLMEngine, VLLMOptions, require_vllm
+    from groupflow.rollout.engines.hf import SamplingParams, generate
+    from groupflow.rollout.engines.vllm_engine import VLLMEngine, VLLMOptions, require_vllm
 
     require_vllm()
     torch.set_num_threads(args.threads)

@@ -70,14 +70,14 @@ def _help_of(parser: argparse.ArgumentParser, name: str) -> str:
 
 
 def cli_markdown() -> str:
-    from groupflow.cli import build_parser
+    from groupflow.cli.commands import build_parser
 
     parser = build_parser()
     parser.prog = "groupflow"
     out = [
         "# Command line",
         "",
-        "Generated from `groupflow/cli.py`'s parser. Every command exits 2 with a one-line "
+        "Generated from `groupflow/cli/commands.py`'s parser. Every command exits 2 with a one-line "
         "error naming the offending file, key or row on bad input (`--log-level DEBUG` adds the "
         "traceback).",
         "",

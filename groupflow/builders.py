@@ -555,14 +555,14 @@ def prompt_stats(train: EncodedPrompts, val: EncodedPrompts | None) -> dict[str,
 
 
 def build_rollout_engine(cfg: Config):
-    """Plain, picklable options of the rollout engine (``groupflow.rollout.engine``) the workers
+    """Plain, picklable options of the rollout engine (``groupflow.rollout.engines.base``) the workers
     that generate build in their own processes: ``HFOptions`` or ``VLLMOptions``.
 
     Called at start-up: ``rollout.engine=vllm`` without vLLM installed fails here, naming the
     install command, before any data or model is loaded.
     """
-    from groupflow.rollout.engine import HF
-    from groupflow.rollout.vllm_engine import VLLMOptions, require_vllm
+    from groupflow.rollout.engines.base import HF
+    from groupflow.rollout.engines.vllm_engine import VLLMOptions, require_vllm
 
     if cfg.rollout.engine == "hf":
         return HF

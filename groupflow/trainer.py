@@ -7,7 +7,7 @@ diffusion — ``groupflow.workflows``), training goes to a *policy* (its worker 
 batch is validated against the stage contract at each boundary, so a broken reward function,
 environment or custom estimator is reported where it happened. This file decides only *what
 happens in which order*, plus validation, logging and checkpoints. Where a step's batch comes
-from is a *rollout source* (``groupflow.rollout_source``): collected now with the current weights,
+from is a *rollout source* (``groupflow.rollout.source``): collected now with the current weights,
 or — ``rollout.max_staleness`` — ahead on the rollout side with a scheduled older version; the
 loop asks it for the batch of step s and tells it after each update, and never asks which it is.
 """
@@ -21,23 +21,23 @@ import torch
 
 from groupflow.batch import Batch
 from groupflow.builders import resolve_hub_models
-from groupflow.checkpoint import (
-    capture_rng_state,
-    find_latest_checkpoint,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
 from groupflow.config import Config
 from groupflow.config.presets import preset_note, preset_report
 from groupflow.contracts import check_staleness, validate
 from groupflow.credit import CreditAssignment
 from groupflow.evals import get_benchmark
 from groupflow.evals.runner import run_benchmark
-from groupflow.health import CollapseMonitor
-from groupflow.rollout_source import RolloutSource, build_rollout_source
-from groupflow.rundir import plain_config, prepare_run_dir
-from groupflow.tracking import Tracker
+from groupflow.rollout.source import RolloutSource, build_rollout_source
+from groupflow.run.checkpoint import (
+    capture_rng_state,
+    find_latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from groupflow.run.health import CollapseMonitor
+from groupflow.run.rundir import plain_config, prepare_run_dir
+from groupflow.run.tracking import Tracker
 from groupflow.utils.main_guard import refuse_run_in_child
 from groupflow.utils.seeds import sample_seed
 from groupflow.utils.timing import StageTimer
@@ -118,7 +118,7 @@ class Trainer:
         self.collapse = CollapseMonitor(cfg.actor.lr, getattr(self.policy, "max_entropy", None))
         self.loader = prompt_loader(cfg, self.workflow.train_rows)
         # Where batches come from: collected now (synchronous), or ahead on the rollout side with
-        # scheduled older weights (rollout.max_staleness = k >= 1; groupflow.rollout_source).
+        # scheduled older weights (rollout.max_staleness = k >= 1; groupflow.rollout.source).
         self.max_staleness = cfg.rollout.max_staleness
         self.source: RolloutSource = build_rollout_source(
             cfg, built_cfg, self.run_dir, self.policy, self.workflow, self.loader, inputs

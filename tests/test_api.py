@@ -13,7 +13,7 @@ import groupflow
 from groupflow.config import ConfigError
 from groupflow.data import DataError, make_task_rows
 from groupflow.rewards import MissingRewardFieldError, RewardConfigError
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 
 CALLS: list[dict] = []
 
@@ -168,7 +168,8 @@ def test_bad_dataset_objects_are_reported(tiny_config_data, dataset, message):
 def test_the_cli_train_command_runs_through_the_api(tiny_config_data, tmp_path, monkeypatch):
     import yaml
 
-    from groupflow import api, cli
+    from groupflow import api
+    from groupflow.cli import commands as cli
 
     built = []
     real = api.Run

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-from groupflow.cli import main
+from groupflow.cli.commands import main
 from groupflow.rewards import reward_names
 
 # name -> the config entry (kwargs chosen so the value can be checked by hand where noted)

@@ -19,7 +19,7 @@ from groupflow.config import (
     load_config,
     parse_overrides,
 )
-from groupflow.tracking import save_config
+from groupflow.run.tracking import save_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.y*ml"))
 

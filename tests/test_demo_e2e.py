@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from groupflow.cli import main
+from groupflow.cli.commands import main
 from groupflow.config import apply_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from groupflow.batch import Batch
 from groupflow.data import PromptRow
 from groupflow.evaluation import evaluate, pass_at_k
 from groupflow.rewards.base import RewardFunction, RewardRunner
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.workflows.single_turn import SingleTurnWorkflow
 
 RIGHT, CLOSE, WRONG = 1, 2, 3

@@ -20,7 +20,7 @@ from groupflow.data import PromptRow
 from groupflow.evaluation import evaluate
 from groupflow.rewards import build_reward_runner
 from groupflow.rewards.base import RewardFunction, RewardRunner
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.workflows.single_turn import SingleTurnWorkflow
 
 # prompt i has ground truth "7"; completions per prompt (greedy: the first; sampled: all three)

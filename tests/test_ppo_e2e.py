@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from groupflow.cli import main
+from groupflow.cli.commands import main
 
 
 @pytest.mark.slow

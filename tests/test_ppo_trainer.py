@@ -87,7 +87,7 @@ def test_grpo_with_kl_in_reward_needs_no_critic(tiny_config):
 def test_lora_run_exports_a_plain_model_through_the_cli(tiny_config_data, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from groupflow.cli import main
+    from groupflow.cli.commands import main
     from groupflow.models.logprobs import response_logprobs
 
     data = tiny_config_data(

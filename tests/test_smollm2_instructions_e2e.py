@@ -39,8 +39,8 @@ def smollm2_dir(tmp_path_factory):
 
 
 def test_two_steps_of_the_instructions_example_then_eval(smollm2_dir, tmp_path, capsys):
-    from groupflow import cli
-    from groupflow.tracking import read_metrics
+    from groupflow.cli import commands as cli
+    from groupflow.run.tracking import read_metrics
 
     overrides = [
         f"model.path={smollm2_dir}",

@@ -16,10 +16,10 @@ import pytest
 import torch
 import yaml
 
-from groupflow import checkpoint as ckpt_module
 from groupflow.config import config_from_dict, load_config
-from groupflow.rundir import RunDirError
-from groupflow.tracking import read_metrics
+from groupflow.run import checkpoint as ckpt_module
+from groupflow.run.rundir import RunDirError
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 from groupflow.workers import actor as actor_module
 from groupflow.workers.actor import ActorRolloutWorker

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from groupflow.data import DataError, make_task_rows
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from groupflow.rollout.vllm_engine import vllm_available
-from groupflow.tracking import read_metrics
+from groupflow.rollout.engines.vllm_engine import vllm_available
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 
 
@@ -62,7 +62,7 @@ def test_tis_weights_reach_the_loss(tiny_config, monkeypatch):
     reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh)",
 )
 def test_short_grpo_run_on_vllm_raises_reward(tmp_path):
-    from groupflow.cli import main
+    from groupflow.cli.commands import main
 
     code = main(
         ["train", "examples/reverse_vllm.yaml", f"run.output_dir={tmp_path}", "run.name=vllm",

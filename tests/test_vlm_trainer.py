@@ -16,7 +16,7 @@ from groupflow.config import config_from_dict
 from groupflow.data import DataError
 from groupflow.data.images import prompt_images
 from groupflow.data.shapes import CELL, COLOURS, make_shape_rows
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 
 VISION = {"image_size": 32, "patch_size": 8, "scale_factor": 2, "hidden_size": 16, "num_layers": 1}
@@ -189,13 +189,13 @@ def test_the_vllm_engine_refuses_the_tiny_vlm_and_names_a_vlm_directorys_process
 ):
     from groupflow.builders import build_rollout_engine
     from groupflow.config import ConfigError
-    from groupflow.rollout.vllm_engine import VLLMUnavailableError, vllm_available
+    from groupflow.rollout.engines.vllm_engine import VLLMUnavailableError, vllm_available
 
     data = _cfg(tiny_config_data)
     data["rollout"]["engine"] = "vllm"
     with pytest.raises(ConfigError, match="vLLM's multimodal inputs need one"):
         config_from_dict(data)
-    # a VLM directory: vLLM's options name it as the processor's (tests/rollout/test_vllm.py
+    # a VLM directory: vLLM's options name it as the processor's (tests/rollout/engines/test_vllm.py
     # runs the engine on images in .venv-vllm)
     (tmp_path / "vlm").mkdir()
     (tmp_path / "vlm" / "config.json").write_text(json.dumps({"vision_config": {}}))
@@ -212,7 +212,7 @@ def test_the_vllm_engine_refuses_the_tiny_vlm_and_names_a_vlm_directorys_process
 @pytest.mark.slow
 def test_the_image_demo_learns_to_count(tmp_path, capsys):
     """examples/shapes_vlm_demo.yaml as shipped (seed 0): the README's 32.5 % -> 86.5 %."""
-    from groupflow.cli import main
+    from groupflow.cli.commands import main
 
     root = Path(__file__).resolve().parents[1]
     code = main(["train", str(root / "examples" / "shapes_vlm_demo.yaml"),
@@ -233,7 +233,7 @@ def test_eval_and_export_of_a_tiny_vlm_run(tiny_config_data, tmp_path, capsys):
     import yaml
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from groupflow.cli import main
+    from groupflow.cli.commands import main
     from groupflow.models.vision import encode_image_prompt
 
     data = _cfg(tiny_config_data, run__total_steps=2, run__save_every=2)
@@ -259,7 +259,7 @@ def test_eval_and_export_of_a_tiny_vlm_run(tiny_config_data, tmp_path, capsys):
 
     prompt = torch.tensor([ids])
     resp = torch.tensor([[proc.tokenizer.convert_tokens_to_ids("3"), proc.tokenizer.eos_token_id]])
-    from groupflow.checkpoint import find_latest_checkpoint, load_checkpoint
+    from groupflow.run.checkpoint import find_latest_checkpoint, load_checkpoint
 
     ours = trainer.policy.actor.model.eval()
     ours.load_state_dict(load_checkpoint(find_latest_checkpoint(run_dir / "checkpoints"))["model"])

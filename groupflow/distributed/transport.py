@@ -11,7 +11,7 @@ tensor bytes inside tickets (``ticket_nbytes``, logged as ``weights/bytes_via_dr
 
 - ``driver``: the ticket *is* the weights (the old path; in-process workers and the default of
   the local backend, where the actor lives in the driver's process anyway);
-- ``ring``: the shared-memory ``WeightRing`` of one host (``groupflow.utils.weight_ring``): the
+- ``ring``: the shared-memory ``WeightRing`` of one host (``groupflow.rollout.weight_ring``): the
   ticket is the version; the asynchronous rollout's default on one machine;
 - ``filesystem``: safetensors buckets under a directory both sides see, a manifest written last;
   for clusters without a shared collective;

@@ -20,8 +20,8 @@ from typing import Any
 
 from groupflow.data import render_prompt
 from groupflow.evals import get_benchmark
-from groupflow.rollout.batching import prompts_batch
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.batching import prompts_batch
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.utils.progress import Progress
 
 __all__ = ["BenchmarkResult", "run_benchmark", "select_rows", "write_records"]

@@ -42,7 +42,7 @@ class PolicyView(Protocol):
 class Policy(PolicyView, Protocol):
     """The policy as the driver trains it. ``async_on_pool``: the asynchronous rollout runs on
     the policy's own Ray rollout pool (``rollout_pool``, a ``WorkerGroup``: the rollout loop in
-    an actor there, ``groupflow.rollout_pool``), fed versions as transport tickets
+    an actor there, ``groupflow.rollout.ray_host``), fed versions as transport tickets
     (``publish``)."""
 
     async_on_pool: bool

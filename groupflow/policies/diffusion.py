@@ -12,7 +12,7 @@ workers also hold the frozen teacher, checked against the student at load (laten
 conditioning) and never checkpointed; the asynchronous rollout side and a rollout pool sample
 without one. With ``rollout.max_staleness >= 1`` the asynchronous side samples with a flow model
 of its own in a child process, or — on Ray with a rollout pool — runs in a Ray actor beside the
-pool (``groupflow.rollout_pool``), whose workers sample with the scheduled versions. Such copies
+pool (``groupflow.rollout.ray_host``), whose workers sample with the scheduled versions. Such copies
 never train, so a version carries everything sampling depends on, not only the flow weights: the
 NFT/AWM "old" copy and the update count that places the SDE window
 (``DiffusionWorker._sampling_extras``) — they derive nothing from a scheduler of their own.
@@ -307,7 +307,7 @@ class DiffusionPolicy:
 
 
 class DiffusionRolloutPolicy:
-    """The diffusion policy as the asynchronous rollout side sees it (``groupflow.rollout_side``):
+    """The diffusion policy as the asynchronous rollout side sees it (``groupflow.rollout.side``):
     a flow model of its own that samples with the weights of a scheduled version, and the
     contracts; nothing here trains."""
 
@@ -329,7 +329,7 @@ class PoolDiffusionRolloutPolicy:
     """The diffusion policy as the asynchronous rollout side sees it with a Ray rollout pool: the
     pool's workers sample and receive each scheduled version as a transport ticket
     (``load_weights``), fetching the buckets from the actor's rank themselves. It travels to the
-    side's Ray actor (``groupflow.rollout_pool``) with a handle on the pool."""
+    side's Ray actor (``groupflow.rollout.ray_host``) with a handle on the pool."""
 
     contracts = DIFFUSION_CONTRACTS
     pretrain_stats: dict[str, float] = {}

@@ -24,8 +24,8 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config, ModelConfig
 from groupflow.contracts import CONTRACTS
 from groupflow.distributed.transport import ticket_nbytes
-from groupflow.rollout.engine import HF
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.base import HF
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker
 from groupflow.workers.common import ModelSpec
@@ -338,7 +338,7 @@ class LLMPolicy:
         if self.critic is not None and c.path is None and c.tiny is None:
             self._transfer(self.critic.receive_backbone, 0, self.side_transport)
 
-    # ----- asynchronous rollout (groupflow.async_rollout) -------------------------------------
+    # ----- asynchronous rollout (groupflow.rollout.hosts) -------------------------------------
     @property
     def async_on_pool(self) -> bool:
         """Whether the asynchronous rollout generates on this policy's Ray rollout pool (fed
@@ -409,7 +409,7 @@ class LLMPolicy:
 
 
 class RolloutPolicy:
-    """The policy as the asynchronous rollout side sees it (``groupflow.rollout_side``): a frozen
+    """The policy as the asynchronous rollout side sees it (``groupflow.rollout.side``): a frozen
     copy of the model in that side's own process (weights arrive by version through
     ``load_weights``), the tokenizer, the sampling parameters, the contracts and — when configured
     — a reward model of its own (frozen: the same weights as the trainer's). Nothing here trains;
@@ -445,7 +445,7 @@ class PoolRolloutPolicy:
     """The policy as the asynchronous rollout side sees it when the rollout has a Ray pool: that
     pool's workers generate (on whichever nodes Ray placed them) and receive each scheduled
     version as a transport ticket (``load_weights``), fetching the buckets from the actor's rank
-    themselves. It travels to the side's Ray actor (``groupflow.rollout_pool``) with handles on
+    themselves. It travels to the side's Ray actor (``groupflow.rollout.ray_host``) with handles on
     the pool and the reward model's workers; tokenizer, sampling parameters and contracts are the
     trainer policy's."""
 

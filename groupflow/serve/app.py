@@ -51,7 +51,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.batcher import (
     Completion,
     ContinuousBatcher,

@@ -40,10 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from groupflow.batch import Batch
-from groupflow.rollout.batching import prompts_batch
-from groupflow.rollout.continuous import ContinuousDecoder, Finished, continuous_reason
-from groupflow.rollout.engine import HFEngine
-from groupflow.rollout.hf import GenerationOutput, SamplingParams
+from groupflow.rollout.engines.base import HFEngine
+from groupflow.rollout.engines.batching import prompts_batch
+from groupflow.rollout.engines.continuous import ContinuousDecoder, Finished, continuous_reason
+from groupflow.rollout.engines.hf import GenerationOutput, SamplingParams
 from groupflow.serve.scoring import ScoreFn, ScoreJob, TokenScores, model_scorer
 
 __all__ = [
@@ -90,7 +90,7 @@ def _completions(responses, mask, logprobs, finishes: Sequence[str]) -> list[Com
 
 
 def engine_generate(engine) -> GenerateFn:
-    """A ``RolloutEngine`` (``groupflow.rollout.engine``) as the batcher's generate function."""
+    """A ``RolloutEngine`` (``groupflow.rollout.engines.base``) as the batcher's generate function."""
 
     def generate(prompts, params, seeds):
         out: GenerationOutput = engine.generate(prompts, params, seeds=seeds)

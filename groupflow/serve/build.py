@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from groupflow.config import Config
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.app import Access, ServeLimits, ServerCore
 from groupflow.serve.batcher import group_batcher
 

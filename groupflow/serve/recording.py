@@ -16,7 +16,7 @@ import secrets
 import threading
 from dataclasses import dataclass, field, replace
 
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.app import CallRecord
 
 __all__ = ["EpisodeRecorder", "Chain", "merge_calls", "call_seed"]

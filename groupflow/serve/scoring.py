@@ -24,7 +24,7 @@ from torch import nn
 
 from groupflow.models.causal_lm import decoder_hidden_states
 from groupflow.models.logit_transform import lm_logits
-from groupflow.rollout.hf import left_pad
+from groupflow.rollout.engines.hf import left_pad
 
 __all__ = ["ScoreJob", "TokenScores", "ScoreFn", "score_sequences", "model_scorer"]
 

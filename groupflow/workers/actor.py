@@ -67,9 +67,9 @@ from groupflow.models.causal_lm import observation_images, prompt_sharing_applie
 from groupflow.models.logprobs import response_logprobs
 from groupflow.models.packing import packed_logprobs
 from groupflow.models.sequence_parallel import check_heads, sequence_parallel_logprobs
-from groupflow.rollout.batching import generate_batch
-from groupflow.rollout.engine import HF
-from groupflow.rollout.hf import SamplingParams, left_pad
+from groupflow.rollout.engines.base import HF
+from groupflow.rollout.engines.batching import generate_batch
+from groupflow.rollout.engines.hf import SamplingParams, left_pad
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import (
     ModelSpec,

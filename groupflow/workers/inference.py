@@ -28,9 +28,9 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import register
 from groupflow.distributed.transport import receive_into, ticket_version
-from groupflow.rollout.batching import generate_batch
-from groupflow.rollout.engine import HF
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.base import HF
+from groupflow.rollout.engines.batching import generate_batch
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.workers.common import ModelSpec, worker_device
 from groupflow.workers.update import batch_logprobs
 

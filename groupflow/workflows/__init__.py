@@ -20,7 +20,7 @@ A workflow works with a *policy* through its ``PolicyView`` (``groupflow.policie
 generates through the policy's ``rollout`` group, and the trainer hands its batches to the policy's
 ``prepare``/``update``. Every sample carries the ``version`` of the policy that generated it
 (the number of updates applied so far), contract-checked, for asynchronous rollout. There a
-second instance of the workflow is built on the rollout side (``groupflow.rollout_side``, a
+second instance of the workflow is built on the rollout side (``groupflow.rollout.side``, a
 child process by default) over the policy's ``RolloutPolicy`` — ``rollout``, ``tokenizer``,
 ``sampling``, ``contracts``, ``reward_model``, no ``actor`` — with the same config and training
 rows, and only its ``collect`` is called there: a custom workflow's ``collect`` must use no more

@@ -26,7 +26,7 @@ loop while the server decodes their requests in shared batches. Server and episo
 the workflow's ``collect`` runs: synchronously on the driver (with a Ray rollout pool the server's
 engine calls go to the pool's workers); asynchronously (``rollout.max_staleness >= 1``) on the
 rollout side — the local child process, or with a Ray rollout pool the pool's loop actor on the
-pool's node (``groupflow.rollout_pool``), so the agents' traffic never reaches the driver.
+pool's node (``groupflow.rollout.ray_host``), so the agents' traffic never reaches the driver.
 
 The run's sampling settings hold for every call (the training forward assumes them): a request's
 own temperature/top-p is replaced and counted (``rollout/agent/sampling_overrides``). The warm
@@ -64,7 +64,7 @@ from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptRow
 from groupflow.envs import build_env_agent
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.app import CallRecord, build_app
 from groupflow.serve.build import server_core
 from groupflow.serve.recording import Chain, EpisodeRecorder, merge_calls

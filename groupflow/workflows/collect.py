@@ -1,7 +1,7 @@
 """One step's experience: the workflow's collect, plus dynamic-sampling refills (DAPO).
 
 Design decision: a plain function of (workflow, prompt loader, step, version), so the synchronous
-trainer and the asynchronous rollout side (``groupflow.rollout_side``, in a child process or a
+trainer and the asynchronous rollout side (``groupflow.rollout.side``, in a child process or a
 thread) run the very same code and draw the very same prompts: a batch does not depend on where
 it was collected. Refills are generated with the same weights as the first round, so they count
 against the staleness bound.

@@ -52,8 +52,8 @@ from groupflow.agents.formats import TurnFormat
 from groupflow.batch import Batch
 from groupflow.data import PromptRow
 from groupflow.models.vision import VisionInputs, join_vision
-from groupflow.rollout.batching import prompts_batch
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.batching import prompts_batch
+from groupflow.rollout.engines.hf import SamplingParams
 
 log = logging.getLogger("groupflow")
 

@@ -23,7 +23,7 @@ from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.data import PromptRow
 from groupflow.evaluation import evaluate
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.sft import warm_start
 from groupflow.workers.reward_model import ModelRewardRunner
 

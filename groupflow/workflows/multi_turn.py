@@ -41,7 +41,7 @@ from groupflow.data import DataError, PromptRow
 from groupflow.data.images import ImageLimits
 from groupflow.evaluation import records_from_scores, report_progress
 from groupflow.models.vision import join_vision
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.utils.imports import resolve_import_path
 from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.episodes import Episode, EpisodeLimits, episodes_batch, run_episodes

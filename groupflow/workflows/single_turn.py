@@ -16,8 +16,8 @@ from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptRow
 from groupflow.evaluation import records_from_scores, report_progress
-from groupflow.rollout.batching import prompts_batch
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.batching import prompts_batch
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.llm import (
     LLM_FIELDS,

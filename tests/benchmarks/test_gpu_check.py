@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_TEST_FILES = {
     "tests/distributed/test_parallel.py": 1,
     "tests/models/test_packing.py": 2,
-    "tests/rollout/test_static_cache.py": 2,
-    "tests/test_checkpoint.py": 1,
+    "tests/rollout/engines/test_static_cache.py": 2,
+    "tests/run/test_checkpoint.py": 1,
     "tests/test_trainer.py": 1,
 }
 

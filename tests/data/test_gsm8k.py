@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from groupflow.cli import main as cli_main
+from groupflow.cli.commands import main as cli_main
 from groupflow.data import load_prompt_rows
 from groupflow.data.gsm8k import (
     GSM8K_INSTRUCTION,

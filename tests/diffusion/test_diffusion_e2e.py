@@ -7,7 +7,7 @@ import pytest
 
 from groupflow.config import config_from_dict
 from groupflow.diffusion.pretrain import pretrain_tiny_model
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -128,7 +128,7 @@ def test_bad_flux_input_names_the_key(flux_dir, tmp_path):
 
 def test_one_grpo_step_and_an_exact_resume(flux_dir, tmp_path):
     from groupflow.config import config_from_dict
-    from groupflow.tracking import read_metrics
+    from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer
 
     prompts = tmp_path / "prompts.jsonl"

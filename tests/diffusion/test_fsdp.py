@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 from tests.diffusion.test_mmdancegrpo import _tiny_wan
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from groupflow.config import apply_overrides, config_from_dict
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "mmdancegrpo_wan.yaml"

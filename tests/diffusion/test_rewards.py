@@ -190,7 +190,7 @@ def test_every_image_builtin_in_a_one_step_diffusion_run(tmp_path):
 
     import yaml
 
-    from groupflow.cli import main
+    from groupflow.cli.commands import main
     from groupflow.diffusion.models import TinyFlowModel, save_tiny_model
     from groupflow.diffusion.pretrain import COLORS
 

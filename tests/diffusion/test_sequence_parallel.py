@@ -140,7 +140,7 @@ def wan_setup(tmp_path_factory):
 @pytest.mark.slow  # Ray start-up and diffusers' import dominate; the model is tiny
 def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(wan_setup, tmp_path):
     pytest.importorskip("ray")
-    from groupflow.tracking import read_metrics
+    from groupflow.run.tracking import read_metrics
     from tests.diffusion.test_fsdp import _cfg, _fit
 
     model, prompts = wan_setup

@@ -10,7 +10,7 @@ from groupflow.config import ConfigError, config_from_dict
 from groupflow.data import DataError
 from groupflow.diffusion.models import TinyFlowModel, save_tiny_model
 from groupflow.diffusion.pretrain import COLORS
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 
 
@@ -259,7 +259,7 @@ def test_shuffle_advantages_permutes_them(tiny_dir, prompts_file, tmp_path):
 
 
 def test_cli_pretrains_the_tiny_model(tmp_path, capsys):
-    from groupflow.cli import main
+    from groupflow.cli.commands import main
     from groupflow.diffusion.models import load_tiny_model
 
     assert (
@@ -286,7 +286,7 @@ def test_a_run_of_0_steps_exits_0_and_plots_the_online_test(tiny_dir, prompts_fi
     plotted, and train exits 0 (it exited 2: no plot panel matched a diffusion metric)."""
     import yaml
 
-    from groupflow.cli import main
+    from groupflow.cli.commands import main
 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_dir, prompts_file).to_dict()))
@@ -325,7 +325,7 @@ def test_one_ray_worker_gives_the_local_numbers(tiny_dir, teacher_dir, prompts_f
 def test_llm_only_commands_refuse_a_diffusion_config(tiny_dir, prompts_file, tmp_path, capsys):
     import yaml
 
-    from groupflow.cli import main
+    from groupflow.cli.commands import main
 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_dir, prompts_file).to_dict()))

@@ -248,8 +248,8 @@ def test_node_b_dying_mid_run_is_named_and_a_fresh_node_b_resumes_exactly(two_no
     import threading
     import time
 
-    from groupflow.async_rollout import RolloutError
     from groupflow.distributed import WorkerError
+    from groupflow.rollout.hosts import RolloutError
 
     full_dir, _ = apart_run(1)
     args = (*APART[1], *PINNED, "run.worker_timeout_s=60")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from groupflow.cli import main
+from groupflow.cli.commands import main
 from groupflow.config import load_config
 from groupflow.distributed import WorkerError
 from groupflow.trainer import Trainer
@@ -202,7 +202,7 @@ def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(
     asynchronously through Ray's object store — and the run is the local run's (colocated, or
     the local child process): the same prompts at every step and, while the weights are the
     initial ones on both, the same sampled tokens."""
-    import groupflow.rollout_side
+    import groupflow.rollout.side
 
     k = f"rollout.max_staleness={staleness}"
     local = metrics(local_run(staleness))
@@ -217,7 +217,7 @@ def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(
     def not_in_the_driver(*args, **kwargs):
         raise AssertionError("the asynchronous rollout side collected in the driver's process")
 
-    monkeypatch.setattr(groupflow.rollout_side, "collect_step", not_in_the_driver)
+    monkeypatch.setattr(groupflow.rollout.side, "collect_step", not_in_the_driver)
     trainer = Trainer(cfg)
     try:
         assert trainer.policy.transport.name == ("ray" if staleness else "collective")
@@ -261,8 +261,8 @@ def test_driver_sigkill_and_a_killed_rollout_worker_with_a_rollout_pool_resume_e
     uninterrupted run's metrics bit for bit: the checkpoint keeps the in-flight version, read
     back through the transport. (2) A rollout worker killed mid-run stops the run with an error
     naming the role, the rank and the policy version; the run resumes, again exactly."""
-    from groupflow.async_rollout import RolloutError
-    from groupflow.checkpoint import find_latest_checkpoint, load_checkpoint
+    from groupflow.rollout.hosts import RolloutError
+    from groupflow.run.checkpoint import find_latest_checkpoint, load_checkpoint
 
     # a constant LR: the killed run is given more steps than it lives (it must not finish
     # first), and run.total_steps then changes nothing that is trained

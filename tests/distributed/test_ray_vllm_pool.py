@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from groupflow.rollout.vllm_engine import vllm_available
+from groupflow.rollout.engines.vllm_engine import vllm_available
 
 pytestmark = [
     pytest.mark.slow,
@@ -157,7 +157,7 @@ def test_two_vllm_pool_workers_fed_by_two_sharded_actor_ranks(tmp_path, monkeypa
     ones; both workers end on one version."""
     pytest.importorskip("ray")
     from groupflow.config import load_config
-    from groupflow.rollout.batching import prompts_batch
+    from groupflow.rollout.engines.batching import prompts_batch
     from groupflow.trainer import Trainer
 
     steps = 3 if staleness else 2  # asynchronously step 3's batch is the first from version 1

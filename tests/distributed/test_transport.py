@@ -18,7 +18,7 @@ from groupflow.distributed.transport import (
     ticket_version,
     unpack_buckets,
 )
-from groupflow.utils.weight_ring import WeightRing
+from groupflow.rollout.weight_ring import WeightRing
 
 
 def _weights():
@@ -154,7 +154,7 @@ def test_transport_is_chosen_by_config_with_a_default_per_backend(tiny_config, t
 
 
 def test_a_rollout_pool_fed_through_the_filesystem_gives_the_driver_runs_numbers(tiny_config):
-    from groupflow.tracking import read_metrics
+    from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer
 
     def run(name, transport):

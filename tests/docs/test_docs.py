@@ -84,7 +84,7 @@ def test_every_python_snippet_compiles(page, block):
 
 
 def test_every_groupflow_command_parses_and_names_existing_files_and_keys():
-    from groupflow.cli import _parse, build_parser
+    from groupflow.cli.commands import _parse, build_parser
     from groupflow.config import Config
     from groupflow.config.reference import config_reference
 
@@ -108,14 +108,14 @@ def test_a_snippet_with_a_bad_key_or_a_bad_command_is_caught():
     (model,) = _section_models()["rollout"]
     with pytest.raises(ValueError, match="max_stalenes"):
         model.model_validate({"max_stalenes": 1})
-    from groupflow.cli import build_parser
+    from groupflow.cli.commands import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["trian", "examples/reverse_demo.yaml"])
 
 
 def test_generated_pages_cover_every_key_command_and_example():
-    from groupflow.cli import build_parser
+    from groupflow.cli.commands import build_parser
     from groupflow.config import Config
     from groupflow.config.reference import config_reference
 

@@ -223,7 +223,7 @@ def test_openenv_and_an_agent_are_exclusive_and_need_the_agent_workflow(tiny_bas
 
 
 def test_the_cli_shows_a_server_error_with_the_fix_and_exit_2():
-    from groupflow.cli_errors import explain
+    from groupflow.cli.errors import explain
     from groupflow.envs import MissingEnvPackageError, OpenEnvServerError
 
     e = explain(OpenEnvServerError("the OpenEnv server 'x:app' exited with code 1"))

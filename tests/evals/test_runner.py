@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from groupflow import cli
+from groupflow.cli import commands as cli
 from groupflow.evals import BENCHMARKS, get_benchmark
 from groupflow.evals.runner import select_rows
 
@@ -79,7 +79,7 @@ def test_eval_limit_out_of_range_exits_2(tiny_file, capsys):
 
 
 def test_training_validation_logs_bench_metrics(tiny_config, tmp_path):
-    from groupflow.tracking import read_metrics
+    from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer
 
     cfg = tiny_config(run__total_steps=1, validation__benchmarks=["reverse"],

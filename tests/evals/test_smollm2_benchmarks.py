@@ -35,7 +35,7 @@ def smollm2_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name, keys", [("ifeval", ["1000", "1001"]), ("ifbench", ["0"])])
 def test_the_example_evaluates_a_benchmark(smollm2_dir, tmp_path, capsys, name, keys):
-    from groupflow import cli
+    from groupflow.cli import commands as cli
 
     out = tmp_path / f"{name}.jsonl"
     args = ["eval", str(EXAMPLE), f"model.path={smollm2_dir}", "run.num_threads=1",

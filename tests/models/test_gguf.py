@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from groupflow.cli import main as cli_main
+from groupflow.cli.commands import main as cli_main
 from groupflow.models import gguf as gguf_mod
 from groupflow.models.gguf import (
     GGUFConversionError,

@@ -24,8 +24,8 @@ from groupflow.models.logit_transform import (
     logit_transform,
 )
 from groupflow.models.logprobs import response_logprobs
-from groupflow.rollout.batching import prompts_batch
-from groupflow.rollout.hf import SamplingParams, generate
+from groupflow.rollout.engines.batching import prompts_batch
+from groupflow.rollout.engines.hf import SamplingParams, generate
 from groupflow.workers.actor import ActorRolloutWorker
 
 VOCAB, PAD, EOS = 40, 0, 1

@@ -16,7 +16,7 @@ from groupflow.models.vision import (
     is_vision_model,
     vision_tower_modules,
 )
-from groupflow.rollout.hf import SamplingParams, generate
+from groupflow.rollout.engines.hf import SamplingParams, generate
 
 ARCHS = ["idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
@@ -138,7 +138,7 @@ def _worker(arch, **cfg):
 
 
 def _rollout(worker, proc, n=2):
-    from groupflow.rollout.batching import prompts_batch
+    from groupflow.rollout.engines.batching import prompts_batch
 
     enc = [encode_image_prompt(proc, msg("red?", image((255, 0, 0)))),
            encode_image_prompt(proc, msg("blue or green?", image((0, 0, 255))))]  # fmt: skip

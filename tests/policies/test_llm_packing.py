@@ -10,7 +10,7 @@ import torch
 
 from groupflow.batch import Batch
 from groupflow.policies.llm import balanced_call
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 from groupflow.workers.packing import OverBudgetError
 

@@ -16,7 +16,7 @@ from groupflow.config import AlgorithmConfig, ModelConfig, TeacherConfig, TinyMo
 from groupflow.credit import CreditAssignment
 from groupflow.data import train_char_tokenizer
 from groupflow.models.causal_lm import ModelLoadError
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 32}

@@ -14,9 +14,9 @@ import torch
 
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
-from groupflow.rollout.continuous import ContinuousDecoder
-from groupflow.rollout.engine import HF
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.base import HF
+from groupflow.rollout.engines.continuous import ContinuousDecoder
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.app import ApiError, OpenAccess, ServeLimits, ServerCore, build_app
 from groupflow.serve.batcher import ContinuousBatcher, Overloaded
 from groupflow.serve.protocol import CompletionRequest

@@ -18,8 +18,8 @@ import torch
 
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
-from groupflow.rollout.continuous import ContinuousDecoder
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.continuous import ContinuousDecoder
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.app import OpenAccess, ServeLimits, ServerCore, build_app
 from groupflow.serve.batcher import Completion, ContinuousBatcher, DynamicBatcher
 from groupflow.serve.thread import ServerThread

@@ -11,9 +11,9 @@ import torch
 
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
-from groupflow.rollout.continuous import ContinuousDecoder
-from groupflow.rollout.engine import HF
-from groupflow.rollout.hf import SamplingParams, generate
+from groupflow.rollout.engines.base import HF
+from groupflow.rollout.engines.continuous import ContinuousDecoder
+from groupflow.rollout.engines.hf import SamplingParams, generate
 from groupflow.serve.batcher import ContinuousBatcher, DynamicBatcher, engine_generate
 
 TIMEOUT_S = 60

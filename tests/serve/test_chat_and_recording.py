@@ -13,7 +13,7 @@ from groupflow.batch import Batch
 from groupflow.config import AlgorithmConfig
 from groupflow.credit import CreditAssignment
 from groupflow.data.tokenizer import train_char_tokenizer
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.app import CallRecord, TextStream
 from groupflow.serve.batcher import Completion, DynamicBatcher
 from groupflow.serve.chat import ChatPrompts

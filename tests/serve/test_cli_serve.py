@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from groupflow.cli import _parse, _serving, build_parser, main
+from groupflow.cli.commands import _parse, _serving, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 

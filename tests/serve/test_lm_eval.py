@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from groupflow.cli import main
+from groupflow.cli.commands import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600

@@ -4,7 +4,7 @@ works: the CLI names the tool or reward and says what to install (exit 2, no tra
 import pytest
 import yaml
 
-from groupflow.cli import main
+from groupflow.cli.commands import main
 from groupflow.rewards import RewardConfigError
 from groupflow.rewards.code import make_code_tests_reward
 from groupflow.tools import sandbox

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed.dispatch import split_args
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.workers.actor import ActorRolloutWorker
 from groupflow.workers.update import micro_batches, row_widths
 from tests.workers.test_actor_parallel import EOS, PAD, _batch, _model

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from groupflow.rollout.vllm_engine import vllm_available
+from groupflow.rollout.engines.vllm_engine import vllm_available
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(),
@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is f
 
 
 def _sharpen(model, seed):
-    """Weights large enough that greedy decoding has no near-ties (as tests/rollout/test_vllm.py)."""
+    """Weights large enough that greedy decoding has no near-ties (as tests/rollout/engines/test_vllm.py)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -36,8 +36,8 @@ def test_a_transported_version_reaches_the_vllm_engine(tmp_path):
     from groupflow.data import train_char_tokenizer
     from groupflow.distributed.transport import FileTransport, TransferError
     from groupflow.models.causal_lm import build_tiny_llama
-    from groupflow.rollout.hf import SamplingParams, generate
-    from groupflow.rollout.vllm_engine import VLLMOptions
+    from groupflow.rollout.engines.hf import SamplingParams, generate
+    from groupflow.rollout.engines.vllm_engine import VLLMOptions
     from groupflow.workers.inference import InferenceWorker
 
     torch.set_num_threads(1)

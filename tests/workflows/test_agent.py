@@ -385,7 +385,7 @@ VLLM = {"rollout.engine": "vllm", "rollout.vllm.dtype": "float32",
         "model.tiny.num_heads": 2, "model.tiny.num_layers": 2, "rollout.agent_timeout_s": 60}  # fmt: skip
 """The vLLM engine on the tiny model: fp32 on both sides, head dim 64 (vLLM's CPU attention)."""
 needs_vllm = pytest.mark.skipif(
-    not __import__("groupflow.rollout.vllm_engine", fromlist=["x"]).vllm_available(),
+    not __import__("groupflow.rollout.engines.vllm_engine", fromlist=["x"]).vllm_available(),
     reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh, then "
     ".venv-vllm/bin/python -m pytest tests/workflows/test_agent.py -k vllm)",
 )
@@ -476,7 +476,7 @@ def test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train(
 
 
 _TIME = ("time/", "perf/", "wall_time")  # how fast, not what was computed (as the other
-# resume tests: tests/test_trainer.py, tests/test_async_rollout.py)
+# resume tests: tests/test_trainer.py, tests/rollout/test_hosts.py)
 
 
 def _differing(a: dict, b: dict) -> list[str]:
@@ -496,8 +496,8 @@ def test_the_calc_agent_on_a_ray_rollout_pool_warm_starts_and_resumes_exactly(
     2 steps — every metric but timings, the final validation and the final weights included.
     Versions never pass through the driver. (max_staleness 0 resumes through the driver's
     synchronous source; one case keeps the test's cost down.)"""
-    from groupflow.checkpoint import load_checkpoint
-    from groupflow.run_files import read_metrics
+    from groupflow.run.checkpoint import load_checkpoint
+    from groupflow.run.files import read_metrics
     from groupflow.trainer import Trainer
 
     agent = Path(__file__).resolve().parents[2] / "examples/agents/calc_agent.py"

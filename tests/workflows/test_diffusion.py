@@ -8,7 +8,7 @@ import yaml
 
 from groupflow.config import apply_overrides, config_from_dict
 from groupflow.diffusion.pretrain import pretrain_tiny_model
-from groupflow.tracking import read_metrics
+from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

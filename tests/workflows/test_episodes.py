@@ -18,9 +18,9 @@ from groupflow.config import ActorConfig
 from groupflow.data.datasets import load_prompt_rows
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
-from groupflow.rollout.batching import generate_batch
-from groupflow.rollout.engine import HFEngine
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.base import HFEngine
+from groupflow.rollout.engines.batching import generate_batch
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.workers.update import batch_logprobs
 from groupflow.workflows.episodes import EpisodeLimits, episodes_batch, run_episodes
 

@@ -21,9 +21,9 @@ from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.logprobs import response_logprobs
 from groupflow.models.tiny_vlm import tiny_idefics3, tiny_qwen2_vl
 from groupflow.models.vision import encode_image_prompt
-from groupflow.rollout.batching import generate_batch
-from groupflow.rollout.engine import HFEngine
-from groupflow.rollout.hf import SamplingParams
+from groupflow.rollout.engines.base import HFEngine
+from groupflow.rollout.engines.batching import generate_batch
+from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.workflows.episodes import EpisodeLimits, episodes_batch, run_episodes
 
 LIMITS = ImageLimits(min_pixels=28 * 28, max_pixels=56 * 56)

@@ -1,0 +1,188 @@
+"""The asynchronous rollout side on a Ray rollout pool: the rollout loop is a Ray actor there.
+
+Design decision: with ``placement.rollout`` a Ray pool, the whole rollout side
+(``groupflow.rollout.side.RolloutSide``: the workflow — single- or multi-turn, tools and
+environments —, the replica of the prompt loader, rewards, dynamic-sampling refills) runs in one
+Ray actor placed in the pool's first bundle, i.e. on the pool's node, reserving nothing of its
+own (while it waits for generation, the pool's workers compute). Its workflow generates on the
+pool's workers, which fetch each scheduled weight version from the actor's ranks through the
+weight transport; the driver forwards only transport *tickets* (references, not weights) and
+small job messages, and receives finished, contract-checked batches (token ids, rewards,
+metrics) — nothing of the collect stage runs in the driver's process.
+
+The actor runs the very ``serve`` loop of the local child process (``groupflow.rollout.side``) on
+one end of a pipe inside its process; ``PoolSideHost`` gives ``AsyncRollout`` the surface of a
+child process (``conn.send`` / ``recv_bytes``, ``wait``, ``close``) over Ray calls, so the
+protocol, the deterministic schedule, timeouts and error reports are the local route's. The
+driver makes one call at a time and waits for each, so the actor sees messages in order.
+
+A driver killed with SIGKILL takes the actor with it (Ray ends the actors a dead job owns); a
+resume regenerates the in-flight batches from the checkpoint's weight snapshots.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+
+import torch
+
+from groupflow.rollout.side import RolloutRecipe, RolloutSide, serve
+
+__all__ = ["PoolSideHost", "TicketStore"]
+
+GRACE_S = 30.0  # beyond a wait's own timeout, for the Ray call that carries it
+
+
+class TicketStore:
+    """The transport tickets of the last ``slots`` versions, with the ``WeightRing``'s interface
+    (``write``/``read``/``versions``): what the pooled route publishes instead of weights."""
+
+    def __init__(self, slots: int):
+        self.slots, self._held = slots, {}
+
+    def write(self, version: int, ticket) -> None:
+        self._held[version] = ticket
+        for v in [v for v in self._held if v <= version - self.slots]:
+            del self._held[v]  # what a ring slot would have overwritten
+
+    def read(self, version: int):
+        if version not in self._held:
+            raise RuntimeError(
+                f"no weight ticket of policy version {version} (held: {self.versions()}): a "
+                f"reader fell more than {self.slots} versions behind the writer"
+            )
+        return self._held[version]
+
+    def versions(self) -> list[int]:
+        return sorted(self._held)
+
+
+class SideActor:
+    """The Ray actor that owns the rollout loop: a ``RolloutSide`` served by a thread of its
+    process; its methods are the driver's end of the pipe."""
+
+    def __init__(self, recipe: RolloutRecipe, slots: int, eager: bool):
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        torch.set_num_threads(recipe.threads)
+        self.ring = TicketStore(slots)  # tickets; the pool's workers fetch the weights
+        self.status = torch.zeros(3, dtype=torch.long)  # phase, step, version (side.py)
+        self.side = RolloutSide(recipe)
+        self.conn, end = mp.Pipe()
+        self.thread = threading.Thread(
+            target=serve, args=(end, self.side, self.ring, self.status, eager),
+            name="groupflow-rollout", daemon=True,
+        )  # fmt: skip
+        self.thread.start()
+
+    def ready(self) -> bool:
+        return True
+
+    def publish(self, version: int, ticket) -> None:
+        self.ring.write(version, ticket)
+        self.conn.send(("weights", version))
+
+    def submit(self, step: int, version: int) -> None:
+        self.conn.send(("job", step, version))
+
+    def poll(self, timeout_s: float) -> tuple[bool, bool, list[int]]:
+        """(a reply is ready, the loop is alive, status) after waiting at most ``timeout_s``."""
+        ready = self.conn.poll(timeout_s)
+        return ready, self.thread.is_alive(), self.status.tolist()
+
+    def recv_bytes(self) -> bytes:
+        return self.conn.recv_bytes()
+
+    def close(self) -> None:
+        """Stop after the job that runs (its reply is dropped)."""
+        try:
+            self.conn.send(None)
+        finally:
+            self.conn.close()
+            self.thread.join(timeout=5.0)
+            self.side.close()
+
+
+class PoolSideHost:
+    """The driver's handle on the ``SideActor``, with the surface ``AsyncRollout`` uses for a
+    child process. ``ring``: the driver's ``TicketStore`` (a ``("weights", v)`` message sends
+    ``v``'s ticket along); ``status``: the driver's copy, refreshed at every wait."""
+
+    process = None  # not a child process of the driver
+
+    def __init__(self, recipe: RolloutRecipe, pool, ring: TicketStore, status: torch.Tensor, *,
+                 eager: bool, startup_timeout_s: float):  # fmt: skip
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        self.ring, self.status, self.conn = ring, status, self
+        self.where = pool.node_report  # the loop actor shares the pool's first bundle
+        remote = ray.remote(SideActor).options(**pool.placement(0), max_concurrency=1)
+        self.actor = remote.remote(recipe, ring.slots, eager)
+        try:
+            ray.get(self.actor.ready.remote(), timeout=startup_timeout_s)
+        except GetTimeoutError:
+            self.close()
+            raise TimeoutError(
+                f"the rollout loop's Ray actor did not start within {startup_timeout_s:g} s"
+            ) from None
+        except RayActorError as e:
+            self.close()
+            raise ChildProcessError(
+                f"the rollout loop's Ray actor failed to start: {e}{self.where(0)}"
+            ) from None
+
+    def _get(self, ref, timeout_s: float):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except RayActorError as e:
+            raise EOFError(
+                f"the rollout loop's Ray actor died ({type(e).__name__}: {e}{self.where(0)})"
+            ) from None
+        except GetTimeoutError:
+            raise TimeoutError from None
+
+    # ----- the conn surface (AsyncRollout._conn) ------------------------------------------------
+    def send(self, msg) -> None:
+        if msg is None:
+            return  # close() stops the actor
+        try:
+            if msg[0] == "weights":
+                self._get(self.actor.publish.remote(msg[1], self.ring.read(msg[1])), GRACE_S)
+            else:
+                self._get(self.actor.submit.remote(*msg[1:]), GRACE_S)
+        except (EOFError, TimeoutError) as e:
+            raise BrokenPipeError(str(e) or "no answer from the rollout loop's Ray actor") from None
+
+    def recv_bytes(self) -> bytes:
+        return self._get(self.actor.recv_bytes.remote(), GRACE_S)
+
+    # ----- the host surface (AsyncRollout._host) -------------------------------------------------
+    def wait(self, timeout_s: float) -> None:
+        """Until a reply is ready (TimeoutError after ``timeout_s``; ChildProcessError when the
+        actor or its loop died)."""
+        try:
+            ready, alive, status = self._get(self.actor.poll.remote(timeout_s), timeout_s + GRACE_S)
+        except EOFError as e:
+            raise ChildProcessError(str(e)) from None
+        self.status[:] = torch.tensor(status)
+        if not ready and not alive:
+            raise ChildProcessError("the rollout loop's thread in its Ray actor stopped")
+        if not ready:
+            raise TimeoutError
+
+    def describe(self, what: str) -> str:
+        return f"the rollout loop's Ray actor {what}"
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            self._get(self.actor.close.remote(), GRACE_S)
+        except Exception:  # noqa: BLE001 - already dead or hung: killed below either way
+            pass
+        ray.kill(self.actor)

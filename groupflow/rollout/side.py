@@ -1,0 +1,186 @@
+"""The asynchronous rollout's side: the whole collect stage, away from the trainer.
+
+Design decision (profiled, see ``benchmarks/README.md``): when only generation ran in a child
+process, the trainer's process still decoded completions, computed rewards, assembled batches,
+unpickled results and served one file descriptor per weight tensor to the child — Python in
+threads that waited for the training loop's GIL at every step, so on a small model the two sides
+barely overlapped. Here the rollout side holds *everything a workflow's collect needs*: a frozen
+copy of the model (a policy's ``RolloutPolicy``: its own rollout worker, tokenizer, sampling
+parameters and, when configured, its own reward-model copy), its own workflow instance built
+from the same config and training rows, and its own prompt loader. The trainer only sends small
+messages and publishes weights into a shared ``WeightRing``; it receives finished, contract-checked
+batches.
+
+Prompts stay bit-identical to a synchronous run because the side's loader is a replica of the
+trainer's: it starts from the trainer's loader state and draws in step order (refills included),
+and every result carries the loader state after it, which is what a checkpoint saves.
+
+Protocol (one pipe; the same ``serve`` loop runs in a spawned child process, in a thread of
+the trainer's process for ``rollout.async_worker: thread`` and as the fallback when the recipe
+cannot be pickled, or in a Ray actor on a rollout pool, ``groupflow.rollout.ray_host``): the trainer sends ``("weights", v)`` after writing version ``v`` into the
+ring, ``("job", step, v)`` to collect a step's batch with version ``v`` and ``None`` to stop;
+the side answers every job, in order, with a pickled ``("result", step, batch, metrics,
+loader_state)`` or ``("error", step, payload)``. A shared status (phase, step, version) says what
+the side is doing, so that a timeout can name it (loading weights vs collecting).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from groupflow.workflows import build_workflow, close_run, rule_rewards
+from groupflow.workflows.collect import Sampling, collect_step, prompt_loader
+
+__all__ = ["RolloutRecipe", "RolloutSide", "serve", "process_main", "IDLE", "LOADING", "COLLECTING"]
+
+IDLE, LOADING, COLLECTING = 0, 1, 2  # the status's phase
+RECIPE_UNPICKLABLE = "the rollout recipe cannot be unpickled in the child process"
+
+
+@dataclass
+class RolloutRecipe:
+    """Everything the rollout side is built from (picklable for the child process)."""
+
+    cfg: Any  # the run's Config (hub ids resolved to local directories)
+    run_dir: Path
+    policy: Callable[[], Any]  # builds the policy's RolloutPolicy (the frozen copy, tokenizer, ...)
+    train_rows: list  # the trainer's workflow's training rows, in its order
+    loader_state: dict  # the trainer's prompt loader when the rollout side starts
+    rewards: tuple = ()  # reward functions given as Python objects (groupflow.Run)
+    threads: int = 1  # torch threads of a child process
+
+
+class RolloutSide:
+    """A workflow, a prompt loader and a frozen model: ``collect(step, version)`` as the trainer's
+    synchronous loop would, with the weights last given to ``load``."""
+
+    def __init__(self, recipe: RolloutRecipe):
+        cfg = recipe.cfg
+        self.policy = recipe.policy()
+        try:
+            rewards = rule_rewards(cfg, recipe.rewards)
+            self.workflow = build_workflow(cfg, self.policy, list(recipe.train_rows), [], rewards,
+                                           Path(recipe.run_dir))  # fmt: skip
+            if len(self.workflow.train_rows) != len(recipe.train_rows):
+                raise RuntimeError(
+                    f"the rollout side's workflow kept {len(self.workflow.train_rows)} of the "
+                    f"trainer's {len(recipe.train_rows)} training rows: its prompts would differ"
+                )
+            self.loader = prompt_loader(cfg, self.workflow.train_rows)
+            self.loader.load_state_dict(recipe.loader_state)
+        except BaseException:
+            self.close()
+            raise
+        self.sampling = Sampling.from_config(cfg)
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        self.policy.load_weights(weights)
+
+    def collect(self, step: int, version: int) -> tuple:
+        return collect_step(self.workflow, self.loader, self.sampling, step, version)
+
+    def close(self) -> None:
+        close_run(getattr(self, "workflow", None), self.policy)
+
+
+def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool) -> None:
+    """Answer jobs until ``None`` or the pipe closes. ``eager``: a job takes the newest version
+    published when it starts (at least its scheduled one). After a failure every later job is
+    answered with the same error: it must not run on a side in an unknown state."""
+    held, newest, failed = None, -1, None
+    pending: deque = deque()
+    while True:
+        try:
+            msg = pending.popleft() if pending else conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        if msg[0] == "weights":
+            newest = max(newest, msg[1])
+            continue
+        _, step, version = msg
+        try:
+            if failed is not None:
+                raise failed
+            if eager:  # what was published while the previous job ran
+                while conn.poll():
+                    m = conn.recv()
+                    if m is not None and m[0] == "weights":
+                        newest = max(newest, m[1])
+                    else:
+                        pending.append(m)
+                version = max(version, newest)
+            if version != held:
+                status[:] = torch.tensor([LOADING, step, version])
+                side.load(ring.read(version))
+                held = version
+            status[:] = torch.tensor([COLLECTING, step, version])
+            batch, metrics = side.collect(step, version)
+            reply = ("result", step, batch, metrics, side.loader.state_dict())
+        except BaseException as e:  # noqa: BLE001 - answered to the trainer, re-raised there
+            failed = failed or e
+            reply = ("error", step, error_payload(failed, traceback.format_exc()))
+        status[0] = IDLE
+        try:
+            conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the trainer closed its end (it stopped us): nobody to answer
+            return
+
+
+def error_payload(error: BaseException, text: str) -> tuple:
+    """``("exception", pickled, traceback)`` when the error survives a pickle round trip (its type
+    matters to callers), else ``("text", "Type: message", traceback)``."""
+    try:
+        data = pickle.dumps(error)
+        pickle.loads(data)
+        return ("exception", data, text)
+    except Exception:  # noqa: BLE001 - many exception classes cannot be rebuilt from their args
+        return ("text", f"{type(error).__name__}: {error}", text)
+
+
+def process_main(conn, recipe_bytes: bytes, ring, status: torch.Tensor, eager: bool) -> None:
+    """The child process: build the side from the pickled recipe, answer ``(ok, value)``, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no tokenizer thread pool beside the trainer
+    _exit_with_parent()
+    try:
+        recipe = pickle.loads(recipe_bytes)
+    except BaseException:  # noqa: BLE001 - e.g. a reward defined in a notebook: not importable here
+        conn.send((False, f"{RECIPE_UNPICKLABLE}:\n{traceback.format_exc()}"))
+        return
+    torch.set_num_threads(recipe.threads)
+    try:
+        side = RolloutSide(recipe)
+    except BaseException:  # noqa: BLE001 - the trainer reports it with the traceback
+        conn.send((False, traceback.format_exc()))
+        return
+    conn.send((True, None))
+    try:
+        serve(conn, side, ring, status, eager)
+    finally:
+        side.close()
+
+
+def _exit_with_parent() -> None:
+    """A trainer killed with SIGKILL cannot stop us: leave when the parent is gone, even when a
+    job is blocked (a reward or an environment that hangs)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="groupflow-parent-watch", daemon=True).start()

@@ -1,0 +1,237 @@
+"""Where the driver's batches come from: one interface, a synchronous and an asynchronous source.
+
+Design decision: the driver's step is the same whether the batch of step s is collected right
+now with the current weights or was collected ahead on the rollout side with an older scheduled
+version (``rollout.max_staleness``). What differs — when collection happens, where the weights go
+after an update, what a checkpoint must keep so that a resume regenerates the same batches — is
+behind ``RolloutSource``:
+
+    start(step)          before the first batch of a ``fit`` (asynchronous: submit k+1 jobs)
+    batch(step)          -> (batch, metrics): the batch of ``step``, rollout and rewards done
+    after_update(version) -> metrics: the weights of ``version`` (s+1 after the update of step s)
+                         go where generation needs them; logs ``weights/bytes_via_driver``
+    state(step) / load_state(state)   checkpoint entries (loader, in-flight versions' weights)
+    close()              stop background work; state stays readable (a later save or fit)
+
+so ``Trainer.train_step`` has no branch on which one it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from groupflow.batch import Batch
+from groupflow.distributed.transport import ticket_nbytes
+from groupflow.policies.base import weights_nbytes
+from groupflow.rollout.hosts import AsyncRollout, ring_slots, schedule_version
+from groupflow.rollout.ray_host import TicketStore
+from groupflow.rollout.side import RolloutRecipe
+from groupflow.workflows.collect import Sampling, collect_step
+
+log = logging.getLogger("groupflow")
+
+__all__ = ["RolloutSource", "SyncRollout", "AsyncRolloutSource", "build_rollout_source"]
+
+
+class RolloutSource(Protocol):
+    def start(self, step: int) -> None: ...
+
+    def batch(self, step: int) -> tuple[Batch, dict[str, float]]: ...
+
+    def after_update(self, version: int) -> dict[str, float]: ...
+
+    def state(self, step: int) -> dict[str, Any]: ...
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def transfer_metrics(nbytes: int) -> dict[str, float]:
+    return {"weights/bytes_via_driver": float(nbytes)}
+
+
+class SyncRollout:
+    """Collect the batch of step s now, with the policy's current weights (version s); after an
+    update, ``policy.sync`` pushes them to a separately placed rollout pool."""
+
+    def __init__(self, policy, workflow, loader, sampling: Sampling):
+        self.policy, self.workflow, self.loader, self.sampling = policy, workflow, loader, sampling
+
+    def start(self, step: int) -> None:
+        pass  # fit's policy.sync() already gave the rollout group the current weights
+
+    def batch(self, step: int) -> tuple[Batch, dict[str, float]]:
+        return collect_step(self.workflow, self.loader, self.sampling, step, step)
+
+    def after_update(self, version: int) -> dict[str, float]:
+        return transfer_metrics(self.policy.sync(version))
+
+    def state(self, step: int) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRolloutSource:
+    """The batch of step s was collected on the rollout side (``groupflow.rollout.hosts``) with
+    version max(0, s − k); after the update of step s the new version is published and the batch
+    of step s+1+k submitted. The trainer's ``loader`` is the rollout side's replica's state when
+    the side stops; the weights that batches to come need are kept here while no side holds them
+    (from a checkpoint, or when one stopped)."""
+
+    def __init__(self, recipe_parts, policy, loader, *, max_staleness: int, total_steps,
+                 async_worker: str, async_mode: str, timeout_s: float):  # fmt: skip
+        self.recipe_parts = recipe_parts  # (cfg, run_dir, train_rows, rewards) for RolloutRecipe
+        self.policy, self.loader, self.k = policy, loader, max_staleness
+        self.total_steps = total_steps  # a callable: a resume may raise run.total_steps
+        self.process, self.eager = async_worker == "process", async_mode == "eager"
+        self.timeout_s = timeout_s
+        self.rollouts: AsyncRollout | None = None
+        self.snapshots: dict[int, dict] = {}  # version -> weights, while no side holds them
+        self.step = 0  # the step whose batch comes next (what close keeps snapshots for)
+        self.pooled, self.transport = False, None  # set by start (see there)
+
+    def start(self, step: int) -> None:
+        """Start the rollout side, publish the weights the next k+1 batches need (after a resume:
+        the checkpoint's snapshots) and submit those batches.
+
+        Two routes: by default the side runs in a child process (or thread) of the driver with a
+        frozen model copy, and versions are copied into a shared-memory ring (one host). With a
+        Ray rollout pool (``policy.async_on_pool``) the side runs in a Ray actor on the pool's
+        node (``groupflow.rollout.ray_host``: workflow, loader replica, rewards), the pool's workers
+        generate, and versions go to them as weight-transport tickets: the actor's rank sends,
+        the pool fetches, the driver forwards only the ticket and receives finished batches."""
+        k, total = self.k, self.total_steps()
+        self.step = step
+        jobs = {t: schedule_version(t, k) for t in range(step, min(step + k + 1, total))}
+        for t, v in jobs.items():
+            if v != step and v not in self.snapshots:
+                raise RuntimeError(
+                    f"no weights of policy version {v} to generate the batch of step {t} "
+                    f"(rollout.max_staleness={k}): the checkpoint resumed from keeps the "
+                    "snapshots of the staleness it was written with; resume with that value"
+                )
+        cfg, run_dir, train_rows, rewards = self.recipe_parts
+        self.pooled = bool(getattr(self.policy, "async_on_pool", False))
+        recipe = RolloutRecipe(
+            cfg, run_dir, self.policy.start_async(), list(train_rows), self.loader.state_dict(),
+            rewards,
+        )  # fmt: skip
+        if self.pooled:
+            self.transport = self.policy.transport
+            self.rollouts = AsyncRollout(
+                recipe, {}, max_staleness=k, process=False, timeout_s=self.timeout_s,
+                eager=self.eager, ring=TicketStore(ring_slots(k)), pool=self.policy.rollout_pool,
+            )  # fmt: skip
+        else:
+            current = self.policy.snapshot(copy=False)  # the ring copies it
+            self.rollouts = AsyncRollout(
+                recipe, current, max_staleness=k, process=self.process,
+                timeout_s=self.timeout_s, eager=self.eager,
+            )  # fmt: skip
+            self.snapshots = {**self.snapshots, step: current}
+        if self.pooled:
+            self.after_update(step, submit=False)
+        published = {step} if self.pooled else set()
+        for v in sorted((self.needed_versions(step) & self.snapshots.keys()) - published):
+            weights = self.snapshots[v]
+            self.rollouts.publish(v, self.transport.send(v, weights) if self.pooled else weights)
+        for t, v in jobs.items():
+            self.rollouts.submit(t, v)
+        self.snapshots = {}  # the rollout side's ring holds them now
+
+    def batch(self, step: int) -> tuple[Batch, dict[str, float]]:
+        batch, metrics = self.rollouts.result(step)
+        staleness = step - float(batch["version"].float().mean())
+        return batch, {**metrics, "async/staleness": staleness}
+
+    def after_update(self, version: int, submit: bool = True) -> dict[str, float]:
+        """Version ``version`` (= s+1 after the update of step s) exists: publish it and submit the
+        batch of step s+1+k with its scheduled version."""
+        self.step = version
+        if self.pooled:  # the actor's rank sends; the driver holds a ticket
+            ticket = self.policy.publish(version)
+            self.rollouts.publish(version, ticket)
+            nbytes = ticket_nbytes(ticket)
+        else:  # the driver's process copies every byte into the ring (it holds the actor)
+            weights = self.policy.snapshot(copy=False)  # publish copies
+            self.rollouts.publish(version, weights)
+            nbytes = weights_nbytes(weights)
+        t = version + self.k
+        if submit and t < self.total_steps():
+            self.rollouts.submit(t, schedule_version(t, self.k))
+        return transfer_metrics(nbytes)
+
+    def _held(self, version: int) -> dict:
+        """A version's weights held by the running side (pooled: fetched through the transport,
+        into the driver — only for a checkpoint or when the side stops)."""
+        held = self.rollouts.ring.read(version)
+        return self.transport.receive(held, role="checkpoint") if self.pooled else held
+
+    def needed_versions(self, step: int) -> set[int]:
+        """The versions the batches of steps step..step+k are scheduled with (a checkpoint keeps
+        all but the current one, ``step``, which is the policy itself)."""
+        return {schedule_version(t, self.k) for t in range(step, step + self.k + 1)}
+
+    def state(self, step: int) -> dict[str, Any]:
+        """A resume collects the next k+1 batches again (in flight now, or not yet submitted at the
+        last step: a resume may raise run.total_steps), each with its version's weights, kept
+        here; the loader as the next step's batch found it."""
+        versions = self.needed_versions(step) - {step}
+        if self.rollouts is not None:
+            loader = self.rollouts.loader_state
+            held = versions & set(self.rollouts.ring.versions())
+            weights = {v: self._held(v) for v in sorted(held)}
+        else:
+            loader = self.loader.state_dict()
+            weights = {v: self.snapshots[v] for v in sorted(versions & self.snapshots.keys())}
+        state: dict[str, Any] = {"loader": loader, "async_rollout": {"versions": sorted(weights)}}
+        # copies: ring slots are views of one buffer, which safetensors refuses to write
+        state.update({f"rollout_weights_v{v}": {n: t.clone() for n, t in w.items()}
+                      for v, w in weights.items()})  # fmt: skip
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+        versions = state.get("async_rollout", {}).get("versions", [])
+        self.snapshots = {int(v): state[f"rollout_weights_v{v}"] for v in versions}
+
+    def close(self) -> None:
+        """Stop the rollout side; the loader and the snapshots that batches to come need stay
+        here (a later ``fit`` or ``save`` continues from them)."""
+        if self.rollouts is None:
+            return
+        rollouts = self.rollouts
+        try:
+            self.loader.load_state_dict(rollouts.loader_state)
+            held = set(rollouts.ring.versions())
+            try:
+                self.snapshots = {v: {n: t.clone() for n, t in self._held(v).items()}
+                                  for v in self.needed_versions(self.step) & held}  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - e.g. a dead actor rank: do not mask the error
+                # that stopped the run; a checkpoint written now would lack these versions, and
+                # resuming from it says so (the last complete checkpoint resumes exactly)
+                log.warning("rollout: could not keep the in-flight weight versions (%s)", e)
+                self.snapshots = {}
+        finally:
+            self.rollouts = None
+            rollouts.close()
+
+
+def build_rollout_source(cfg, built_cfg, run_dir, policy, workflow, loader, inputs):
+    """The synchronous source, or with ``rollout.max_staleness >= 1`` the asynchronous one."""
+    r = cfg.rollout
+    if not r.max_staleness:
+        return SyncRollout(policy, workflow, loader, Sampling.from_config(cfg))
+    rewards = tuple(inputs.rewards if inputs else ())
+    return AsyncRolloutSource(
+        (built_cfg, run_dir, workflow.train_rows, rewards), policy, loader,
+        max_staleness=r.max_staleness, total_steps=lambda: cfg.run.total_steps,
+        async_worker=r.async_worker, async_mode=r.async_mode, timeout_s=cfg.run.worker_timeout_s,
+    )  # fmt: skip

@@ -1,0 +1,33 @@
+"""The pooled rollout's pieces that need no Ray: the ticket store's eviction and the rule that only
+a Ray worker group may travel to the rollout loop's actor (the Ray route itself:
+tests/distributed/test_ray_trainer.py)."""
+
+import pickle
+
+import pytest
+
+from groupflow.distributed import WorkerGroup
+from groupflow.rollout.ray_host import TicketStore
+
+
+def test_ticket_store_keeps_the_last_slots_versions_and_names_a_missing_one():
+    store = TicketStore(3)
+    for v in range(5):
+        store.write(v, f"ticket-{v}")
+    assert store.versions() == [2, 3, 4]  # 0 and 1 overwritten, as ring slots would be
+    assert store.read(3) == "ticket-3"
+    with pytest.raises(
+        RuntimeError, match=r"no weight ticket of policy version 1 \(held: \[2, 3, 4\]\)"
+    ):
+        store.read(1)
+
+
+class _Echo:
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+
+
+def test_an_in_process_worker_group_refuses_to_leave_its_process():
+    group = WorkerGroup(_Echo, 1)
+    with pytest.raises(TypeError, match=r"a local worker group \(_Echo\) cannot leave its process"):
+        pickle.dumps(group)

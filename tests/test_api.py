@@ -202,7 +202,7 @@ def _unguarded_script(tmp_path, tiny_config_data, detection: bool):
     script = tmp_path / "train.py"
     script.write_text(
         "import json, groupflow\n"
-        "from groupflow import async_rollout\n"
+        "from groupflow.rollout import hosts as async_rollout\n"
         + ("" if detection else "async_rollout.unguarded_main_call = lambda: None\n")
         + f"cfg = json.loads({json.dumps(json.dumps(cfg))})\n"
         "run = groupflow.Run(cfg, overrides={'rollout.max_staleness': 1, "

@@ -176,7 +176,10 @@ class PoolSideHost:
             raise TimeoutError
 
     def describe(self, what: str) -> str:
-        return f"the rollout loop's Ray actor {what}"
+        """The actor ``what`` (e.g. "died"), with the node it ran on: a dead actor on a
+        cluster most often means a dead machine, so the node is named every time."""
+        where = self.where(0)
+        return f"the rollout loop's Ray actor {what}{'' if where in what else where}"
 
     def close(self) -> None:
         import ray

@@ -31,3 +31,19 @@ def test_an_in_process_worker_group_refuses_to_leave_its_process():
     group = WorkerGroup(_Echo, 1)
     with pytest.raises(TypeError, match=r"a local worker group \(_Echo\) cannot leave its process"):
         pickle.dumps(group)
+
+
+def test_a_dead_loop_actor_is_reported_with_the_node_it_ran_on_once():
+    """Every report of the actor's death names its node (a dead actor on a cluster is most often a
+    dead machine), also when the driver only saw the pipe close; never twice."""
+    from groupflow.rollout.ray_host import PoolSideHost
+
+    host = object.__new__(PoolSideHost)  # no Ray: only the report is under test
+    host.where = lambda rank: "; it ran on node n1 (10.0.0.2, now dead)"
+    assert host.describe("died") == (
+        "the rollout loop's Ray actor died; it ran on node n1 (10.0.0.2, now dead)"
+    )
+    seen = "could not be reached (the rollout loop's Ray actor died; it ran on node n1 (10.0.0.2, now dead))"
+    assert host.describe(seen).count("it ran on node n1") == 1
+    host.where = lambda rank: ""  # not known (the placement group is gone)
+    assert host.describe("died") == "the rollout loop's Ray actor died"

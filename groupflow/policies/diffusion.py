@@ -37,14 +37,14 @@ from groupflow.diffusion.models import check_teacher_model
 from groupflow.diffusion.schedule import flux_shift
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport, ticket_nbytes
+from groupflow.policies.base import RolloutView
 from groupflow.utils.timing import StageTimer
 
 log = logging.getLogger("groupflow")
 
 __all__ = [
     "DiffusionPolicy",
-    "DiffusionRolloutPolicy",
-    "PoolDiffusionRolloutPolicy",
+    "frozen_view",
     "FlowModelSpec",
     "settings_from_config",
     "ensure_tiny_model",
@@ -156,6 +156,7 @@ class DiffusionPolicy:
     ``diffusion.fsdp``) and its training calls."""
 
     contracts = DIFFUSION_CONTRACTS
+    reward_model = None  # the diffusion rewards are functions of the images (diffusion.rewards)
 
     def __init__(self, cfg: Config, run_dir: Path, corpus: list[PromptRow]):
         self.cfg = cfg
@@ -266,15 +267,15 @@ class DiffusionPolicy:
         weights ``fit``'s ``sync`` gave it."""
 
     def start_async(self) -> partial:
-        """How the asynchronous rollout side builds its policy (picklable): a
-        ``DiffusionRolloutPolicy`` — a second flow model that samples with the scheduled (older)
-        weights — or with a Ray rollout pool (``async_on_pool``) a ``PoolDiffusionRolloutPolicy``
-        over that pool. From now on validation here samples with the actor's current weights."""
+        """How the asynchronous rollout side builds its ``RolloutView`` (picklable): a second flow
+        model that samples with the scheduled (older) weights (``frozen_view``), or with a Ray
+        rollout pool (``async_on_pool``) a view over that pool. From now on validation here samples with the actor's current weights."""
         pool = self.rollout_pool
         self.rollout = self.actor
         if self.async_on_pool:
-            return partial(_identity, PoolDiffusionRolloutPolicy(self.cfg, pool, self.transport))
-        return partial(DiffusionRolloutPolicy, self.cfg, self._worker_kwargs)
+            view = RolloutView(DIFFUSION_CONTRACTS, pool, transport=self.transport, owns=False)
+            return partial(_identity, view)
+        return partial(frozen_view, self.cfg, self._worker_kwargs)
 
     def snapshot(self, copy: bool = True) -> dict[str, Any]:
         """The current version as the asynchronous side samples with it: the flow weights
@@ -306,42 +307,11 @@ class DiffusionPolicy:
             self.transport.close()  # the collective transport's rendezvous store
 
 
-class DiffusionRolloutPolicy:
-    """The diffusion policy as the asynchronous rollout side sees it (``groupflow.rollout.side``):
-    a flow model of its own that samples with the weights of a scheduled version, and the
-    contracts; nothing here trains."""
-
-    contracts = DIFFUSION_CONTRACTS
-    pretrain_stats: dict[str, float] = {}
-
-    def __init__(self, cfg: Config, worker_kwargs: dict):
-        self.cfg = cfg
-        self.rollout = builders.snapshot_group(cfg, DiffusionWorker, **worker_kwargs)
-
-    def load_weights(self, weights: dict[str, Any]) -> None:
-        self.rollout.load_weights(weights)
-
-    def shutdown(self) -> None:
-        self.rollout.shutdown()
-
-
-class PoolDiffusionRolloutPolicy:
-    """The diffusion policy as the asynchronous rollout side sees it with a Ray rollout pool: the
-    pool's workers sample and receive each scheduled version as a transport ticket
-    (``load_weights``), fetching the buckets from the actor's rank themselves. It travels to the
-    side's Ray actor (``groupflow.rollout.ray_host``) with a handle on the pool."""
-
-    contracts = DIFFUSION_CONTRACTS
-    pretrain_stats: dict[str, float] = {}
-
-    def __init__(self, cfg: Config, pool, transport):
-        self.cfg, self.rollout, self.transport = cfg, pool, transport
-
-    def load_weights(self, ticket) -> None:
-        self.rollout.receive_weights(ticket, self.transport)
-
-    def shutdown(self) -> None:
-        """Nothing: the pool belongs to the trainer's policy, which stops it."""
+def frozen_view(cfg: Config, worker_kwargs: dict) -> RolloutView:
+    """The rollout side's view with a flow model of its own (built in the side's process: this
+    is the picklable recipe's callable) that samples with the weights of a scheduled version."""
+    return RolloutView(DIFFUSION_CONTRACTS,
+                       builders.snapshot_group(cfg, DiffusionWorker, **worker_kwargs))  # fmt: skip
 
 
 def _identity(x):

@@ -24,6 +24,7 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config, ModelConfig
 from groupflow.contracts import CONTRACTS
 from groupflow.distributed.transport import ticket_nbytes
+from groupflow.policies.base import RolloutView
 from groupflow.rollout.engines.base import HF
 from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.utils.timing import StageTimer
@@ -39,7 +40,7 @@ log = logging.getLogger("groupflow")
 
 __all__ = [
     "LLMPolicy",
-    "RolloutPolicy",
+    "frozen_view",
     "old_logprobs_source",
     "recompute_old_logprobs",
     "model_inputs",
@@ -346,16 +347,17 @@ class LLMPolicy:
         return self.cfg.run.backend == "ray" and self.rollout_pool is not self.actor
 
     def start_async(self):
-        """How the asynchronous rollout side builds its policy: a ``RolloutPolicy`` (picklable: a
-        frozen copy in the side's own process), or with a Ray rollout pool (``async_on_pool``) a
-        ``PoolRolloutPolicy`` over that pool. From now on this process generates (validation,
+        """How the asynchronous rollout side builds its ``RolloutView`` (picklable): a frozen copy
+        in the side's own process (``frozen_view``), or with a Ray rollout pool (``async_on_pool``)
+        a view over that pool. From now on this process generates (validation,
         ``groupflow generate``) with the actor, i.e. the current weights."""
         pool = self.rollout_pool
         self.rollout = self.actor
-        if self.async_on_pool:
-            view = PoolRolloutPolicy(self, pool)
+        if self.async_on_pool:  # travels to the side's Ray actor with handles on the groups
+            view = RolloutView(CONTRACTS, pool, self.reward_model, tokenizer=self.tokenizer,
+                               sampling=self.sampling, transport=self.transport, owns=False)  # fmt: skip
             return partial(_identity, view)
-        return partial(RolloutPolicy, self.cfg, self.run_dir, self.spec, self.engine)
+        return partial(frozen_view, self.cfg, self.run_dir, self.spec, self.engine)
 
     def snapshot(self, copy: bool = True) -> dict[str, Any]:
         """The actor's current weights: a copy (later updates do not change it), or with
@@ -408,62 +410,23 @@ class LLMPolicy:
             self.transport.close()  # the collective transport's rendezvous store
 
 
-class RolloutPolicy:
-    """The policy as the asynchronous rollout side sees it (``groupflow.rollout.side``): a frozen
-    copy of the model in that side's own process (weights arrive by version through
-    ``load_weights``), the tokenizer, the sampling parameters, the contracts and — when configured
-    — a reward model of its own (frozen: the same weights as the trainer's). Nothing here trains;
-    a workflow's ``collect`` finds everything it uses (``rollout``, ``tokenizer``, ``sampling``,
-    ``contracts``, ``reward_model``)."""
-
-    contracts = CONTRACTS
-
-    def __init__(self, cfg: Config, run_dir: Path, spec: ModelSpec, engine=HF):
-        self.cfg = cfg
-        self.tokenizer = builders.build_tokenizer(cfg, Path(run_dir))  # the run's saved one
-        self.sampling = sampling_params(cfg)
-        self.rollout = builders.snapshot_group(
-            cfg, InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout", engine=engine
-        )
-        self.reward_model = None
-        if cfg.reward_model is not None:
-            self.reward_model = builders.snapshot_group(
-                cfg, RewardModelWorker, role_name="reward_model", cfg=cfg.reward_model,
-                pg_timeout_s=cfg.run.worker_timeout_s,
-            )  # fmt: skip
-
-    def load_weights(self, weights: dict[str, Any]) -> None:
-        self.rollout.load_weights(weights)
-
-    def shutdown(self) -> None:
-        for group in (self.rollout, self.reward_model):
-            if group is not None:
-                group.shutdown()
-
-
-class PoolRolloutPolicy:
-    """The policy as the asynchronous rollout side sees it when the rollout has a Ray pool: that
-    pool's workers generate (on whichever nodes Ray placed them) and receive each scheduled
-    version as a transport ticket (``load_weights``), fetching the buckets from the actor's rank
-    themselves. It travels to the side's Ray actor (``groupflow.rollout.ray_host``) with handles on
-    the pool and the reward model's workers; tokenizer, sampling parameters and contracts are the
-    trainer policy's."""
-
-    contracts = CONTRACTS
-
-    def __init__(self, policy: LLMPolicy, pool):
-        self.cfg, self.rollout, self.transport = policy.cfg, pool, policy.transport
-        self.tokenizer, self.sampling = policy.tokenizer, policy.sampling
-        self.reward_model = policy.reward_model
-
-    def load_weights(self, ticket) -> None:
-        self.rollout.receive_weights(ticket, self.transport)
-
-    def sync(self, version: int = -1) -> int:
-        return 0  # versions arrive through load_weights
-
-    def shutdown(self) -> None:
-        """Nothing: the pool belongs to the trainer's policy, which stops it."""
+def frozen_view(cfg: Config, run_dir: Path, spec: ModelSpec, engine=HF) -> RolloutView:
+    """The rollout side's view with a frozen copy of the model in the side's own process (built
+    there: this is the picklable recipe's callable): its own rollout worker, the run's saved
+    tokenizer, the sampling parameters and — when configured — a reward model of its own (frozen:
+    the same weights as the trainer's)."""
+    tokenizer = builders.build_tokenizer(cfg, Path(run_dir))  # the run's saved one
+    rollout = builders.snapshot_group(
+        cfg, InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout", engine=engine
+    )
+    reward_model = None
+    if cfg.reward_model is not None:
+        reward_model = builders.snapshot_group(
+            cfg, RewardModelWorker, role_name="reward_model", cfg=cfg.reward_model,
+            pg_timeout_s=cfg.run.worker_timeout_s,
+        )  # fmt: skip
+    return RolloutView(CONTRACTS, rollout, reward_model, tokenizer=tokenizer,
+                       sampling=sampling_params(cfg))  # fmt: skip
 
 
 def _identity(x):

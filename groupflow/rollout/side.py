@@ -5,7 +5,7 @@ process, the trainer's process still decoded completions, computed rewards, asse
 unpickled results and served one file descriptor per weight tensor to the child — Python in
 threads that waited for the training loop's GIL at every step, so on a small model the two sides
 barely overlapped. Here the rollout side holds *everything a workflow's collect needs*: a frozen
-copy of the model (a policy's ``RolloutPolicy``: its own rollout worker, tokenizer, sampling
+copy of the model (a policy's ``RolloutView``: its own rollout worker, tokenizer, sampling
 parameters and, when configured, its own reward-model copy), its own workflow instance built
 from the same config and training rows, and its own prompt loader. The trainer only sends small
 messages and publishes weights into a shared ``WeightRing``; it receives finished, contract-checked
@@ -54,7 +54,7 @@ class RolloutRecipe:
 
     cfg: Any  # the run's Config (hub ids resolved to local directories)
     run_dir: Path
-    policy: Callable[[], Any]  # builds the policy's RolloutPolicy (the frozen copy, tokenizer, ...)
+    policy: Callable[[], Any]  # builds the policy's RolloutView (the frozen copy, tokenizer, ...)
     train_rows: list  # the trainer's workflow's training rows, in its order
     loader_state: dict  # the trainer's prompt loader when the rollout side starts
     rewards: tuple = ()  # reward functions given as Python objects (groupflow.Run)

@@ -40,7 +40,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from groupflow.batch import Batch
-from groupflow.rollout.engines.base import HFEngine
 from groupflow.rollout.engines.batching import prompts_batch
 from groupflow.rollout.engines.continuous import ContinuousDecoder, Finished, continuous_reason
 from groupflow.rollout.engines.hf import GenerationOutput, SamplingParams
@@ -123,21 +122,22 @@ def group_batcher(
     if getattr(group, "backend", None) == "local" and group.world_size == 1:
         worker = group.local_worker()
         engine = getattr(worker, "engine", None)
-    if continuous and isinstance(engine, HFEngine) and continuous_reason(engine.model) is None:
-        decoder = ContinuousDecoder(engine.model, engine.tokenizer, eos_ids=engine.eos_ids,
-                                    pad_id=engine.pad_id, prefix_tokens=prefix_tokens)  # fmt: skip
-        return ContinuousBatcher(decoder, score=model_scorer(engine.model, engine.pad_id),
+    local = engine.local_model() if engine is not None else None
+    if continuous and local is not None and continuous_reason(local.model) is None:
+        decoder = ContinuousDecoder(local.model, local.tokenizer, eos_ids=local.eos_ids,
+                                    pad_id=local.pad_id, prefix_tokens=prefix_tokens)  # fmt: skip
+        return ContinuousBatcher(decoder, score=model_scorer(local.model, local.pad_id),
                                  **options)  # fmt: skip
-    return DynamicBatcher(group_generate(group), score=_worker_scorer(worker, engine), **options)
+    return DynamicBatcher(group_generate(group), score=_worker_scorer(worker, local), **options)
 
 
-def _worker_scorer(worker, engine) -> ScoreFn | None:
+def _worker_scorer(worker, local) -> ScoreFn | None:
     """Scoring over the model a one-worker local group decodes with (the HF engine's) or keeps
     beside a separate engine (vLLM's torch copy); None on Ray or several workers (no model in
     this process)."""
     if worker is None:
         return None
-    model = engine.model if isinstance(engine, HFEngine) else None
+    model = local.model if local is not None else None
     model = model or getattr(worker, "rollout_model", None) or getattr(worker, "model", None)
     pad_id = getattr(worker, "pad_id", None)
     if model is None or pad_id is None or not hasattr(model, "get_output_embeddings"):

@@ -10,7 +10,7 @@ reference — so its methods have the same names and outputs as the actor's and 
 do not change with placement.
 
 A rollout pool's workers (``placement.rollout``) and the asynchronous rollout side's
-frozen copy (``rollout.max_staleness`` >= 1, ``RolloutPolicy``) are this worker too and build the
+frozen copy (``rollout.max_staleness`` >= 1, ``RolloutView``) are this worker too and build the
 configured engine (``engine``). With ``rollout.engine=vllm`` every version reaches vLLM through
 the engine's ``load_weights`` — the path the actor's colocated engine takes after each update —
 so pooled and stale batches come from the same engine code as colocated ones. A version that

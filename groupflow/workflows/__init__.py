@@ -21,7 +21,7 @@ generates through the policy's ``rollout`` group, and the trainer hands its batc
 ``prepare``/``update``. Every sample carries the ``version`` of the policy that generated it
 (the number of updates applied so far), contract-checked, for asynchronous rollout. There a
 second instance of the workflow is built on the rollout side (``groupflow.rollout.side``, a
-child process by default) over the policy's ``RolloutPolicy`` — ``rollout``, ``tokenizer``,
+child process by default) over the policy's ``RolloutView`` — ``rollout``, ``tokenizer``,
 ``sampling``, ``contracts``, ``reward_model``, no ``actor`` — with the same config and training
 rows, and only its ``collect`` is called there: a custom workflow's ``collect`` must use no more
 of the policy than that (its ``validate``/``warm_start`` run in the trainer as always).
@@ -133,7 +133,7 @@ def rule_rewards(cfg: Config, functions: tuple = ()):
 def build_workflow(cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                    rewards, run_dir: Path):  # fmt: skip
     """The configured workflow over ``policy`` (the trainer's, or the asynchronous rollout side's
-    ``RolloutPolicy``)."""
+    ``RolloutView``)."""
     cls = workflow_class(cfg)
     if cfg.diffusion is not None:
         return cls(cfg, policy, train_rows, val_rows, rewards, run_dir)

@@ -10,7 +10,10 @@ options class and one engine class, and nothing checks ``engine is None``.
 refreshed through ``load_weights`` after every update) or decodes with a model the worker already
 holds and keeps current itself (the HF engine: the training model, or the worker's unsharded
 copy). ``pause``/``resume`` release and take back what the engine holds between rollouts where it
-can (vLLM's sleep mode on a GPU); elsewhere they do nothing.
+can (vLLM's sleep mode on a GPU); elsewhere they do nothing. ``local_model`` is the one
+question a caller may ask: the torch model the engine decodes with in this process, if any (the
+server's continuous batcher and its scoring decode over it; an engine that decodes elsewhere, as
+vLLM does, answers None) — so no caller tests which class an engine is.
 """
 
 from __future__ import annotations
@@ -25,7 +28,17 @@ from torch import nn
 
 from groupflow.rollout.engines.hf import GenerationOutput, SamplingParams, generate
 
-__all__ = ["RolloutEngine", "HFOptions", "HFEngine", "HF"]
+__all__ = ["RolloutEngine", "LocalModel", "HFOptions", "HFEngine", "HF"]
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """The torch model an engine decodes with in this process, with what decoding over it needs."""
+
+    model: nn.Module
+    tokenizer: object
+    eos_ids: list[int]
+    pad_id: int
 
 
 class RolloutEngine(Protocol):
@@ -42,6 +55,10 @@ class RolloutEngine(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      version: int = -1) -> float:  # fmt: skip
         """Replace the weights (HF names, full tensors) with ``version``'s; returns seconds."""
+        ...
+
+    def local_model(self) -> LocalModel | None:
+        """The model it decodes with in this process, or None (it decodes with its own copy)."""
         ...
 
     def pause(self) -> None: ...
@@ -78,6 +95,9 @@ class HFEngine:
         self.model.load_state_dict(dict(weights))
         self.version = version
         return time.perf_counter() - start
+
+    def local_model(self) -> LocalModel:
+        return LocalModel(self.model, self.tokenizer, self.eos_ids, self.pad_id)
 
     def pause(self) -> None:
         """Nothing to release: the model is the worker's."""

@@ -191,6 +191,10 @@ class VLLMEngine:
         self.load_weights(model.state_dict().items())
 
     # ----- weights -----------------------------------------------------------------------------
+    def local_model(self) -> None:
+        """None: vLLM decodes with its own copy of the weights, in its own engine."""
+        return None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int = -1) -> float:
         """Replace the engine's weights (HF names, full tensors) with ``version``'s; returns the
         seconds it took."""

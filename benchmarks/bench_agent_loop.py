@@ -45,7 +45,7 @@ def build(out_dir: str, prompts: int):
 
 def unwatched(workflow):
     """``workflow`` running its episodes as before the watch: a plain loop, one blocking wait."""
-    from groupflow.workflows.agent import AgentLoop
+    from groupflow.workflows.agent_runtime import AgentLoop
 
     class PlainLoop(AgentLoop):
         def __init__(self):

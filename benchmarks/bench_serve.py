@@ -10,7 +10,7 @@ Methodology:
 - **server**: a server in a thread of the same process (uvicorn on 127.0.0.1, the continuous
   batcher — ``--batcher dynamic``: per engine call —, ``ServerCore``) and K concurrent ``openai.AsyncOpenAI`` clients sending
   ``/v1/chat/completions`` requests, each conversation continuing on the ids the server sampled.
-  The agents share one event loop and one HTTP client (``workflows.agent.shared_http_client``)
+  The agents share one event loop and one HTTP client (``workflows.agent_runtime.shared_http_client``)
   kept for the whole benchmark, as a training run's episodes do, and the batcher knows how many
   conversations are open, as a training run's knows its episodes (``--no-expected``: it does
   not, as ``groupflow serve`` for outside clients). Per-call latency (mean, p90) is measured at
@@ -63,7 +63,7 @@ from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.app import ServeLimits, ServerCore, build_app
 from groupflow.serve.batcher import ContinuousBatcher, DynamicBatcher, engine_generate
 from groupflow.serve.thread import ServerThread
-from groupflow.workflows.agent import shared_http_client
+from groupflow.workflows.agent_runtime import shared_http_client
 
 
 def _load(model_dir: str | None):
@@ -208,7 +208,8 @@ def run_server(url: str, k: int, turns: int, new_tokens: int, sequential: bool,
                mixed: bool = False):  # fmt: skip
     """The K conversations through the server. The event loop, the client and its connections
     live as long as the process, as a training run's agents share one loop and one HTTP client
-    across episodes and steps (``workflows.agent.AgentLoop``): no run pays connection set-up."""
+    across episodes and steps (``workflows.agent_runtime.AgentLoop``): no run pays connection
+    set-up."""
     import openai
 
     if _CLIENT.get("url") != url:

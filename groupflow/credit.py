@@ -79,8 +79,9 @@ class CreditAssignment:
 
     def outcome_advantages(self, batch: Batch, rewards: torch.Tensor) -> torch.Tensor:
         """The estimator over the batch's samples — or, when the batch has ``episode_ids`` (an
-        agent episode split into several samples, ``workflows.agent``), over its episodes: each
-        episode counts once in its group's statistics and all its samples share its advantage."""
+        agent episode split into several samples, ``workflows.agent_episodes``), over its
+        episodes: each episode counts once in its group's statistics and all its samples share
+        its advantage."""
         al = self.al
         groups = batch["group_ids"]
         first = None

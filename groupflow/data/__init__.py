@@ -2,23 +2,14 @@
 the demo's character tokenizer.
 
 Design decision: everything downstream sees `PromptRow`s (a prompt plus a flat `fields` dict for
-reward functions), whatever the file format or row shape; see `datasets` for the validation rules
-and `loader` for the deterministic, resumable prompt stream.
+reward functions), whatever the file format or row shape; see `rows` for the validation rules,
+`datasets` for the readers, `templating` for the rendered prompt and the over-long filter, and
+`loader` for the deterministic, resumable prompt stream.
 """
 
-from groupflow.data.datasets import (
-    DataError,
-    NamedRows,
-    PromptDataset,
-    PromptRow,
-    check_row_fields,
-    filter_overlong,
-    load_prompt_rows,
-    normalize_row,
-    prompt_token_lengths,
-    render_prompt,
-)
+from groupflow.data.datasets import NamedRows, PromptDataset, check_row_fields, load_prompt_rows
 from groupflow.data.loader import PromptLoader
+from groupflow.data.rows import DataError, PromptRow, normalize_row
 from groupflow.data.synthetic import (
     REWARD_FUNCTIONS,
     accuracy,
@@ -29,6 +20,7 @@ from groupflow.data.synthetic import (
     reverse_reward,
     sft_pairs,
 )
+from groupflow.data.templating import filter_overlong, prompt_token_lengths, render_prompt
 from groupflow.data.tokenizer import train_char_tokenizer
 
 __all__ = [

@@ -1,17 +1,12 @@
 """Prompt datasets: load parquet / JSON-lines / in-memory rows into validated `PromptRow`s.
 
-Design decision: every row is validated and normalised once, at load time, into one small
-dataclass — the prompt (a string or a list of chat messages) plus a flat `fields` dict that reward
-functions receive by name. verl-style rows are accepted unchanged: their `reward_model`,
-`data_source` and `extra_info` stay in `fields`, and `reward_model.ground_truth` is additionally
-lifted to `fields["ground_truth"]`, so a reward never has to know which row shape it came from.
-A malformed row is a `DataError` that names the file, the 0-based row index (plus the 1-based line
-number for JSON lines) and the field; `on_bad_row="skip"` turns that into a count and one warning.
-Whole-number floats in top-level columns become ints (with one warning per column): pandas stores
-an int column with a missing value as float64, and "654321.0" is never the answer a reward wants.
-
-Templating (`render_prompt`) and the over-long prompt filter (`filter_overlong`) live here too,
-because they are the last dataset-level transformation before prompts reach the rollout engine.
+Design decision: loading is readers by source plus one shared loop. Each reader (parquet in
+bounded batches, JSON lines, a JSON array, an in-memory list) yields ``(raw row, index, line,
+parse error)``, so validation (`groupflow.data.rows`) and skipping are the same for every
+source. A malformed row is a `DataError` that names the file, the 0-based row index (plus the
+1-based line number for JSON lines) and the field; `on_bad_row="skip"` turns that into a count
+and one warning. Whole-number floats turned into ints are reported once per column and source.
+Templating and the over-long filter, which need the tokenizer, are `groupflow.data.templating`.
 """
 
 from __future__ import annotations
@@ -19,76 +14,34 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from groupflow.data.columns import RowMappingError
-from groupflow.data.images import (
-    ImageLimits,
-    ImageProblem,
-    has_image_input,
-    normalize_image_prompt,
-    prompt_images,
+from groupflow.data.images import ImageLimits
+from groupflow.data.rows import (
+    IN_MEMORY_SOURCE,
+    DataError,
+    PromptRow,
+    located_normalize,
+    type_name,
 )
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "ON_BAD_ROW_CHOICES",
+    "SUPPORTED_EXTENSIONS",
+    "NamedRows",
+    "PromptDataset",
+    "check_row_fields",
+    "load_prompt_rows",
+]
+
 ON_BAD_ROW_CHOICES = ("error", "skip")
-OVERLONG_MODES = ("filter", "error")
 SUPPORTED_EXTENSIONS = (".parquet", ".jsonl", ".json")
-IN_MEMORY_SOURCE = "<in-memory>"
-
-Prompt = str | list[dict[str, Any]]
-
-
-class DataError(ValueError):
-    """A malformed dataset row, located by source, row index, line (JSON lines) and field."""
-
-    def __init__(
-        self,
-        reason: str,
-        *,
-        source: str,
-        index: int | None = None,
-        line: int | None = None,
-        field: str | None = None,
-    ) -> None:
-        self.reason = reason
-        self.source = source
-        self.index = index
-        self.line = line
-        self.field = field
-        super().__init__(self._format())
-
-    def _format(self) -> str:
-        where = [self.source]
-        if self.index is not None:
-            where.append(f"row {self.index}" + (f" (line {self.line})" if self.line else ""))
-        if self.field is not None:
-            where.append(f"field '{self.field}'")
-        return f"{', '.join(where)}: {self.reason}"
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """One validated prompt.
-
-    `prompt` is a non-empty string or a non-empty list of `{"role", "content", ...}` messages.
-    `fields` holds every other column of the row by name (handed to reward functions), plus
-    `ground_truth` lifted from `reward_model.ground_truth` for verl-style rows.
-    `source` / `index` locate the row (file path or "<in-memory>", 0-based row index).
-    """
-
-    prompt: Prompt
-    fields: dict[str, Any]
-    source: str
-    index: int
-
-    @property
-    def is_chat(self) -> bool:
-        return isinstance(self.prompt, list)
 
 
 @dataclass
@@ -110,114 +63,6 @@ class PromptDataset(Sequence[PromptRow]):
         return iter(self.rows)
 
 
-# --------------------------------------------------------------------------------------------
-# Row validation (pure: raw dict -> PromptRow, or DataError without location)
-# --------------------------------------------------------------------------------------------
-
-
-class _RowProblem(Exception):
-    """Internal: a validation failure before the caller attaches source/index/line."""
-
-    def __init__(self, field: str | None, reason: str) -> None:
-        super().__init__(reason)
-        self.field = field
-        self.reason = reason
-
-
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def _validate_messages(messages: list) -> None:
-    if not messages:
-        raise _RowProblem("prompt", "empty list of chat messages")
-    for i, msg in enumerate(messages):
-        where = f"prompt[{i}]"
-        if not isinstance(msg, dict):
-            raise _RowProblem(where, f"chat message must be a dict, got {_type_name(msg)}")
-        for key in ("role", "content"):
-            if key not in msg or msg[key] is None:
-                raise _RowProblem(f"{where}.{key}", f"chat message is missing '{key}'")
-        if not isinstance(msg["role"], str) or not msg["role"].strip():
-            raise _RowProblem(
-                f"{where}.role", f"role must be a non-empty string, got {msg['role']!r}"
-            )
-        if not isinstance(msg["content"], str):
-            # Content-part lists (images) take groupflow.data.images' path before this; anything
-            # else is named here rather than by the chat template later.
-            raise _RowProblem(
-                f"{where}.content", f"content must be a string, got {_type_name(msg['content'])}"
-            )
-    if not any(msg["content"].strip() for msg in messages):
-        raise _RowProblem("prompt", "empty prompt: every chat message has empty content")
-
-
-def _validate_prompt(prompt: Any) -> Prompt:
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise _RowProblem("prompt", "empty prompt string")
-        return prompt
-    if isinstance(prompt, (list, tuple)):
-        messages = [dict(m) if isinstance(m, dict) else m for m in prompt]
-        _validate_messages(messages)
-        return messages
-    raise _RowProblem(
-        "prompt", f"prompt must be a string or a list of chat messages, got {_type_name(prompt)}"
-    )
-
-
-def _check_optional_type(raw: dict, key: str, types: tuple[type, ...], desc: str) -> None:
-    value = raw.get(key)
-    if value is not None and not isinstance(value, types):
-        raise _RowProblem(key, f"{key} must be {desc}, got {_type_name(value)}")
-
-
-def _lift_ground_truth(raw: dict, fields: dict[str, Any]) -> None:
-    reward_model = raw.get("reward_model")
-    if reward_model is None:
-        return
-    if not isinstance(reward_model, dict):
-        raise _RowProblem(
-            "reward_model",
-            f"reward_model must be a struct like {{'style': 'rule', 'ground_truth': ...}}, "
-            f"got {_type_name(reward_model)}",
-        )
-    if reward_model.get("ground_truth") is None:
-        raise _RowProblem("reward_model.ground_truth", "reward_model has no ground_truth")
-    truth = reward_model["ground_truth"]
-    if "ground_truth" in raw and raw["ground_truth"] is not None and raw["ground_truth"] != truth:
-        raise _RowProblem(
-            "ground_truth",
-            f"top-level ground_truth {raw['ground_truth']!r} conflicts with "
-            f"reward_model.ground_truth {truth!r}",
-        )
-    fields["ground_truth"] = truth
-
-
-def normalize_row(raw: Any, *, source: str = IN_MEMORY_SOURCE, index: int = 0) -> PromptRow:
-    """Validate one raw row (plain or verl-style) into a `PromptRow`; raises `DataError`."""
-    return _located_normalize(raw, source, index, None)
-
-
-def _whole_floats_to_ints(fields: dict[str, Any], seen: dict[str, list[Any]]) -> None:
-    """Top-level columns (and ``reward_model.ground_truth``) holding whole-number floats get ints.
-
-    A float column of whole numbers is, far more often than not, an int column that pandas
-    widened to float64 because a value was missing; handed on as is, a reward comparing text sees
-    "654321.0" for the answer 654321 and scores every sample wrong. ``seen`` collects, per
-    column, the count and the first value, for one warning per column.
-    """
-    for key, value in fields.items():
-        if isinstance(value, float) and value.is_integer():
-            fields[key] = int(value)
-            seen.setdefault(key, [0, value])[0] += 1
-    reward_model = fields.get("reward_model")
-    if isinstance(reward_model, dict):
-        truth = reward_model.get("ground_truth")
-        if isinstance(truth, float) and truth.is_integer():
-            fields["reward_model"] = {**reward_model, "ground_truth": int(truth)}
-
-
 def _warn_whole_floats(source: str, seen: dict[str, list[Any]]) -> None:
     for key, (count, example) in seen.items():
         logger.warning(
@@ -231,58 +76,6 @@ def _warn_whole_floats(source: str, seen: dict[str, list[Any]]) -> None:
             int(example),
             str(example),
         )
-
-
-def _normalize(
-    raw: Any,
-    source: str,
-    index: int,
-    seen: dict[str, list[Any]] | None = None,
-    images: ImageLimits | None = None,
-) -> PromptRow:
-    if not isinstance(raw, dict):
-        raise _RowProblem(None, f"row must be a JSON object / dict, got {_type_name(raw)}")
-    if raw.get("prompt") is None:
-        raise _RowProblem("prompt", f"missing prompt (row keys: {sorted(raw)})")
-    if has_image_input(raw):
-        return _normalize_with_images(raw, source, index, seen, images or ImageLimits())
-    prompt = _validate_prompt(raw["prompt"])
-    _check_optional_type(raw, "data_source", (str,), "a string")
-    _check_optional_type(raw, "ability", (str,), "a string")
-    _check_optional_type(raw, "extra_info", (dict,), "a struct / dict")
-    fields = {k: v for k, v in raw.items() if k != "prompt"}
-    _lift_ground_truth(raw, fields)
-    _whole_floats_to_ints(fields, {} if seen is None else seen)
-    return PromptRow(prompt=prompt, fields=fields, source=source, index=index)
-
-
-def _normalize_with_images(
-    raw: dict, source: str, index: int, seen, limits: ImageLimits
-) -> PromptRow:
-    """A row that shows images (``groupflow.data.images``): its prompt becomes chat messages with
-    decoded image parts; ``fields["images"]`` holds the decoded images for rewards that look at
-    them, in place of the raw image column. Relative image paths resolve against the file's
-    directory."""
-    # a data file's (or a Hub dataset's) image paths are confined; rows built in Python are not
-    is_file = source != IN_MEMORY_SOURCE and "://" not in source and Path(source).is_file()
-    root = Path(source).parent if is_file else None
-    try:
-        prompt, column = normalize_image_prompt(raw, root, limits, is_file or "://" in source)
-    except ImageProblem as problem:
-        raise _RowProblem(problem.field, problem.reason) from None
-    for i, msg in enumerate(prompt):
-        if not isinstance(msg.get("role"), str) or not msg["role"].strip():
-            raise _RowProblem(
-                f"prompt[{i}].role", f"role must be a non-empty string, got {msg.get('role')!r}"
-            )
-    _check_optional_type(raw, "data_source", (str,), "a string")
-    _check_optional_type(raw, "ability", (str,), "a string")
-    _check_optional_type(raw, "extra_info", (dict,), "a struct / dict")
-    fields = {k: v for k, v in raw.items() if k not in ("prompt", column)}
-    fields["images"] = prompt_images(prompt)
-    _lift_ground_truth(raw, fields)
-    _whole_floats_to_ints(fields, {} if seen is None else seen)
-    return PromptRow(prompt=prompt, fields=fields, source=source, index=index)
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,7 +178,7 @@ def _split_sources(
         )
     raise TypeError(
         f"prompt dataset source must be a path, a list of paths or a list of row dicts, "
-        f"got {_type_name(source)}"
+        f"got {type_name(source)}"
     )
 
 
@@ -431,7 +224,7 @@ def load_prompt_rows(
                     raise DataError(parse_error, source=name, index=index, line=line)
                 if prepare is not None:
                     raw = _located_prepare(prepare, raw, name, index, line)
-                row = _located_normalize(raw, name, index, line, whole_floats, images)
+                row = located_normalize(raw, name, index, line, whole_floats, images)
             except DataError as err:
                 if on_bad_row == "error":
                     raise
@@ -505,121 +298,3 @@ def _located_prepare(prepare, raw: Any, source: str, index: int, line: int | Non
         raise DataError(
             problem.reason, source=source, index=index, line=line, field=problem.field
         ) from None
-
-
-def _located_normalize(
-    raw: Any,
-    source: str,
-    index: int,
-    line: int | None,
-    seen: dict[str, list[Any]] | None = None,
-    images: ImageLimits | None = None,
-) -> PromptRow:
-    try:
-        return _normalize(raw, source, index, seen, images)
-    except _RowProblem as problem:
-        raise DataError(
-            problem.reason, source=source, index=index, line=line, field=problem.field
-        ) from None
-
-
-# --------------------------------------------------------------------------------------------
-# Templating and the over-long filter
-# --------------------------------------------------------------------------------------------
-
-
-def render_prompt(
-    row: PromptRow | Prompt, tokenizer: Any, use_chat_template: bool | None = None
-) -> str:
-    """Render a prompt to the exact text the policy will be conditioned on.
-
-    Chat messages go through `tokenizer.apply_chat_template(..., add_generation_prompt=True)`.
-    A plain string is used as is, unless `use_chat_template=True`, which wraps it as one user
-    message. `use_chat_template=False` with chat messages is an error (there is no faithful way
-    to flatten messages without a template).
-    """
-    prompt = row.prompt if isinstance(row, PromptRow) else row
-    name = _row_name(row)
-    if isinstance(prompt, str):
-        if not use_chat_template:
-            return prompt
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        if use_chat_template is False:
-            raise ValueError(
-                f"{name}: prompt is a list of chat messages but use_chat_template=False; "
-                "use a plain string prompt or enable the chat template"
-            )
-        messages = prompt
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            f"{name}: the tokenizer has no chat template, so chat-message prompts cannot be "
-            "rendered; use plain string prompts or set tokenizer.chat_template"
-        )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def _row_name(row: Any) -> str:
-    if isinstance(row, PromptRow):
-        return f"{row.source}, row {row.index}"
-    return "prompt"
-
-
-def prompt_token_lengths(
-    texts: Sequence[str],
-    tokenizer: Any,
-    *,
-    add_special_tokens: bool = False,
-    batch_size: int = 512,
-) -> list[int]:
-    """Token counts of rendered prompts, encoded in batches (fast tokenizers encode a batch in
-    parallel in Rust, which is what makes filtering a large dataset quick)."""
-    lengths: list[int] = []
-    for start in range(0, len(texts), batch_size):
-        chunk = list(texts[start : start + batch_size])
-        encoded = tokenizer(
-            chunk, add_special_tokens=add_special_tokens, return_attention_mask=False
-        )["input_ids"]
-        lengths.extend(len(ids) for ids in encoded)
-    return lengths
-
-
-def filter_overlong(
-    rows: Iterable[PromptRow],
-    tokenizer: Any,
-    max_prompt_tokens: int,
-    mode: str = "filter",
-    *,
-    use_chat_template: bool | None = None,
-    add_special_tokens: bool = False,
-    batch_size: int = 512,
-) -> tuple[list[PromptRow], int]:
-    """Drop (mode="filter", verl's default) or reject (mode="error") prompts whose templated
-    token count exceeds `max_prompt_tokens`. Returns (kept_rows, num_filtered).
-
-    `add_special_tokens` must match how the rollout engine encodes prompts; chat templates
-    usually spell out their special tokens in the text, hence the default False.
-    """
-    if mode not in OVERLONG_MODES:
-        raise ValueError(f"overlong prompt mode must be one of {OVERLONG_MODES}, got {mode!r}")
-    if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int):
-        raise TypeError(f"max_prompt_tokens must be an int, got {_type_name(max_prompt_tokens)}")
-    if max_prompt_tokens <= 0:
-        raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
-    rows = list(rows)
-    texts = [render_prompt(r, tokenizer, use_chat_template) for r in rows]
-    lengths = prompt_token_lengths(
-        texts, tokenizer, add_special_tokens=add_special_tokens, batch_size=batch_size
-    )
-    kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_tokens]
-    if mode == "error" and len(kept) < len(rows):
-        row, n = next((r, n) for r, n in zip(rows, lengths) if n > max_prompt_tokens)
-        raise DataError(
-            f"prompt has {n} tokens after templating, more than max_prompt_tokens="
-            f"{max_prompt_tokens} ({len(rows) - len(kept)} over-long prompts in total); raise "
-            "the limit or use mode='filter'",
-            source=row.source,
-            index=row.index,
-            field="prompt",
-        )
-    return kept, len(rows) - len(kept)

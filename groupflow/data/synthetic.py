@@ -152,7 +152,7 @@ def _calc_demo(x: int, digits: int, seed: int) -> list[str]:
 def _row_value(row: Any, key: str) -> Any:
     if isinstance(row, dict):
         return row.get(key)
-    # A PromptRow from groupflow.data.datasets: prompt attribute, other columns in `fields`.
+    # A PromptRow from groupflow.data.rows: prompt attribute, other columns in `fields`.
     return row.prompt if key == "prompt" else row.fields.get(key)
 
 

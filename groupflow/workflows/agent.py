@@ -34,25 +34,23 @@ start (``sft.steps``) plays the rows' demonstrations through the agent itself: t
 the agent's k-th call with the k-th demonstrated turn, so what lies between the turns (tool
 results, the template's turns) is real. All episodes of the run share one event loop in a thread
 of their own (``AgentLoop``) and one HTTP connection pool.
+
+This module is the workflow and its episode loop (running episodes on the loop, watching it for
+blocking code, judging each agent's result); the server and the loop it runs on are
+``workflows.agent_runtime``, and the episode record and its assembly into rewards, samples and
+metrics are ``workflows.agent_episodes`` — neither knows of the other's side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextvars
 import inspect
-import json
 import logging
 import math
-import statistics
-import sys
-import sysconfig
-import threading
 import time
-import weakref
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -65,54 +63,34 @@ from groupflow.contracts import validate
 from groupflow.data import PromptRow
 from groupflow.envs import build_env_agent
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import CallRecord, build_app
-from groupflow.serve.build import server_core
-from groupflow.serve.recording import Chain, EpisodeRecorder, merge_calls
-from groupflow.serve.thread import ServerThread
+from groupflow.serve.app import CallRecord
+from groupflow.serve.recording import merge_calls
 from groupflow.sft import warm_start
 from groupflow.utils.daemon_calls import Abandoned
 from groupflow.utils.imports import resolve_import_path
 from groupflow.utils.seeds import step_seeds
-from groupflow.workflows.episodes import Episode, episodes_batch
-from groupflow.workflows.llm import (
-    build_rewards,
-    finite_metrics,
-    llm_step_metrics,
-    row_fields,
-    sft_turns,
+from groupflow.workflows.agent_episodes import (
+    AgentEpisode,
+    agent_metrics,
+    episode_rewards,
+    episode_samples,
+    prompt_key,
 )
+from groupflow.workflows.agent_runtime import (
+    CURRENT_EPISODE,
+    AgentLoop,
+    AgentServer,
+    require_openai,
+)
+from groupflow.workflows.llm import build_rewards, llm_step_metrics, sft_turns
 
 log = logging.getLogger("groupflow")
 
-__all__ = [
-    "AgentBlockedError",
-    "AgentWorkflow",
-    "AgentEpisode",
-    "resolve_agent",
-    "AgentServer",
-    "AGENT_FIELDS",
-    "shared_http_client",
-]
+__all__ = ["AgentBlockedError", "AgentWorkflow", "resolve_agent", "AGENT_FIELDS"]
 
 _MAX_DEMOS = 1024  # rows whose demonstrations the warm start plays through the agent
-
-# Why an episode failed (rollout/agent/failures/<kind>); "blocked": its sync code held the event
-# loop past its rollout.agent_timeout_s.
-FAILURE_KINDS = ("raised", "timeout", "blocked", "no_call", "invalid", "max_calls")
 # Abandoned event loops (each blocked by an agent's sync code) still blocked at once: the run stops.
 MAX_BLOCKED_LOOPS = 4
-_EPISODE: contextvars.ContextVar[Any] = contextvars.ContextVar("groupflow_episode", default=None)
-
-
-# Where Python's own and installed code lives: a blocked loop is reported at the first frame
-# outside these (the agent's line), not inside threading.py or an HTTP library.
-_LIBRARY_PATHS = tuple(
-    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-)
-
-
-def _frame_text(frame) -> str:
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 class AgentBlockedError(ValueError):
@@ -141,218 +119,12 @@ def resolve_agent(spec: str):
     return fn
 
 
-def _openai():
-    try:
-        import openai
-    except ImportError:
-        raise ImportError(
-            "rollout.workflow=agent needs the openai package: pip install 'groupflow[serve]'"
-        ) from None
-    return openai
-
-
-class AgentServer:
-    """The run's in-process server over the policy's rollout group, with an episode recorder."""
-
-    def __init__(self, cfg: Config, policy):
-        self.rollout = policy.rollout  # the group this server's engine calls go to
-        self.recorder = EpisodeRecorder()
-        core = server_core(
-            cfg, policy.tokenizer, policy.rollout,
-            replace(policy.sampling, n=1), self.recorder,
-        )  # fmt: skip
-        self.core = core
-        core.batcher.expected = self.recorder.open_count  # each open episode will call
-        self.thread = ServerThread(build_app(core), "127.0.0.1", 0).start()
-        self.url = self.thread.url
-
-    def close(self) -> None:
-        self.thread.stop()
-        self.core.close()
-
-
-def shared_http_client(timeout_s: float):
-    """The HTTP client every episode's ``openai.AsyncOpenAI`` shares: the ``openai`` package's
-    aiohttp transport where aiohttp is installed — its C HTTP parser costs ≈0.3 ms less CPU per
-    call than httpx's, CPU the agents take from decoding (``benchmarks/bench_serve.py``) —
-    else its default httpx one. Made on the event loop that will use it."""
-    openai = _openai()
-    try:
-        return openai.DefaultAioHttpClient(timeout=timeout_s)
-    except (AttributeError, RuntimeError):  # an older openai, or aiohttp missing
-        return openai.DefaultAsyncHttpxClient(timeout=timeout_s)
-
-
-class AgentLoop:
-    """One event loop for every episode of the run, in a thread of its own: agent libraries keep
-    loop-bound objects between calls (langchain-openai caches its async HTTP client), so a fresh
-    loop per step (``asyncio.run``) would break them from the second step on."""
-
-    def __init__(self, beat_s: float = 0.25):
-        self._loop = asyncio.new_event_loop()
-        # Who runs now, readable from another thread: every task's context (a task copies its
-        # creator's, so an agent's helper tasks carry the episode of the agent that made them).
-        self._contexts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        if sys.version_info >= (3, 11):  # Task(context=...); before, a culprit goes unnamed
-            self._loop.set_task_factory(self._task)
-        self.beat_s = beat_s
-        self.last_beat = time.monotonic()  # the loop's heartbeat: stale while code blocks it
-        self.abandoned = False
-        self._thread = threading.Thread(target=self._serve, daemon=True,
-                                        name="groupflow-agents")  # fmt: skip
-        self._thread.start()
-        self._loop.call_soon_threadsafe(self._beat)
-        self.http = None  # one connection pool for every episode's client (made on the loop)
-
-    def _task(self, loop, coro, context=None, **kwargs):
-        context = context if context is not None else contextvars.copy_context()
-        task = asyncio.Task(coro, loop=loop, context=context, **kwargs)
-        self._contexts[task] = context
-        return task
-
-    def _beat(self) -> None:
-        self.last_beat = time.monotonic()
-        self._loop.call_later(self.beat_s, self._beat)
-
-    def blocked_s(self) -> float:
-        """Seconds since the loop last ran its heartbeat (≈0 unless code blocks it)."""
-        return time.monotonic() - self.last_beat
-
-    def running_episode(self) -> Any:
-        """The episode whose code runs on the loop now (from another thread), or None."""
-        task = asyncio.current_task(self._loop)
-        context = self._contexts.get(task) if task is not None else None
-        return context.get(_EPISODE) if context is not None else None
-
-    def where(self) -> str:
-        """Where the loop's thread is now: the innermost frame of code outside Python's standard
-        library and installed packages (the agent's own line), and the innermost frame."""
-        frame = sys._current_frames().get(self._thread.ident)
-        if frame is None:
-            return "?"
-        innermost, own = _frame_text(frame), None
-        while frame is not None and own is None:
-            if not frame.f_code.co_filename.startswith(_LIBRARY_PATHS):
-                own = _frame_text(frame)
-            frame = frame.f_back
-        return innermost if own in (None, innermost) else f"{own} (blocked in {innermost})"
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def abandon(self) -> None:
-        """Give the loop up (an agent blocks it): it stops and closes once the code lets go."""
-        self.abandoned = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-
-    def _serve(self) -> None:
-        """Run the loop until :meth:`close` stops it. asyncio lets a task's SystemExit or
-        KeyboardInterrupt out of the loop itself (after storing it in the task, whose awaiter
-        sees it): an agent's helper task raising one must not end every episode's loop."""
-        while True:
-            try:
-                self._loop.run_forever()
-                break
-            except BaseException as exc:  # noqa: BLE001 - user code's, kept in its task
-                log.debug("an agent task raised %r out of the event loop; the loop goes on", exc)
-        if self.abandoned:  # nobody waits for its episodes: cancel them, then close
-            tasks = asyncio.all_tasks(self._loop)
-            for task in tasks:
-                task.cancel()
-            try:
-                if tasks:
-                    self._loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
-                if self.http is not None:
-                    self._loop.run_until_complete(asyncio.wait_for(self.http.aclose(), 1.0))
-                self._loop.close()
-            except BaseException as exc:  # noqa: BLE001 - an abandoned loop's last words
-                log.debug("an abandoned agent loop did not close: %r", exc)
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def run(self, coro, timeout_s: float | None = None) -> Any:
-        return self.submit(coro).result(timeout_s)
-
-    def client(self, url: str, key: str, timeout_s: float):
-        """An ``openai.AsyncOpenAI`` for one episode. They share one HTTP client: building an
-        HTTP client per episode (its TLS context) cost more than the episode's calls."""
-        openai = _openai()
-        if self.http is None:
-            self.http = shared_http_client(timeout_s)
-        return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout_s,
-                                  http_client=self.http)  # fmt: skip
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Bounded: an agent that blocks the loop (sync code in an ``async def``) must not hang
-        the rollout side's shutdown; the thread is a daemon."""
-        if self._loop.is_closed():  # closed before
-            return
-        http, self.http = self.http, None
-        try:
-            if http is not None:
-                self.run(http.aclose(), timeout_s)
-        except Exception as e:  # noqa: BLE001 - closing: a stuck or broken pool is let go
-            log.debug("agent HTTP client not closed: %r", e)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
-        if not self._thread.is_alive():  # a loop still running (a stuck agent) cannot be closed
-            self._loop.close()
-
-
-@dataclass
-class AgentEpisode:
-    row: PromptRow
-    seed: int
-    group: int
-    calls: list[CallRecord] = field(default_factory=list)
-    reward: float | None = None  # from the agent's return value
-    extras: dict[str, float] = field(default_factory=dict)
-    failure: str | None = None
-    failure_kind: str | None = None
-    # the run of it on an event loop: its server key, when its agent started, whether it is done
-    key: str | None = None
-    started: float | None = None
-    finished: bool = False
-
-    def fail(self, kind: str, message: str) -> None:
-        self.failure_kind, self.failure = kind, message
-
-    def fresh(self) -> AgentEpisode:
-        """The same episode, not run yet."""
-        return AgentEpisode(self.row, self.seed, self.group)
-
-    @property
-    def messages(self) -> list[dict[str, Any]]:
-        """The final conversation: the last chat call's messages and the answer it got."""
-        for call in reversed(self.calls):
-            if call.messages is not None:
-                return [*call.messages, *call.responses[:1]]
-        return []
-
-    @property
-    def completion(self) -> str:
-        for call in reversed(self.calls):
-            if call.responses:
-                r = call.responses[0]
-                return r if isinstance(r, str) else (r.get("content") or "")
-        return ""
-
-    @property
-    def tool_calls(self) -> int:
-        return sum(c.tool_calls for c in self.calls)
-
-
 def _describe(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _row_dict(row: PromptRow) -> dict[str, Any]:
     return {"prompt": row.prompt, **row.fields}
-
-
-def _prompt_key(row: PromptRow) -> str:
-    return row.prompt if isinstance(row.prompt, str) else json.dumps(row.prompt, sort_keys=True)
 
 
 class AgentWorkflow:
@@ -362,7 +134,7 @@ class AgentWorkflow:
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow],
                  val_rows: list[PromptRow], rewards=None):  # fmt: skip
-        _openai()
+        require_openai()
         # the agents' HTTP clients log every request at INFO: one line per call would bury the
         # run's console (a level set explicitly by the user is kept)
         for name in ("httpx", "httpx2", "openai"):
@@ -495,7 +267,7 @@ class AgentWorkflow:
             )
             metrics[f"val/{mode}/failures"] = float(sum(e.failure is not None for e in episodes))
             records[mode] = [
-                {"prompt": _prompt_key(e.row), "reward": float(r), "completion": e.completion,
+                {"prompt": prompt_key(e.row), "reward": float(r), "completion": e.completion,
                  "tool_calls": e.tool_calls, "calls": len(e.calls), "failure": e.failure}
                 for e, r in zip(episodes, rewards.tolist())
             ]  # fmt: skip
@@ -507,7 +279,7 @@ class AgentWorkflow:
         if not self.cfg.sft.steps:
             return {}
         rows = self._train_rows
-        train = EncodedPrompts(rows, [_prompt_key(r) for r in rows], [[0] for _ in rows])
+        train = EncodedPrompts(rows, [prompt_key(r) for r in rows], [[0] for _ in rows])
         greedy = replace(self.policy.sampling, temperature=0.0, n=1)
         return warm_start(
             self.policy, self.sft_examples, lambda probe: self.score(probe.rows, greedy), train,
@@ -668,7 +440,7 @@ class AgentWorkflow:
         r = self.cfg.rollout
         left = 0
         async with gate:
-            _EPISODE.set(e)  # this task's (and its helper tasks') episode, for the loop's watch
+            CURRENT_EPISODE.set(e)  # its (and its helper tasks') episode, for the loop's watch
             key = self.server.recorder.open(e.seed, replace(params, n=1), script,
                                             r.agent_max_calls)  # fmt: skip
             e.key, e.started = key, time.monotonic()
@@ -719,90 +491,14 @@ class AgentWorkflow:
         else:
             e.reward = None if result is None else float(result)
 
-    # ----- rewards and samples ----------------------------------------------------------------
+    # ----- rewards and samples (workflows.agent_episodes) -----------------------------------
     def rewards(
         self, episodes: list[AgentEpisode], train: bool = False
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """One reward per episode (see the module docstring); ``train``: a training batch, whose
-        groups ``reward.normalize: group`` uses (validation reports the plain weighted sum)."""
-        how = self.cfg.rollout.agent_reward
-        total = torch.tensor([e.reward or 0.0 for e in episodes], dtype=torch.float32)
-        metrics: dict[str, float] = {}
-        if how != "return":
-            fields = {"messages": [e.messages for e in episodes],
-                      "agent_calls": [len(e.calls) for e in episodes]}  # fmt: skip
-            result = self.reward_fn(
-                [_prompt_key(e.row) for e in episodes], [e.completion for e in episodes],
-                completion_lengths=[sum(len(c.ids) for call in e.calls for c in call.completions)
-                                    for e in episodes],
-                group_ids=[e.group for e in episodes] if train else None,
-                **row_fields([e.row for e in episodes]), **fields,
-            )  # fmt: skip
-            total = total + result.total.float() if how == "both" else result.total.float()
-            metrics = finite_metrics(result.metrics)
-        failed = torch.tensor([e.failure is not None for e in episodes])
-        total = torch.where(failed, torch.tensor(self.cfg.reward.failure_value), total)
-        return total, metrics
+        """One reward per episode (``episode_rewards``)."""
+        return episode_rewards(self.cfg, self.reward_fn, episodes, train)
 
     def samples_batch(self, episodes: list[AgentEpisode], rewards: torch.Tensor, uid: str,
                       version: int) -> tuple[Batch, Counter]:  # fmt: skip
-        """The episodes' samples (``merge_calls``), each with its episode's reward and id."""
-        tok = self.policy.tokenizer
-        samples, owner, counts = [], [], Counter()
-        for k, e in enumerate(episodes):
-            chains = merge_calls(e.calls) or [self._placeholder(e)]
-            counts["samples"] += len(chains)
-            counts["split_episodes"] += len(chains) > 1
-            for chain in chains:
-                if len(chain.ids) > self.width:  # the sample's width: rollout.max_response_tokens
-                    counts["truncated"] += 1
-                    chain = Chain(chain.prompt_ids, chain.ids[: self.width],
-                                  chain.mask[: self.width], chain.logprobs[: self.width], "length")  # fmt: skip
-                samples.append(Episode(e.row, None, e.seed, e.group, chain.prompt_ids, chain.ids,
-                                       chain.mask, chain.logprobs, finish=chain.finish))  # fmt: skip
-                owner.append(k)
-        batch = episodes_batch(samples, tok.pad_token_id, self.width)
-        batch["uid"] = [f"{uid}-{i}" for i in range(len(samples))]
-        batch["prompt"] = [_prompt_key(episodes[k].row) for k in owner]
-        batch["row"] = [episodes[k].row for k in owner]
-        batch["version"] = torch.full((len(samples),), version, dtype=torch.long)
-        batch["episode_ids"] = torch.tensor(owner, dtype=torch.long)
-        batch["completion"] = [episodes[k].completion for k in owner]
-        batch["messages"] = [episodes[k].messages for k in owner]
-        batch["rewards"] = rewards[torch.tensor(owner, dtype=torch.long)]
-        return batch, counts
-
-    def _placeholder(self, e: AgentEpisode) -> Chain:
-        """An episode without a call still counts in its group (reward.failure_value): its row's
-        prompt with one masked-out token, so it trains nothing itself."""
-        tok = self.policy.tokenizer
-        text = _prompt_key(e.row)
-        if getattr(tok, "chat_template", None) and isinstance(e.row.prompt, (str, list)):
-            msgs = [{"role": "user", "content": e.row.prompt}] if isinstance(e.row.prompt, str) \
-                else e.row.prompt  # fmt: skip
-            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        ids = list(tok(text, add_special_tokens=False)["input_ids"]) or [tok.pad_token_id]
-        return Chain(ids, [tok.pad_token_id], [0], [0.0], "stop")
-
-
-def agent_metrics(episodes: list[AgentEpisode], counts: Counter) -> dict[str, float]:
-    """Calls, samples per episode, tool use and failures of one collect round."""
-    n = len(episodes)
-    failures = Counter(e.failure_kind for e in episodes if e.failure is not None)
-    m = {
-        "rollout/agent/episodes": float(n),
-        "rollout/agent/calls/mean": sum(len(e.calls) for e in episodes) / n,
-        "rollout/agent/samples_per_episode": counts["samples"] / n,
-        "rollout/agent/split_episodes": float(counts["split_episodes"]),
-        "rollout/agent/truncated_samples": float(counts["truncated"]),
-        "rollout/agent/tool_calls/mean": sum(e.tool_calls for e in episodes) / n,
-        "rollout/agent/tool_call_rate": sum(e.tool_calls > 0 for e in episodes) / n,
-        "rollout/agent/failures": float(sum(failures.values())),
-    }
-    for kind in FAILURE_KINDS:
-        m[f"rollout/agent/failures/{kind}"] = float(failures.get(kind, 0))
-    extras = {k for e in episodes for k in e.extras}
-    for k in sorted(extras):
-        values = [e.extras[k] for e in episodes if k in e.extras]
-        m[f"rollout/agent/{k}"] = statistics.fmean(values)
-    return m
+        """The episodes' samples (``episode_samples``), each with its episode's reward and id."""
+        return episode_samples(self.policy.tokenizer, self.width, episodes, rewards, uid, version)

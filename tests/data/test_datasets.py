@@ -1,4 +1,5 @@
-"""Tests for groupflow.data.datasets: loading, validation, templating, over-long filtering."""
+"""Tests for groupflow.data's datasets (loading), rows (validation) and templating (templating,
+over-long filtering)."""
 
 import json
 import logging
@@ -7,15 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from groupflow.data.datasets import (
-    DataError,
-    PromptRow,
-    check_row_fields,
-    filter_overlong,
-    load_prompt_rows,
-    normalize_row,
-    render_prompt,
-)
+from groupflow.data.datasets import check_row_fields, load_prompt_rows
+from groupflow.data.rows import DataError, PromptRow, normalize_row
+from groupflow.data.templating import filter_overlong, render_prompt
 from groupflow.data.tokenizer import train_char_tokenizer
 
 PLAIN_ROWS = [

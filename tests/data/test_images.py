@@ -12,8 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from groupflow.data.datasets import DataError, load_prompt_rows
+from groupflow.data.datasets import load_prompt_rows
 from groupflow.data.images import ImageLimits, load_image, prompt_images, resize_within
+from groupflow.data.rows import DataError
 
 
 def png(w=20, h=10, color=(255, 0, 0)) -> bytes:

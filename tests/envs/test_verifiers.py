@@ -150,7 +150,7 @@ def test_a_multi_turn_tool_environment_trains_its_calls_as_one_sample(tiny_base,
     sample whose trained ids are exactly the two model turns (the tool turn masked out), and
     the rubric's rewards (correct 1, used_tool 1) reach the batch. Then 2 GRPO steps."""
     from groupflow.trainer import Trainer
-    from groupflow.workflows.agent import AgentEpisode
+    from groupflow.workflows.agent_episodes import AgentEpisode
 
     torch.set_num_threads(1)
     t = Trainer(_tools_config(tiny_base, tmp_path, **{"run.total_steps": 2}))

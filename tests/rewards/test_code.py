@@ -4,14 +4,9 @@ import time
 import pytest
 
 from groupflow.rewards import RewardConfigError, build_reward_runner
-from groupflow.rewards.code import (
-    CodeTests,
-    SplitAssert,
-    extract_code,
-    make_code_tests_reward,
-    parse_tests,
-    split_assert,
-)
+from groupflow.rewards.code import extract_code, make_code_tests_reward
+from groupflow.rewards.code_cases import CodeTests, parse_tests
+from groupflow.rewards.code_harness import SplitAssert, split_assert
 
 
 def reward(**options):

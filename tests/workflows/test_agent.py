@@ -576,7 +576,7 @@ def test_the_agent_loop_closes_its_event_loop_and_a_stuck_agent_cannot_hang_the_
     import threading
     import time
 
-    from groupflow.workflows.agent import AgentLoop
+    from groupflow.workflows.agent_runtime import AgentLoop
 
     loop = AgentLoop()
     assert loop.run(_answer(), timeout_s=5) == 42
@@ -605,7 +605,7 @@ async def _answer():
 
 def test_the_agents_share_an_aiohttp_client_and_fall_back_to_httpx(monkeypatch):
     """aiohttp's transport where installed (less CPU per call); without it, openai's httpx one."""
-    from groupflow.workflows.agent import shared_http_client
+    from groupflow.workflows.agent_runtime import shared_http_client
 
     pytest.importorskip("aiohttp", reason="needs aiohttp (the serve extra)")
     aio = shared_http_client(5)

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field, replace
 
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import CallRecord
+from groupflow.serve.access import CallRecord
 
 __all__ = ["EpisodeRecorder", "Chain", "merge_calls", "call_seed"]
 

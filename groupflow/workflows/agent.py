@@ -65,7 +65,8 @@ from groupflow.contracts import validate
 from groupflow.data import PromptRow
 from groupflow.envs import build_env_agent
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import CallRecord, build_app
+from groupflow.serve.access import CallRecord
+from groupflow.serve.app import build_app
 from groupflow.serve.build import server_core
 from groupflow.serve.recording import Chain, EpisodeRecorder, merge_calls
 from groupflow.serve.thread import ServerThread

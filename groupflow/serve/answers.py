@@ -111,7 +111,7 @@ def stream_error(exc: Exception) -> str:
     """A failure after a stream's 200: its last event (then ``[DONE]``)."""
     exc = server_error(exc)
     return sse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param,
-                           "code": None}})  # fmt: skip
+                          "code": None}})  # fmt: skip
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -35,7 +35,6 @@ from groupflow.serve.protocol import (
 __all__ = ["build_app"]
 
 
-# ----- HTTP --------------------------------------------------------------------------------------
 class _BodyTooLarge(Exception):
     pass
 
@@ -52,8 +51,8 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if not self.access.authorize(_bearer(headers)):
-            resp = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)", None,
-                          "authentication_error")  # fmt: skip
+            resp = error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                  None, "authentication_error")  # fmt: skip
             return await resp(scope, receive, send)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
@@ -76,7 +75,7 @@ class Guard:
 
     async def _reject(self, scope, receive, send):
         resp = error_response(413, f"the request body is larger than {self.max_bytes} bytes "
-                      "(serve.max_body_bytes)")  # fmt: skip
+                              "(serve.max_body_bytes)")  # fmt: skip
         await resp(scope, receive, send)
 
 

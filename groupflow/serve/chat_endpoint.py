@@ -73,11 +73,11 @@ class ChatEndpoints:
             yield sse({**head, "choices": [], "prompt_token_ids": prompt.ids})
             for i in range(req.n):
                 yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                            "content": ""}, "finish_reason": None}]})  # fmt: skip
+                           "content": ""}, "finish_reason": None}]})  # fmt: skip
             texts = [TextStream(self.tokenizer, params.stop) for _ in range(req.n)]
             async for j, delta in deltas(task, arrived, wake, texts):
                 yield sse({**head, "choices": [{"index": j, "delta": {"content": delta},
-                                                 "finish_reason": None}]})  # fmt: skip
+                                                "finish_reason": None}]})  # fmt: skip
             try:
                 (completions,) = task.result()
                 scores = await self._chat_scores(req, prompt, params, completions)
@@ -92,11 +92,11 @@ class ChatEndpoints:
                 rest = unsent(msg.get("content") or "", texts[i].sent)
                 if rest:
                     yield sse({**head, "choices": [{"index": i, "delta": {"content": rest},
-                                                     "finish_reason": None}]})  # fmt: skip
+                                                    "finish_reason": None}]})  # fmt: skip
                 if msg.get("tool_calls"):
                     calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
                     yield sse({**head, "choices": [{"index": i, "delta": {"tool_calls": calls},
-                                                     "finish_reason": None}]})  # fmt: skip
+                                                    "finish_reason": None}]})  # fmt: skip
                 yield sse({**head, "choices": [{
                     "index": i, "delta": {}, "finish_reason": ch["finish_reason"],
                     "logprobs": ch["logprobs"], "token_ids": ch["token_ids"],

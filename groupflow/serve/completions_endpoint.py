@@ -84,10 +84,10 @@ class CompletionEndpoints:
                 for i, text in enumerate(prompt_texts):
                     for j in range(req.n):
                         yield sse({**head, "choices": [{"index": i * req.n + j, "text": text,
-                                    "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                                   "logprobs": None, "finish_reason": None}]})  # fmt: skip
             async for j, delta in deltas(task, arrived, wake, texts):
                 yield sse({**head, "choices": [{"index": j, "text": delta, "logprobs": None,
-                                                 "finish_reason": None}]})  # fmt: skip
+                                                "finish_reason": None}]})  # fmt: skip
             try:
                 sampled = task.result()
                 scores = await self._completion_scores(req, prompts, settings, sampled)

@@ -31,7 +31,7 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None,
-           kind: str = "invalid_request_error") -> JSONResponse:  # fmt: skip
+                   kind: str = "invalid_request_error") -> JSONResponse:  # fmt: skip
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return JSONResponse(body, status_code=status)
 

@@ -12,28 +12,15 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from groupflow.config.base import _Section
 from groupflow.config.diffusion import DiffusionConfig
 from groupflow.config.keys import unknown_key_problem
+from groupflow.config.model_data import DataConfig, ModelConfig
 from groupflow.config.presets import expand_preset
-from groupflow.config.sections import (
-    VLLM_HEAD_DIMS,
-    ActorConfig,
-    AlgorithmConfig,
-    CriticConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    PlacementConfig,
-    RewardConfig,
-    RewardModelConfig,
-    RolloutConfig,
-    RunConfig,
-    ServeConfig,
-    SFTConfig,
-    TeacherConfig,
-    ValidationConfig,
-    _Section,
-)
+from groupflow.config.rewards import RewardConfig, RewardModelConfig, TeacherConfig
+from groupflow.config.rollout import VLLM_HEAD_DIMS, RolloutConfig, ServeConfig
+from groupflow.config.run import ParallelConfig, PlacementConfig, RunConfig, ValidationConfig
+from groupflow.config.training import ActorConfig, AlgorithmConfig, CriticConfig, SFTConfig
 
 __all__ = ["Config", "collective_refusal", "spans_nodes"]
 

@@ -27,6 +27,11 @@ IMPLEMENTATIONS: dict[str, list[str]] = {
         "groupflow.rollout.engines.base:HFEngine",
         "groupflow.rollout.engines.vllm_engine:VLLMEngine",
     ],
+    "groupflow.rollout.hosts:SideHost": [
+        "groupflow.distributed.process:ProcessHost",
+        "groupflow.rollout.hosts:ThreadHost",
+        "groupflow.rollout.ray_host:PoolSideHost",
+    ],
     "groupflow.rollout.source:RolloutSource": [
         "groupflow.rollout.source:SyncRollout",
         "groupflow.rollout.source:AsyncRolloutSource",

@@ -90,6 +90,8 @@ class ProcessHost:
     started. ``call`` (worker groups) returns ``(ok, value)`` like ``_Host.call`` or raises
     ``TimeoutError`` / ``ChildProcessError`` (the group turns them into WorkerErrors)."""
 
+    kind = "process"
+
     def __init__(self, target: Callable[..., Any], args: tuple, startup_timeout_s: float):
         import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor pickling
 
@@ -145,6 +147,10 @@ class ProcessHost:
             return self._conn.recv()
         except (EOFError, OSError):
             raise ChildProcessError(self._death("died")) from None
+
+    def describe(self, what: str) -> str:
+        """The child ``what`` (e.g. "died"), with its pid and exit code, for an error message."""
+        return self._death(what)
 
     def _death(self, what: str) -> str:
         self.process.join(timeout=1.0)

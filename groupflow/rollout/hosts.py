@@ -16,7 +16,10 @@ message, ``result(step)`` receives the finished, contract-checked batch. The sid
 replicates the trainer's, so prompts are those of a synchronous run; each result carries the
 loader state after it (``loader_state``, what a checkpoint saves). With a Ray rollout pool
 (``pool``) the same side runs in a Ray actor on that pool (``groupflow.rollout.ray_host``), and
-versions are published as weight-transport tickets instead of weights.
+versions are published as weight-transport tickets instead of weights. The three places the
+side can run — a child process (``distributed.process.ProcessHost``), a thread (``ThreadHost``),
+a Ray actor (``ray_host.PoolSideHost``) — are one ``SideHost``: the pipe's end, a wait that
+reports a dead host, a description for an error, close; the trainer's calls never ask which.
 
 ``rollout.async_worker: thread`` runs the same side in a thread of this process (no pickling of
 the recipe, slower: one GIL); it is also the fallback, with a warning, when the recipe cannot be
@@ -42,6 +45,7 @@ import multiprocessing as mp
 import pickle
 import threading
 import time
+from typing import Any, Protocol
 
 import torch
 
@@ -93,6 +97,68 @@ class RolloutError(RuntimeError):
     """The rollout side failed with an exception that could not be sent back as itself."""
 
 
+class SideHost(Protocol):
+    """Where the rollout side runs, as ``AsyncRollout`` talks to it."""
+
+    kind: str  # "process", "thread" or "Ray actor" (error notes)
+    process: Any  # the child process, or None
+
+    @property
+    def conn(self) -> Any:
+        """The trainer's end of the pipe (send, recv_bytes, close)."""
+        ...
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a reply can be read: ``TimeoutError`` after ``timeout_s``, ``ChildProcessError``
+        once the host died."""
+        ...
+
+    def describe(self, what: str) -> str:
+        """The host ``what`` (e.g. "died"), for an error message."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ThreadHost:
+    """The side in a thread of the trainer's process (``rollout.async_worker: thread``, or the
+    fallback when the recipe cannot travel to a child)."""
+
+    kind = "thread"
+    process = None
+
+    def __init__(self, recipe: RolloutRecipe, ring, status: torch.Tensor, eager: bool,
+                 join_timeout_s: float):  # fmt: skip
+        self.side = RolloutSide(recipe)  # built here: a failure surfaces at once
+        self._conn, child = mp.Pipe()
+        self.join_timeout_s = join_timeout_s
+        self.thread = threading.Thread(
+            target=serve, args=(child, self.side, ring, status, eager),
+            name="groupflow-rollout", daemon=True,
+        )  # fmt: skip
+        self.thread.start()
+
+    @property
+    def conn(self):
+        return self._conn
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if not self.thread.is_alive():
+                raise ChildProcessError("the rollout thread stopped")
+            if time.monotonic() >= deadline:
+                raise TimeoutError
+
+    def describe(self, what: str) -> str:
+        return f"the rollout thread {what}"
+
+    def close(self) -> None:
+        self._conn.close()  # a reply nobody will read must not block the thread's send
+        self.thread.join(timeout=self.join_timeout_s)
+        self.side.close()
+
+
 class AsyncRollout:
     """The trainer's handle on the rollout side: ``publish`` weights, ``submit`` jobs (in step
     order), take each ``result`` in step order."""
@@ -106,7 +172,7 @@ class AsyncRollout:
         self.loader_state = recipe.loader_state  # the loader after the last delivered batch
         self._jobs: dict[int, int] = {}  # submitted, not yet taken: step -> scheduled version
         self._ready: dict[int, tuple] = {}  # received, not yet taken: step -> reply
-        self._host = self._thread = self._side = None
+        self._host: SideHost | None = None
         process = process and pool is None
         if process and (where := unguarded_main_call()) is not None:
             _warn_thread_route(
@@ -130,13 +196,8 @@ class AsyncRollout:
         if pool is not None:
             self._host = self._start_on_pool(recipe, pool, eager)
         if self._host is None:
-            self._side = RolloutSide(recipe)  # built here: a failure surfaces at once
-            self._conn, child = mp.Pipe()
-            self._thread = threading.Thread(
-                target=serve, args=(child, self._side, self.ring, self.status, eager),
-                name="groupflow-rollout", daemon=True,
-            )  # fmt: skip
-            self._thread.start()
+            self._host = ThreadHost(recipe, self.ring, self.status, eager, self.timeout_s)
+        self._conn = self._host.conn
 
     def _start_process(self, data: bytes, eager: bool) -> ProcessHost | None:
         args = (data, self.ring, self.status, eager)
@@ -149,7 +210,6 @@ class AsyncRollout:
             raise WorkerError(self._name(), 0, "__init__", str(e)) from None
         except (ChildProcessError, TimeoutError) as e:
             raise WorkerError(self._name(), 0, "__init__", str(e)) from None
-        self._conn = host.conn
         return host
 
     def _start_on_pool(self, recipe: RolloutRecipe, pool, eager: bool) -> PoolSideHost:
@@ -158,12 +218,11 @@ class AsyncRollout:
                                 startup_timeout_s=self.timeout_s)  # fmt: skip
         except (ChildProcessError, TimeoutError) as e:
             raise WorkerError(self._name(), 0, "__init__", str(e)) from None
-        self._conn = host.conn
         return host
 
     @property
     def process(self):
-        """The child process (None in the thread route)."""
+        """The child process (None in the thread route and on a pool)."""
         return self._host.process if self._host is not None else None
 
     # ----- the trainer's calls ------------------------------------------------------------------
@@ -213,13 +272,6 @@ class AsyncRollout:
                 self._host.process.join(timeout=5.0)
             self._host.close()
             self._host = None
-        if self._thread is not None:
-            self._conn.close()  # a reply nobody will read must not block the thread's send
-            self._thread.join(timeout=self.timeout_s)
-            self._thread = None
-        if self._side is not None:
-            self._side.close()
-            self._side = None
 
     # ----- plumbing -------------------------------------------------------------------------------
     def _send(self, msg) -> None:
@@ -245,15 +297,8 @@ class AsyncRollout:
         self._ready[reply[1]] = reply
 
     def _wait(self) -> None:
-        if self._host is not None:
-            self._host.wait(self.timeout_s)  # also reports a child that died
-            return
-        deadline = time.monotonic() + self.timeout_s
-        while not self._conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
-            if not self._thread.is_alive():
-                raise ChildProcessError("the rollout thread stopped")
-            if time.monotonic() >= deadline:
-                raise TimeoutError
+        assert self._host is not None, "the rollout side was closed"
+        self._host.wait(self.timeout_s)  # also reports a host that died
 
     def _timeout_message(self, step: int) -> str:
         phase, doing_step, version = (int(x) for x in self.status)
@@ -278,16 +323,12 @@ class AsyncRollout:
 
     def _death(self, what: str) -> str:
         if self._host is None:
-            return f"the rollout thread {what}"
-        if self._host.process is None:  # the pool's Ray actor
-            return f"{self._host.describe(what)}{self._doing()}"
-        p = self._host.process
-        p.join(timeout=1.0)
-        return f"the worker process (pid {p.pid}) {what}, exit code {p.exitcode}{self._doing()}"
+            return f"the rollout side (closed) {what}"
+        return f"{self._host.describe(what)}{self._doing()}"
 
     def _error(self, payload: tuple, step: int, version: int) -> BaseException:
         kind, body, text = payload
-        where = "thread" if self._host is None else "process" if self.process else "Ray actor"
+        where = self._host.kind if self._host is not None else "side"
         note = (f"(in the {self.role} role's {where}, batch of step {step}, policy version "
                 f"{version}); its traceback:\n{text}")  # fmt: skip
         error = pickle.loads(body) if kind == "exception" else RolloutError(body)

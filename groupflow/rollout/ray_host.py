@@ -109,6 +109,7 @@ class PoolSideHost:
     child process. ``ring``: the driver's ``TicketStore`` (a ``("weights", v)`` message sends
     ``v``'s ticket along); ``status``: the driver's copy, refreshed at every wait."""
 
+    kind = "Ray actor"
     process = None  # not a child process of the driver
 
     def __init__(self, recipe: RolloutRecipe, pool, ring: TicketStore, status: torch.Tensor, *,

@@ -95,7 +95,7 @@ class AsyncRolloutSource:
         self.rollouts: AsyncRollout | None = None
         self.snapshots: dict[int, dict] = {}  # version -> weights, while no side holds them
         self.step = 0  # the step whose batch comes next (what close keeps snapshots for)
-        self.pooled, self.transport = False, None  # set by start (see there)
+        self.route: RingRoute | PoolRoute | None = None  # chosen by start (see there)
 
     def start(self, step: int) -> None:
         """Start the rollout side, publish the weights the next k+1 batches need (after a resume:
@@ -118,30 +118,16 @@ class AsyncRolloutSource:
                     "snapshots of the staleness it was written with; resume with that value"
                 )
         cfg, run_dir, train_rows, rewards = self.recipe_parts
-        self.pooled = bool(getattr(self.policy, "async_on_pool", False))
         recipe = RolloutRecipe(
             cfg, run_dir, self.policy.start_async(), list(train_rows), self.loader.state_dict(),
             rewards,
         )  # fmt: skip
-        if self.pooled:
-            self.transport = self.policy.transport
-            self.rollouts = AsyncRollout(
-                recipe, {}, max_staleness=k, process=False, timeout_s=self.timeout_s,
-                eager=self.eager, ring=TicketStore(ring_slots(k)), pool=self.policy.rollout_pool,
-            )  # fmt: skip
-        else:
-            current = self.policy.snapshot(copy=False)  # the ring copies it
-            self.rollouts = AsyncRollout(
-                recipe, current, max_staleness=k, process=self.process,
-                timeout_s=self.timeout_s, eager=self.eager,
-            )  # fmt: skip
-            self.snapshots = {**self.snapshots, step: current}
-        if self.pooled:
-            self.after_update(step, submit=False)
-        published = {step} if self.pooled else set()
-        for v in sorted((self.needed_versions(step) & self.snapshots.keys()) - published):
-            weights = self.snapshots[v]
-            self.rollouts.publish(v, self.transport.send(v, weights) if self.pooled else weights)
+        on_pool = bool(getattr(self.policy, "async_on_pool", False))
+        self.route = route = (PoolRoute if on_pool else RingRoute)(self.policy)
+        self.rollouts = route.open(recipe, max_staleness=k, process=self.process,
+                                   timeout_s=self.timeout_s, eager=self.eager)  # fmt: skip
+        needed = (self.needed_versions(step) & self.snapshots.keys()) - {step}
+        route.publish_start(self.rollouts, step, {v: self.snapshots[v] for v in sorted(needed)})
         for t, v in jobs.items():
             self.rollouts.submit(t, v)
         self.snapshots = {}  # the rollout side's ring holds them now
@@ -155,24 +141,18 @@ class AsyncRolloutSource:
         """Version ``version`` (= s+1 after the update of step s) exists: publish it and submit the
         batch of step s+1+k with its scheduled version."""
         self.step = version
-        if self.pooled:  # the actor's rank sends; the driver holds a ticket
-            ticket = self.policy.publish(version)
-            self.rollouts.publish(version, ticket)
-            nbytes = ticket_nbytes(ticket)
-        else:  # the driver's process copies every byte into the ring (it holds the actor)
-            weights = self.policy.snapshot(copy=False)  # publish copies
-            self.rollouts.publish(version, weights)
-            nbytes = weights_nbytes(weights)
+        assert self.route is not None and self.rollouts is not None, "start() first"
+        nbytes = self.route.publish_current(self.rollouts, version)
         t = version + self.k
         if submit and t < self.total_steps():
             self.rollouts.submit(t, schedule_version(t, self.k))
         return transfer_metrics(nbytes)
 
     def _held(self, version: int) -> dict:
-        """A version's weights held by the running side (pooled: fetched through the transport,
-        into the driver — only for a checkpoint or when the side stops)."""
-        held = self.rollouts.ring.read(version)
-        return self.transport.receive(held, role="checkpoint") if self.pooled else held
+        """A version's weights held by the running side (on a pool: fetched through the
+        transport, into the driver — only for a checkpoint or when the side stops)."""
+        assert self.route is not None and self.rollouts is not None
+        return self.route.read(self.rollouts.ring.read(version))
 
     def needed_versions(self, step: int) -> set[int]:
         """The versions the batches of steps step..step+k are scheduled with (a checkpoint keeps
@@ -222,6 +202,69 @@ class AsyncRolloutSource:
         finally:
             self.rollouts = None
             rollouts.close()
+
+
+class RingRoute:
+    """One host: the side runs in a child process (or thread) with a frozen copy of its own, and
+    the driver — which holds the actor — copies every version into the shared-memory ring."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def open(self, recipe: RolloutRecipe, *, max_staleness: int, process: bool, timeout_s: float,
+             eager: bool) -> AsyncRollout:  # fmt: skip
+        template = self.policy.snapshot(copy=False)  # the ring's layout (publish copies)
+        return AsyncRollout(recipe, template, max_staleness=max_staleness, process=process,
+                            timeout_s=timeout_s, eager=eager)  # fmt: skip
+
+    def publish_start(self, rollouts: AsyncRollout, step: int, held: dict[int, dict]) -> None:
+        """The versions the first batches need, oldest first: a checkpoint's snapshots (``held``)
+        and the policy's weights as ``step``."""
+        current = {step: self.policy.snapshot(copy=False)}
+        for v, weights in sorted({**held, **current}.items()):
+            rollouts.publish(v, weights)
+
+    def publish_current(self, rollouts: AsyncRollout, version: int) -> int:
+        """The policy's weights as ``version``; returns the bytes the driver's process copied."""
+        weights = self.policy.snapshot(copy=False)  # publish copies
+        rollouts.publish(version, weights)
+        return weights_nbytes(weights)
+
+    def read(self, held: dict) -> dict:
+        return held
+
+
+class PoolRoute:
+    """The policy's Ray rollout pool: the side runs in a Ray actor there, and versions travel as
+    weight-transport tickets — the actor's rank sends, the pool's workers fetch, the driver
+    forwards only the ticket."""
+
+    def __init__(self, policy):
+        self.policy, self.transport = policy, policy.transport
+
+    def open(self, recipe: RolloutRecipe, *, max_staleness: int, process: bool, timeout_s: float,
+             eager: bool) -> AsyncRollout:  # fmt: skip
+        return AsyncRollout(
+            recipe, {}, max_staleness=max_staleness, process=False, timeout_s=timeout_s,
+            eager=eager, ring=TicketStore(ring_slots(max_staleness)),
+            pool=self.policy.rollout_pool,
+        )  # fmt: skip
+
+    def publish_start(self, rollouts: AsyncRollout, step: int, held: dict[int, dict]) -> None:
+        """The actor's current weights as ``step`` (its rank sends), then a checkpoint's
+        snapshots (``held``; these pass through the driver once, at a resume)."""
+        self.publish_current(rollouts, step)
+        for v, weights in held.items():
+            rollouts.publish(v, self.transport.send(v, weights))
+
+    def publish_current(self, rollouts: AsyncRollout, version: int) -> int:
+        """The actor's current weights as ``version``; returns the bytes inside the ticket."""
+        ticket = self.policy.publish(version)
+        rollouts.publish(version, ticket)
+        return ticket_nbytes(ticket)
+
+    def read(self, ticket) -> dict:
+        return self.transport.receive(ticket, role="checkpoint")
 
 
 def build_rollout_source(cfg, built_cfg, run_dir, policy, workflow, loader, inputs):

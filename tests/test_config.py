@@ -263,7 +263,7 @@ def test_placement_pools_per_role():
             "placement.reference": {"cpus_per_worker": 2},
         },
     )
-    from groupflow.builders import pool_spec, total_cpus
+    from groupflow.assembly.groups import pool_spec, total_cpus
 
     cfg = config_from_dict(data)
     actor = pool_spec(cfg, "actor")
@@ -275,7 +275,7 @@ def test_placement_pools_per_role():
 
 
 def test_a_pool_pinned_to_a_node_resource_and_bad_resources_named_by_key():
-    from groupflow.builders import pool_spec
+    from groupflow.assembly.groups import pool_spec
 
     pin = {"run.backend": "ray", "placement.rollout": {"resources": {"node_b": 1}}}
     cfg = config_from_dict(apply_overrides(_base(), pin))

@@ -122,11 +122,11 @@ def test_ray_objects_round_trip_without_the_weights_in_the_ticket(shared_ray):
 
 
 def test_transport_is_chosen_by_config_with_a_default_per_backend(tiny_config, tmp_path):
-    from groupflow import builders
+    from groupflow.assembly.engines import build_weight_transport
     from groupflow.config import ConfigError
 
-    assert builders.build_weight_transport(tiny_config(), tmp_path).name == "driver"
-    fs = builders.build_weight_transport(
+    assert build_weight_transport(tiny_config(), tmp_path).name == "driver"
+    fs = build_weight_transport(
         tiny_config(rollout__weight_transport="filesystem", rollout__weight_bucket_mb=0.5),
         tmp_path,
     )
@@ -137,12 +137,12 @@ def test_transport_is_chosen_by_config_with_a_default_per_backend(tiny_config, t
     # on Ray: the collective transport where senders and receivers meet (a pool fed synchronously)
     pool = {"workers_per_node": 1}
     ray_pool = tiny_config(run__backend="ray", placement__rollout=pool)
-    coll = builders.build_weight_transport(ray_pool, tmp_path)
+    coll = build_weight_transport(ray_pool, tmp_path)
     assert coll.name == "collective" and coll.address is None  # the policy opens it
-    assert builders.build_weight_transport(ray_pool, tmp_path, kind="ray").name == "ray"
+    assert build_weight_transport(ray_pool, tmp_path, kind="ray").name == "ray"
     k1 = tiny_config(run__backend="ray", placement__rollout=pool, rollout__max_staleness=1)
-    assert builders.build_weight_transport(k1, tmp_path).name == "ray"
-    assert builders.build_weight_transport(tiny_config(run__backend="ray"), tmp_path).name == "ray"
+    assert build_weight_transport(k1, tmp_path).name == "ray"
+    assert build_weight_transport(tiny_config(run__backend="ray"), tmp_path).name == "ray"
     for bad, why in (
         ({}, r"needs run.backend=ray \(got 'local'\)"),
         ({"run__backend": "ray"}, r"needs a rollout pool \(placement.rollout\)"),

@@ -60,8 +60,9 @@ import torch
 from groupflow.rollout.engines.base import HF
 from groupflow.rollout.engines.continuous import ContinuousDecoder
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import ServeLimits, ServerCore, build_app
+from groupflow.serve.app import build_app
 from groupflow.serve.batcher import ContinuousBatcher, DynamicBatcher, engine_generate
+from groupflow.serve.core import ServeLimits, ServerCore
 from groupflow.serve.thread import ServerThread
 from groupflow.workflows.agent_runtime import shared_http_client
 

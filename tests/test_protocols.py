@@ -78,8 +78,8 @@ IMPLEMENTATIONS: dict[str, list[str]] = {
         "groupflow.diffusion.models:HashPromptEncoder",
         "groupflow.diffusion.encoders:WanTextEncoder",
     ],
-    "groupflow.serve.app:Access": [
-        "groupflow.serve.app:OpenAccess",
+    "groupflow.serve.access:Access": [
+        "groupflow.serve.access:OpenAccess",
         "groupflow.serve.recording:EpisodeRecorder",
     ],
     "groupflow.tools.sandbox:Sandbox": [

@@ -202,7 +202,8 @@ def _serve(args) -> int:
 
     import uvicorn
 
-    from groupflow.serve.app import OpenAccess, build_app
+    from groupflow.serve.access import OpenAccess
+    from groupflow.serve.app import build_app
     from groupflow.serve.build import server_core
     from groupflow.serve.thread import check_bind
 

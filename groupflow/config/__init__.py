@@ -1,12 +1,15 @@
 """Typed run configuration: YAML + dotted ``key=value`` overrides, validated once at load.
 
 Design decision: one strict pydantic schema (unknown keys are errors), split by job — the LLM-side
-sections (``sections.py``), the diffusion section (``diffusion.py``), the whole ``Config`` with the
-checks across sections (``root.py``) and loading with its error messages (``loading.py``) — and
-re-exported here, so callers import everything from ``groupflow.config``. Nothing below the
-builders reads this object: builders pass plain arguments into workers (style.md principle 6).
+sections by domain (``model_data.py``, ``rollout.py``, ``training.py``, ``rewards.py``,
+``run.py``, over their strict base in ``base.py``), the diffusion section (``diffusion.py``), the
+whole ``Config`` with the checks across sections (``root.py``) and loading with its error messages
+(``loading.py``) — and re-exported here, so callers import everything from ``groupflow.config``.
+Nothing below the assembly (``groupflow.assembly``) reads this object: it passes plain arguments
+into workers (style.md principle 6).
 """
 
+from groupflow.config.base import ConfigError
 from groupflow.config.diffusion import (
     DiffusionConfig,
     DiffusionLoraConfig,
@@ -15,37 +18,44 @@ from groupflow.config.diffusion import (
     SdeWindowConfig,
 )
 from groupflow.config.loading import apply_overrides, config_from_dict, load_config, parse_overrides
-from groupflow.config.root import Config
-from groupflow.config.sections import (
-    VLLM_HEAD_DIMS,
-    ActorConfig,
-    AlgorithmConfig,
-    ConfigError,
-    CriticConfig,
+from groupflow.config.model_data import (
     DataConfig,
-    EnvironmentConfig,
     HubDatasetConfig,
-    KLInRewardConfig,
-    LoraConfig,
     ModelConfig,
-    OpenEnvConfig,
-    ParallelConfig,
-    PlacementConfig,
-    PoolConfig,
+    TaskConfig,
+    TinyModelConfig,
+)
+from groupflow.config.rewards import (
     RewardConfig,
     RewardFunctionConfig,
     RewardModelConfig,
-    RolloutConfig,
-    RunConfig,
-    ServeConfig,
-    SFTConfig,
-    TaskConfig,
     TeacherConfig,
-    TinyModelConfig,
+)
+from groupflow.config.rollout import (
+    VLLM_HEAD_DIMS,
+    EnvironmentConfig,
+    OpenEnvConfig,
+    RolloutConfig,
+    ServeConfig,
     ToolConfig,
-    ValidationConfig,
     VerifiersConfig,
     VLLMConfig,
+)
+from groupflow.config.root import Config
+from groupflow.config.run import (
+    ParallelConfig,
+    PlacementConfig,
+    PoolConfig,
+    RunConfig,
+    ValidationConfig,
+)
+from groupflow.config.training import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    KLInRewardConfig,
+    LoraConfig,
+    SFTConfig,
 )
 
 __all__ = [

@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from groupflow.config.sections import IntPair, _Section
+from groupflow.config.base import IntPair, _Section
 
 
 class DiffusionLoraConfig(_Section):

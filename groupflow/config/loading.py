@@ -15,10 +15,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from groupflow.config.base import ConfigError
 from groupflow.config.keys import suggest
 from groupflow.config.presets import shadowed_by_file
 from groupflow.config.root import Config
-from groupflow.config.sections import ConfigError
 
 __all__ = ["apply_overrides", "config_from_dict", "load_config", "parse_overrides"]
 

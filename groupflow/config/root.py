@@ -2,8 +2,8 @@
 
 Design decision: every rule that relates two sections (placement vs backend, PPO needs a critic,
 diffusion refuses LLM-only keys, the vLLM engine's limits, batch sizes that must divide) is a
-model validator here, so a config that loads is one the builders can run; nothing below the
-builders reads this object (style.md principle 6).
+model validator here, so a config that loads is one the assembly (``groupflow.assembly``) can
+run; nothing below the assembly reads this object (style.md principle 6).
 """
 
 from __future__ import annotations
@@ -12,28 +12,15 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from groupflow.config.base import _Section
 from groupflow.config.diffusion import DiffusionConfig
 from groupflow.config.keys import unknown_key_problem
+from groupflow.config.model_data import DataConfig, ModelConfig
 from groupflow.config.presets import expand_preset
-from groupflow.config.sections import (
-    VLLM_HEAD_DIMS,
-    ActorConfig,
-    AlgorithmConfig,
-    CriticConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    PlacementConfig,
-    RewardConfig,
-    RewardModelConfig,
-    RolloutConfig,
-    RunConfig,
-    ServeConfig,
-    SFTConfig,
-    TeacherConfig,
-    ValidationConfig,
-    _Section,
-)
+from groupflow.config.rewards import RewardConfig, RewardModelConfig, TeacherConfig
+from groupflow.config.rollout import VLLM_HEAD_DIMS, RolloutConfig, ServeConfig
+from groupflow.config.run import ParallelConfig, PlacementConfig, RunConfig, ValidationConfig
+from groupflow.config.training import ActorConfig, AlgorithmConfig, CriticConfig, SFTConfig
 
 __all__ = ["Config", "collective_refusal", "spans_nodes"]
 

@@ -854,12 +854,12 @@ class DiffusionWorker:
         its FSDP2 rows when sharded; replicated, rank 0's tensors go and the others' are skipped
         (the update count, a plain tensor, is rank 0's) —, nothing is gathered. Other transports
         send from rank 0: replicated, its own weights; sharded, gathered first (a collective)."""
-        if transport.name == "collective":
+        if transport.every_rank_sends:
             return transport.send(version, self._sampling_state(), rank=self.rank)
         weights = self._sampling_state(full=True)
         if self.rank != 0:
             return None
-        if transport.name == "driver":  # the ticket holds the tensors: a copy
+        if transport.ticket_holds_tensors:  # the ticket is the weights: a copy
             weights = {k: v.cpu().clone() for k, v in weights.items()}
         return transport.send(version, weights)
 

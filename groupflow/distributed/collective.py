@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,9 @@ class CollectiveTransport:
     address: tuple[str, int] | None = None  # the rendezvous store (``open``)
     group: str = ""  # a fresh name per ``open``: the keys of one run's groups
     name: str = field(default="collective", init=False)
+    every_rank_sends = True  # each actor rank broadcasts the shard it holds
+    ticket_holds_tensors = False
+    members_only = True  # its process groups span the actor's ranks and the rollout pool
 
     # ----- driver side ------------------------------------------------------------------------
     def open(self, senders: int, receivers: int, host: str | None = None) -> None:
@@ -136,6 +140,16 @@ class CollectiveTransport:
                                timeout=datetime.timedelta(seconds=self.timeout_s))  # fmt: skip
         self.address, self.senders, self.receivers = (host, self._store.port), senders, receivers
         self.group = f"groupflow-weights-{uuid.uuid4().hex[:12]}"
+
+    def transfer(self, version: int, submit: Callable[[], Callable[[], Any]],
+                 receive: Callable[[Any], Any]) -> dict:  # fmt: skip
+        """Both halves at once: the actor's ranks broadcast while the receivers receive (each
+        waits for the other), so the sending half is started first and waited for last."""
+        sent = submit()
+        ticket = self.ticket(version)
+        receive(ticket)
+        sent()
+        return ticket
 
     def close(self) -> None:
         self._store = None

@@ -20,6 +20,15 @@ tensor bytes inside tickets (``ticket_nbytes``, logged as ``weights/bytes_via_dr
 - ``collective`` (``groupflow.distributed.collective``): every actor rank broadcasts its shard
   to the rollout workers over a process group of their own (gloo/NCCL); the ticket is the version.
 
+The transport owns both halves and their order: ``transfer(version, submit, receive)`` runs the
+actor's sending half (``submit``: started on its ranks) and the receivers' half in the order it
+needs — send, then receive the ticket, or (the collective) both at once — so no caller branches on
+which transport it holds. What differs on the sending rank is declared, not inferred from the
+name: ``every_rank_sends`` (the collective: each rank broadcasts the shard it holds) and
+``ticket_holds_tensors`` (the driver's: the ticket is the weights, so the sender gives a copy);
+``members_only`` says the transport reaches only the ranks given to ``open`` (the collective's
+process group), so a role outside them (the reference, a critic) needs another one.
+
 The weights travel as a byte stream cut into fixed-size buckets (``rollout.weight_bucket_mb``),
 each with its version and a CRC32; a bucket whose checksum or version does not match, or one that
 does not arrive within the timeout, is an error naming the role, the rank and the version.
@@ -31,6 +40,7 @@ import json
 import os
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +49,7 @@ import torch
 
 __all__ = [
     "WeightTransport",
+    "SendThenReceive",
     "TransferError",
     "DriverTransport",
     "RingTransport",
@@ -60,6 +71,13 @@ class TransferError(RuntimeError):
 
 class WeightTransport(Protocol):
     name: str
+    every_rank_sends: bool  # send runs on every actor rank with its own shard (rank=...)
+    ticket_holds_tensors: bool  # the ticket is the weights: the sender hands over a copy
+    members_only: bool  # reaches only the ranks given to open (see the module docstring)
+
+    def open(self, senders: int, receivers: int) -> None:
+        """Set up what both halves share, once per run, in the driver (most: nothing)."""
+        ...
 
     def send(self, version: int, weights: dict[str, torch.Tensor]) -> Any:
         """Make ``version``'s weights available; returns the ticket (small, picklable)."""
@@ -70,6 +88,38 @@ class WeightTransport(Protocol):
     ) -> dict[str, torch.Tensor]:
         """The weights a ticket stands for, checked (version, checksums) within the timeout."""
         ...
+
+    def transfer(self, version: int, submit: Callable[[], Callable[[], Any]],
+                 receive: Callable[[Any], Any]) -> Any:  # fmt: skip
+        """One version from the actor to a role: ``submit()`` starts the sending half on the
+        actor's ranks and returns the function that waits for its ticket; ``receive(ticket)``
+        runs the receivers' half. Returns the ticket the driver held (``ticket_nbytes``)."""
+        ...
+
+    def close(self) -> None:
+        """Free what ``open`` set up (most: nothing)."""
+        ...
+
+
+class SendThenReceive:
+    """The halves one after the other: the ticket exists once the sender is done (every
+    transport but the collective)."""
+
+    every_rank_sends = False
+    ticket_holds_tensors = False
+    members_only = False
+
+    def open(self, senders: int, receivers: int) -> None:
+        """Nothing shared to set up."""
+
+    def transfer(self, version: int, submit: Callable[[], Callable[[], Any]],
+                 receive: Callable[[Any], Any]) -> Any:  # fmt: skip
+        ticket = submit()()
+        receive(ticket)
+        return ticket
+
+    def close(self) -> None:
+        """Nothing to free."""
 
 
 def ticket_nbytes(ticket: Any) -> int:
@@ -234,10 +284,11 @@ def _check(bucket: torch.Tensor, expected: int, index: int, version: int, role: 
 # ----- implementations -------------------------------------------------------------------------
 
 
-class DriverTransport:
+class DriverTransport(SendThenReceive):
     """The ticket is the weights: they pass through every process that forwards the ticket."""
 
     name = "driver"
+    ticket_holds_tensors = True
 
     def send(self, version: int, weights: dict[str, torch.Tensor]) -> dict:
         return {"version": version, "weights": weights}
@@ -246,7 +297,7 @@ class DriverTransport:
         return ticket["weights"]
 
 
-class RingTransport:
+class RingTransport(SendThenReceive):
     """One host: versions are copied into a shared-memory ``WeightRing``; the ticket is the
     version (the ring's slots record which version they hold, so a stale read is an error)."""
 
@@ -264,7 +315,7 @@ class RingTransport:
 
 
 @dataclass
-class FileTransport:
+class FileTransport(SendThenReceive):
     """safetensors buckets under ``root/v<version>/``; ``manifest.json`` (layout, per-bucket
     CRC32) is renamed into place last, so a reader never sees half a version."""
 
@@ -338,7 +389,7 @@ class FileTransport:
 
 
 @dataclass
-class RayObjectTransport:
+class RayObjectTransport(SendThenReceive):
     """Buckets put into Ray's object store by the sending process (an actor rank); the ticket
     carries their object references and checksums. Receivers fetch each bucket from the sender's
     node; the driver, which forwards the ticket, never holds a byte of the weights.

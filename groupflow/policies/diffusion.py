@@ -198,8 +198,7 @@ class DiffusionPolicy:
                 cfg, "rollout", DiffusionWorker, **self._worker_kwargs, role="rollout",
                 role_name="rollout",  # errors name the role: the class serves two
             )  # fmt: skip
-            if self.transport.name == "collective":
-                self.transport.open(self.actor.world_size, self.rollout.world_size)
+            self.transport.open(self.actor.world_size, self.rollout.world_size)
 
     def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
         """Old log-probs: recomputed when a batch gets several optimizer steps, else the rollout's;
@@ -254,13 +253,9 @@ class DiffusionPolicy:
         the bytes that passed through this (the driver's) process."""
         if self.rollout is self.actor:
             return 0
-        if self.transport.name == "collective":  # both sides at once: the ranks broadcast
-            sent = self.actor.submit("send_weights", version, self.transport)
-            self.rollout.receive_weights(self.transport.ticket(version), self.transport)
-            sent()
-            return 0
-        ticket = self.actor.send_weights(version, self.transport)
-        self.rollout.receive_weights(ticket, self.transport)
+        t = self.transport
+        ticket = t.transfer(version, lambda: self.actor.submit("send_weights", version, t),
+                            lambda ticket: self.rollout.receive_weights(ticket, t))  # fmt: skip
         return ticket_nbytes(ticket)
 
     def begin(self, warm_started: bool) -> None:
@@ -304,8 +299,7 @@ class DiffusionPolicy:
     def shutdown(self) -> None:
         for group in dict.fromkeys((self.actor, self.rollout_pool)):
             group.shutdown()
-        if hasattr(self.transport, "close"):
-            self.transport.close()  # the collective transport's rendezvous store
+        self.transport.close()  # e.g. the collective transport's rendezvous store
 
 
 def frozen_view(cfg: Config, worker_kwargs: dict) -> RolloutView:

@@ -184,9 +184,9 @@ class LLMPolicy:
             )  # fmt: skip
         # The reference and a critic (fed once) are outside the collective transport's group:
         # Ray's object store serves them; the group spans the actor's ranks and the rollout pool.
+        self.transport.open(self.actor.world_size, self.rollout.world_size)
         self.side_transport = self.transport
-        if self.transport.name == "collective":
-            self.transport.open(self.actor.world_size, self.rollout.world_size)
+        if self.transport.members_only:
             self.side_transport = build_weight_transport(cfg, run_dir, kind="ray")
         self.reference = None
         if needs_reference:
@@ -316,13 +316,10 @@ class LLMPolicy:
     def _transfer(self, receive, version: int, transport=None) -> int:
         """Actor → a role's workers through the transport; the bytes that passed the driver."""
         transport = transport or self.transport
-        if transport.name == "collective":  # both sides at once: the ranks broadcast meanwhile
-            sent = self.actor.submit("send_weights", version, transport)
-            receive(transport.ticket(version), transport)
-            sent()
-            return 0
-        ticket = self.actor.send_weights(version, transport)
-        receive(ticket, transport)
+        ticket = transport.transfer(
+            version, lambda: self.actor.submit("send_weights", version, transport),
+            lambda t: receive(t, transport),
+        )  # fmt: skip
         return ticket_nbytes(ticket)
 
     def sft_step(self, batch: Batch, lr: float) -> float:
@@ -409,8 +406,7 @@ class LLMPolicy:
                  self.reward_model)  # fmt: skip
         for group in dict.fromkeys(g for g in roles if g is not None):
             group.shutdown()
-        if hasattr(self.transport, "close"):
-            self.transport.close()  # the collective transport's rendezvous store
+        self.transport.close()  # e.g. the collective transport's rendezvous store
 
 
 def frozen_view(cfg: Config, run_dir: Path, spec: ModelSpec, engine=HF) -> RolloutView:

@@ -9,6 +9,10 @@ sampled, and every response carries them (``prompt_token_ids``, and ``token_ids`
 ``token_logprobs`` per choice, vLLM's ``return_token_ids`` names). Concurrent requests share
 decode steps through a dynamic batcher (``batcher``). Modules: ``protocol`` (request schemas),
 ``chat`` (messages → ids, tool calls → ``tool_calls``), ``batcher``, ``scoring`` (prompt
-log-probs and top alternatives: ``echo``, ``logprobs``), ``app`` (the FastAPI app),
-``thread`` (uvicorn in a background thread, for a training run's in-process server).
+log-probs and top alternatives: ``echo``, ``logprobs``), ``core`` (what the endpoints do:
+``ServerCore``, with one mixin per endpoint family, ``chat_endpoint`` and
+``completions_endpoint``, over the shared pieces of an answer in ``answers``), ``access``
+(the ``Access`` seam between serving and training), ``errors`` (OpenAI-shaped errors), ``app``
+(the FastAPI app), ``thread`` (uvicorn in a background thread, for a training run's in-process
+server).
 """

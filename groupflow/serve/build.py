@@ -12,8 +12,9 @@ from pathlib import Path
 
 from groupflow.config import Config
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import Access, ServeLimits, ServerCore
+from groupflow.serve.access import Access
 from groupflow.serve.batcher import group_batcher
+from groupflow.serve.core import ServeLimits, ServerCore
 
 __all__ = ["server_core", "context_length"]
 

@@ -1,6 +1,6 @@
 """Recording a training run's agent episodes: one API key per episode, every call kept as sampled.
 
-Design decision: the server's ``Access`` seam (``serve.app``) is where training hooks in. An
+Design decision: the server's ``Access`` seam (``serve.access``) is where training hooks in. An
 ``EpisodeRecorder`` opens a key per episode; a request with an unknown key is refused (401), so
 every call is attributed to its episode. It imposes the run's sampling (temperature, top-p/k,
 min-p — what the training forward's log-probs assume; a request asking otherwise is counted in
@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field, replace
 
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import CallRecord
+from groupflow.serve.access import CallRecord
 
 __all__ = ["EpisodeRecorder", "Chain", "merge_calls", "call_seed"]
 
@@ -40,7 +40,7 @@ class _Open:
 
 
 class EpisodeRecorder:
-    """``serve.app.Access`` for a training run (see the module docstring). Thread-safe: the server
+    """``serve.access.Access`` for a training run (see the module docstring). Thread-safe: the server
     thread records while the driver opens and closes episodes."""
 
     def __init__(self):

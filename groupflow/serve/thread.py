@@ -17,7 +17,7 @@ import time
 
 import uvicorn
 
-from groupflow.serve.app import LOCAL_HOSTS
+from groupflow.serve.access import LOCAL_HOSTS
 
 __all__ = ["ServerThread", "check_bind"]
 

@@ -711,10 +711,10 @@ class ActorRolloutWorker:
         (``groupflow.distributed.transport``); returns rank 0's ticket — for a Ray or filesystem
         transport a few references, not the weights. The collective transport: every rank
         broadcasts the rows it holds (its FSDP2 shard), nothing is gathered."""
-        if transport.name == "collective":
+        if transport.every_rank_sends:
             held = self.model.state_dict() if self.cfg.lora is None else self.full_weights(False)
             return transport.send(version, held, rank=self.rank)  # LoRA: merged, from rank 0
-        in_process = transport.name == "driver"  # the ticket holds the tensors: a copy
+        in_process = transport.ticket_holds_tensors  # the ticket is the weights: a copy
         if self.cfg.lora is None and self._template is None:
             # The unsharded generation copy (sharded training) or the training model itself is
             # current after every weight change (_sync_rollout_weights): rank 0 sends from it, no

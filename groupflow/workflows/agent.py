@@ -63,7 +63,7 @@ from groupflow.contracts import validate
 from groupflow.data import PromptRow
 from groupflow.envs import build_env_agent
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import CallRecord
+from groupflow.serve.access import CallRecord
 from groupflow.serve.recording import merge_calls
 from groupflow.sft import warm_start
 from groupflow.utils.daemon_calls import Abandoned

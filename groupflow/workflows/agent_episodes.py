@@ -26,7 +26,7 @@ import torch
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.data import PromptRow
-from groupflow.serve.app import CallRecord
+from groupflow.serve.access import CallRecord
 from groupflow.serve.recording import Chain, merge_calls
 from groupflow.workflows.episodes import Episode, episodes_batch
 from groupflow.workflows.llm import finite_metrics, row_fields

@@ -144,7 +144,7 @@ def test_pool_spec_custom_resources_go_into_every_bundle_and_bad_ones_are_named(
 
 
 def test_the_config_refuses_the_same_ray_resources_as_the_pool():
-    from groupflow.config.sections import RAY_RESOURCES
+    from groupflow.config.run import RAY_RESOURCES
     from groupflow.distributed.placement import RESERVED_RESOURCES
 
     assert RAY_RESOURCES == RESERVED_RESOURCES

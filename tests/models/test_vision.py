@@ -150,7 +150,7 @@ def _rollout(worker, proc, n=2):
 
 @pytest.mark.parametrize("arch,lora", [("idefics3", False), ("qwen2_vl", True)])
 def test_the_worker_generates_scores_and_updates_image_prompts(arch, lora):
-    from groupflow.config.sections import LoraConfig
+    from groupflow.config.training import LoraConfig
 
     extra = {"lora": LoraConfig(rank=4, target_modules="all-linear")} if lora else {}
     worker, proc = _worker(arch, **extra)

@@ -17,8 +17,11 @@ from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.rollout.engines.base import HF
 from groupflow.rollout.engines.continuous import ContinuousDecoder
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import ApiError, OpenAccess, ServeLimits, ServerCore, build_app
+from groupflow.serve.access import OpenAccess
+from groupflow.serve.app import build_app
 from groupflow.serve.batcher import ContinuousBatcher, Overloaded
+from groupflow.serve.core import ServeLimits, ServerCore
+from groupflow.serve.errors import ApiError
 from groupflow.serve.protocol import CompletionRequest
 from groupflow.serve.thread import ServerThread, check_bind
 

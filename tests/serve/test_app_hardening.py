@@ -20,8 +20,10 @@ from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.rollout.engines.continuous import ContinuousDecoder
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import OpenAccess, ServeLimits, ServerCore, build_app
+from groupflow.serve.access import OpenAccess
+from groupflow.serve.app import build_app
 from groupflow.serve.batcher import Completion, ContinuousBatcher, DynamicBatcher
+from groupflow.serve.core import ServeLimits, ServerCore
 from groupflow.serve.thread import ServerThread
 
 openai = pytest.importorskip("openai", reason="needs the openai package (pip install openai)")

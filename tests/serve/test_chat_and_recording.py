@@ -14,7 +14,8 @@ from groupflow.config import AlgorithmConfig
 from groupflow.credit import CreditAssignment
 from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import CallRecord, TextStream
+from groupflow.serve.access import CallRecord
+from groupflow.serve.answers import TextStream
 from groupflow.serve.batcher import Completion, DynamicBatcher
 from groupflow.serve.chat import ChatPrompts
 from groupflow.serve.protocol import ChatMessage, ToolSpec
@@ -197,7 +198,7 @@ def test_credit_gives_every_sample_of_an_episode_its_episode_advantage():
 def test_the_served_run_stop_strings_hold_for_every_request(tok):
     """A served checkpoint's rollout.stop (a tag call's closing tag) ends a turn whatever stop
     the client sends; the request's own stop strings are added to it."""
-    from groupflow.serve.app import ServerCore
+    from groupflow.serve.core import ServerCore
     from groupflow.serve.protocol import ChatRequest
 
     seen = []

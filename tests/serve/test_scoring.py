@@ -13,8 +13,9 @@ from groupflow.data.tokenizer import train_char_tokenizer
 from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.rollout.engines.continuous import ContinuousDecoder
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.serve.app import ServeLimits, ServerCore, build_app
+from groupflow.serve.app import build_app
 from groupflow.serve.batcher import Completion, ContinuousBatcher, DynamicBatcher
+from groupflow.serve.core import ServeLimits, ServerCore
 from groupflow.serve.scoring import ScoreJob, score_sequences
 from groupflow.serve.thread import ServerThread
 

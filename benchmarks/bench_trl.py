@@ -2,7 +2,7 @@
 
 Methodology (design decisions, each made so that the two numbers are comparable):
 
-- Same work. Both frameworks get the same Llama-style model (built once by groupflow's builders
+- Same work. Both frameworks get the same Llama-style model (built once by groupflow's assembly
   from one seed, then deep-copied, so the initial weights are identical), the same character
   tokenizer, the same synthetic "reverse" prompt set (every prompt is 16 tokens, so the two
   samplers drawing different prompts in a given step does not change the work), the same reward

@@ -394,7 +394,7 @@ def build_lm_trainer(ctx: Context, name: str):
     import bench_trl
 
     from groupflow.api import reward_functions
-    from groupflow.builders import PythonInputs
+    from groupflow.assembly.data import PythonInputs
     from groupflow.trainer import Trainer
 
     cfg = lm_config(ctx, name, qwen_shaped_model_dir(ctx))

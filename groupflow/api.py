@@ -4,7 +4,7 @@ Design decision: a notebook run and a CLI run are the same run. ``Run`` takes th
 YAML path, a dict or a ``Config`` (plus dotted overrides), validates it with the CLI's validator
 and messages, and adds only what a config file cannot hold: reward *callables* and in-memory
 datasets (a ``datasets.Dataset``, a pandas DataFrame or a list of row dicts). These travel to the
-builders as one plain ``PythonInputs`` object, so nothing below this module knows whether a
+assembly as one plain ``PythonInputs`` object, so nothing below this module knows whether a
 reward came from an import path or a notebook cell. ``groupflow train`` is a thin layer over
 ``Run``. A dataset given here replaces ``data.train_files`` / ``data.task`` (or
 ``data.val_files``), and naming both is an error, as is any config problem the CLI would report.
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from groupflow.builders import PythonInputs
+from groupflow.assembly.data import PythonInputs
 from groupflow.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
 from groupflow.rewards import RewardConfigError, RewardFunction, make_reward_function
 

@@ -71,7 +71,7 @@ def warm_start(
 def _probe(encoded, n: int, seed: int):
     """A fixed slice of training prompts used to decide when to stop the warm start."""
     idx = random.Random(seed + 1).sample(range(len(encoded.rows)), min(n, len(encoded.rows)))
-    if hasattr(encoded, "subset"):  # builders.EncodedPrompts: its images follow the rows
+    if hasattr(encoded, "subset"):  # assembly.data.EncodedPrompts: its images follow the rows
         return encoded.subset(idx)
     return replace(
         encoded,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from groupflow.assembly.models import resolve_hub_models
 from groupflow.batch import Batch
-from groupflow.builders import resolve_hub_models
 from groupflow.config import Config
 from groupflow.config.presets import preset_note, preset_report
 from groupflow.contracts import check_staleness, validate
@@ -84,7 +84,7 @@ class Trainer:
     """The driver. ``inference_run_dir``: build the workers to evaluate or sample a finished run
     (its tokenizer comes from that directory), leaving the directory as it is; such a trainer
     does not train. ``inputs``: reward callables and datasets as Python objects
-    (``builders.PythonInputs``; ``groupflow.Run`` builds it)."""
+    (``assembly.data.PythonInputs``; ``groupflow.Run`` builds it)."""
 
     def __init__(self, cfg: Config, *, inference_run_dir: str | Path | None = None, inputs=None):
         refuse_run_in_child()  # a spawned child re-running the user's script: leave the run dir

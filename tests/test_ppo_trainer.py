@@ -142,12 +142,12 @@ def test_reward_model_in_the_run(tiny_config, tmp_path):
 
 
 def test_missing_model_paths_fail_at_start_up(tiny_config, tmp_path, monkeypatch):
-    import groupflow.builders as builders
+    import groupflow.workflows as workflows
 
     def too_late(*a, **k):
         raise AssertionError("data were loaded before the path check")
 
-    monkeypatch.setattr(builders, "build_data", too_late)
+    monkeypatch.setattr(workflows, "build_data", too_late)  # where build_run calls it
     with pytest.raises(ModelLoadError, match="reward_model.path: '.*no_rm' does not exist"):
         Trainer(tiny_config(reward_model={"path": str(tmp_path / "no_rm")}))
     with pytest.raises(ModelLoadError, match="critic.path: '.*no_critic'"):

@@ -159,7 +159,8 @@ def test_the_geo3k_example_maps_geometry3k_rows_to_image_prompts(tmp_path):
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from groupflow.builders import build_data, build_reward
+    from groupflow.assembly.data import build_data
+    from groupflow.assembly.rewards import build_reward
     from groupflow.config import load_config
 
     buf = io.BytesIO()
@@ -187,7 +188,7 @@ def test_the_geo3k_example_maps_geometry3k_rows_to_image_prompts(tmp_path):
 def test_the_vllm_engine_refuses_the_tiny_vlm_and_names_a_vlm_directorys_processor(
     tiny_config_data, tmp_path
 ):
-    from groupflow.builders import build_rollout_engine
+    from groupflow.assembly.engines import build_rollout_engine
     from groupflow.config import ConfigError
     from groupflow.rollout.engines.vllm_engine import VLLMUnavailableError, vllm_available
 

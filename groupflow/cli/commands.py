@@ -226,7 +226,7 @@ def _serving(args):
     """(config with Hub ids resolved, policy) for ``groupflow serve``: a run's config (its
     checkpoint with ``--checkpoint``), or a plain model — a local Hugging Face directory or a
     Hub id in the HF cache — with no config at all (only the policy is built: no data)."""
-    from groupflow.builders import resolve_hub_models
+    from groupflow.assembly.models import resolve_hub_models
 
     if _serve_target(args.config) == "config":
         trainer = _load_trainer_for_inference(args)
@@ -287,7 +287,7 @@ def _serve_target(arg: str) -> str:
 
 
 def _export(args) -> int:
-    from groupflow.builders import save_processor
+    from groupflow.assembly.tokenizers import save_processor
 
     trainer = _load_trainer_for_inference(args)
     out = Path(args.out)

@@ -5,8 +5,8 @@ sections by domain (``model_data.py``, ``rollout.py``, ``training.py``, ``reward
 ``run.py``, over their strict base in ``base.py``), the diffusion section (``diffusion.py``), the
 whole ``Config`` with the checks across sections (``root.py``) and loading with its error messages
 (``loading.py``) — and re-exported here, so callers import everything from ``groupflow.config``.
-Nothing below the builders reads this object: builders pass plain arguments into workers
-(style.md principle 6).
+Nothing below the assembly (``groupflow.assembly``) reads this object: it passes plain arguments
+into workers (style.md principle 6).
 """
 
 from groupflow.config.base import ConfigError

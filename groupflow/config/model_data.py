@@ -3,7 +3,7 @@ its prompts (``data``: files, Hub datasets or a built-in ``task``).
 
 Design decision: each section names exactly one source (``model.path`` or ``model.tiny``;
 ``data.train_files``, ``data.task`` or a dataset given to ``groupflow.Run``), checked on the
-section itself, so a config never leaves the builders to guess which of two sources wins.
+section itself, so a config never leaves the assembly to guess which of two sources wins.
 """
 
 from __future__ import annotations

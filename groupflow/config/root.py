@@ -2,8 +2,8 @@
 
 Design decision: every rule that relates two sections (placement vs backend, PPO needs a critic,
 diffusion refuses LLM-only keys, the vLLM engine's limits, batch sizes that must divide) is a
-model validator here, so a config that loads is one the builders can run; nothing below the
-builders reads this object (style.md principle 6).
+model validator here, so a config that loads is one the assembly (``groupflow.assembly``) can
+run; nothing below the assembly reads this object (style.md principle 6).
 """
 
 from __future__ import annotations

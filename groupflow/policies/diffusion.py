@@ -28,7 +28,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from groupflow import builders
+from groupflow.assembly.engines import build_weight_transport
+from groupflow.assembly.groups import role_group, snapshot_group
 from groupflow.batch import Batch
 from groupflow.config import Config, DiffusionConfig, TeacherConfig
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
@@ -184,16 +185,16 @@ class DiffusionPolicy:
         # the asynchronous rollout side samples with the student alone: no teacher, no distill
         self._worker_kwargs = dict(spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
                                    settings=replace(settings, distill=None))  # fmt: skip
-        self.actor = builders.role_group(
+        self.actor = role_group(
             cfg, "actor", DiffusionWorker, **{**self._worker_kwargs, "settings": settings},
             pg_timeout_s=cfg.run.worker_timeout_s, sequence_parallel=cfg.parallel.sequence_parallel,
             teacher_spec=teacher_spec,
         )  # fmt: skip
         self.rollout = self.rollout_pool = self.actor
         # How new weights reach a rollout pool (rollout.weight_transport): from the actor's ranks
-        self.transport = builders.build_weight_transport(cfg, run_dir)
+        self.transport = build_weight_transport(cfg, run_dir)
         if cfg.placement.rollout != "colocated":
-            self.rollout = self.rollout_pool = builders.role_group(
+            self.rollout = self.rollout_pool = role_group(
                 cfg, "rollout", DiffusionWorker, **self._worker_kwargs, role="rollout",
                 role_name="rollout",  # errors name the role: the class serves two
             )  # fmt: skip
@@ -305,7 +306,7 @@ def frozen_view(cfg: Config, worker_kwargs: dict) -> RolloutView:
     """The rollout side's view with a flow model of its own (built in the side's process: this
     is the picklable recipe's callable) that samples with the weights of a scheduled version."""
     return RolloutView(DIFFUSION_CONTRACTS,
-                       builders.snapshot_group(cfg, DiffusionWorker, **worker_kwargs))  # fmt: skip
+                       snapshot_group(cfg, DiffusionWorker, **worker_kwargs))  # fmt: skip
 
 
 def _identity(x):

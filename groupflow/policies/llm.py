@@ -18,8 +18,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from groupflow import builders
 from groupflow.algorithms import logprob_mismatch
+from groupflow.assembly.engines import build_rollout_engine, build_weight_transport
+from groupflow.assembly.groups import role_group, snapshot_group
+from groupflow.assembly.models import check_model_dir
+from groupflow.assembly.tokenizers import build_tokenizer, check_teacher, tokenizer_dir
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config, ModelConfig
 from groupflow.contracts import CONTRACTS
@@ -125,11 +128,11 @@ def check_role_paths(cfg: Config) -> None:
     from groupflow.models.causal_lm import ModelLoadError
 
     if cfg.model is not None and cfg.model.path is not None:
-        builders.check_model_dir(cfg.model.path, "model.path")
+        check_model_dir(cfg.model.path, "model.path")
     if cfg.reward_model is not None:
         check_reward_model_path(cfg.reward_model)
     if cfg.teacher is not None:
-        builders.check_model_dir(cfg.teacher.path, "teacher.path")
+        check_model_dir(cfg.teacher.path, "teacher.path")
     if cfg.critic is not None and cfg.critic.path is not None:
         p = Path(cfg.critic.path).expanduser()
         if not (p / "config.json").is_file():
@@ -146,8 +149,8 @@ class LLMPolicy:
     def __init__(self, cfg: Config, run_dir: Path, corpus: list, extra_texts: list[str] = ()):
         self.cfg = cfg
         check_role_paths(cfg)  # a missing model directory fails now, not mid-run
-        engine = builders.build_rollout_engine(cfg)  # fails fast if vLLM is missing
-        self.tokenizer = builders.build_tokenizer(cfg, run_dir, corpus, extra_texts)
+        engine = build_rollout_engine(cfg)  # fails fast if vLLM is missing
+        self.tokenizer = build_tokenizer(cfg, run_dir, corpus, extra_texts)
         self.max_entropy = math.log(len(self.tokenizer))  # a uniform output's (CollapseMonitor)
         self.sampling = sampling_params(cfg)
         # Workers build their own models in their own processes (local: this one). Rollout and
@@ -156,11 +159,11 @@ class LLMPolicy:
         # spec, so a worker on another node does not need to see that directory
         own_tokenizer = cfg.model.tiny is not None and cfg.model.tokenizer_path is None
         spec = (ModelSpec.carrying if own_tokenizer else ModelSpec)(
-            cfg.model, str(builders.tokenizer_dir(cfg, run_dir)), cfg.run.seed
+            cfg.model, str(tokenizer_dir(cfg, run_dir)), cfg.run.seed
         )
         self.spec, self.engine, self.run_dir = spec, engine, run_dir
         # How new weights reach a rollout pool, the reference and a critic (rollout.weight_transport)
-        self.transport = builders.build_weight_transport(cfg, run_dir)
+        self.transport = build_weight_transport(cfg, run_dir)
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
         # With a rollout pool the actor never builds a vLLM engine (a full model and KV cache per
@@ -168,14 +171,14 @@ class LLMPolicy:
         # generating, and with max_staleness >= 1 (the pool busy a version behind) the actor
         # validates the current weights with the HF engine, sharded ranks gathering layer by layer.
         pooled = pl.rollout != "colocated"
-        self.actor = builders.role_group(
+        self.actor = role_group(
             cfg, "actor", ActorRolloutWorker, spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,
             pg_timeout_s=cfg.run.worker_timeout_s, reference=needs_reference and pl.reference == "colocated",
             engine=HF if pooled else engine, sequence_parallel=cfg.parallel.sequence_parallel,
         )  # fmt: skip
         self.rollout = self.rollout_pool = self.actor
         if pl.rollout != "colocated":
-            self.rollout = self.rollout_pool = builders.role_group(
+            self.rollout = self.rollout_pool = role_group(
                 cfg, "rollout", InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout",
                 role_name="rollout", engine=engine,  # errors name the role: the class serves two
             )  # fmt: skip
@@ -184,34 +187,34 @@ class LLMPolicy:
         self.transport.open(self.actor.world_size, self.rollout.world_size)
         self.side_transport = self.transport
         if self.transport.members_only:
-            self.side_transport = builders.build_weight_transport(cfg, run_dir, kind="ray")
+            self.side_transport = build_weight_transport(cfg, run_dir, kind="ray")
         self.reference = None
         if needs_reference:
             self.reference = self.actor
             if pl.reference != "colocated":
-                self.reference = builders.role_group(
+                self.reference = role_group(
                     cfg, "reference", InferenceWorker, spec=spec, cfg=cfg.actor,
                     role="reference", role_name="reference",
                 )  # fmt: skip
         self.teacher = None
         if cfg.teacher is not None:  # on-policy distillation: frozen, its own worker group
             tc = cfg.teacher
-            builders.check_teacher(tc.path, self.tokenizer)  # token ids must mean the same
+            check_teacher(tc.path, self.tokenizer)  # token ids must mean the same
             teacher_model = ModelConfig(path=tc.path, dtype=tc.dtype,
                                         trust_remote_code=tc.trust_remote_code)  # fmt: skip
-            self.teacher = builders.role_group(
+            self.teacher = role_group(
                 cfg, "teacher", InferenceWorker, role="teacher", cfg=cfg.actor,
                 spec=ModelSpec(teacher_model, spec.tokenizer_dir, cfg.run.seed, spec.tokenizer_files),
                 role_name="teacher",
             )  # fmt: skip
         self.critic = self.reward_model = None
         if cfg.critic is not None:
-            self.critic = builders.role_group(
+            self.critic = role_group(
                 cfg, "critic", CriticWorker, spec=CriticSpec(cfg.critic, spec, cfg.run.seed),
                 total_steps=cfg.run.total_steps, pg_timeout_s=cfg.run.worker_timeout_s,
             )  # fmt: skip
         if cfg.reward_model is not None:
-            self.reward_model = builders.role_group(
+            self.reward_model = role_group(
                 cfg, "reward_model", RewardModelWorker, cfg=cfg.reward_model,
                 pg_timeout_s=cfg.run.worker_timeout_s,
             )  # fmt: skip
@@ -411,13 +414,13 @@ def frozen_view(cfg: Config, run_dir: Path, spec: ModelSpec, engine=HF) -> Rollo
     there: this is the picklable recipe's callable): its own rollout worker, the run's saved
     tokenizer, the sampling parameters and — when configured — a reward model of its own (frozen:
     the same weights as the trainer's)."""
-    tokenizer = builders.build_tokenizer(cfg, Path(run_dir))  # the run's saved one
-    rollout = builders.snapshot_group(
+    tokenizer = build_tokenizer(cfg, Path(run_dir))  # the run's saved one
+    rollout = snapshot_group(
         cfg, InferenceWorker, spec=spec, cfg=cfg.actor, role="rollout", engine=engine
     )
     reward_model = None
     if cfg.reward_model is not None:
-        reward_model = builders.snapshot_group(
+        reward_model = snapshot_group(
             cfg, RewardModelWorker, role_name="reward_model", cfg=cfg.reward_model,
             pg_timeout_s=cfg.run.worker_timeout_s,
         )  # fmt: skip

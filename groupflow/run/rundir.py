@@ -45,8 +45,8 @@ __all__ = [
 
 log = logging.getLogger("groupflow")
 
-# Everything a training run writes into its directory (tracking.py, checkpoint.py, builders.py,
-# plotting.py, diffusion/policy.py). Files and directories of any other name are the user's.
+# Everything a training run writes into its directory (tracking.py, checkpoint.py,
+# assembly/tokenizers.py, plotting.py, diffusion/policy.py). Files and directories of any other name are the user's.
 RUN_ENTRIES = (
     "config.yaml",
     "metrics.jsonl",

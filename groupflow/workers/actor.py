@@ -46,6 +46,7 @@ from groupflow.algorithms import (
     logprob_mismatch,
     policy_loss,
 )
+from groupflow.assembly.models import eos_ids
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import PAD_KEY, register
@@ -310,8 +311,6 @@ class ActorRolloutWorker:
         init_process_group(rank, world_size, pg_timeout_s)
         model, tok = spec.build()
         model.to(worker_device(rank))
-        from groupflow.builders import eos_ids
-
         return cls(model, tok, cfg, total_steps=total_steps, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),
                    rank=rank, world_size=world_size, reference=reference, engine=engine,
                    sequence_parallel=sequence_parallel)  # fmt: skip

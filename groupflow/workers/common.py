@@ -17,6 +17,7 @@ from torch import nn
 
 from groupflow.algorithms import POLICY_LOSSES
 from groupflow.algorithms.registry import option_names
+from groupflow.assembly.models import build_model
 from groupflow.config import ActorConfig
 from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
 
@@ -96,8 +97,6 @@ class ModelSpec:
 
     def build(self):
         from transformers import AutoTokenizer
-
-        from groupflow.builders import build_model
 
         tok = AutoTokenizer.from_pretrained(
             self.tokenizer_path(),

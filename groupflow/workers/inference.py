@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from groupflow.assembly.models import eos_ids
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import register
@@ -55,8 +56,6 @@ class InferenceWorker:
     @classmethod
     def create(cls, rank: int, world_size: int, *, spec: ModelSpec, cfg: ActorConfig, role: str,
                engine=HF):  # fmt: skip
-        from groupflow.builders import eos_ids
-
         model, tok = spec.build()
         model.to(worker_device(rank))
         return cls(model, tok, cfg, pad_id=tok.pad_token_id, eos_ids=eos_ids(tok, model),

@@ -42,6 +42,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from groupflow.assembly.data import PythonInputs, build_data
+from groupflow.assembly.rewards import build_reward
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.data import PromptRow
@@ -119,15 +121,13 @@ def workflow_class(cfg: Config) -> type:
 def rule_rewards(cfg: Config, functions: tuple = ()):
     """The rule-based reward runner (config functions, then ``functions`` given as Python
     objects), or None when a reward model alone scores."""
-    from groupflow import builders
-
     rm_only = cfg.reward_model is not None and cfg.reward_model.only
     if rm_only and functions:
         raise ValueError(
             "reward_model.only=true: the reward model is the whole reward, so the rewards "
             "given to groupflow.Run would be ignored; drop them or set reward_model.only=false"
         )
-    return None if rm_only else builders.build_reward(cfg, functions)
+    return None if rm_only else build_reward(cfg, functions)
 
 
 def build_workflow(cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
@@ -156,16 +156,12 @@ def build_run(cfg: Config, run_dir: Path, inputs=None):
     """(policy, workflow, data statistics): the rule-based rewards, the data (each row checked
     for the fields its reward needs, except those the workflow supplies while scoring), the
     policy's worker groups and the workflow that produces their experience. ``inputs``: a
-    ``builders.PythonInputs`` (reward callables and datasets from the Python API) or None."""
-    from groupflow import builders
-
-    inputs = inputs or builders.PythonInputs()
+    ``PythonInputs`` (reward callables and datasets from the Python API) or None."""
+    inputs = inputs or PythonInputs()
     cls = workflow_class(cfg)
     rewards = rule_rewards(cfg, inputs.rewards)
     provided = tuple(getattr(cls, "provided_fields", ()))
-    train_rows, val_rows, stats = builders.build_data(
-        cfg, rewards, provided=provided, inputs=inputs
-    )
+    train_rows, val_rows, stats = build_data(cfg, rewards, provided=provided, inputs=inputs)
     corpus = train_rows + val_rows
     if cfg.diffusion is not None:
         from groupflow.policies.diffusion import DiffusionPolicy

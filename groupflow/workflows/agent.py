@@ -56,8 +56,8 @@ from typing import Any
 import torch
 
 from groupflow.agents.calls import error_text, guarded, is_async_callable
+from groupflow.assembly.data import EncodedPrompts
 from groupflow.batch import Batch
-from groupflow.builders import EncodedPrompts
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptRow

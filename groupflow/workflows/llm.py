@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from groupflow import builders
+from groupflow.assembly.data import EncodedPrompts
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.data import PromptRow
@@ -140,10 +140,10 @@ def llm_step_metrics(batch: Batch, seconds: float) -> dict[str, float]:
 
 
 class PromptTable:
-    """Prompt rows with their rendered text and token ids (``builders.EncodedPrompts``), looked up
+    """Prompt rows with their rendered text and token ids (``EncodedPrompts``), looked up
     by row identity: rollout never renders or tokenizes a prompt again."""
 
-    def __init__(self, encoded: builders.EncodedPrompts):
+    def __init__(self, encoded: EncodedPrompts):
         self.encoded = encoded
         self._by_row = {id(r): (t, i) for r, t, i in zip(encoded.rows, encoded.texts, encoded.ids)}
 
@@ -170,7 +170,7 @@ class PromptTable:
 Scorer = Callable[[Any, SamplingParams, int], list[dict[str, Any]]]
 
 
-def validate_llm(cfg: Config, score: Scorer, val: builders.EncodedPrompts | None,
+def validate_llm(cfg: Config, score: Scorer, val: EncodedPrompts | None,
                  sampling: SamplingParams, return_records: bool = False,
                  progress_label: str = "validation"):  # fmt: skip
     """Greedy and sampled accuracy on the held-out prompts through ``score`` (the workflow's

@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 
-from groupflow import builders
 from groupflow.agents.environments import environment_factory
 from groupflow.agents.formats import ChatFormat, PlainFormat, TemplateError, VisionChatFormat
 from groupflow.agents.parsers import build_parser
 from groupflow.agents.tools import build_tools
+from groupflow.assembly.data import encode_prompts, prompt_stats
+from groupflow.assembly.tokenizers import build_processor
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.contracts import validate
@@ -88,7 +89,7 @@ class MultiTurnWorkflow:
             max_result_chars=r.max_tool_result_chars,
         )  # fmt: skip
         schemas = [t.schema for t in self.tools]
-        processor = builders.build_processor(cfg, tok)
+        processor = build_processor(cfg, tok)
         if r.observation_template is not None:
             self.format = PlainFormat(tok, r.observation_template)
             templated = False
@@ -125,12 +126,8 @@ class MultiTurnWorkflow:
                 ) from None
 
         encode = dict(render=render, templated=templated, encode_images=encode_images)
-        self.train = PromptTable(builders.encode_prompts(train_rows, tok, cfg, "train", **encode))
-        self.val = (
-            builders.encode_prompts(val_rows, tok, cfg, "validation", **encode)
-            if val_rows
-            else None
-        )
+        self.train = PromptTable(encode_prompts(train_rows, tok, cfg, "train", **encode))
+        self.val = encode_prompts(val_rows, tok, cfg, "validation", **encode) if val_rows else None
         self.limits = EpisodeLimits(
             max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
             max_response_tokens=r.max_response_tokens or r.max_new_tokens * r.max_turns,
@@ -140,7 +137,7 @@ class MultiTurnWorkflow:
         self.reward_fn = build_rewards(
             cfg, policy, rewards, [self.train.encoded] + ([self.val] if self.val else [])
         )
-        self.data_stats = builders.prompt_stats(self.train.encoded, self.val)
+        self.data_stats = prompt_stats(self.train.encoded, self.val)
         self.contracts = policy.contracts
 
     @property

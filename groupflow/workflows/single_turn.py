@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from groupflow import builders
+from groupflow.assembly.data import encode_prompts, prompt_stats
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.contracts import validate
@@ -43,12 +43,12 @@ class SingleTurnWorkflow:
                  rewards=None):  # fmt: skip
         self.cfg, self.policy = cfg, policy
         tok = policy.tokenizer
-        self.train = PromptTable(builders.encode_prompts(train_rows, tok, cfg, "train"))
-        self.val = builders.encode_prompts(val_rows, tok, cfg, "validation") if val_rows else None
+        self.train = PromptTable(encode_prompts(train_rows, tok, cfg, "train"))
+        self.val = encode_prompts(val_rows, tok, cfg, "validation") if val_rows else None
         self.reward_fn = build_rewards(
             cfg, policy, rewards, [self.train.encoded] + ([self.val] if self.val else [])
         )
-        self.data_stats = builders.prompt_stats(self.train.encoded, self.val)
+        self.data_stats = prompt_stats(self.train.encoded, self.val)
         self.contracts = policy.contracts
 
     @property

@@ -101,7 +101,7 @@ def test_images_are_resized_into_the_pixel_budget_keeping_the_aspect_ratio():
 
 def test_a_hub_dataset_with_an_image_feature_loads_offline(tmp_path, monkeypatch, tiny_config_data):
     datasets = pytest.importorskip("datasets")
-    from groupflow.builders import build_data
+    from groupflow.assembly.data import build_data
     from groupflow.config import config_from_dict
 
     home = tmp_path / "hf"

@@ -121,38 +121,6 @@ def test_ray_objects_round_trip_without_the_weights_in_the_ticket(shared_ray):
         RayObjectTransport().receive(ticket)
 
 
-def test_transport_is_chosen_by_config_with_a_default_per_backend(tiny_config, tmp_path):
-    from groupflow import builders
-    from groupflow.config import ConfigError
-
-    assert builders.build_weight_transport(tiny_config(), tmp_path).name == "driver"
-    fs = builders.build_weight_transport(
-        tiny_config(rollout__weight_transport="filesystem", rollout__weight_bucket_mb=0.5),
-        tmp_path,
-    )
-    assert isinstance(fs, FileTransport) and fs.root == str(tmp_path / "weights")
-    assert fs.bucket_bytes == 1 << 19
-    with pytest.raises(ConfigError, match=r"rollout.weight_transport=ray needs run.backend=ray"):
-        tiny_config(rollout__weight_transport="ray")
-    # on Ray: the collective transport where senders and receivers meet (a pool fed synchronously)
-    pool = {"workers_per_node": 1}
-    ray_pool = tiny_config(run__backend="ray", placement__rollout=pool)
-    coll = builders.build_weight_transport(ray_pool, tmp_path)
-    assert coll.name == "collective" and coll.address is None  # the policy opens it
-    assert builders.build_weight_transport(ray_pool, tmp_path, kind="ray").name == "ray"
-    k1 = tiny_config(run__backend="ray", placement__rollout=pool, rollout__max_staleness=1)
-    assert builders.build_weight_transport(k1, tmp_path).name == "ray"
-    assert builders.build_weight_transport(tiny_config(run__backend="ray"), tmp_path).name == "ray"
-    for bad, why in (
-        ({}, r"needs run.backend=ray \(got 'local'\)"),
-        ({"run__backend": "ray"}, r"needs a rollout pool \(placement.rollout\)"),
-        ({"run__backend": "ray", "placement__rollout": pool, "rollout__max_staleness": 1},
-         r"needs rollout.max_staleness=0 \(got 1\)"),
-    ):  # fmt: skip
-        with pytest.raises(ConfigError, match=r"rollout.weight_transport=collective " + why):
-            tiny_config(rollout__weight_transport="collective", **bad)
-
-
 def test_a_rollout_pool_fed_through_the_filesystem_gives_the_driver_runs_numbers(tiny_config):
     from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer

@@ -190,9 +190,9 @@ def test_a_model_with_an_unknown_transform_is_refused():
 
 
 def test_loading_refuses_a_model_with_an_unknown_transform(monkeypatch, tmp_path):
-    from groupflow import builders
+    from groupflow.assembly import models
 
     plain = build_tiny_llama(VOCAB, hidden_size=16, num_layers=1, num_heads=2)
-    monkeypatch.setattr(builders, "load_causal_lm", lambda *a, **k: _ScaledLlama(plain.config))
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: _ScaledLlama(plain.config))
     with pytest.raises(ModelLoadError, match="_ScaledLlama"):
-        builders.build_model(ModelConfig(path=str(tmp_path)), None, seed=0)
+        models.build_model(ModelConfig(path=str(tmp_path)), None, seed=0)

@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
+from groupflow.assembly.models import build_model
+from groupflow.assembly.tokenizers import check_teacher
 from groupflow.batch import Batch
-from groupflow.builders import build_model, check_teacher
 from groupflow.config import AlgorithmConfig, ModelConfig, TeacherConfig, TinyModelConfig
 from groupflow.credit import CreditAssignment
 from groupflow.data import train_char_tokenizer

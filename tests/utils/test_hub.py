@@ -14,7 +14,8 @@ import json
 import pytest
 
 import groupflow
-from groupflow.builders import build_data, resolve_hub_models
+from groupflow.assembly.data import build_data
+from groupflow.assembly.models import resolve_hub_models
 from groupflow.config import ConfigError, config_from_dict
 from groupflow.data import DataError, make_task_rows
 from groupflow.utils.hub import (

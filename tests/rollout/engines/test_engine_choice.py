@@ -2,7 +2,7 @@
 
 import pytest
 
-from groupflow import builders
+from groupflow.assembly.engines import build_rollout_engine
 from groupflow.config import ActorConfig, ConfigError
 from groupflow.policies.llm import old_logprobs_source, recompute_old_logprobs
 from groupflow.rollout.engines import vllm_engine
@@ -13,7 +13,7 @@ from groupflow.trainer import Trainer
 def test_default_engine_is_hf_and_builds_no_vllm_options(tiny_config):
     cfg = tiny_config()
     assert cfg.rollout.engine == "hf"
-    assert builders.build_rollout_engine(cfg) == HFOptions()
+    assert build_rollout_engine(cfg) == HFOptions()
 
 
 def test_vllm_options_pass_through(tiny_config, monkeypatch):
@@ -25,7 +25,7 @@ def test_vllm_options_pass_through(tiny_config, monkeypatch):
                        "max_model_len": 64, "dtype": "bfloat16"},
         run__seed=7,
     )  # fmt: skip
-    opts = builders.build_rollout_engine(cfg)
+    opts = build_rollout_engine(cfg)
     assert opts == vllm_engine.VLLMOptions(
         gpu_memory_utilization=0.5, sleep_mode=True, cpu_kv_cache_gib=2, max_model_len=64,
         dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True, seed=7,

@@ -2,7 +2,7 @@
 
 Design decision: a worker that generates holds one ``RolloutEngine`` and never asks which one it
 is. An engine is built from plain, picklable options (``HFOptions`` here, ``VLLMOptions`` in
-``groupflow.rollout.engines.vllm_engine``; ``rollout.engine`` picks them in ``builders``), each options
+``groupflow.rollout.engines.vllm_engine``; ``rollout.engine`` picks them in ``groupflow.assembly.engines``), each options
 class knowing how to build its engine inside the worker's process — so a third engine is one
 options class and one engine class, and nothing checks ``engine is None``.
 

@@ -84,7 +84,7 @@ def require_vllm() -> None:
 
 @dataclass(frozen=True)
 class VLLMOptions:
-    """Plain engine arguments (built from ``rollout.vllm`` by the builders; picklable for Ray)."""
+    """Plain engine arguments (built from ``rollout.vllm`` by ``groupflow.assembly.engines``; picklable for Ray)."""
 
     gpu_memory_utilization: float = 0.3
     sleep_mode: bool = False

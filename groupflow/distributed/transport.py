@@ -269,7 +269,8 @@ def receive_into(transport, ticket: Any, dest: dict[str, torch.Tensor], *, role:
 
 def checksum(bucket: torch.Tensor) -> int:
     """CRC32 of a uint8 bucket, read in place (no copy of its bytes)."""
-    return zlib.crc32(memoryview(bucket.contiguous().numpy()))
+    data = bucket.contiguous().numpy()
+    return zlib.crc32(memoryview(data))  # pyright: ignore[reportArgumentType] - ndarray is a buffer
 
 
 def _check(bucket: torch.Tensor, expected: int, index: int, version: int, role: str, rank: int):
@@ -432,7 +433,7 @@ class RayObjectTransport(SendThenReceive):
         deadline = time.monotonic() + self.timeout_s
         for i, (ref, expected) in enumerate(zip(ticket["refs"], ticket["crc32"])):
             try:
-                bucket = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                bucket: torch.Tensor = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except GetTimeoutError:
                 raise TransferError(
                     f"weight transfer to the {role} role, rank {rank}: bucket {i} of policy "

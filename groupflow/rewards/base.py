@@ -183,7 +183,7 @@ class RewardFunction:
         """
         exempt = set(RUNTIME_FIELDS) | set(self.options)
         missing = [f for f in sorted(self._params.required - exempt) if row.get(f) is None]
-        one_of = tuple(getattr(self.fn, "reference_fields", ()) or ())
+        one_of: tuple[str, ...] = tuple(getattr(self.fn, "reference_fields", ()) or ())
         if one_of and all(row.get(f) is None for f in one_of):
             missing.append(" or ".join(one_of))
         return missing

@@ -31,8 +31,11 @@ from groupflow.rewards.errors import (
 class Scorable(Protocol):
     """What scoring needs of a reward (a :class:`~groupflow.rewards.base.RewardFunction`)."""
 
-    name: str
-    fn: Callable[..., Any]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def fn(self) -> Callable[..., Any]: ...
 
     def start(self, fields: Mapping[str, Any]) -> Any: ...
 
@@ -178,7 +181,7 @@ def score_component(
             )
     else:
         values = validate_output(spec.name, spec.fn, batched, size)
-        errors = [None] * size
+        errors: list[BaseException | None] = [None] * size
     for i, value in enumerate(values):
         if isinstance(value, FailedScore):  # the reward said why
             errors[i] = ValueError(value.reason or "returned NaN")

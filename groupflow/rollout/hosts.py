@@ -51,7 +51,7 @@ import torch
 
 from groupflow.distributed import WorkerError
 from groupflow.distributed.process import ChildStartError, ProcessHost
-from groupflow.rollout.ray_host import PoolSideHost
+from groupflow.rollout.ray_host import PoolSideHost, TicketStore
 from groupflow.rollout.side import (
     COLLECTING,
     LOADING,
@@ -213,6 +213,7 @@ class AsyncRollout:
         return host
 
     def _start_on_pool(self, recipe: RolloutRecipe, pool, eager: bool) -> PoolSideHost:
+        assert isinstance(self.ring, TicketStore), "a pool's versions are transport tickets"
         try:
             host = PoolSideHost(recipe, pool, self.ring, self.status, eager=eager,
                                 startup_timeout_s=self.timeout_s)  # fmt: skip

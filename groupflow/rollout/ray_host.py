@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -134,7 +135,7 @@ class PoolSideHost:
                 f"the rollout loop's Ray actor failed to start: {e}{self.where(0)}"
             ) from None
 
-    def _get(self, ref, timeout_s: float):
+    def _get(self, ref, timeout_s: float) -> Any:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -189,4 +190,4 @@ class PoolSideHost:
             self._get(self.actor.close.remote(), GRACE_S)
         except Exception:  # noqa: BLE001 - already dead or hung: killed below either way
             pass
-        ray.kill(self.actor)
+        ray.kill(self.actor)  # pyright: ignore[reportArgumentType] - Ray types handles as proxies

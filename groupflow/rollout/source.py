@@ -133,6 +133,7 @@ class AsyncRolloutSource:
         self.snapshots = {}  # the rollout side's ring holds them now
 
     def batch(self, step: int) -> tuple[Batch, dict[str, float]]:
+        assert self.rollouts is not None, "start() first"
         batch, metrics = self.rollouts.result(step)
         staleness = step - float(batch["version"].float().mean())
         return batch, {**metrics, "async/staleness": staleness}

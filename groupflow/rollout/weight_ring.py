@@ -72,7 +72,7 @@ class WeightRing:
         self.held[slot] = -1  # a reader never takes a half-written slot for a whole one
         views = self._views(slot)
         with torch.no_grad():  # one call for all tensors: the copy is the whole cost
-            torch._foreach_copy_(list(views.values()), [weights[n].detach() for n in views])
+            torch._foreach_copy_(list(views.values()), [weights[n].detach() for n in views])  # pyright: ignore[reportPrivateImportUsage]
         self.held[slot] = version
 
     def read(self, version: int) -> dict[str, torch.Tensor]:

@@ -172,7 +172,7 @@ def speed(args) -> None:
                         blocks[name].append(timed)
         finally:
             for trainer in trainers.values():
-                trainer.stop_rollouts()
+                trainer.source.close()
                 trainer.shutdown()
     print(f"after:  {load()}")
     report(blocks, stages)

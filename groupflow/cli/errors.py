@@ -91,7 +91,7 @@ def _classify(cls: type[BaseException], message: str) -> Explained | None:
     return None
 
 
-def _causes(exc: BaseException):
+def _causes(exc: BaseException | None):
     """``exc`` and the exceptions it was raised from or while handling, outermost first; the
     chain ends where ``raise … from None`` cut it (what was being handled there is not the
     cause: a rollout's wait that timed out is a hang, not a file error)."""

@@ -126,7 +126,7 @@ def make_code_tests_reward(
             counts["sandbox_failures"] += sum(r.sandbox_failed for r in reports)
         return [report.score(partial_credit) for report in reports]
 
-    def take_metrics() -> dict[str, float]:
+    def take_metrics() -> dict[str, int]:
         """Samples whose sandbox failed since the last call (reward/<name>/sandbox_failures)."""
         with counts_lock:
             taken, counts["sandbox_failures"] = dict(counts), 0

@@ -86,7 +86,7 @@ def _bearer(headers) -> str | None:
     return headers.get("api-key")
 
 
-def build_app(core: ServerCore) -> FastAPI:
+def build_app(core: ServerCore) -> Guard:
     """The endpoints; every 4xx/5xx answer is OpenAI-shaped (``{"error": {"message", "type",
     "param", "code"}}``), an unknown path and a wrong method included."""
     app = FastAPI(title="groupflow", docs_url=None, redoc_url=None, openapi_url=None)

@@ -210,18 +210,19 @@ class RingRoute:
     the driver — which holds the actor — copies every version into the shared-memory ring."""
 
     def __init__(self, policy):
-        self.policy = policy
+        self.policy, self.current = policy, None
 
     def open(self, recipe: RolloutRecipe, *, max_staleness: int, process: bool, timeout_s: float,
              eager: bool) -> AsyncRollout:  # fmt: skip
-        template = self.policy.snapshot(copy=False)  # the ring's layout (publish copies)
-        return AsyncRollout(recipe, template, max_staleness=max_staleness, process=process,
+        # the ring's layout, and the first version publish_start sends (one gather, not two)
+        self.current = self.policy.snapshot(copy=False)
+        return AsyncRollout(recipe, self.current, max_staleness=max_staleness, process=process,
                             timeout_s=timeout_s, eager=eager)  # fmt: skip
 
     def publish_start(self, rollouts: AsyncRollout, step: int, held: dict[int, dict]) -> None:
         """The versions the first batches need, oldest first: a checkpoint's snapshots (``held``)
         and the policy's weights as ``step``."""
-        current = {step: self.policy.snapshot(copy=False)}
+        current, self.current = {step: self.current}, None  # publish copies it
         for v, weights in sorted({**held, **current}.items()):
             rollouts.publish(v, weights)
 

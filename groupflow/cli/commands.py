@@ -59,7 +59,7 @@ def _load_trainer_for_inference(args):
     # Inference runs in this process on one worker; a sharded checkpoint is resharded on load.
     overrides = list(args.overrides) + ["run.backend=local", "run.num_workers=1"]
     cfg = load_config(args.config, overrides)
-    if cfg.diffusion is not None:
+    if not cfg.kind.writes_text:
         raise ValueError(
             f"'{args.command}' works on LLM policies; a diffusion run is evaluated during training "
             "(validation.every_steps: eval reward and PNG grids in the run directory)"

@@ -1,8 +1,8 @@
 """The ``diffusion`` section: a flow-matching policy (model, sampler, timestep selection, LoRA).
 
 Design decision: its own file beside the LLM sections because nothing else in the schema refers to
-its fields; the cross-section rules (which LLM-only keys a diffusion run refuses) live on
-``Config``.
+its fields; the cross-section rules (which LLM-only keys a diffusion run refuses, the defaults it
+gives the actor's clip range) are the diffusion kind's, in ``groupflow.config.kinds``.
 """
 
 from __future__ import annotations

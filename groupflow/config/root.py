@@ -1,9 +1,11 @@
 """``Config``: the whole run configuration, and the checks that span its sections.
 
 Design decision: every rule that relates two sections (placement vs backend, PPO needs a critic,
-diffusion refuses LLM-only keys, the vLLM engine's limits, batch sizes that must divide) is a
-model validator here, so a config that loads is one the assembly (``groupflow.assembly``) can
-run; nothing below the assembly reads this object (style.md principle 6).
+the vLLM engine's limits, batch sizes that must divide) is a model validator here, so a config
+that loads is one the assembly (``groupflow.assembly``) can run; nothing below the assembly reads
+this object (style.md principle 6). What one model kind refuses, requires or defaults (diffusion
+refuses LLM-only keys, say) is not here but in that kind's list in ``groupflow.config.kinds``:
+these validators are the rules every kind shares.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pydantic import Field, model_validator
 from groupflow.config.base import _Section
 from groupflow.config.diffusion import DiffusionConfig
 from groupflow.config.keys import unknown_key_problem
+from groupflow.config.kinds import Kind, apply_kind_defaults, kind_of
 from groupflow.config.model_data import DataConfig, ModelConfig
 from groupflow.config.presets import expand_preset
 from groupflow.config.rewards import RewardConfig, RewardModelConfig, TeacherConfig
@@ -103,6 +106,17 @@ class Config(_Section):
         return expand_preset(data)
 
     @model_validator(mode="after")
+    def _kind(self):
+        # first: the kind's defaults fill the keys the user left unset before any check reads them
+        apply_kind_defaults(self, kind_of(self))
+        return self
+
+    @property
+    def kind(self) -> Kind:
+        """The model kind this config trains (``groupflow.config.kinds``)."""
+        return kind_of(self)
+
+    @model_validator(mode="after")
     def _known_keys(self):
         # here, not on RunConfig: a key is checked against the whole schema
         for key in self.run.allow_config_changes:
@@ -158,8 +172,6 @@ class Config(_Section):
                 if on]  # fmt: skip
         if not keys:
             return self
-        if self.diffusion is not None:
-            raise ValueError(f"{keys[0]} packs token sequences: it is for LLM policies only")
         if self.parallel.sequence_parallel > 1:
             raise ValueError(
                 f"{keys[0]} is not implemented with parallel.sequence_parallel="
@@ -179,12 +191,6 @@ class Config(_Section):
         n = self.parallel.sequence_parallel
         if n == 1:
             return self
-        if self.diffusion is not None and self.diffusion.model.kind not in ("wan", "sd3"):
-            raise ValueError(
-                f"parallel.sequence_parallel is implemented for LLM policies and the diffusers "
-                f"transformers (diffusion.model.kind wan or sd3), not diffusion.model.kind "
-                f"{self.diffusion.model.kind!r}"
-            )
         if self.run.num_workers % n:
             raise ValueError(
                 f"parallel.sequence_parallel={n} must divide run.num_workers="
@@ -230,11 +236,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _async_rollout(self):
-        if self.diffusion is not None and self.actor.off_policy in ("tis", "decoupled"):
-            raise ValueError(
-                f"actor.off_policy={self.actor.off_policy} is implemented for LLM policies only; "
-                "a diffusion policy trains its stale batches with the rollout's log-probs (none)"
-            )
         if self.rollout.max_staleness == 0:
             if self.rollout.async_mode == "eager":
                 raise ValueError(
@@ -254,13 +255,6 @@ class Config(_Section):
                 f"rollout.max_staleness={k} with rollout.engine=vllm needs "
                 "rollout.async_worker=process: the snapshot's vLLM engine runs in a process of its "
                 "own (vLLM's in-process engine keeps process-wide state; the actor has one already)"
-            )
-        llm_on_ray = self.run.backend == "ray" and self.diffusion is None
-        if llm_on_ray and self.placement.rollout == "colocated":
-            raise ValueError(
-                f"rollout.max_staleness={k} with run.backend=ray needs a rollout pool of its own "
-                "(placement.rollout: {nodes: 1, ...}): a colocated rollout has no weights but the "
-                "actor's current ones"
             )
         return self
 
@@ -298,109 +292,16 @@ class Config(_Section):
         return data
 
     @model_validator(mode="after")
-    def _policy_type(self):
-        if (self.model is None) == (self.diffusion is None):
-            raise ValueError(
-                "set exactly one of 'model' (an LLM policy) or 'diffusion' (a flow-matching generator)"
-            )
-        if self.diffusion is not None:
-            llm_only = [k for k in ("critic", "reward_model") if getattr(self, k) is not None]
-            # the diffusion KL is exact per step (algorithms.md §7), not a sampled estimate
-            llm_only += ["actor.kl_bias_correction"] if self.actor.kl_bias_correction else []
-            # the diffusion worker offloads through diffusion.cpu_offload
-            llm_only += ["actor.cpu_offload"] if self.actor.cpu_offload else []
-            llm_only += ["placement.reference"] if self.placement.reference != "colocated" else []
-            if llm_only:
-                raise ValueError(
-                    f"{', '.join(llm_only)}: for LLM policies only, not with a 'diffusion' policy"
-                )
+    def _kind_checks(self):
+        # the kind's own checks, after the shared ones above (they may read what those checked)
+        for check in self.kind.checks:
+            check(self)
         if self.actor.cpu_offload and self.run.num_workers < 2:
             raise ValueError(
                 "actor.cpu_offload applies through FSDP2, which shards over run.num_workers >= 2 "
                 f"workers; run.num_workers={self.run.num_workers}"
             )
-        if self.diffusion is not None and self.sft.steps:
-            raise ValueError(
-                "sft.steps (the supervised warm start) is for LLM policies; set it to 0 with diffusion"
-            )
-        if (
-            self.teacher is not None
-            and self.diffusion is None
-            and self.algorithm.estimator == "gae"
-        ):
-            raise ValueError(
-                "teacher (on-policy distillation) gives LLM policies per-token advantages on top "
-                "of an outcome estimator; it does not combine with algorithm.estimator=gae"
-            )
-        if self.teacher is not None and self.diffusion is not None:
-            self._check_diffusion_teacher()
-        if self.diffusion is not None and self.algorithm.preset is not None:
-            raise ValueError(
-                f"algorithm.preset={self.algorithm.preset!r} sets LLM loss keys (clip ranges, "
-                "aggregation) that do not suit diffusion.objective; set the keys themselves"
-            )
-        if self.diffusion is not None:
-            # Diffusion log-probs are per-element means: ratios are geometric means over
-            # thousands of latent elements, so the clip range is tiny (algorithms.md §7).
-            if "clip_eps_low" not in self.actor.model_fields_set:
-                self.actor.clip_eps_low = 1e-4
-            if "adv_clip_max" not in self.algorithm.model_fields_set:
-                self.algorithm.adv_clip_max = 5.0
-            d = self.diffusion
-            if d.objective == "nft" and self.algorithm.adv_clip_max is None:
-                raise ValueError(
-                    "diffusion.objective=nft maps advantages to [0, 1] through "
-                    "algorithm.adv_clip_max; set it (default 5)"
-                )
-            for key in ("bf16", "cpu_offload"):
-                if getattr(d, key) and self.run.num_workers < 2:
-                    raise ValueError(
-                        f"diffusion.{key} applies through FSDP2, which shards over "
-                        f"run.num_workers >= 2 workers; run.num_workers={self.run.num_workers}"
-                    )
-            if self.placement.rollout != "colocated":
-                self._check_diffusion_pool()
-            if d.ratio_norm and self.actor.loss_fn != "ppo_clip":
-                raise ValueError(
-                    f"diffusion.ratio_norm (GRPO-Guard) is defined on the PPO clip loss; "
-                    f"actor.loss_fn={self.actor.loss_fn!r}"
-                )
         return self
-
-    def _check_diffusion_pool(self) -> None:
-        """A diffusion rollout pool (``placement.rollout``) holds a replicated flow model that
-        samples with each version it receives (from a replicated or an FSDP2-sharded actor) —
-        the NFT/AWM "old" copy and the SDE window's update count travel with the weights; what it
-        cannot reproduce is refused by key."""
-        if self.parallel.sequence_parallel > 1:
-            raise ValueError(
-                "parallel.sequence_parallel: not with a diffusion rollout pool (placement.rollout): "
-                "its workers hold a replicated flow model, not Ulysses groups; use "
-                "placement.rollout=colocated"
-            )
-
-    def _check_diffusion_teacher(self) -> None:
-        """A diffusion teacher (groupflow.diffusion.distillation) scores the student's SDE step
-        means inside the actor worker: one local model directory, the student's kind, sampler
-        and noise level; it needs the step means of objective grpo or flow_dppo."""
-        t, d = self.teacher, self.diffusion
-        if d.objective not in ("grpo", "flow_dppo"):
-            raise ValueError(
-                f"teacher with diffusion.objective={d.objective!r}: diffusion distillation compares "
-                "the SDE step means of the student and the teacher; use objective grpo or flow_dppo"
-            )
-        if t.coef == 0 and t.reward_weight == 0:
-            raise ValueError("teacher.coef and teacher.reward_weight are both 0: no loss term left")
-        defaults = {"revision": None, "trust_remote_code": False, "dtype": "float32"}
-        unsupported = [f"teacher.{k}" for k, v in defaults.items() if getattr(t, k) != v]
-        unsupported += ["placement.teacher"] if self.placement.teacher is not None else []
-        unsupported += ["diffusion.fsdp"] if d.fsdp else []
-        unsupported += ["parallel.sequence_parallel"] if self.parallel.sequence_parallel > 1 else []
-        if unsupported:
-            raise ValueError(
-                f"{', '.join(unsupported)}: not with a diffusion teacher (a local model directory "
-                "of the student's kind, held replicated in each actor worker, in the student's dtype)"
-            )
 
     @model_validator(mode="after")
     def _workflow(self):
@@ -413,15 +314,6 @@ class Config(_Section):
                 "a workflow class ('package.module:Class')"
             )
         multi = r.max_turns > 1 or r.tools or r.environment is not None
-        if self.diffusion is not None and (multi or name in ("single_turn", "multi_turn")):
-            raise ValueError(
-                "rollout.max_turns / tools / environment and the single- and multi-turn workflows "
-                "are for LLM policies, not with a 'diffusion' policy"
-            )
-        if self.diffusion is not None and name == "agent":
-            raise ValueError("rollout.workflow=agent trains an LLM policy, not a 'diffusion' one")
-        if self.diffusion is None and name == "diffusion":
-            raise ValueError("rollout.workflow=diffusion needs a 'diffusion' section")
         if multi and r.observation_template is None and self.data.use_chat_template is False:
             raise ValueError(
                 "data.use_chat_template=false with a multi-turn rollout: observations are then "
@@ -448,8 +340,6 @@ class Config(_Section):
         if self.rollout.engine != "vllm":
             return self
         clashes = []
-        if self.diffusion is not None:
-            clashes.append("a 'diffusion' policy")
         if self.actor.lora is not None:
             clashes.append("actor.lora (the engine is fed plain weights, not adapters)")
         local_pool = self.placement.rollout != "colocated" and self.run.backend != "ray"

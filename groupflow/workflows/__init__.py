@@ -34,7 +34,9 @@ an import path (``package.module:Class`` or ``path/to/file.py:Class``) whose con
 ``(cfg, policy, train_rows, val_rows, rewards)`` — ``rewards`` is the configured reward runner,
 or None when a reward model alone scores — and may declare ``provided_fields`` (per-sample fields
 it hands the reward functions besides the dataset's) and a ``tokenizer_texts(cfg)`` static method
-(text a tiny model's character tokenizer must cover). See ``examples/workflows/``.
+(text a tiny model's character tokenizer must cover); one that writes files of its own sets
+``takes_run_dir = True`` and gets the run directory as a sixth argument. See
+``examples/workflows/``.
 """
 
 from __future__ import annotations
@@ -79,20 +81,41 @@ class Workflow(Protocol):
 def workflow_name(cfg: Config) -> str:
     """The configured workflow, ``auto`` resolved."""
     name = cfg.rollout.workflow
-    if name != "auto":
-        return name
-    if cfg.diffusion is not None:
-        return "diffusion"
-    r = cfg.rollout
-    return "multi_turn" if (r.max_turns > 1 or r.tools or r.environment) else "single_turn"
+    return cfg.kind.auto_workflow(cfg) if name == "auto" else name
+
+
+# The runtime half of a model kind (its config half: ``groupflow.config.kinds``), looked up once by
+# ``cfg.kind.name``: how its policy is built, and which model directories must exist before anything
+# starts (a diffusion model's directory is read, and checked, as its policy loads).
+
+
+def _llm_policy(cfg: Config, run_dir: Path, corpus: list[PromptRow], workflow_cls: type):
+    from groupflow.policies.llm import LLMPolicy
+
+    # a tiny model's character tokenizer must also spell what the workflow appends (observations)
+    texts = getattr(workflow_cls, "tokenizer_texts", None)
+    return LLMPolicy(cfg, run_dir, corpus, list(texts(cfg)) if texts else [])
+
+
+def _diffusion_policy(cfg: Config, run_dir: Path, corpus: list[PromptRow], workflow_cls: type):
+    from groupflow.policies.diffusion import DiffusionPolicy
+
+    return DiffusionPolicy(cfg, run_dir, corpus)
+
+
+def _llm_paths(cfg: Config) -> None:
+    from groupflow.policies.llm import check_role_paths
+
+    check_role_paths(cfg)
+
+
+_POLICIES = {"llm": _llm_policy, "diffusion": _diffusion_policy}
+_PATH_CHECKS = {"llm": _llm_paths, "diffusion": lambda cfg: None}
 
 
 def check_paths(cfg: Config) -> None:
     """Model directories the run needs must exist before anything else starts."""
-    if cfg.diffusion is None:
-        from groupflow.policies.llm import check_role_paths
-
-        check_role_paths(cfg)
+    _PATH_CHECKS[cfg.kind.name](cfg)
 
 
 def workflow_class(cfg: Config) -> type:
@@ -135,7 +158,8 @@ def build_workflow(cfg: Config, policy, train_rows: list[PromptRow], val_rows: l
     """The configured workflow over ``policy`` (the trainer's, or the asynchronous rollout side's
     ``RolloutView``)."""
     cls = workflow_class(cfg)
-    if cfg.diffusion is not None:
+    # a workflow that writes files of its own (the diffusion workflow's image grids) asks for them
+    if getattr(cls, "takes_run_dir", False):
         return cls(cfg, policy, train_rows, val_rows, rewards, run_dir)
     return cls(cfg, policy, train_rows, val_rows, rewards)
 
@@ -162,17 +186,7 @@ def build_run(cfg: Config, run_dir: Path, inputs=None):
     rewards = rule_rewards(cfg, inputs.rewards)
     provided = tuple(getattr(cls, "provided_fields", ()))
     train_rows, val_rows, stats = build_data(cfg, rewards, provided=provided, inputs=inputs)
-    corpus = train_rows + val_rows
-    if cfg.diffusion is not None:
-        from groupflow.policies.diffusion import DiffusionPolicy
-
-        policy = DiffusionPolicy(cfg, run_dir, corpus)
-        return policy, build_workflow(cfg, policy, train_rows, val_rows, rewards, run_dir), stats
-    from groupflow.policies.llm import LLMPolicy
-
-    # a tiny model's character tokenizer must also spell what the workflow appends (observations)
-    extra = list(cls.tokenizer_texts(cfg)) if hasattr(cls, "tokenizer_texts") else []
-    policy = LLMPolicy(cfg, run_dir, corpus, extra)
+    policy = _POLICIES[cfg.kind.name](cfg, run_dir, train_rows + val_rows, cls)
     try:
         workflow = build_workflow(cfg, policy, train_rows, val_rows, rewards, run_dir)
     except BaseException:

@@ -43,6 +43,8 @@ def _prompt_text(row: PromptRow) -> str:
 class DiffusionWorkflow:
     """Text prompts → SDE samples with per-step log-probs → image rewards."""
 
+    takes_run_dir = True  # validation writes image grids under the run directory
+
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                  rewards, run_dir: Path):  # fmt: skip
         self.cfg, self.policy, self.run_dir = cfg, policy, run_dir

@@ -522,7 +522,7 @@ def test_nonfinite_loss_skips_the_step_and_is_counted(tiny_config, monkeypatch, 
     rows = _steps(trainer.run_dir)
     assert [rows[s]["actor/nonfinite_skipped"] for s in (1, 2, 3)] == [1.0, 0.0, 1.0]
     assert rows[3]["actor/nonfinite_skipped_total"] == 2.0
-    assert trainer.policy.actor.nonfinite_in_a_row == 1  # reset by the finite step 2
+    assert trainer.policy.actor.nonfinite.in_a_row == 1  # reset by the finite step 2
     assert len(updates) == 3
     # the last (skipped) step leaves no gradient behind
     assert all(p.grad is None for p in trainer.policy.actor.model.parameters())

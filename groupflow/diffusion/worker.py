@@ -48,7 +48,6 @@ reference's is: the states are stored and the teacher frozen, so every epoch see
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -101,8 +100,13 @@ from groupflow.distributed.parallel import (
 from groupflow.distributed.transport import receive_into
 from groupflow.distributed.ulysses import gather_rows, sequence_groups
 from groupflow.utils.optim import apply_configured_hyperparameters
-from groupflow.workers.common import NonFiniteLossError, loss_options, lr_lambda, worker_device
-from groupflow.workers.update import global_denominators
+from groupflow.workers.common import (
+    NonFiniteGuard,
+    loss_options,
+    optimizer_and_schedule,
+    worker_device,
+)
+from groupflow.workers.update import accumulate, global_denominators, reduce_stats
 
 __all__ = [
     "DiffusionSettings", "DiffusionWorker", "select_steps", "COND_PREFIX", "prompt_rows",
@@ -165,16 +169,14 @@ class DiffusionWorker:
         self.noise_level = (
             self.spec.default_noise_level if settings.noise_level is None else settings.noise_level
         )
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio),
+        self.optimizer, self.scheduler = optimizer_and_schedule(
+            model, cfg, total_steps, cfg.warmup_steps
         )
         self.loss_options = loss_options(cfg)
-        self.nonfinite_in_a_row = self.nonfinite_total = 0
+        self.nonfinite = NonFiniteGuard(
+            cfg.max_nonfinite_steps, "diffusion updates",
+            "lower actor.lr or raise actor.max_nonfinite_steps",
+        )  # fmt: skip
         self.load_peak_rss = peak_rss_bytes()  # the high-water mark of building and loading
         # where the update count travels in a weight transfer (sde_window; see _sampling_state)
         self._updates_buffer = torch.zeros((), dtype=torch.long, device=self.device)
@@ -506,7 +508,7 @@ class DiffusionWorker:
             self._update_old_model()
         metrics = combine_metrics(per_step)
         metrics["actor/lr"] = lr
-        metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
+        metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite.total)
         return metrics
 
     def _optimizer_step(self, mini: Batch, epoch: int = 0) -> dict[str, float]:
@@ -522,98 +524,74 @@ class DiffusionWorker:
         stats: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        with_kl = cfg.kl_coef > 0
-        distill = self.teacher is not None
         for start in starts:
             mb = mini.index(slice(start, start + size))
             mask = mb["response_mask"]
-            to_teacher = None
-            if self.settings.objective == "nft":
-                per_step, kl = self._nft_terms(mb, mask, with_kl, epoch)
-                loss = aggregate(per_step, mask, cfg.loss_agg, **denominators)
-                m = {}
-            elif self.settings.objective == "awm":
-                logp, old, kl = self._awm_terms(mb, mask, with_kl, epoch)
-                loss, m = policy_loss(
-                    logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
-                    **self.loss_options, **denominators,
-                )  # fmt: skip
-            elif self.settings.objective == "flow_dppo":
-                logp, kl, (step_kl, _), _, to_teacher = self._step_terms(
-                    mb, mask, with_kl, distill=distill
-                )
-                old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
-                threshold = self.settings.flow_dppo.get("kl_mask_threshold", 1e-5)
-                per_step, parts = obj.flow_dppo_loss(
-                    logp, old, mb["advantages"], step_kl, threshold
-                )
-                loss = aggregate(per_step, mask, cfg.loss_agg, **denominators)
-                valid = mask != 0
-                m = {
-                    "dppo_masked_frac": masked_mean((~parts["keep"]).float(), valid),
-                    "dppo_step_kl": masked_mean(step_kl.detach(), valid),
-                    "ratio_mean": torch.where(valid.any(), masked_mean(parts["ratio"], valid), 1.0),
-                }
-            else:
-                logp, kl, (bias, stds), _, to_teacher = self._step_terms(
-                    mb, mask, with_kl, distill=distill
-                )
-                old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
-                adv = mb["advantages"]
-                if self.settings.ratio_norm:
-                    logp = obj.guard_logprobs(logp, old, bias, stds)
-                    weights = obj.guard_step_weights(mb["sigmas"], mb["sigmas_next"])
-                    adv = (adv[:, None] if adv.dim() == 1 else adv) * weights
-                loss, m = policy_loss(
-                    logp, old, adv, mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
-                    **self.loss_options, **denominators,
-                )  # fmt: skip
+            loss, kl, to_teacher, m = self._objective_loss(mb, mask, epoch, denominators)
             share = float(mask.sum()) / max(1, denominators["num_tokens"])
-            stats["actor/pg_loss"] = stats.get("actor/pg_loss", 0.0) + float(loss.detach())
+            accumulate(stats, "actor/pg_loss", float(loss.detach()))
             if to_teacher is not None:
                 kl_teacher = aggregate(to_teacher, mask, cfg.loss_agg, **denominators)
-                key = "actor/distill_kl"
-                stats[key] = stats.get(key, 0.0) + float(kl_teacher.detach())
+                accumulate(stats, "actor/distill_kl", float(kl_teacher.detach()))
                 loss = distillation_loss(loss, kl_teacher, **self.settings.distill)
-            if with_kl:
+            if kl is not None:
                 kl_term = aggregate(kl, mask, cfg.loss_agg, **denominators)
-                stats["actor/kl_loss"] = stats.get("actor/kl_loss", 0.0) + float(kl_term.detach())
+                accumulate(stats, "actor/kl_loss", float(kl_term.detach()))
                 loss = loss + cfg.kl_coef * kl_term
             for k, v in m.items():
-                key = f"actor/{k}"
-                if k == "ratio_max":
-                    stats[key] = max(stats.get(key, -math.inf), float(v))
-                elif k == "ratio_min":
-                    stats[key] = min(stats.get(key, math.inf), float(v))
-                else:
-                    stats[key] = stats.get(key, 0.0) + float(v) * share
+                accumulate(stats, f"actor/{k}", float(v), share)
             # FSDP2 averages gradients over ranks; the losses use global denominators (a sum)
             (loss * self.world_size if self.sharded else loss).backward()
             total += float(loss.detach())
         self._all_reduce_grads()
         params = [p for p in self.flow.parameters() if p.requires_grad]
         grad_norm = clip_grad_norm(params, cfg.grad_clip)
-        extremes = {"actor/ratio_max": "max", "actor/ratio_min": "min"}
-        stats = {k: all_reduce(v, extremes.get(k, "sum")) for k, v in sorted(stats.items())}
-        # a sum counts each sample once per rank holding it (sequence parallelism: sp_size)
-        stats = {k: v if k in extremes else v / self.sp_size for k, v in stats.items()}
+        stats = reduce_stats(stats, self.sp_size)
         total = all_reduce(total) / self.sp_size
         stats.update({"actor/grad_norm": grad_norm, "actor/loss": total})
-        if not (math.isfinite(total) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_in_a_row += 1
-            self.nonfinite_total += 1
-            if self.nonfinite_in_a_row >= cfg.max_nonfinite_steps:
-                raise NonFiniteLossError(
-                    f"{self.nonfinite_in_a_row} consecutive diffusion updates had a non-finite loss or "
-                    "gradient norm; lower actor.lr or raise actor.max_nonfinite_steps"
-                )
-            stats["actor/nonfinite_skipped"] = 1.0
-            return stats
-        self.nonfinite_in_a_row = 0
-        self.optimizer.step()
-        stats["actor/nonfinite_skipped"] = 0.0
+        stats["actor/nonfinite_skipped"] = self.nonfinite.step(self.optimizer, total, grad_norm)
         return stats
+
+    def _objective_loss(self, mb: Batch, mask: Tensor, epoch: int, denominators: dict):
+        """The configured objective on one micro-batch: (loss, per-step KL to the reference or
+        None, per-step KL to a teacher or None, the loss's metrics)."""
+        cfg, objective = self.cfg, self.settings.objective
+        with_kl, distill = cfg.kl_coef > 0, self.teacher is not None
+        if objective == "nft":
+            per_step, kl = self._nft_terms(mb, mask, with_kl, epoch)
+            return aggregate(per_step, mask, cfg.loss_agg, **denominators), kl, None, {}
+        if objective == "awm":
+            logp, old, kl = self._awm_terms(mb, mask, with_kl, epoch)
+            loss, m = policy_loss(
+                logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
+                **self.loss_options, **denominators,
+            )  # fmt: skip
+            return loss, kl, None, m
+        logp, kl, (step_kl_or_bias, stds), _, to_teacher = self._step_terms(
+            mb, mask, with_kl, distill=distill
+        )
+        old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
+        if objective == "flow_dppo":
+            step_kl = step_kl_or_bias
+            threshold = self.settings.flow_dppo.get("kl_mask_threshold", 1e-5)
+            per_step, parts = obj.flow_dppo_loss(logp, old, mb["advantages"], step_kl, threshold)
+            valid = mask != 0
+            m = {
+                "dppo_masked_frac": masked_mean((~parts["keep"]).float(), valid),
+                "dppo_step_kl": masked_mean(step_kl.detach(), valid),
+                "ratio_mean": torch.where(valid.any(), masked_mean(parts["ratio"], valid), 1.0),
+            }
+            return aggregate(per_step, mask, cfg.loss_agg, **denominators), kl, to_teacher, m
+        adv = mb["advantages"]
+        if self.settings.ratio_norm:  # GRPO-Guard: the step terms' mean bias and stds
+            logp = obj.guard_logprobs(logp, old, step_kl_or_bias, stds)
+            weights = obj.guard_step_weights(mb["sigmas"], mb["sigmas_next"])
+            adv = (adv[:, None] if adv.dim() == 1 else adv) * weights
+        loss, m = policy_loss(
+            logp, old, adv, mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
+            **self.loss_options, **denominators,
+        )  # fmt: skip
+        return loss, kl, to_teacher, m
 
     def _renoise(self, mb: Batch, rows: Tensor, x0: Tensor, t: int, epoch: int) -> Tensor:
         """The training noise of ``rows`` at step t: each sample's own (``renoise_noise``), so
@@ -732,7 +710,7 @@ class DiffusionWorker:
             "model": model,
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
-            "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+            "nonfinite": self.nonfinite.state(),
         }
         if self.old_model is not None:
             out["nft_old"] = {k: v.cpu() for k, v in full_model_state(self.old_model).items()}
@@ -743,7 +721,7 @@ class DiffusionWorker:
         load_full_state(self.flow, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         apply_configured_hyperparameters(self.optimizer, self.scheduler)
-        self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
+        self.nonfinite.load(state.get("nonfinite", [0, 0]))
         if self.old_model is not None:
             self._load_old_model(state.get("nft_old", state["model"]))
 
@@ -758,7 +736,7 @@ class DiffusionWorker:
         """The small, rank-identical part of the state, beside :meth:`save_sharded`'s shards."""
         return {
             "scheduler": self.scheduler.state_dict(),
-            "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+            "nonfinite": self.nonfinite.state(),
         }
 
     def _extra_models(self) -> dict[str, nn.Module]:
@@ -775,7 +753,7 @@ class DiffusionWorker:
         load_shards(path, self.flow, self.optimizer, self._extra_models())
         self.scheduler.load_state_dict(train_state["scheduler"])
         apply_configured_hyperparameters(self.optimizer, self.scheduler)
-        self.nonfinite_in_a_row, self.nonfinite_total = train_state["nonfinite"]
+        self.nonfinite.load(train_state["nonfinite"])
 
     @register("all")
     def memory_stats(self) -> dict[str, float]:

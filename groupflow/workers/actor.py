@@ -74,17 +74,16 @@ from groupflow.rollout.engines.hf import SamplingParams, left_pad
 from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import (
     ModelSpec,
-    NonFiniteLossError,
+    NonFiniteGuard,
     decoder_layers,
     loss_options,
-    lr_lambda,
+    optimizer_and_schedule,
     optimizer_state_by_name,
     worker_device,
 )
 from groupflow.workers.lora import apply_lora, merged_lora_copy, set_adapters
 from groupflow.workers.update import (
     EXTREMES,
-    REDUCE_OP,
     accumulate,
     batch_logprobs,
     check_no_images,
@@ -94,6 +93,7 @@ from groupflow.workers.update import (
     forward_groups,
     global_denominators,
     lockstep_logprobs,
+    reduce_stats,
     skips_zero_advantage,
     trim,
     update_rows,
@@ -280,18 +280,16 @@ class ActorRolloutWorker:
         )
         if self.lockstep:
             prepare_unsharded_use(self.policy)
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lr_lambda(cfg.lr_schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio),
+        self.optimizer, self.scheduler = optimizer_and_schedule(
+            self.policy, cfg, total_steps, cfg.warmup_steps
         )
         self.loss_options = loss_options(cfg)
         self.sft_optimizer: torch.optim.Optimizer | None = None
-        self.nonfinite_in_a_row = 0
-        self.nonfinite_total = 0
+        self.nonfinite = NonFiniteGuard(
+            cfg.max_nonfinite_steps, "updates",
+            "lower actor.lr, check rewards/advantages for extreme values, or raise "
+            "actor.max_nonfinite_steps",
+        )  # fmt: skip
 
     @classmethod
     def create(
@@ -404,7 +402,7 @@ class ActorRolloutWorker:
         metrics["actor/lr"] = lr
         if self.engine.separate_weights:
             metrics["perf/weight_sync_s"] = self.weight_sync_s
-        metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite_total)
+        metrics["actor/nonfinite_skipped_total"] = float(self.nonfinite.total)
         return metrics
 
     def _optimizer_step(self, mini: Batch, temperature: float) -> dict[str, float]:
@@ -441,8 +439,7 @@ class ActorRolloutWorker:
         grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.grad_clip)
         # Same keys on every rank (see _micro_loss), reduced in a fixed order; a sum counts each
         # sample once per rank holding it (sequence parallelism: sp_size ranks).
-        stats = {k: all_reduce(stats[k], REDUCE_OP.get(k, "sum")) for k in sorted(stats)}
-        stats = {k: v if k in REDUCE_OP else v / self.sp_size for k, v in stats.items()}
+        stats = reduce_stats(stats, self.sp_size)
         for k, neutral in (("actor/ratio_max", 1.0), ("actor/ratio_min", 1.0)):
             if k in stats and not math.isfinite(stats[k]):
                 stats[k] = neutral  # no valid token anywhere
@@ -452,13 +449,9 @@ class ActorRolloutWorker:
         if skips_zero_advantage(cfg):
             skipped = denominators["num_seqs"] - metric_denominators["num_seqs"]
             stats["actor/zero_adv_skipped"] = skipped / max(1, denominators["num_seqs"])
-        if not (math.isfinite(total_loss) and math.isfinite(grad_norm)):
-            self._skip_nonfinite()
-            stats["actor/nonfinite_skipped"] = 1.0
-            return stats
-        self.nonfinite_in_a_row = 0
-        self.optimizer.step()
-        stats["actor/nonfinite_skipped"] = 0.0
+        stats["actor/nonfinite_skipped"] = self.nonfinite.step(
+            self.optimizer, total_loss, grad_norm
+        )
         return stats
 
     def _micro_loss(self, mb: Batch, mask: torch.Tensor, temperature: float, denominators: dict,
@@ -517,16 +510,6 @@ class ActorRolloutWorker:
                 value = -math.inf if k.endswith("max") else math.inf  # ignored by max/min
             contrib[f"actor/{k}"] = (value, share)
         return loss, contrib
-
-    def _skip_nonfinite(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_in_a_row += 1
-        self.nonfinite_total += 1
-        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
-            raise NonFiniteLossError(
-                f"{self.nonfinite_in_a_row} consecutive updates had a non-finite loss or gradient norm; "
-                "lower actor.lr, check rewards/advantages for extreme values, or raise actor.max_nonfinite_steps"
-            )
 
     def _sync_rollout_weights(self) -> None:
         """Refresh the unsharded generation copy and/or the vLLM engine from the current (FSDP:
@@ -592,7 +575,7 @@ class ActorRolloutWorker:
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+            "nonfinite": self.nonfinite.state(),
         }
 
     @register("rank0")
@@ -603,7 +586,7 @@ class ActorRolloutWorker:
         apply_configured_hyperparameters(self.optimizer, self.scheduler)
         if self.ref_model is not None and state.get("ref_model") is not None:  # older checkpoints
             self.ref_model.load_state_dict(state["ref_model"])
-        self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
+        self.nonfinite.load(state.get("nonfinite", [0, 0]))
         self._sync_rollout_weights()
 
     @register("all")
@@ -622,7 +605,7 @@ class ActorRolloutWorker:
         )
         self.scheduler.load_state_dict(state["scheduler"])
         apply_configured_hyperparameters(self.optimizer, self.scheduler)
-        self.nonfinite_in_a_row, self.nonfinite_total = state.get("nonfinite", [0, 0])
+        self.nonfinite.load(state.get("nonfinite", [0, 0]))
         self._sync_rollout_weights()
 
     @register("rank0")
@@ -630,7 +613,7 @@ class ActorRolloutWorker:
         """The small, rank-identical part of the training state (schedule, guards)."""
         return {
             "scheduler": self.scheduler.state_dict(),
-            "nonfinite": [self.nonfinite_in_a_row, self.nonfinite_total],
+            "nonfinite": self.nonfinite.state(),
         }
 
     @register("rank0")
@@ -645,7 +628,7 @@ class ActorRolloutWorker:
         if train_state:
             self.scheduler.load_state_dict(train_state["scheduler"])
             apply_configured_hyperparameters(self.optimizer, self.scheduler)
-            self.nonfinite_in_a_row, self.nonfinite_total = train_state["nonfinite"]
+            self.nonfinite.load(train_state["nonfinite"])
         self._sync_rollout_weights()
 
     @register("all")

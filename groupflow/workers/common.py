@@ -22,9 +22,11 @@ from groupflow.config import ActorConfig
 from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
 
 __all__ = [
+    "NonFiniteGuard",
     "NonFiniteLossError",
     "ModelSpec",
     "lr_lambda",
+    "optimizer_and_schedule",
     "loss_options",
     "optimizer_state_by_name",
     "worker_device",
@@ -34,6 +36,45 @@ __all__ = [
 
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive updates produced NaN/inf losses or gradients."""
+
+
+class NonFiniteGuard:
+    """Counts optimizer steps skipped for a non-finite loss or gradient norm; ``limit`` in a row
+    is a NonFiniteLossError (a diverged run stops, naming ``advice``). Its two counters are part
+    of a worker's training state (``state`` / ``load``), so a resumed run counts on."""
+
+    def __init__(self, limit: int, what: str, advice: str):
+        self.limit, self.what, self.advice = limit, what, advice
+        self.in_a_row = self.total = 0
+
+    def passed(self, *values: float) -> bool:
+        """True when every value is finite (the step may go ahead); else count the skip."""
+        if all(math.isfinite(v) for v in values):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        self.total += 1
+        if self.in_a_row >= self.limit:
+            raise NonFiniteLossError(
+                f"{self.in_a_row} consecutive {self.what} had a non-finite loss or gradient norm; "
+                f"{self.advice}"
+            )
+        return False
+
+    def step(self, optimizer: torch.optim.Optimizer, *values: float) -> float:
+        """``optimizer.step()`` when every value is finite, else drop the gradients and count the
+        skip; the ``nonfinite_skipped`` metric of the step (1.0 skipped, 0.0 applied)."""
+        if self.passed(*values):
+            optimizer.step()
+            return 0.0
+        optimizer.zero_grad(set_to_none=True)
+        return 1.0
+
+    def state(self) -> list[int]:
+        return [self.in_a_row, self.total]
+
+    def load(self, state: Sequence[int]) -> None:
+        self.in_a_row, self.total = (int(v) for v in state)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
@@ -49,6 +90,18 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: 
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def optimizer_and_schedule(module: nn.Module, cfg, total_steps: int, warmup_steps: int):
+    """AdamW over ``module``'s trainable parameters and its LR schedule (``lr_lambda``): what the
+    actor, critic and diffusion workers train with; ``cfg`` is their section (lr, betas,
+    weight_decay, lr_schedule, min_lr_ratio)."""
+    optimizer = torch.optim.AdamW(
+        [p for p in module.parameters() if p.requires_grad],
+        lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+    )  # fmt: skip
+    factor = lr_lambda(cfg.lr_schedule, warmup_steps, total_steps, cfg.min_lr_ratio)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def loss_options(cfg: ActorConfig) -> dict:

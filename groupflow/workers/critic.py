@@ -38,7 +38,7 @@ from groupflow.models.value import (
     value_model_from_policy,
 )
 from groupflow.utils.optim import apply_configured_hyperparameters
-from groupflow.workers.common import ModelSpec, lr_lambda, worker_device
+from groupflow.workers.common import ModelSpec, optimizer_and_schedule, worker_device
 from groupflow.workers.update import (
     combine_steps,
     drop_padding,
@@ -115,13 +115,8 @@ class CriticWorker:
         self.device = next(model.parameters()).device
         self.model = model
         self.critic = shard(_ValueForward(model, cfg.packing), decoder_layers(model))
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.critic.parameters() if p.requires_grad],
-            lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-        )  # fmt: skip
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lr_lambda(cfg.lr_schedule, cfg.lr_warmup_steps, total_steps, cfg.min_lr_ratio),
+        self.optimizer, self.scheduler = optimizer_and_schedule(
+            self.critic, cfg, total_steps, cfg.lr_warmup_steps
         )
 
     @classmethod

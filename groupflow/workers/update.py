@@ -37,6 +37,7 @@ __all__ = [
     "sample_tokens",
     "forward_groups",
     "accumulate",
+    "reduce_stats",
     "combine_steps",
     "row_widths",
     "trim",
@@ -144,6 +145,15 @@ def accumulate(stats: dict[str, float], key: str, value: float, weight: float = 
         stats[key] = op(stats[key], value) if key in stats else value
     else:
         stats[key] = stats.get(key, 0.0) + value * weight
+
+
+def reduce_stats(stats: dict[str, float], replicas: int = 1) -> dict[str, float]:
+    """``accumulate``d micro-batch stats summed (extremes: max/min) over ranks, in a fixed key
+    order (a collective: every rank holds the same keys and calls it). A sum counts each sample
+    once per rank holding it, so it is divided by ``replicas`` (sequence parallelism: the group
+    size)."""
+    out = {k: all_reduce(stats[k], REDUCE_OP.get(k, "sum")) for k in sorted(stats)}
+    return {k: v if k in REDUCE_OP else v / replicas for k, v in out.items()}
 
 
 def combine_steps(steps: list[dict[str, float]]) -> dict[str, float]:

@@ -184,6 +184,16 @@ class DiffusionConfig(_Section):
                 "diffusion.same_noise_per_group every sample of a group is the same image and "
                 "every advantage 0; set same_noise_per_group: false"
             )
+        if self.objective != "grpo" and self.ratio_norm:
+            raise ValueError(
+                "diffusion.ratio_norm (GRPO-Guard) rewrites Flow-GRPO's clipped ratio; "
+                f"diffusion.objective={self.objective} has its own objective"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _memory_options(self):
+        # FSDP2's options and activation checkpointing apply to the diffusers transformers
         if self.activation_checkpointing and self.model.kind == "tiny":
             raise ValueError(
                 "diffusion.activation_checkpointing is for the diffusers transformers "
@@ -199,11 +209,10 @@ class DiffusionConfig(_Section):
                 "diffusion.cpu_offload is FSDP2's CPUOffloadPolicy (parameter shards, gradients "
                 "and optimizer state in CPU memory): set diffusion.fsdp: true"
             )
-        if self.objective != "grpo" and self.ratio_norm:
-            raise ValueError(
-                "diffusion.ratio_norm (GRPO-Guard) rewrites Flow-GRPO's clipped ratio; "
-                f"diffusion.objective={self.objective} has its own objective"
-            )
+        return self
+
+    @model_validator(mode="after")
+    def _trained_timesteps(self):
         if self.sde_window is not None:
             if self.sde_window.size > self.num_steps:
                 raise ValueError(

@@ -157,63 +157,71 @@ class WorkerGroup:
                 for r in range(world_size)
             ]
         elif backend == "process":
-            env["GROUPFLOW_WORKER_THREADS"] = str(worker_threads or 1)
-            self._hosts = []
-            try:
-                for r in range(world_size):
-                    target = serve_worker(_Host, factory, r, world_size, env, kwargs)
-                    self._hosts.append(ProcessHost(*target, self.startup_timeout_s))
-            except (ChildProcessError, TimeoutError) as e:
-                self.shutdown()
-                raise WorkerError(self.name, len(self._hosts), "__init__", str(e)) from None
+            self._start_processes(factory, env, kwargs, worker_threads)
         else:
-            opts = ray_options or RayOptions()
-            spec = pool or PoolSpec(
-                nodes=1, workers_per_node=world_size, cpus_per_worker=opts.num_cpus_per_worker,
-                gpus_per_worker=opts.num_gpus_per_worker, name=self.name,
-            )  # fmt: skip
-            if spec.world_size != world_size:
-                raise ValueError(
-                    f"pool '{spec.name}' holds {spec.world_size} workers "
-                    f"({spec.nodes} nodes × {spec.workers_per_node}), but world_size is {world_size}"
-                )
-            # Declare enough logical CPUs for every worker plus the probe: with Ray's default (the
-            # core count) a third 1-CPU actor on a 2-core machine waits forever.
-            needed = int(world_size * spec.cpus_per_worker) + 2
-            ray = ensure_ray(opts.address, num_cpus=max(os.cpu_count() or 1, needed))
-            if worker_threads:
-                env["GROUPFLOW_WORKER_THREADS"] = str(worker_threads)
-            self._pool = RayPool(spec, timeout_s=placement_timeout_s or self.startup_timeout_s)
-            remote = ray.remote(_Host)
-            self._hosts = []
-            try:
-                if world_size > 1:
-                    # the rendezvous address must be rank 0's node, which may be another machine
-                    where = self._pool.options(0)["scheduling_strategy"]
-                    probe = remote.options(num_cpus=0, scheduling_strategy=where).remote(
-                        _Nothing, 0, 1, {}, {}
-                    )
-                    env["MASTER_ADDR"] = self._ray_get(
-                        ray, [probe.node_ip.remote()], "node_ip", startup=True
-                    )[0]
-                    ray.kill(probe)
-                self._hosts = [
-                    remote.options(**self._pool.options(r)).remote(
-                        factory, r, world_size, {**env, "LOCAL_RANK": str(spec.slot(r)[1])}, kwargs
-                    )
-                    for r in range(world_size)
-                ]
-                # Constructors run concurrently (process-group rendezvous needs every rank); surface
-                # their failures here rather than at the first call.
-                self._ray_get(
-                    ray, [h.ready.remote() for h in self._hosts], "__init__", startup=True
-                )
-            except BaseException:
-                # a failed start must not leave actors or reserved bundles behind: the next
-                # group's placement would wait for resources that are never freed
-                self.shutdown()
-                raise
+            self._start_ray(factory, env, kwargs, ray_options, pool, worker_threads,
+                            placement_timeout_s)  # fmt: skip
         self._bind_methods()
+
+    def _start_processes(self, factory, env: dict, kwargs: dict, worker_threads: int | None):
+        env["GROUPFLOW_WORKER_THREADS"] = str(worker_threads or 1)
+        self._hosts = []
+        try:
+            for r in range(self.world_size):
+                target = serve_worker(_Host, factory, r, self.world_size, env, kwargs)
+                self._hosts.append(ProcessHost(*target, self.startup_timeout_s))
+        except (ChildProcessError, TimeoutError) as e:
+            self.shutdown()
+            raise WorkerError(self.name, len(self._hosts), "__init__", str(e)) from None
+
+    def _start_ray(self, factory, env: dict, kwargs: dict, ray_options: RayOptions | None,
+                   pool: PoolSpec | None, worker_threads: int | None,
+                   placement_timeout_s: float | None):  # fmt: skip
+        world_size = self.world_size
+        opts = ray_options or RayOptions()
+        spec = pool or PoolSpec(
+            nodes=1, workers_per_node=world_size, cpus_per_worker=opts.num_cpus_per_worker,
+            gpus_per_worker=opts.num_gpus_per_worker, name=self.name,
+        )  # fmt: skip
+        if spec.world_size != world_size:
+            raise ValueError(
+                f"pool '{spec.name}' holds {spec.world_size} workers "
+                f"({spec.nodes} nodes × {spec.workers_per_node}), but world_size is {world_size}"
+            )
+        # Declare enough logical CPUs for every worker plus the probe: with Ray's default (the
+        # core count) a third 1-CPU actor on a 2-core machine waits forever.
+        needed = int(world_size * spec.cpus_per_worker) + 2
+        ray = ensure_ray(opts.address, num_cpus=max(os.cpu_count() or 1, needed))
+        if worker_threads:
+            env["GROUPFLOW_WORKER_THREADS"] = str(worker_threads)
+        self._pool = RayPool(spec, timeout_s=placement_timeout_s or self.startup_timeout_s)
+        remote = ray.remote(_Host)
+        self._hosts = []
+        try:
+            if world_size > 1:
+                # the rendezvous address must be rank 0's node, which may be another machine
+                where = self._pool.options(0)["scheduling_strategy"]
+                probe = remote.options(num_cpus=0, scheduling_strategy=where).remote(
+                    _Nothing, 0, 1, {}, {}
+                )
+                env["MASTER_ADDR"] = self._ray_get(
+                    ray, [probe.node_ip.remote()], "node_ip", startup=True
+                )[0]
+                ray.kill(probe)
+            self._hosts = [
+                remote.options(**self._pool.options(r)).remote(
+                    factory, r, world_size, {**env, "LOCAL_RANK": str(spec.slot(r)[1])}, kwargs
+                )
+                for r in range(world_size)
+            ]
+            # Constructors run concurrently (process-group rendezvous needs every rank); surface
+            # their failures here rather than at the first call.
+            self._ray_get(ray, [h.ready.remote() for h in self._hosts], "__init__", startup=True)
+        except BaseException:
+            # a failed start must not leave actors or reserved bundles behind: the next
+            # group's placement would wait for resources that are never freed
+            self.shutdown()
+            raise
 
     def _bind_methods(self) -> None:
         for attr in dir(self._cls):

@@ -133,7 +133,15 @@ def find_cgroup(explicit: str | None = None) -> tuple[CgroupPlace | None, str]:
         mounts, own = _mounts(), _own_cgroups()
     except OSError as exc:
         return None, f"cannot read this process's cgroups ({exc})"
-    reasons = []
+    reasons: list[str] = []
+    place = _v2_place(mounts, own, reasons) or _v1_place(mounts, own, reasons)
+    if place is not None:
+        return _cleaned(place), "; ".join(reasons) if place.version == 1 else ""
+    return None, "; ".join(reasons) or "no cgroup file system is mounted"
+
+
+def _v2_place(mounts, own: dict[str, str], reasons: list[str]) -> CgroupPlace | None:
+    """This process's cgroup v2 directory when run cgroups can be made there (else a reason)."""
     for fstype, root, point, _ in mounts:
         if fstype == "cgroup2" and "" in own:
             path = _under(root, point, own[""])
@@ -141,8 +149,14 @@ def find_cgroup(explicit: str | None = None) -> tuple[CgroupPlace | None, str]:
                 continue
             problem = _v2_ready(path)
             if problem is None:
-                return _cleaned(CgroupPlace(2, (("memory", path), ("pids", path)))), ""
+                return CgroupPlace(2, (("memory", path), ("pids", path)))
             reasons.append(f"cgroup v2: {problem}")
+    return None
+
+
+def _v1_place(mounts, own: dict[str, str], reasons: list[str]) -> CgroupPlace | None:
+    """A writable cgroup v1 directory per controller this process has one for (a reason for
+    each that is missing); None when there is none at all."""
     dirs = []
     for controller in CONTROLLERS:
         for fstype, root, point, options in mounts:
@@ -154,9 +168,7 @@ def find_cgroup(explicit: str | None = None) -> tuple[CgroupPlace | None, str]:
                 break
         else:
             reasons.append(f"cgroup v1: no writable {controller} cgroup")
-    if dirs:
-        return _cleaned(CgroupPlace(1, tuple(dirs))), "; ".join(reasons)
-    return None, "; ".join(reasons) or "no cgroup file system is mounted"
+    return CgroupPlace(1, tuple(dirs)) if dirs else None
 
 
 def _cleaned(place: CgroupPlace) -> CgroupPlace:

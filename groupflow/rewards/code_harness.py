@@ -263,36 +263,30 @@ def _case_outcome(
     return status == "pass", "" if status == "pass" else f"case {index}: {status!r}"
 
 
-def _harness_run(code: str, tests: CodeTests, limits: SandboxLimits, sandbox: Any) -> CodeReport:
-    """Assert or call tests: one sandbox run for all cases of the sample."""
-    token = secrets.token_hex(16)
-    splits: list[SplitAssert | None] = []
+def _harness_cases(tests: CodeTests) -> tuple[list[Any], list[SplitAssert | None]]:
+    """The cases as the harness receives them, and each assert's split (call tests: none)."""
     if tests.kind == "call":
-        cases: list[Any] = [args for args, _ in tests.cases]
-    else:
-        splits = [split_assert(statement) for statement in tests.cases]
-        cases = [
-            ("stmt", statement)
-            if split is None
-            else ("ident" if split.op in ("is", "is not") else "expr", split.expr)
-            for split, statement in zip(splits, tests.cases)
-        ]
-    spec = {"token": token, "kind": tests.kind, "cases": cases, "fn_name": tests.fn_name}
-    try:
-        result = run_python(
-            HARNESS,
-            stdin=json.dumps(spec) + "\n",
-            files={"solution.py": code},
-            sandbox=sandbox,
-            **limits.as_kwargs(),
-        )
-    except SandboxError as exc:  # no verdict on the program: its own kind of failure
-        return CodeReport(0, len(tests.cases), str(exc), sandbox_failed=True)
+        return [args for args, _ in tests.cases], []
+    splits = [split_assert(statement) for statement in tests.cases]
+    cases = [
+        ("stmt", statement)
+        if split is None
+        else ("ident" if split.op in ("is", "is not") else "expr", split.expr)
+        for split, statement in zip(splits, tests.cases)
+    ]
+    return cases, splits
+
+
+def _read_reports(stdout: str, token: str, tests: CodeTests,
+                  splits: list[SplitAssert | None]) -> tuple[dict[int, bool], str]:  # fmt: skip
+    """Each case's outcome from the harness's token-prefixed report lines, and the first error.
+    Lines without the run's secret token are the program's own output; a case reported twice
+    (only a solution that forges reports does that) fails."""
     outcomes: dict[int, bool] = {}
     reported: set[int] = set()
     first_error = ""
     prefix = "[" + json.dumps(token)
-    for line in result.stdout.splitlines():
+    for line in stdout.splitlines():
         if not line.startswith(prefix):
             continue
         try:
@@ -304,13 +298,32 @@ def _harness_run(code: str, tests: CodeTests, limits: SandboxLimits, sandbox: An
             continue
         if not isinstance(index, int) or not 0 <= index < len(tests.cases):
             continue
-        if index in reported:  # only a solution that forges reports says a case twice
+        if index in reported:
             outcomes[index] = False
             first_error = first_error or f"case {index}: reported twice"
             continue
         reported.add(index)
         outcomes[index], error = _case_outcome(tests, splits, index, status, detail)
         first_error = first_error or error
+    return outcomes, first_error
+
+
+def _harness_run(code: str, tests: CodeTests, limits: SandboxLimits, sandbox: Any) -> CodeReport:
+    """Assert or call tests: one sandbox run for all cases of the sample."""
+    token = secrets.token_hex(16)
+    cases, splits = _harness_cases(tests)
+    spec = {"token": token, "kind": tests.kind, "cases": cases, "fn_name": tests.fn_name}
+    try:
+        result = run_python(
+            HARNESS,
+            stdin=json.dumps(spec) + "\n",
+            files={"solution.py": code},
+            sandbox=sandbox,
+            **limits.as_kwargs(),
+        )
+    except SandboxError as exc:  # no verdict on the program: its own kind of failure
+        return CodeReport(0, len(tests.cases), str(exc), sandbox_failed=True)
+    outcomes, first_error = _read_reports(result.stdout, token, tests, splits)
     if len(outcomes) < len(tests.cases) and not first_error:
         first_error = result.error_line or f"stopped: {result.limit or result.exit_code}"
     return CodeReport(sum(outcomes.values()), len(tests.cases), first_error)

@@ -92,8 +92,8 @@ def _raise_in_fit(monkeypatch, exc: BaseException) -> None:
 REMOTE_NONFINITE = """raised an exception; remote traceback:
 Traceback (most recent call last):
   File "groupflow/distributed/group.py", line 58, in call
-  File "groupflow/workers/actor.py", line 600, in _skip_nonfinite
-groupflow.workers.actor.NonFiniteLossError: 3 consecutive updates had a non-finite loss or gradient norm; lower actor.lr
+  File "groupflow/workers/common.py", line 60, in passed
+groupflow.workers.common.NonFiniteLossError: 3 consecutive updates had a non-finite loss or gradient norm; lower actor.lr
 """
 REMOTE_BUG = """raised an exception; remote traceback:
 Traceback (most recent call last):

@@ -64,7 +64,9 @@ def run_benchmark(policy, name: str, *, limit: int | None = None, samples: int =
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     if isinstance(batch_prompts, bool) or not isinstance(batch_prompts, int) or batch_prompts < 1:
-        raise ValueError(f"--batch-prompts must be a positive integer, got {batch_prompts!r}")
+        raise ValueError(
+            f"batch_prompts (--batch-prompts) must be a positive integer, got {batch_prompts!r}"
+        )
     data = bench.load()
     if data.excluded:
         log.warning("%s: %d prompt(s) excluded: %s", name, len(data.excluded),

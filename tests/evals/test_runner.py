@@ -128,3 +128,12 @@ def test_an_unknown_validation_benchmark_fails_at_start(tiny_config):
         ValueError, match=r"validation.benchmarks: unknown benchmark 'gsm9k'; known"
     ):
         Trainer(tiny_config(validation__benchmarks=["gsm9k"]))
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5])
+def test_run_benchmark_refuses_a_bad_batch_size_before_generating(bad):
+    from groupflow.evals.runner import run_benchmark
+
+    # the Python API checks what the CLI's argparse type checks (no policy is touched first)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        run_benchmark(None, "reverse", batch_prompts=bad)

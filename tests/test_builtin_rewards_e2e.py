@@ -30,6 +30,7 @@ SINGLE_TURN = {
     },
     "code_tests": {"name": "code_tests", "kwargs": {"timeout_s": 5.0}},
     "instructions": {"name": "instructions"},
+    "ifeval": {"name": "ifeval"},
 }
 MULTI_TURN = {
     "env_reward": {"name": "env_reward"},
@@ -104,6 +105,8 @@ def test_every_single_turn_builtin_in_one_run(tmp_path, tiny_config_data, judge_
             "tests": [f"assert add({i}, 1) == {i + 1}"],
             "constraints": [{"kind": "keyword", "arg": "sum"}],
             "topic": "adding numbers",
+            "instruction_id_list": ["punctuation:no_comma"],  # the ifeval reward's row format
+            "kwargs": [{}],
         }
         for i in range(8)
     ]

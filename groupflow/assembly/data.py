@@ -23,6 +23,7 @@ from groupflow.data import (
     render_prompt,
 )
 from groupflow.data.columns import row_mapper
+from groupflow.data.ifeval_style import make_ifeval_style_rows
 from groupflow.data.images import ImageLimits, prompt_images
 from groupflow.data.instructions import make_instruction_rows
 from groupflow.data.shapes import make_shape_rows
@@ -85,6 +86,10 @@ def build_data(
     inputs = inputs or PythonInputs()
     if d.task is not None and d.task.name == "instructions":
         train, val = make_instruction_rows(d.task.num_train, d.task.num_val, d.task.seed)
+    elif d.task is not None and d.task.name == "ifeval_style":
+        train, val = make_ifeval_style_rows(
+            d.task.num_train, d.task.num_val, d.task.seed, d.task.max_answer_words
+        )
     elif d.task is not None and d.task.name == "shapes":
         train, val = make_shape_rows(
             d.task.num_train, d.task.num_val, d.task.seed, grid=d.task.grid

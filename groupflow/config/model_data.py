@@ -86,9 +86,14 @@ class TaskConfig(_Section):
     # real chat model (groupflow.data.instructions; digits does not apply)
     # shapes: count the squares of a colour in a synthetic image (groupflow.data.shapes; needs a
     # vision-language model, e.g. model.tiny.vision; digits does not apply)
-    name: Literal["reverse", "add", "calc", "instructions", "shapes"] = "reverse"
+    # ifeval_style: our writing requests with IFEval's instruction kinds, drawn by the official
+    # checkers, in IFEval's row format (groupflow.data.ifeval_style; reward ifeval)
+    name: Literal["reverse", "add", "calc", "instructions", "ifeval_style", "shapes"] = "reverse"
     digits: int = Field(6, ge=1, le=32)  # reverse / add / calc: digits per operand
     grid: int = Field(4, ge=2, le=8)  # shapes: the board's side in 8-pixel cells
+    # ifeval_style: the longest answer an instruction may demand, in words (length and count
+    # arguments are drawn from ranges that fit it)
+    max_answer_words: int = Field(80, ge=16, le=2000)
     num_train: int = Field(20000, ge=1)  # training prompts generated
     num_val: int = Field(256, ge=1)  # held-out prompts generated
     seed: int = 1234  # seed of the generated prompts

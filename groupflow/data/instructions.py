@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DATA_SOURCE", "make_instruction_rows", "constraint_text"]
+__all__ = ["DATA_SOURCE", "TOPICS", "constraint_text", "make_instruction_rows", "split_topics"]
 
 DATA_SOURCE = "groupflow/instructions"
 
@@ -79,7 +79,8 @@ def constraint_text(kind: str, arg: Any) -> str:
     return template.format(arg=arg)
 
 
-def _split_topics() -> tuple[list[str], list[str]]:
+def split_topics() -> tuple[list[str], list[str]]:
+    """(training topics, held-out topics): every fifth topic is held out."""
     heldout = [t for i, t in enumerate(TOPICS) if i % 5 == 4]
     train = [t for i, t in enumerate(TOPICS) if i % 5 != 4]
     return train, heldout
@@ -126,7 +127,7 @@ def make_instruction_rows(
     n_train: int, n_heldout: int, seed: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train rows, held-out rows); held-out topics never appear in training prompts."""
-    train_topics, heldout_topics = _split_topics()
+    train_topics, heldout_topics = split_topics()
     heldout = _rows(n_heldout, heldout_topics, np.random.default_rng((seed, 101)), "heldout")
     train = _rows(n_train, train_topics, np.random.default_rng((seed, 102)), "train")
     return train, heldout

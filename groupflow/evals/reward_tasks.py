@@ -16,6 +16,7 @@ from typing import Any
 
 from groupflow.data import PromptRow, load_prompt_rows
 from groupflow.data.gsm8k import GSMSymbolicError, gsm_symbolic_dir, gsm_symbolic_rows
+from groupflow.data.ifeval_style import make_ifeval_style_rows
 from groupflow.data.instructions import make_instruction_rows
 from groupflow.data.synthetic import make_task_rows
 from groupflow.evals.base import Benchmark, BenchmarkData, BenchmarkDataMissing, pass_at_k_of
@@ -76,6 +77,8 @@ def _task_rows(task: str) -> Callable[[], list[dict[str, Any]]]:
     def rows() -> list[dict[str, Any]]:
         if task == "instructions":
             return make_instruction_rows(0, _HELDOUT, 0)[1]
+        if task == "ifeval_style":
+            return make_ifeval_style_rows(0, _HELDOUT, 0)[1]
         return make_task_rows(task, 0, _HELDOUT, 0)[1]
 
     return rows
@@ -91,8 +94,8 @@ TASK_BENCHMARKS = {
         task,
         f"built-in task '{task}', {_HELDOUT} held-out prompts (seed 0)",
         _task_rows(task),
-        max_new_tokens=128 if task == "instructions" else 64,
+        max_new_tokens=128 if task in ("instructions", "ifeval_style") else 64,
         chat=False,
     )  # fmt: skip
-    for task in ("reverse", "add", "calc", "instructions")
+    for task in ("reverse", "add", "calc", "instructions", "ifeval_style")
 }

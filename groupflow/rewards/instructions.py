@@ -36,6 +36,7 @@ __all__ = [
     "answers_request",
     "check_constraint",
     "instruction_score",
+    "make_ifeval_reward",
     "make_instructions_reward",
 ]
 
@@ -162,3 +163,56 @@ def make_instructions_reward(min_words: int = MIN_ANSWER_WORDS) -> Callable[...,
         ]
 
     return instructions
+
+
+def ifeval_score(
+    text: str,
+    instruction_ids: Sequence[str],
+    kwargs: Sequence[Mapping[str, Any]],
+    topic: str | None = None,
+    min_words: int = MIN_ANSWER_WORDS,
+) -> float:
+    """Fraction of a row's IFEval instructions the response follows, strict, by the official
+    checkers (IFEval's instruction-level credit for one prompt), or 0 for a response that does not
+    answer the request (:func:`answers_request`)."""
+    if not instruction_ids or len(instruction_ids) != len(kwargs):
+        raise ValueError(
+            f"ifeval reward: a row needs as many kwargs as instruction ids, got "
+            f"{len(instruction_ids)} ids and {len(kwargs)} kwargs"
+        )
+    registry = checker_registry("ifeval")
+    unknown = [i for i in instruction_ids if i not in registry]
+    if unknown:
+        raise ValueError(
+            f"ifeval reward: unknown instruction id(s) {unknown}; known: {sorted(registry)}"
+        )
+    if not answers_request(text, topic, min_words):
+        return 0.0
+    strict, _, errors = follow_lists(
+        registry, "", list(instruction_ids), [dict(k) for k in kwargs], text
+    )
+    for e in errors:
+        log.warning("ifeval reward: official checker raised: %s", e)
+    return sum(strict) / len(strict)
+
+
+def make_ifeval_reward(min_words: int = MIN_ANSWER_WORDS) -> Callable[..., list[float]]:
+    """The official IFEval checkers as a reward on rows in IFEval's own format
+    (``instruction_id_list``, ``kwargs``; the built-in ``ifeval_style`` task writes them, and so can
+    a user's own data), with partial credit and the answer gate (``topic`` where a row has one)."""
+    if not isinstance(min_words, int) or isinstance(min_words, bool) or min_words < 0:
+        raise ValueError(f"ifeval reward: min_words must be an integer >= 0, got {min_words!r}")
+
+    def ifeval(
+        completions: Sequence[Any],
+        instruction_id_list: Sequence[Any],
+        kwargs: Sequence[Any],
+        topic: Sequence[Any] | None = None,
+    ) -> list[float]:
+        topics = topic if topic is not None else [None] * len(completions)
+        return [
+            ifeval_score(_text(c), ids, kw, t, min_words)
+            for c, ids, kw, t in zip(completions, instruction_id_list, kwargs, topics)
+        ]
+
+    return ifeval

@@ -30,7 +30,7 @@ from groupflow.rewards.base import (
 )
 from groupflow.rewards.code import make_code_tests_reward
 from groupflow.rewards.format import make_format_tags_reward
-from groupflow.rewards.instructions import make_instructions_reward
+from groupflow.rewards.instructions import make_ifeval_reward, make_instructions_reward
 from groupflow.rewards.judge import make_judge_reward
 from groupflow.rewards.length import make_length_penalty, make_overlong_penalty
 from groupflow.rewards.math import make_gsm8k_reward, make_math_boxed_reward
@@ -49,6 +49,7 @@ _BUILTINS: dict[str, RewardFactory] = {
     "env_reward": make_env_reward,  # multi-turn: the environment's per-turn rewards, reduced
     "tool_use": make_tool_use_reward,  # multi-turn: did the sample call a tool
     "instructions": make_instructions_reward,  # IFEval-style constraints, partial credit
+    "ifeval": make_ifeval_reward,  # rows in IFEval's format, the official checkers, partial credit
     "judge": make_judge_reward,  # an LLM judge behind any OpenAI-compatible endpoint
 }
 
@@ -360,3 +361,4 @@ register_data_source("groupflow/add", "groupflow.data.synthetic:add_reward", nam
 register_data_source("groupflow/shapes", "groupflow.data.shapes:count_reward", name="shapes")
 register_data_source("groupflow/calc", "groupflow.data.synthetic:answer_match_reward", name="calc")
 register_data_source("groupflow/instructions", "instructions")
+register_data_source("groupflow/ifeval_style", "ifeval")

@@ -61,6 +61,7 @@ def test_builtin_names_and_defaults():
         "env_reward",  # multi-turn trajectories (groupflow.rewards.trajectory)
         "format_tags",
         "gsm8k",
+        "ifeval",  # IFEval-format rows, the official checkers (the ifeval_style task)
         "image_scorer",
         "instructions",  # the built-in instructions task (groupflow.rewards.instructions)
         "judge",  # an LLM judge behind an OpenAI-compatible endpoint (groupflow.rewards.judge)
@@ -74,6 +75,7 @@ def test_builtin_names_and_defaults():
     sources = registered_data_sources()
     assert sources["openai/gsm8k"] == "gsm8k"
     assert sources["groupflow/instructions"] == "instructions"
+    assert sources["groupflow/ifeval_style"] == "ifeval"
     for source in (
         "lighteval/MATH",
         "DigitalLearningGmbH/MATH-lighteval",

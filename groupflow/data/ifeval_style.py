@@ -22,15 +22,14 @@ not drawn: it conflicts with every other kind and its answer is shorter than the
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from groupflow.data.instructions import split_topics
-from groupflow.rewards.official_checkers import checker_registry
+from groupflow.rewards.official_checkers import checker_registry, seeded_random
 
 __all__ = ["DATA_SOURCE", "KINDS", "REQUESTS", "make_ifeval_style_rows"]
 
@@ -103,17 +102,6 @@ def _conflicts() -> dict[str, set[str]]:
     return conflict_make({k: set(v) for k, v in INSTRUCTION_CONFLICTS.items()})
 
 
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """The checkers draw from Python's global ``random``: seeded per row, the caller's state kept."""
-    state = random.getstate()
-    random.seed(seed)
-    try:
-        yield
-    finally:
-        random.setstate(state)
-
-
 def _instructions(
     registry: Mapping[str, type], conflicts: Mapping[str, set[str]], request: str, max_words: int
 ) -> tuple[list[str], list[str], list[dict[str, Any]]]:
@@ -145,7 +133,7 @@ def _rows(n: int, topics: list[str], seed: int, split: str, max_words: int) -> l
     while len(rows) < n and misses < 10_000:  # distinct prompts, until the space runs dry
         topic = topics[rng.integers(len(topics))]
         request = REQUESTS[rng.integers(len(REQUESTS))].format(topic=topic)
-        with _seeded(int(rng.integers(2**31))):
+        with seeded_random(int(rng.integers(2**31))):
             ids, descriptions, kwargs = _instructions(registry, conflicts, request, max_words)
         text = " ".join([request, *descriptions])
         if text in seen:

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from groupflow.utils.nltk_data import ensure_punkt, no_downloads
 
-__all__ = ["GRADER_PIP", "CheckersMissing", "checker_registry", "follow_lists"]
+__all__ = ["GRADER_PIP", "CheckersMissing", "checker_registry", "follow_lists", "seeded_random"]
 
 
 class CheckersMissing(ValueError):
@@ -95,7 +95,7 @@ def _follows(checker, text: str, instruction_id: str, errors: list[str]) -> bool
 
 
 @contextlib.contextmanager
-def _seeded_random(seed: int = 0):
+def seeded_random(seed: int = 0):
     """Python's ``random`` seeded for one prompt's checkers, the caller's state restored after: an
     official checker given an argument it rejects draws one at random (IFEval key 1122 asks for
     the "letter" '#', so its checker counts a random letter), which would make the grade of a
@@ -113,7 +113,7 @@ def follow_lists(registry: Mapping[str, type], prompt: str, instruction_ids: Seq
     """(strict, loose) followed-or-not per instruction of one prompt, and the checker errors."""
     strict, loose, errors = [], [], []
     variants = _loose_variants(response)
-    with _seeded_random():
+    with seeded_random():
         checkers = [
             _checker(registry, i, kw, prompt) for i, kw in zip(instruction_ids, kwargs, strict=True)
         ]

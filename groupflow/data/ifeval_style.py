@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from groupflow.data.instructions import split_topics
+from groupflow.data.instructions import distinct_rows, split_topics
 from groupflow.rewards.official_checkers import checker_registry, seeded_random
 
 __all__ = ["DATA_SOURCE", "KINDS", "REQUESTS", "make_ifeval_style_rows"]
@@ -127,32 +127,19 @@ def _instructions(
 def _rows(n: int, topics: list[str], seed: int, split: str, max_words: int) -> list[dict[str, Any]]:  # fmt: skip
     registry, conflicts = checker_registry("ifeval"), _conflicts()
     rng = np.random.default_rng(seed)
-    rows: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    misses = 0
-    while len(rows) < n and misses < 10_000:  # distinct prompts, until the space runs dry
+
+    def draw() -> tuple[str, dict[str, Any]]:
         topic = topics[rng.integers(len(topics))]
         request = REQUESTS[rng.integers(len(REQUESTS))].format(topic=topic)
         with seeded_random(int(rng.integers(2**31))):
             ids, descriptions, kwargs = _instructions(registry, conflicts, request, max_words)
-        text = " ".join([request, *descriptions])
-        if text in seen:
-            misses += 1
-            continue
-        seen.add(text)
-        misses = 0
-        rows.append({
-            "prompt": [{"role": "user", "content": text}],
-            "instruction_id_list": ids,
-            "kwargs": kwargs,
-            # the answer gate's topic; a response in another language cannot name it in English
-            "topic": None if "language:response_language" in ids else topic,
-            "data_source": DATA_SOURCE,
-            "split": split,
-        })  # fmt: skip
-    if len(rows) < n:
-        raise ValueError(f"the ifeval_style task has fewer than {n} distinct {split} prompts")
-    return rows
+        # the answer gate's topic; a response in another language cannot name it in English
+        gate = None if "language:response_language" in ids else topic
+        fields = {"instruction_id_list": ids, "kwargs": kwargs, "topic": gate,
+                  "data_source": DATA_SOURCE}  # fmt: skip
+        return " ".join([request, *descriptions]), fields
+
+    return distinct_rows(n, draw, "ifeval_style", split)
 
 
 def make_ifeval_style_rows(

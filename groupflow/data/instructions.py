@@ -16,11 +16,19 @@ deterministic in ``seed``. Prompts are chat messages (the model's chat template 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DATA_SOURCE", "TOPICS", "constraint_text", "make_instruction_rows", "split_topics"]
+__all__ = [
+    "DATA_SOURCE",
+    "TOPICS",
+    "constraint_text",
+    "distinct_rows",
+    "make_instruction_rows",
+    "split_topics",
+]
 
 DATA_SOURCE = "groupflow/instructions"
 
@@ -102,25 +110,33 @@ def _draw(rng: np.random.Generator, topics: list[str]) -> tuple[str, str, list[d
     return text, topic, constraints
 
 
-def _rows(n: int, topics: list[str], rng: np.random.Generator, split: str) -> list[dict]:
+def distinct_rows(
+    n: int, draw: Callable[[], tuple[str, dict[str, Any]]], task: str, split: str
+) -> list[dict[str, Any]]:
+    """``n`` rows of distinct prompt texts: ``draw()`` gives (text, the row's other fields); the
+    rows are chat prompts tagged with ``split``. Too few distinct prompts is an error naming
+    ``task``."""
     rows, seen, misses = [], set(), 0
     while len(rows) < n and misses < 10_000:  # distinct prompts, until the space runs dry
-        text, topic, constraints = _draw(rng, topics)
+        text, fields = draw()
         if text in seen:
             misses += 1
             continue
         seen.add(text)
         misses = 0
-        rows.append({
-            "prompt": [{"role": "user", "content": text}],
-            "constraints": constraints,
-            "topic": topic,  # the reward checks that a response is about it
-            "data_source": DATA_SOURCE,
-            "split": split,
-        })  # fmt: skip
+        rows.append({"prompt": [{"role": "user", "content": text}], **fields, "split": split})
     if len(rows) < n:
-        raise ValueError(f"the instructions task has fewer than {n} distinct {split} prompts")
+        raise ValueError(f"the {task} task has fewer than {n} distinct {split} prompts")
     return rows
+
+
+def _rows(n: int, topics: list[str], rng: np.random.Generator, split: str) -> list[dict]:
+    def draw() -> tuple[str, dict[str, Any]]:
+        text, topic, constraints = _draw(rng, topics)
+        # the reward checks that a response is about its topic
+        return text, {"constraints": constraints, "topic": topic, "data_source": DATA_SOURCE}
+
+    return distinct_rows(n, draw, "instructions", split)
 
 
 def make_instruction_rows(

@@ -109,7 +109,8 @@ def _rank(rank: int, world: int, store: str, out: str, shape: str, layout: str, 
             model, None, cfg, total_steps=10, pad_id=PAD, eos_ids=[EOS], rank=rank,
             world_size=world, reference=not old,
         )  # fmt: skip
-        held = _storage_bytes(worker.policy, worker.ref_policy or ref, worker.rollout_model)
+        ref_root = worker.reference.root if worker.reference is not None else None
+        held = _storage_bytes(worker.policy, ref_root or ref, worker.rollout_model)
         _trim()
         resident = _kb("VmRSS") - base
         g = torch.Generator().manual_seed(rank)

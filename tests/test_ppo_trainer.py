@@ -98,7 +98,7 @@ def test_lora_run_exports_a_plain_model_through_the_cli(tiny_config_data, tmp_pa
     path.write_text(json.dumps(data))
     trainer = Trainer(config_from_dict(data))
     trainer.fit()
-    assert trainer.policy.actor.ref_model is None
+    assert trainer.policy.actor.reference is None
     out = tmp_path / "export"
     assert main(["export", str(path), "--checkpoint", str(trainer.run_dir), "--out", str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()

@@ -211,7 +211,7 @@ def test_recompute_old_logprobs_always(tiny_config, monkeypatch, spy):
 
 def test_no_reference_model_without_kl(tiny_config, monkeypatch, spy):
     trainer = Trainer(tiny_config(run__total_steps=1, actor__kl_coef=0.0))
-    assert trainer.policy.actor.ref_model is None
+    assert trainer.policy.actor.reference is None
     prepared = spy(trainer.policy, "prepare")
     trainer.fit()
     assert "ref_logprobs" not in prepared[0][0]
@@ -220,7 +220,7 @@ def test_no_reference_model_without_kl(tiny_config, monkeypatch, spy):
 
 def test_reference_model_with_kl_is_frozen_and_kl_starts_at_zero(tiny_config):
     trainer = Trainer(tiny_config(run__total_steps=2, actor__kl_coef=0.1))
-    ref = trainer.policy.actor.ref_model
+    ref = trainer.policy.actor.reference.model
     assert ref is not None and ref is not trainer.policy.actor.model
     assert not any(p.requires_grad for p in ref.parameters())
     ref_before = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -581,7 +581,7 @@ def test_rollout_and_reference_in_their_own_pools_give_the_colocated_numbers(tin
     )
     p = apart.policy
     assert p.rollout is not p.actor and p.reference is not p.actor
-    assert p.actor.ref_model is None  # the reference lives only in its own worker
+    assert p.actor.reference is None  # the reference lives only in its own worker
     apart.fit()
     a, c = _steps(apart.run_dir), _steps(colocated.run_dir)
     for step in (1, 2):

@@ -52,6 +52,7 @@ __all__ = [
     "cps_step",
     "squared_error_logprob",
     "sde_window",
+    "sde_step_mask",
     "gaussian_logprob",
     "flow_kl",
     "guided_velocity",
@@ -128,6 +129,17 @@ def sde_window(
     else:
         start = min(moves * stride, last)
     return start, start + size
+
+
+def sde_step_mask(updates: int, num_steps: int, window: dict | None) -> Tensor | None:
+    """[num_steps] bool: the steps sampled with the SDE after ``updates`` updates (MixGRPO's
+    ``window``, :func:`sde_window`'s arguments), or None without a window (every step)."""
+    if window is None:
+        return None
+    start, end = sde_window(updates, num_steps, **window)
+    steps = torch.zeros(num_steps, dtype=torch.bool)
+    steps[start:end] = True
+    return steps
 
 
 @dataclass(frozen=True)

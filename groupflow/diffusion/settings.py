@@ -20,6 +20,8 @@ __all__ = [
     "COND_PREFIX",
     "DiffusionSettings",
     "select_steps",
+    "training_steps",
+    "initial_noise",
     "stream_seed",
     "seeded_generator",
     "renoise_noise",
@@ -93,6 +95,32 @@ def select_steps(num_steps: int, settings: DiffusionSettings, generator: torch.G
     k = max(1, round(settings.timestep_fraction * num_steps))
     mask[torch.randperm(num_steps, generator=generator)[:k]] = 1
     return mask
+
+
+def training_steps(
+    settings: DiffusionSettings, seeds: Sequence[int], sde_steps: Tensor | None, trainable: Tensor
+) -> Tensor:
+    """The [B, num_steps] 0/1 mask of the steps each sample (by rollout seed) trains on: MixGRPO's
+    whole SDE window (``sde_steps``), else :func:`select_steps` drawn from the seed's stream 2;
+    only ``trainable`` steps (those with exploration noise). A sample left with none is an error:
+    its rollout would cost a sampling pass and train nothing."""
+    if sde_steps is not None:
+        mask = sde_steps.long().expand(len(seeds), -1).clone()
+    else:
+        gens = [seeded_generator(s, 2) for s in seeds]
+        mask = torch.stack([select_steps(settings.num_steps, settings, g) for g in gens])
+    mask = mask * trainable.long()
+    if not bool(mask.any(1).all()):
+        raise ValueError(
+            "diffusion: a sample has no trainable step (CPS's last step is deterministic); "
+            "choose diffusion.window / sde_window / timestep_fraction to include earlier steps"
+        )
+    return mask
+
+
+def initial_noise(seeds: Sequence[int], shape: Sequence[int]) -> Tensor:
+    """[B, *shape] initial latents, each from its seed's stream 0 (any rank draws the same)."""
+    return torch.stack([torch.randn(tuple(shape), generator=seeded_generator(s, 0)) for s in seeds])
 
 
 def stream_seed(seed: int, stream: int) -> int:

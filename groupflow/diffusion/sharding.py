@@ -1,14 +1,12 @@
-"""FSDP2 and activation checkpointing for the flow model, and its full (world-size-free) state.
+"""FSDP2 and activation checkpointing for the flow model, and each rank's shards read from disk.
 
 Design decision: the diffusion worker shards exactly like the LLM actor — each transformer block,
 then the root — with ``groupflow.distributed.parallel.shard``; the blocks are found by name
-(``blocks`` in Wan and the tiny model, ``transformer_blocks`` in SD3). Checkpoints hold the FULL
-model and optimizer state keyed by parameter name (``torch.distributed.checkpoint.state_dict``),
-gathered on every rank, so a run saved with N workers resumes with M (resharding is loading) —
-for a replicated model. A sharded one writes :func:`save_shards` instead: every rank its own
-shards with torch.distributed.checkpoint, never gathering the model; DCP reshards on load to any
-rank count (one included), and the ``.metadata`` index is checked against an allowlist before
-DCP unpickles it (``safe_state.check_dcp_metadata``), as the LLM actor's shards are.
+(``blocks`` in Wan and the tiny model, ``transformer_blocks`` in SD3). Its checkpoints are the
+LLM actor's too (``groupflow.distributed.parallel``): a replicated model's hold the FULL model and
+optimizer state keyed by parameter name (``full_state``), so a run saved with N workers resumes
+with M; a sharded one's are every rank's own shards (``save_sharded_state``, with DiffusionNFT's
+old copy beside the model), never gathered, resharded by DCP on load.
 
 No rank ever holds the full transformer: with ``diffusion.fsdp`` it is built with its parameters
 on the meta device (:func:`empty_parameters` — buffers such as Wan's rotary tables stay real, so
@@ -36,12 +34,8 @@ __all__ = [
     "shard_rows",
     "flow_layers",
     "enable_activation_checkpointing",
-    "full_state",
-    "load_full_state",
     "memory_stats",
     "peak_rss_bytes",
-    "save_shards",
-    "load_shards",
 ]
 
 
@@ -88,40 +82,6 @@ def bf16_policy():
     )
 
 
-def _shard_state(model: nn.Module, optimizer, extra: dict[str, nn.Module]) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd} | {
-        k: get_model_state_dict(m) for k, m in extra.items()
-    }
-
-
-def save_shards(path: str | Path, model: nn.Module, optimizer, extra: dict[str, nn.Module]) -> None:
-    """Every rank writes its shards of ``model``, ``optimizer`` and the ``extra`` models (a
-    collective: all ranks call it)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_shard_state(model, optimizer, extra), checkpoint_id=str(path))
-
-
-def load_shards(path: str | Path, model: nn.Module, optimizer, extra: dict[str, nn.Module]) -> None:
-    """Load :func:`save_shards` output written by any number of ranks into these (DCP reshards)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    from groupflow.utils.safe_state import check_dcp_metadata
-
-    check_dcp_metadata(path)
-    state = _shard_state(model, optimizer, extra)
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    for k, m in extra.items():
-        set_model_state_dict(m, state[k])
-
-
 def _local_bytes(t) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return t.numel() * t.element_size()
@@ -153,24 +113,6 @@ def memory_stats(model: nn.Module, optimizer) -> dict[str, float]:
         "optimizer_bytes": float(sum(_local_bytes(v) for v in state if v.dim() > 0)),
         "peak_rss_bytes": peak_rss_bytes(),
     }
-
-
-def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
-    """Full model and optimizer state by parameter name, on CPU (a collective when sharded)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(model, optimizer, options=opts)
-
-
-def load_full_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
-    """Load a :func:`full_state` into a model sharded over any number of ranks (or none)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(
-        model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-        options=StateDictOptions(full_state_dict=True),
-    )  # fmt: skip
 
 
 @contextmanager

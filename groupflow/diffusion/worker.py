@@ -10,33 +10,24 @@ be trained (``timestep_fraction`` of them at random per sample, or a window). Ev
 that — advantages, ``policy_loss`` (PPO clip, here with a 1e-4 range), ``aggregate`` with
 mini-batch-global denominators, gradient clipping, warm-up + cosine LR — is the LLM code.
 
-Transitions are recomputed grouped by step index, as they were sampled (all samples at step t in
-one forward), so a stored step's log-prob is reproduced bit for bit. The Flow-GRPO KL compares
-the policy's step mean with the reference's (a frozen copy, or — with LoRA — the same network
-with its adapters disabled). With several ranks the model is either replicated, its gradients
-summed by an all-reduce (the losses already use global denominators), or — ``fsdp`` — sharded
-with FSDP2 like the LLM actor's (``diffusion.sharding``), the loss scaled by the world size since
-FSDP averages; then every rank runs the same forwards (placeholders where it has no sample).
-What the worker holds — LoRA adapters, the reference and old copies, FSDP2 shards (of a
-transformer built on the meta device, each rank reading only its rows), CPU offload — is built
-in ``diffusion.build``; this module computes with it.
+The objectives' per-step terms are ``diffusion.terms``'s (the worker hands it its ``_velocity``).
+The Flow-GRPO KL compares the policy's step mean with the reference's (a frozen copy, or — with
+LoRA — the same network with its adapters disabled). With several ranks the model is either
+replicated, its gradients summed by an all-reduce (the losses already use global denominators),
+or — ``fsdp`` — sharded with FSDP2 like the LLM actor's (``diffusion.sharding``), the loss scaled
+by the world size since FSDP averages. What the worker holds — LoRA adapters, the reference and
+old copies, FSDP2 shards (of a transformer built on the meta device, each rank reading only its
+rows), CPU offload — is built in ``diffusion.build``; its checkpoints are ``workers.state``'s.
 
 The 2025 variants are switches on the same worker: ``sde_window`` (MixGRPO) samples with the SDE
 only inside a window that slides with the update count (the scheduler's step, so it resumes
-exactly) and trains exactly those steps; ``ratio_norm`` (GRPO-Guard) rewrites the log-probs
-handed to the PPO loss and weights advantages per step (``objectives``); ``objective="nft"``
-(DiffusionNFT) samples with an EMA "old" copy of the model and trains on re-noised final latents
-instead of log-probs; ``objective="flow_dppo"`` replaces the ratio clip by the exact step KL's
-asymmetric mask; ``objective="awm"`` (Advantage Weighted Matching) re-noises final latents like
-DiffusionNFT and hands the flow-matching loss, as a log-likelihood surrogate, to the PPO loss
-against the "old" copy (the weights before the update: an EMA with decay 0). Both draw their
-training noise from each sample's rollout seed (``sample_seeds``, ``renoise_noise``), never from
-a stream of the rank, so how samples are split over ranks and micro-batches changes nothing but
-float reduction order. The old copy and the update count are part of what a version *is* for
-sampling: a copy that only samples (a rollout pool's worker, the asynchronous side's) receives
-them with the flow weights (``_sampling_extras``; ``send_weights`` / ``receive_weights``,
-``sampling_weights`` / ``load_weights``) and derives neither from its own, never-stepped
-scheduler.
+exactly) and trains exactly those steps; ``ratio_norm`` (GRPO-Guard), ``flow_dppo``, ``nft``
+(DiffusionNFT: it samples with an EMA "old" copy) and ``awm`` (the old copy is the weights before
+the update) are ``diffusion.terms``'s. The old copy and the update count are part of what a
+version *is* for sampling: a copy that only samples (a rollout pool's worker, the asynchronous
+side's) receives them with the flow weights (``_sampling_extras``; ``send_weights`` /
+``receive_weights``, ``sampling_weights`` / ``load_weights``) and derives neither from its own,
+never-stepped scheduler.
 
 On-policy distillation (``teacher``; ``diffusion.distillation``): a frozen teacher flow model,
 built beside the policy in each worker (never in an optimizer or a checkpoint), predicts the
@@ -53,19 +44,18 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from groupflow.algorithms import aggregate, masked_mean, policy_loss
+from groupflow.algorithms import aggregate
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.diffusion import objectives as obj
 from groupflow.diffusion.build import build_worker_models, meta_init
-from groupflow.diffusion.distillation import distillation_loss, teacher_step_kl
+from groupflow.diffusion.distillation import distillation_loss
 from groupflow.diffusion.models import check_latents
 from groupflow.diffusion.samplers import (
-    flow_kl,
     get_sampler,
     guided_velocity,
     sample_trajectory,
-    sde_window,
+    sde_step_mask,
 )
 from groupflow.diffusion.schedule import sigma_schedule
 from groupflow.diffusion.sequence_parallel import enable_ulysses
@@ -73,39 +63,35 @@ from groupflow.diffusion.settings import (
     COND_PREFIX,
     DiffusionSettings,
     combine_metrics,
-    cond_of,
-    index_cond,
+    initial_noise,
     prompt_rows,
-    renoise_noise,
     seeded_generator,
     select_steps,
+    training_steps,
 )
-from groupflow.diffusion.sharding import (
-    full_state,
-    load_full_state,
-    load_shards,
-    memory_stats,
-    peak_rss_bytes,
-    save_shards,
-)
+from groupflow.diffusion.sharding import memory_stats, peak_rss_bytes
+from groupflow.diffusion.terms import ObjectiveTerms
 from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import (
     all_reduce,
     clip_grad_norm,
     full_model_state,
+    full_state,
     init_process_group,
-    is_distributed,
+    load_full_state,
+    load_full_weights,
     release_gathered,
+    sum_grads,
 )
 from groupflow.distributed.transport import receive_into
 from groupflow.distributed.ulysses import gather_rows, sequence_groups
-from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import (
     NonFiniteGuard,
     loss_options,
     optimizer_and_schedule,
     worker_device,
 )
+from groupflow.workers.state import CheckpointMethods, TrainedState
 from groupflow.workers.update import accumulate, global_denominators, reduce_stats
 
 __all__ = [
@@ -119,7 +105,7 @@ OLD_PREFIX = "sampling_old."
 UPDATES_KEY = "sampling.updates"
 
 
-class DiffusionWorker:
+class DiffusionWorker(CheckpointMethods):
     """Flow-matching policy + optional reference + AdamW + LR schedule + SDE rollout."""
 
     def __init__(
@@ -173,10 +159,20 @@ class DiffusionWorker:
             model, cfg, total_steps, cfg.warmup_steps
         )
         self.loss_options = loss_options(cfg)
+        self.terms = ObjectiveTerms(
+            self._velocity, self.spec, settings, cfg, noise_level=self.noise_level,
+            device=self.device, loss_options=self.loss_options,
+            distill=self.teacher is not None, placeholder=self.sharded,
+        )  # fmt: skip
         self.nonfinite = NonFiniteGuard(
             cfg.max_nonfinite_steps, "diffusion updates",
             "lower actor.lr or raise actor.max_nonfinite_steps",
         )  # fmt: skip
+        # the checkpoint's shards hold DiffusionNFT's / AWM's old copy beside the flow model
+        extra = {"nft_old": self.old_model} if self.old_model is not None else {}
+        self.trained = TrainedState(
+            self.flow, self.optimizer, self.scheduler, self.nonfinite, extra=extra
+        )
         self.load_peak_rss = peak_rss_bytes()  # the high-water mark of building and loading
         # where the update count travels in a weight transfer (sde_window; see _sampling_state)
         self._updates_buffer = torch.zeros((), dtype=torch.long, device=self.device)
@@ -270,34 +266,11 @@ class DiffusionWorker:
                 return guided_velocity(self.flow, x, sigma, cond, null, self.settings.cfg_scale)
         return guided_velocity(self.ref_model, x, sigma, cond, null, self.settings.cfg_scale)
 
-    def _train_mode(self, on: bool) -> None:
-        self.flow.train(on)
-
-    def _sde_steps(self) -> Tensor | None:
-        """[N] bool: the steps sampled with the SDE now (MixGRPO's window), or None for all."""
-        w = self.settings.sde_window
-        if w is None:
-            return None
-        updates = self.updates()
-        start, end = sde_window(updates, self.settings.num_steps, **w)
-        steps = torch.zeros(self.settings.num_steps, dtype=torch.bool)
-        steps[start:end] = True
-        return steps
-
     def updates(self) -> int:
         """Updates applied so far (restored on resume), or those of the version last loaded."""
         if self.received_updates is not None:
             return self.received_updates
         return int(self.scheduler.last_epoch)
-
-    def _trainable_steps(self) -> Tensor:
-        """[N] bool: steps with exploration noise (CPS's last step, σ' = 0, has none)."""
-        if self.settings.objective in ("nft", "awm"):
-            return torch.ones(self.settings.num_steps, dtype=torch.bool)
-        s, s_next = self.sigmas[:-1], self.sigmas[1:]
-        zeros = torch.zeros(len(s), 1)
-        _, std = self.spec.step(zeros, zeros, s, s_next, noise_level=self.noise_level)
-        return std > 0
 
     # ----- rollout ----------------------------------------------------------------------------
     @register("dp")
@@ -309,7 +282,7 @@ class DiffusionWorker:
         rollout_logprobs [B, N], response_mask [B, N] (steps to train), images [B, 3, (F,) H, W]
         in [0, 1], cond.* (the condition tensors, reused by training), group_ids.
         """
-        self._train_mode(False)
+        self.flow.train(False)
         prompts, mine = self._pool(prompts)
         if mine is not None:  # this rank's samples: n per own prompt row
             mine = slice(mine.start * n, mine.stop * n)
@@ -326,29 +299,17 @@ class DiffusionWorker:
             for row in prompts["seeds"]
             for s in row
         ]
-        noise = torch.stack(
-            [torch.randn(shape, generator=seeded_generator(s, 0)) for s in init_seeds]
-        )
+        noise = initial_noise(init_seeds, shape)
         gens = [seeded_generator(s, 1) for s in seeds]  # SDE noise: distinct per sample
         cond = {k: v.to(self.device) for k, v in self.flow.encode(texts).items()}
-        sde_steps = self._sde_steps()
+        sde_steps = sde_step_mask(self.updates(), self.settings.num_steps, self.settings.sde_window)
         traj = sample_trajectory(
             lambda x, s: self._velocity(x, s, cond, old=True), noise.to(self.device), self.sigmas,
             self.settings.sampler, noise_level=self.noise_level, generators=gens, sde_steps=sde_steps,
         )  # fmt: skip
-        step_gens = [seeded_generator(s, 2) for s in seeds]
-        if sde_steps is not None:  # MixGRPO trains every step of its window
-            mask = sde_steps.long().expand(len(seeds), -1).clone()
-        else:
-            mask = torch.stack(
-                [select_steps(self.settings.num_steps, self.settings, g) for g in step_gens]
-            )
-        mask = mask * self._trainable_steps().long()
-        if not bool(mask.any(1).all()):
-            raise ValueError(
-                "diffusion: a sample has no trainable step (CPS's last step is deterministic); "
-                "choose diffusion.window / sde_window / timestep_fraction to include earlier steps"
-            )
+        mask = training_steps(
+            self.settings, seeds, sde_steps, self.terms.trainable_steps(self.sigmas)
+        )
         renoised = self.settings.objective in ("nft", "awm")
         extra = {"clean_latents": traj.final} if renoised else {}
         tensors = {
@@ -375,11 +336,11 @@ class DiffusionWorker:
     @torch.no_grad()
     def sample_images(self, prompts: Batch, sampler: str = "ode") -> Batch:
         """Evaluation: one image per row from its fixed ``noise_seed`` with ``sampler`` (ODE by default)."""
-        self._train_mode(False)
+        self.flow.train(False)
         prompts, mine = self._pool(prompts)
         shape = tuple(self.flow.latent_shape)
         seeds = prompts["noise_seed"].tolist()
-        noise = torch.stack([torch.randn(shape, generator=seeded_generator(s, 0)) for s in seeds])
+        noise = initial_noise(seeds, shape)
         cond = {k: v.to(self.device) for k, v in self.flow.encode(list(prompts["prompt"])).items()}
         gens = [seeded_generator(s, 1) for s in seeds]
         traj = sample_trajectory(
@@ -389,68 +350,6 @@ class DiffusionWorker:
         return self._own(Batch({"images": self.flow.decode(traj.final).cpu()}), mine)
 
     # ----- log-probs --------------------------------------------------------------------------
-    def _step_terms(
-        self, mb: Batch, mask: Tensor, with_kl: bool, means: bool = False, distill: bool = False
-    ):
-        """Log-probs [b, N] of the masked transitions (0 elsewhere; differentiable) and the
-        Flow-GRPO KL [b, N] (or None), computed step by step as they were sampled. With
-        ``ratio_norm`` also GRPO-Guard's bias and std [b, N]; ``means``: also the step means;
-        ``distill``: also the step KL to the teacher [b, N] (differentiable), else None."""
-        b, n = mask.shape
-        logp = torch.zeros(b, n, device=self.device)
-        kl = torch.zeros(b, n, device=self.device) if with_kl else None
-        to_teacher = torch.zeros(b, n, device=self.device) if distill else None
-        guard = self._needs_step_kl()
-        bias = torch.zeros(b, n, device=self.device) if guard else None
-        stds = torch.ones(b, n, device=self.device) if guard else None
-        step_means = torch.zeros_like(mb["latents"]) if means else None
-        cond = cond_of(mb)
-        for t in range(n):
-            rows = mask[:, t].nonzero().flatten()
-            rows = self._rows_or_placeholder(rows)
-            if rows is None:
-                continue
-            x = mb["latents"][rows, t]
-            s, s_next = mb["sigmas"][rows, t], mb["sigmas_next"][rows, t]
-            c = index_cond(cond, rows)
-            mean, std = self.spec.step(
-                x, self._velocity(x, s, c), s, s_next, noise_level=self.noise_level
-            )
-            lp = self.spec.step_logprob(mb["next_latents"][rows, t], mean, std)
-            at = (rows, torch.full_like(rows, t))
-            logp = logp.index_put(at, lp)
-            if means:
-                step_means[rows, t] = mean
-            if guard:
-                # one optimizer step per batch: the old means are this forward's, detached
-                old = mb["old_means"][rows, t] if "old_means" in mb else mean.detach()
-                bias = bias.index_put(at, obj.guard_bias(mean, old, std))
-                stds = stds.index_put(at, std.to(stds.dtype))
-            if distill:  # the teacher's step mean at the student's own state
-                with torch.no_grad():
-                    v_teacher = self._velocity(x, s, c, teacher=True)
-                    t_mean, _ = self.spec.step(
-                        x, v_teacher, s, s_next, noise_level=self.noise_level
-                    )
-                to_teacher = to_teacher.index_put(at, teacher_step_kl(mean, t_mean, std))
-            if with_kl:
-                with torch.no_grad():
-                    ref_mean, _ = self.spec.step(
-                        x,
-                        self._velocity(x, s, c, reference=True),
-                        s,
-                        s_next,
-                        noise_level=self.noise_level,
-                    )
-                kl = kl.index_put(
-                    (rows, torch.full_like(rows, t)), flow_kl(mean, ref_mean, std, s_next - s)
-                )
-        return logp, kl, (bias, stds), step_means, to_teacher
-
-    def _needs_step_kl(self) -> bool:
-        """GRPO-Guard's bias and Flow-DPPO's trust region: ‖μ_θ − μ_old‖²/(2s²) per step."""
-        return self.settings.ratio_norm or self.settings.objective == "flow_dppo"
-
     def _check(self, batch: Batch) -> None:
         lat = batch["latents"]
         if lat.dim() < 3:
@@ -464,9 +363,11 @@ class DiffusionWorker:
         self._check(batch)
         batch, mine = self._pool(batch)
         batch = batch.to(self.device)
-        self._train_mode(False)
-        guard = self._needs_step_kl()
-        logp, _, _, means, _ = self._step_terms(batch, batch["response_mask"], False, means=guard)
+        self.flow.train(False)
+        guard = self.terms.needs_step_kl()
+        logp, _, _, means, _ = self.terms.step_terms(
+            batch, batch["response_mask"], False, means=guard
+        )
         out = {"logprobs": (logp * batch["response_mask"]).cpu()}  # placeholders (FSDP) out
         if guard:  # GRPO-Guard's bias and Flow-DPPO's KL need the old policy's step means
             out["old_means"] = means.cpu()
@@ -486,7 +387,7 @@ class DiffusionWorker:
         batch = self._pool(batch)[0].to(self.device)
         if PAD_KEY in batch:  # dispatch padding counts nowhere
             batch["response_mask"] = batch["response_mask"] * (~batch[PAD_KEY]).long()[:, None]
-        self._train_mode(True)
+        self.flow.train(True)
         n = len(batch)
         # mini_batch_samples counts samples over all replicas; each holds an equal share
         mb_size = max(1, (cfg.mini_batch_samples or n * self.dp_size) // self.dp_size)
@@ -527,7 +428,7 @@ class DiffusionWorker:
         for start in starts:
             mb = mini.index(slice(start, start + size))
             mask = mb["response_mask"]
-            loss, kl, to_teacher, m = self._objective_loss(mb, mask, epoch, denominators)
+            loss, kl, to_teacher, m = self.terms.loss(mb, mask, epoch, denominators)
             share = float(mask.sum()) / max(1, denominators["num_tokens"])
             accumulate(stats, "actor/pg_loss", float(loss.detach()))
             if to_teacher is not None:
@@ -543,126 +444,15 @@ class DiffusionWorker:
             # FSDP2 averages gradients over ranks; the losses use global denominators (a sum)
             (loss * self.world_size if self.sharded else loss).backward()
             total += float(loss.detach())
-        self._all_reduce_grads()
         params = [p for p in self.flow.parameters() if p.requires_grad]
+        if not self.sharded:  # FSDP2 reduce-scatters its own
+            sum_grads(params)
         grad_norm = clip_grad_norm(params, cfg.grad_clip)
         stats = reduce_stats(stats, self.sp_size)
         total = all_reduce(total) / self.sp_size
         stats.update({"actor/grad_norm": grad_norm, "actor/loss": total})
         stats["actor/nonfinite_skipped"] = self.nonfinite.step(self.optimizer, total, grad_norm)
         return stats
-
-    def _objective_loss(self, mb: Batch, mask: Tensor, epoch: int, denominators: dict):
-        """The configured objective on one micro-batch: (loss, per-step KL to the reference or
-        None, per-step KL to a teacher or None, the loss's metrics)."""
-        cfg, objective = self.cfg, self.settings.objective
-        with_kl, distill = cfg.kl_coef > 0, self.teacher is not None
-        if objective == "nft":
-            per_step, kl = self._nft_terms(mb, mask, with_kl, epoch)
-            return aggregate(per_step, mask, cfg.loss_agg, **denominators), kl, None, {}
-        if objective == "awm":
-            logp, old, kl = self._awm_terms(mb, mask, with_kl, epoch)
-            loss, m = policy_loss(
-                logp, old, mb["advantages"], mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
-                **self.loss_options, **denominators,
-            )  # fmt: skip
-            return loss, kl, None, m
-        logp, kl, (step_kl_or_bias, stds), _, to_teacher = self._step_terms(
-            mb, mask, with_kl, distill=distill
-        )
-        old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()
-        if objective == "flow_dppo":
-            step_kl = step_kl_or_bias
-            threshold = self.settings.flow_dppo.get("kl_mask_threshold", 1e-5)
-            per_step, parts = obj.flow_dppo_loss(logp, old, mb["advantages"], step_kl, threshold)
-            valid = mask != 0
-            m = {
-                "dppo_masked_frac": masked_mean((~parts["keep"]).float(), valid),
-                "dppo_step_kl": masked_mean(step_kl.detach(), valid),
-                "ratio_mean": torch.where(valid.any(), masked_mean(parts["ratio"], valid), 1.0),
-            }
-            return aggregate(per_step, mask, cfg.loss_agg, **denominators), kl, to_teacher, m
-        adv = mb["advantages"]
-        if self.settings.ratio_norm:  # GRPO-Guard: the step terms' mean bias and stds
-            logp = obj.guard_logprobs(logp, old, step_kl_or_bias, stds)
-            weights = obj.guard_step_weights(mb["sigmas"], mb["sigmas_next"])
-            adv = (adv[:, None] if adv.dim() == 1 else adv) * weights
-        loss, m = policy_loss(
-            logp, old, adv, mask, loss_fn=cfg.loss_fn, agg=cfg.loss_agg,
-            **self.loss_options, **denominators,
-        )  # fmt: skip
-        return loss, kl, to_teacher, m
-
-    def _renoise(self, mb: Batch, rows: Tensor, x0: Tensor, t: int, epoch: int) -> Tensor:
-        """The training noise of ``rows`` at step t: each sample's own (``renoise_noise``), so
-        the update does not depend on how samples are split over ranks and micro-batches."""
-        seeds = mb["sample_seeds"][rows]
-        n = self.settings.num_steps
-        return renoise_noise(seeds, x0.shape[1:], epoch, t, n).to(x0.device)
-
-    def _nft_terms(self, mb: Batch, mask: Tensor, with_kl: bool, epoch: int):
-        """DiffusionNFT's loss [b, N] on the masked steps' noise levels (0 elsewhere) and the
-        velocity KL to the reference ‖v − v_ref‖² [b, N] (or None)."""
-        b, n = mask.shape
-        loss = torch.zeros(b, n, device=self.device)
-        kl = torch.zeros(b, n, device=self.device) if with_kl else None
-        cond, x0_all, adv = cond_of(mb), mb["clean_latents"], mb["advantages"]
-        nft = self.settings.nft
-        for t in range(n):
-            rows = mask[:, t].nonzero().flatten()
-            rows = self._rows_or_placeholder(rows)
-            if rows is None:
-                continue
-            x0, s, c = x0_all[rows], mb["sigmas"][rows, t], index_cond(cond, rows)
-            x_t = obj.nft_noised(x0, self._renoise(mb, rows, x0, t, epoch), s)
-            v = self._velocity(x_t, s, c)
-            with torch.no_grad():
-                v_old = self._velocity(x_t, s, c, old=True)
-            a = adv[rows] if adv.dim() == 1 else adv[rows, t]
-            r = obj.nft_reward_weight(a, self.settings.adv_clip_max)
-            per = obj.nft_loss(
-                v, v_old, x_t, x0, s, r, beta=nft.get("beta", 1.0),
-                adv_clip_max=self.settings.adv_clip_max,
-                weight_min=nft.get("adaptive_weight_min", 1e-5),
-            )  # fmt: skip
-            at = (rows, torch.full_like(rows, t))
-            loss = loss.index_put(at, per)
-            if with_kl:
-                with torch.no_grad():
-                    v_ref = self._velocity(x_t, s, c, reference=True)
-                d = (v - v_ref) ** 2
-                kl = kl.index_put(at, d.reshape(d.shape[0], -1).mean(1))
-        return loss, kl
-
-    def _awm_terms(self, mb: Batch, mask: Tensor, with_kl: bool, epoch: int):
-        """AWM's log-likelihood surrogate [b, N] under the trained and (no grad) the old model at
-        the same re-noised latents, on the masked steps' noise levels (0 elsewhere), and the
-        velocity KL to the reference ‖v − v_ref‖² [b, N] (or None)."""
-        b, n = mask.shape
-        logp = torch.zeros(b, n, device=self.device)
-        old_logp = torch.zeros(b, n, device=self.device)
-        kl = torch.zeros(b, n, device=self.device) if with_kl else None
-        cond, x0_all = cond_of(mb), mb["clean_latents"]
-        weighting = self.settings.awm.get("weighting", "uniform")
-        for t in range(n):
-            rows = self._rows_or_placeholder(mask[:, t].nonzero().flatten())
-            if rows is None:
-                continue
-            x0, s, c = x0_all[rows], mb["sigmas"][rows, t], index_cond(cond, rows)
-            noise = self._renoise(mb, rows, x0, t, epoch)
-            x_t = obj.nft_noised(x0, noise, s)
-            v = self._velocity(x_t, s, c)
-            at = (rows, torch.full_like(rows, t))
-            logp = logp.index_put(at, obj.awm_logprob(v, x0, noise, s, weighting))
-            with torch.no_grad():
-                v_old = self._velocity(x_t, s, c, old=True)
-                old_logp = old_logp.index_put(at, obj.awm_logprob(v_old, x0, noise, s, weighting))
-            if with_kl:
-                with torch.no_grad():
-                    v_ref = self._velocity(x_t, s, c, reference=True)
-                d = (v - v_ref) ** 2
-                kl = kl.index_put(at, d.reshape(d.shape[0], -1).mean(1))
-        return logp, old_logp, kl
 
     @torch.no_grad()
     def _update_old_model(self) -> None:
@@ -680,38 +470,13 @@ class DiffusionWorker:
         for o, p in zip(self.old_model.parameters(), self.flow.parameters(), strict=True):
             o.mul_(d).add_(p.detach(), alpha=1 - d)
 
-    def _rows_or_placeholder(self, rows: Tensor) -> Tensor | None:
-        """The rows training step t; with none, None — or, sharded, row 0 as a placeholder: every
-        rank must run the same forwards (FSDP2's all-gathers are collectives); row 0's step t is
-        masked out, so it adds nothing but keeps the backward's reduce-scatters in step too."""
-        if rows.numel() > 0:
-            return rows
-        return torch.zeros(1, dtype=torch.long, device=rows.device) if self.sharded else None
-
-    def _all_reduce_grads(self) -> None:
-        """Sum gradients over ranks (losses use global denominators, so the sum is the gradient)."""
-        if not is_distributed() or self.sharded:  # FSDP2 reduce-scatters its own
-            return
-        import torch.distributed as dist
-
-        for p in self.flow.parameters():
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-
     # ----- state ------------------------------------------------------------------------------
     @register("rank0")
     def state_dict(self) -> dict:
         """Full state by parameter name (gathered when sharded: every rank runs this), so a
         checkpoint written by N workers loads into M."""
         model, optimizer = full_state(self.flow, self.optimizer)
-        out = {
-            "model": model,
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict(),
-            "nonfinite": self.nonfinite.state(),
-        }
+        out = {"model": model, "optimizer": optimizer, **self.trained.train_state()}
         if self.old_model is not None:
             out["nft_old"] = {k: v.cpu() for k, v in full_model_state(self.old_model).items()}
         return out
@@ -719,41 +484,9 @@ class DiffusionWorker:
     @register("all")
     def load_state_dict(self, state: dict) -> None:
         load_full_state(self.flow, self.optimizer, state["model"], state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        apply_configured_hyperparameters(self.optimizer, self.scheduler)
-        self.nonfinite.load(state.get("nonfinite", [0, 0]))
+        self.trained.load_train_state(state)
         if self.old_model is not None:
-            self._load_old_model(state.get("nft_old", state["model"]))
-
-    def _load_old_model(self, full: dict) -> None:
-        """The old copy from a full state by name (sharded: each rank takes its rows)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(self.old_model, full, options=StateDictOptions(full_state_dict=True))
-
-    @register("rank0")
-    def train_state(self) -> dict:
-        """The small, rank-identical part of the state, beside :meth:`save_sharded`'s shards."""
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "nonfinite": self.nonfinite.state(),
-        }
-
-    def _extra_models(self) -> dict[str, nn.Module]:
-        return {"nft_old": self.old_model} if self.old_model is not None else {}
-
-    @register("rank0")
-    def save_sharded(self, path: str) -> None:
-        """Every rank writes its shards (model, AdamW, DiffusionNFT's old copy) with DCP."""
-        save_shards(path, self.flow, self.optimizer, self._extra_models())
-
-    @register("all")
-    def load_sharded(self, path: str, train_state: dict) -> None:
-        """Load shards written by any number of ranks (DCP reshards), then the train state."""
-        load_shards(path, self.flow, self.optimizer, self._extra_models())
-        self.scheduler.load_state_dict(train_state["scheduler"])
-        apply_configured_hyperparameters(self.optimizer, self.scheduler)
-        self.nonfinite.load(train_state["nonfinite"])
+            load_full_weights(self.old_model, state.get("nft_old", state["model"]))
 
     @register("all")
     def memory_stats(self) -> dict[str, float]:
@@ -818,7 +551,7 @@ class DiffusionWorker:
             )
         self.flow.load_state_dict(flow)
         if old:
-            self._load_old_model(old)
+            load_full_weights(self.old_model, old)
         if updates is not None:
             self.received_updates = int(updates)
 

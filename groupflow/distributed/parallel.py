@@ -11,10 +11,13 @@ import datetime
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from groupflow.utils.safe_state import check_dcp_metadata
 
 __all__ = [
     "init_process_group",
@@ -24,11 +27,17 @@ __all__ = [
     "cpu_offload_policy",
     "full_model_state",
     "clip_grad_norm",
+    "sum_grads",
     "agree",
     "gathered",
     "gathered_root",
     "prepare_unsharded_use",
     "release_gathered",
+    "save_sharded_state",
+    "load_sharded_state",
+    "full_state",
+    "load_full_state",
+    "load_full_weights",
 ]
 
 
@@ -128,34 +137,86 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
     return float(total)
 
 
-def save_sharded_state(module: nn.Module, optimizer, path: str) -> None:
-    """Every rank writes its shards of ``module`` and ``optimizer`` (torch.distributed.checkpoint)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def sum_grads(params: list[nn.Parameter]) -> None:
+    """Sum a replicated model's gradients over ranks (its losses use global denominators, so the
+    sum is the gradient); a parameter no local loss reached contributes zeros. No-op on one rank."""
+    if not is_distributed():
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+
+
+def _sharded_state(module: nn.Module, optimizer, extra: dict[str, nn.Module]) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return {"model": model_sd, "optim": optim_sd} | {
+        k: get_model_state_dict(m) for k, m in extra.items()
+    }
 
 
-def load_sharded_state(module: nn.Module, optimizer, path: str) -> None:
-    """Load shards written by any number of ranks into ``module``/``optimizer`` (DCP reshards).
+def save_sharded_state(
+    module: nn.Module, optimizer, path: str | Path, extra: dict[str, nn.Module] | None = None
+) -> None:
+    """Every rank writes its shards of ``module``, ``optimizer`` and the ``extra`` models (frozen
+    copies that are part of the training state, e.g. DiffusionNFT's old copy) with
+    torch.distributed.checkpoint (a collective: all ranks call it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(module, optimizer, extra or {}), checkpoint_id=str(path))
+
+
+def load_sharded_state(
+    module: nn.Module, optimizer, path: str | Path, extra: dict[str, nn.Module] | None = None
+) -> None:
+    """Load :func:`save_sharded_state` output written by any number of ranks into these (DCP
+    reshards on load).
 
     DCP unpickles its ``.metadata`` index with plain pickle; it is checked first with an allowlist
     of DCP's own types, so a crafted index is refused instead of running code.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from groupflow.utils.safe_state import check_dcp_metadata
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     check_dcp_metadata(path)
-
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    extra = extra or {}
+    state = _sharded_state(module, optimizer, extra)
+    dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
+    for k, m in extra.items():
+        set_model_state_dict(m, state[k])
+
+
+def full_state(module: nn.Module, optimizer) -> tuple[dict, dict]:
+    """Full model and optimizer state by parameter name, on CPU (a collective when sharded): a
+    checkpoint any number of ranks can load (:func:`load_full_state`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(module, optimizer, options=opts)
+
+
+def load_full_state(module: nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
+    """Load a full state by parameter name into a module sharded over any number of ranks (or
+    none); each rank keeps its rows."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+        options=StateDictOptions(full_state_dict=True),
+    )  # fmt: skip
+
+
+def load_full_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load full weights by parameter name into a module sharded over any number of ranks (or
+    none); each rank keeps its rows."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
 
 
 def agree(flag: bool, op: str) -> bool:

@@ -58,20 +58,16 @@ from groupflow.distributed.parallel import (
     full_model_state,
     gathered_root,
     init_process_group,
-    load_sharded_state,
+    load_full_state,
+    load_full_weights,
     prepare_unsharded_use,
-    save_sharded_state,
     shard,
 )
-from groupflow.distributed.ulysses import SequenceGroup, gather_rows, sequence_groups
-from groupflow.models.causal_lm import observation_images, prompt_sharing_applies
-from groupflow.models.logprobs import response_logprobs
-from groupflow.models.packing import packed_logprobs
-from groupflow.models.sequence_parallel import check_heads, sequence_parallel_logprobs
+from groupflow.distributed.ulysses import gather_rows, sequence_groups
+from groupflow.models.sequence_parallel import check_heads
 from groupflow.rollout.engines.base import HF
 from groupflow.rollout.engines.batching import generate_batch
 from groupflow.rollout.engines.hf import SamplingParams, left_pad
-from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import (
     ModelSpec,
     NonFiniteGuard,
@@ -82,12 +78,13 @@ from groupflow.workers.common import (
     worker_device,
 )
 from groupflow.workers.lora import apply_lora, merged_lora_copy, set_adapters
+from groupflow.workers.policy_forward import PolicyForward, meta_template
+from groupflow.workers.reference import FrozenReference
+from groupflow.workers.state import CheckpointMethods, TrainedState
 from groupflow.workers.update import (
     EXTREMES,
     accumulate,
     batch_logprobs,
-    check_no_images,
-    check_text_only,
     combine_steps,
     drop_padding,
     forward_groups,
@@ -107,82 +104,7 @@ def _vision(batch: Batch):
     return list(batch["vision"]) if "vision" in batch else None
 
 
-def _meta_template(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters are on the meta device (no memory); buffers (rotary
-    frequencies, not in the state dict) are real copies. Tied parameters stay tied."""
-    memo = {
-        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-        for p in model.parameters()
-    }
-    return copy.deepcopy(model, memo)
-
-
-class _PolicyForward(nn.Module):
-    """The FSDP root: its forward computes response log-probs, so root-level parameters (embeddings,
-    final norm, LM head) are gathered by FSDP2's hooks around the whole chunked computation."""
-
-    def __init__(
-        self,
-        lm: nn.Module,
-        share_prompt_prefix: bool = True,
-        sharded: bool = False,
-        sp: SequenceGroup | None = None,
-        packing: bool = False,
-    ):
-        super().__init__()
-        self.lm = lm
-        self.share_prompt_prefix = share_prompt_prefix
-        self.sharded = sharded
-        self.sp = sp  # Ulysses: this rank's sequence-parallel group (None: off)
-        self.packing = packing  # actor.packing: one padding-free row per call (models.packing)
-
-    def forward(
-        self,
-        prompt_ids,
-        prompt_mask,
-        responses,
-        response_mask,
-        temperature,
-        chunk_tokens,
-        with_entropy,
-        entropy_grad=True,
-        vision=None,
-    ):
-        if self.packing:  # one decoder call whatever the rows: FSDP ranks stay in step
-            check_no_images(vision)
-            return packed_logprobs(
-                self.lm, prompt_ids, prompt_mask, responses, response_mask,
-                temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-                entropy_grad=entropy_grad,
-            )  # fmt: skip
-        if self.sp is not None:  # one pass over whole rows, 1/N of each on this rank
-            check_text_only(vision)
-            return sequence_parallel_logprobs(
-                self.lm, prompt_ids, prompt_mask, responses, response_mask, self.sp,
-                temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-                entropy_grad=entropy_grad,
-            )  # fmt: skip
-        share: bool | str = self.share_prompt_prefix
-        whole = None
-        if vision is not None:  # image rows take one pass on every rank (models/vision.py)
-            share = False
-            if self.sharded:  # the same calls on every rank: one pass over whole rows if any
-                # rank's rows show observation images (multi-turn), else prompt then response
-                shows = observation_images(self.lm, responses, response_mask)
-                whole = bool(all_reduce(int(shows), op="max"))
-        if share and self.sharded:
-            # FSDP2 gathers each layer once per call: every rank must make the same decoder calls,
-            # so the ranks share the prompt pass only if it applies on all of them.
-            applies = prompt_sharing_applies(self.lm, prompt_ids, prompt_mask, responses)
-            share = "always" if all_reduce(int(applies), op="min") else False
-        return response_logprobs(
-            self.lm, prompt_ids, prompt_mask, responses, response_mask,
-            temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-            share_prompt=share, entropy_grad=entropy_grad, vision=vision, whole_sequence=whole,
-        )  # fmt: skip
-
-
-class ActorRolloutWorker:
+class ActorRolloutWorker(CheckpointMethods):
     """Policy (FSDP2-sharded when world_size > 1) + frozen reference + AdamW + schedule + rollout."""
 
     def __init__(
@@ -221,22 +143,11 @@ class ActorRolloutWorker:
         self.has_reference = cfg.kl_coef > 0 if reference is None else reference
         self.sharded = world_size > 1
         offload = cpu_offload_policy(cfg.cpu_offload and self.sharded)
-        self.ref_model = None
-        self.ref_policy: nn.Module | None = None  # the reference's FSDP2 root when sharded
-        if self.has_reference and cfg.lora is None:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-            if self.sharded:  # sharded like the policy: 1/world of the reference per rank
-                self.ref_policy = shard(
-                    _PolicyForward(
-                        self.ref_model,
-                        cfg.share_prompt_prefix,
-                        sharded=True,
-                        sp=self.sp,
-                        packing=cfg.packing,
-                    ),
-                    list(decoder_layers(self.ref_model)),
-                    offload_policy=offload,
-                )
+        self.reference: FrozenReference | None = None
+        if self.has_reference and cfg.lora is None:  # sharded like the policy (and with it)
+            forward = dict(share_prompt_prefix=cfg.share_prompt_prefix, sharded=True, sp=self.sp,
+                           packing=cfg.packing)  # fmt: skip
+            self.reference = FrozenReference(model, forward if self.sharded else None, offload)
         if cfg.lora is not None:
             apply_lora(model, cfg.lora)
         # actor.generation_weights "copy": a full copy for generation on every sharded rank (see
@@ -261,14 +172,14 @@ class ActorRolloutWorker:
         # plain-weights exports (save_pretrained, full_weights) rebuild an unsharded model from
         # this weightless (meta) template when there is no copy to load into
         self._template = (
-            _meta_template(model) if self.sharded and self.rollout_model is None else None
+            meta_template(model) if self.sharded and self.rollout_model is None else None
         )
         self.weight_sync_s = 0.0
         self.generated_samples = 0  # what this worker's engine generated (placement checks)
         self.model = model
         # actor.cpu_offload: shards, gradients and AdamW state in CPU memory (config: FSDP only)
         self.policy = shard(
-            _PolicyForward(
+            PolicyForward(
                 model,
                 cfg.share_prompt_prefix,
                 sharded=self.sharded,
@@ -290,6 +201,9 @@ class ActorRolloutWorker:
             "lower actor.lr, check rewards/advantages for extreme values, or raise "
             "actor.max_nonfinite_steps",
         )  # fmt: skip
+        self.trained = TrainedState(
+            self.policy, self.optimizer, self.scheduler, self.nonfinite, sharded=self.sharded
+        )
 
     @classmethod
     def create(
@@ -351,17 +265,17 @@ class ActorRolloutWorker:
                 "compute_logprobs(reference=True) needs actor.kl_coef > 0 or "
                 "algorithm.kl_in_reward (no reference model)"
             )
-        lora_off = reference and self.ref_model is None  # LoRA: the base model is the reference
+        ref = self.reference if reference else None
+        lora_off = reference and ref is None  # LoRA: the base model is the reference
         mine = None
         if self.sp is not None:  # the group's rows, 1/N of each sequence here; this rank's back
             batch, mine = gather_rows(batch, self.sp)
-        model = self.ref_model if reference and self.ref_model is not None else self.model
+        model = ref.model if ref is not None else self.model
         try:
             set_adapters(model, enabled=not lora_off)
             if self.sharded:  # the FSDP2 roots, every rank running as many forwards as the others
-                forward = (
-                    self.ref_policy if reference and self.ref_policy is not None else self.policy
-                )
+                forward = ref.root if ref is not None else self.policy
+                assert forward is not None  # a sharded worker's reference is sharded too
                 out = lockstep_logprobs(forward, batch, temperature, self.cfg, self.device)
             else:
                 out = batch_logprobs(model, batch, temperature, self.cfg, self.device, self.sp)
@@ -567,117 +481,48 @@ class ActorRolloutWorker:
         return all_reduce(float(loss.detach())) / self.sp_size
 
     # ----- state ------------------------------------------------------------------------------
-    @register("rank0")
-    def state_dict(self) -> dict:
-        if self.world_size > 1:
-            raise RuntimeError("state_dict() is for one worker; sharded workers use save_sharded()")
-        return {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "nonfinite": self.nonfinite.state(),
-        }
+    def _loaded(self) -> None:
+        self._sync_rollout_weights()
 
     @register("rank0")
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        apply_configured_hyperparameters(self.optimizer, self.scheduler)
-        if self.ref_model is not None and state.get("ref_model") is not None:  # older checkpoints
-            self.ref_model.load_state_dict(state["ref_model"])
-        self.nonfinite.load(state.get("nonfinite", [0, 0]))
+        self.trained.load_local_state(self.model, state)
+        if self.reference is not None and state.get("ref_model") is not None:  # older checkpoints
+            self.reference.model.load_state_dict(state["ref_model"])
         self._sync_rollout_weights()
 
     @register("all")
     def load_full_state(self, state: dict) -> None:
         """Resume a single-worker checkpoint on any number of ranks: the full weights and the
         optimizer state (re-keyed from parameter indices to names) are sharded on load."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
         names = [n for n, p in self.policy.named_parameters() if p.requires_grad]
-        set_state_dict(
-            self.policy,
-            self.optimizer,
-            model_state_dict={f"lm.{k}": v for k, v in state["model"].items()},
-            optim_state_dict=optimizer_state_by_name(state["optimizer"], names),
-            options=StateDictOptions(full_state_dict=True),
-        )
-        self.scheduler.load_state_dict(state["scheduler"])
-        apply_configured_hyperparameters(self.optimizer, self.scheduler)
-        self.nonfinite.load(state.get("nonfinite", [0, 0]))
-        self._sync_rollout_weights()
-
-    @register("rank0")
-    def train_state(self) -> dict:
-        """The small, rank-identical part of the training state (schedule, guards)."""
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "nonfinite": self.nonfinite.state(),
-        }
-
-    @register("rank0")
-    def save_sharded(self, path: str) -> None:
-        """Every rank writes its shards of model and optimizer (torch.distributed.checkpoint)."""
-        save_sharded_state(self.policy, self.optimizer, path)
-
-    @register("rank0")
-    def load_sharded(self, path: str, train_state: dict | None = None) -> None:
-        """Load a sharded checkpoint written by any number of ranks (DCP reshards on load)."""
-        load_sharded_state(self.policy, self.optimizer, path)
-        if train_state:
-            self.scheduler.load_state_dict(train_state["scheduler"])
-            apply_configured_hyperparameters(self.optimizer, self.scheduler)
-            self.nonfinite.load(train_state["nonfinite"])
+        load_full_state(
+            self.policy, self.optimizer, {f"lm.{k}": v for k, v in state["model"].items()},
+            optimizer_state_by_name(state["optimizer"], names),
+        )  # fmt: skip
+        self.trained.load_train_state(state)
         self._sync_rollout_weights()
 
     @register("all")
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) policy weights, e.g. from a single-worker checkpoint."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(
-            self.policy,
-            {f"lm.{k}": v for k, v in weights.items()},
-            options=StateDictOptions(full_state_dict=True),
-        )
+        load_full_weights(self.policy, {f"lm.{k}": v for k, v in weights.items()})
         self._sync_rollout_weights()
 
     @register("all")
     def reset_reference(self) -> None:
         """Make the current policy the reference (after a supervised warm start: RL starts there)."""
-        if self.ref_model is None:
-            return
-        if self.ref_policy is not None:  # same layout, same sharding: shard into shard, no gather
-            self.ref_policy.load_state_dict(self.policy.state_dict())
-            return
-        full = full_model_state(self.policy)
-        self.ref_model.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
+        if self.reference is not None:
+            self.reference.reset_from(self.policy)
 
     @register("rank0")
     def reference_weights(self) -> dict[str, torch.Tensor] | None:
-        if self.ref_model is None:
-            return None
-        if self.ref_policy is not None:  # gathered (a collective)
-            full = full_model_state(self.ref_policy)
-            return {k.removeprefix("lm."): v.detach().cpu() for k, v in full.items()}
-        return {k: v.detach().cpu() for k, v in self.ref_model.state_dict().items()}
+        return self.reference.weights() if self.reference is not None else None
 
     @register("all")
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
-        if self.ref_policy is not None:  # full weights, each rank keeping its shards
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-            )
-
-            set_model_state_dict(
-                self.ref_policy,
-                {f"lm.{k}": v for k, v in weights.items()},
-                options=StateDictOptions(full_state_dict=True),
-            )
-        elif self.ref_model is not None:
-            self.ref_model.load_state_dict(weights)
+        if self.reference is not None:
+            self.reference.load(weights)
 
     @register("rank0")
     def save_pretrained(self, out_dir: str) -> None:

@@ -25,8 +25,6 @@ from groupflow.distributed.parallel import (
     clip_grad_norm,
     full_model_state,
     init_process_group,
-    load_sharded_state,
-    save_sharded_state,
     shard,
 )
 from groupflow.models.packing import packed_values
@@ -37,8 +35,8 @@ from groupflow.models.value import (
     value_model_from_config,
     value_model_from_policy,
 )
-from groupflow.utils.optim import apply_configured_hyperparameters
 from groupflow.workers.common import ModelSpec, optimizer_and_schedule, worker_device
+from groupflow.workers.state import CheckpointMethods, TrainedState
 from groupflow.workers.update import (
     combine_steps,
     drop_padding,
@@ -99,7 +97,7 @@ class _ValueForward(nn.Module):
         return values(self.model, prompt_ids, prompt_mask, responses, response_mask)
 
 
-class CriticWorker:
+class CriticWorker(CheckpointMethods):
     """Value model (FSDP2-sharded when world_size > 1) + AdamW + LR schedule."""
 
     def __init__(
@@ -117,6 +115,9 @@ class CriticWorker:
         self.critic = shard(_ValueForward(model, cfg.packing), decoder_layers(model))
         self.optimizer, self.scheduler = optimizer_and_schedule(
             self.critic, cfg, total_steps, cfg.lr_warmup_steps
+        )
+        self.trained = TrainedState(
+            self.critic, self.optimizer, self.scheduler, sharded=world_size > 1
         )
 
     @classmethod
@@ -254,38 +255,6 @@ class CriticWorker:
         )  # fmt: skip
 
     # ----- state ------------------------------------------------------------------------------
-    @register("rank0")
-    def state_dict(self) -> dict:
-        if self.world_size > 1:
-            raise RuntimeError("state_dict() is for one worker; sharded workers use save_sharded()")
-        return {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    @register("rank0")
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        apply_configured_hyperparameters(self.optimizer, self.scheduler)
-
-    @register("rank0")
-    def train_state(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict()}
-
-    @register("rank0")
-    def save_sharded(self, path: str) -> None:
-        save_sharded_state(self.critic, self.optimizer, path)
-
-    @register("rank0")
-    def load_sharded(self, path: str, train_state: dict | None = None) -> None:
-        load_sharded_state(self.critic, self.optimizer, path)
-        if train_state:
-            self.scheduler.load_state_dict(train_state["scheduler"])
-            apply_configured_hyperparameters(self.optimizer, self.scheduler)
-
     @register("rank0")
     def save_pretrained(self, out_dir: str) -> None:
         """The critic as a plain HF token-classification directory (loadable as critic.path)."""

@@ -297,9 +297,10 @@ def batch_logprobs(model: nn.Module, batch: Batch, temperature: float, cfg: Acto
 
 def lockstep_logprobs(forward: nn.Module, batch: Batch, temperature: float, cfg: ActorConfig,
                       device: torch.device) -> Batch:  # fmt: skip
-    """``logprobs`` [B, T] like ``batch_logprobs``, through an FSDP2-sharded ``forward`` (the
-    actor's ``_PolicyForward`` root: ``forward(prompt_ids, prompt_mask, responses, response_mask,
-    temperature, chunk_tokens, with_entropy, entropy_grad, vision) -> (logp, entropy)``).
+    """``logprobs`` [B, T] like ``batch_logprobs``, through an FSDP2-sharded ``forward``
+    (``workers.policy_forward.PolicyForward``: ``forward(prompt_ids, prompt_mask, responses,
+    response_mask, temperature, chunk_tokens, with_entropy, entropy_grad, vision) -> (logp,
+    entropy)``).
 
     A collective: each layer's parameters are all-gathered once per forward, so every rank must
     run the same number of forwards whatever its rows and token budget — a rank with fewer

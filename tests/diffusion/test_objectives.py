@@ -214,3 +214,11 @@ def test_awm_on_policy_gradient_is_the_advantage_weighted_matching_gradient():
     torch.testing.assert_close(g, expected)
     with pytest.raises(ValueError, match="unknown AWM weighting"):
         obj.awm_logprob(v, x0, noise, t, "sqrt")
+
+
+def test_the_sde_step_mask_is_the_window_or_none():
+    from groupflow.diffusion.samplers import sde_step_mask
+
+    window = {"size": 2, "shift_interval": 1, "stride": 1, "roll_back": False}
+    assert sde_step_mask(3, 6, None) is None
+    assert sde_step_mask(3, 6, window).tolist() == [False, False, False, True, True, False]

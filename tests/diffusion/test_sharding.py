@@ -186,20 +186,20 @@ def _tiny_policy(seed: int):
 
 
 def test_dcp_shards_round_trip_and_a_crafted_index_is_refused(tmp_path):
-    """save_shards / load_shards in one process (DCP without a process group): model, AdamW
+    """save_sharded_state / load_sharded_state with an extra model in one process (DCP without a process group): model, AdamW
     state and the extra (NFT old) model come back exactly; a pickle index that would run code is
     refused before DCP unpickles it."""
     import pickle
 
-    from groupflow.diffusion.sharding import load_shards, save_shards
+    from groupflow.distributed.parallel import load_sharded_state, save_sharded_state
     from groupflow.utils.safe_state import UnsafeStateError
 
     model, opt = _tiny_policy(0)
     old = _tiny_policy(1)[0]
-    save_shards(tmp_path / "shards", model, opt, {"nft_old": old})
+    save_sharded_state(model, opt, tmp_path / "shards", {"nft_old": old})
     model2, opt2 = _tiny_policy(2)
     old2 = _tiny_policy(3)[0]
-    load_shards(tmp_path / "shards", model2, opt2, {"nft_old": old2})
+    load_sharded_state(model2, opt2, tmp_path / "shards", {"nft_old": old2})
     for a, b in ((model, model2), (old, old2)):
         for (k, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
             assert torch.equal(x, y), k
@@ -212,4 +212,4 @@ def test_dcp_shards_round_trip_and_a_crafted_index_is_refused(tmp_path):
 
     (tmp_path / "shards" / ".metadata").write_bytes(pickle.dumps(Boom()))
     with pytest.raises(UnsafeStateError, match="refusing to load this sharded checkpoint"):
-        load_shards(tmp_path / "shards", model2, opt2, {"nft_old": old2})
+        load_sharded_state(model2, opt2, tmp_path / "shards", {"nft_old": old2})

@@ -175,3 +175,20 @@ def test_state_round_trip_restores_model_and_optimizer():
     for p, q in zip(w.flow.parameters(), other.flow.parameters()):
         assert torch.equal(p, q)
     assert other.scheduler.state_dict() == w.scheduler.state_dict()
+
+
+def test_training_steps_follow_the_window_the_fraction_and_the_trainable_steps():
+    from groupflow.diffusion.settings import initial_noise, training_steps
+
+    settings = DiffusionSettings(num_steps=4, timestep_fraction=0.5)
+    every = torch.ones(4, dtype=torch.bool)
+    drawn = training_steps(settings, [7, 8, 7], None, every)
+    assert drawn.sum(1).tolist() == [2, 2, 2] and torch.equal(drawn[0], drawn[2])  # by seed
+    window = torch.tensor([False, True, True, False])
+    assert training_steps(settings, [7, 8], window, every).tolist() == [[0, 1, 1, 0]] * 2
+    last_only = torch.tensor([False, False, False, True])
+    with pytest.raises(ValueError, match="a sample has no trainable step"):
+        training_steps(settings, [7], window, last_only)
+    noise = initial_noise([3, 4, 3], (2, 2))
+    assert noise.shape == (3, 2, 2) and torch.equal(noise[0], noise[2])
+    assert not torch.equal(noise[0], noise[1])

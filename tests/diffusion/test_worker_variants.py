@@ -52,14 +52,14 @@ def test_ratio_norm_first_ratio_is_one_and_steps_are_weighted_by_one_over_dt():
     b = _rollout(w)
     b["old_logprobs"] = b["rollout_logprobs"]
     seen = {}
-    orig = w._step_terms
+    orig = w.terms.step_terms
 
     def spy(*a, **k):
         out = orig(*a, **k)
         seen["terms"] = out
         return out
 
-    w._step_terms = spy
+    w.terms.step_terms = spy
     m = w.update(_inputs(b))
     assert m["actor/ratio_min"] == 1.0 == m["actor/ratio_max"]
     bias, stds = seen["terms"][2]

@@ -66,7 +66,8 @@ def run(rank: int, world: int, generation_weights: str = "gather") -> dict:
     before = _generate(worker, rank, world)
     worker.load_reference(_reference_weights())
     share = split_args("dp", world, (_batch(),), {})[0][rank][0][0]
-    ref_params = list(worker.ref_policy.parameters()) if worker.ref_policy is not None else []
+    ref_root = worker.reference.root if worker.reference is not None else None
+    ref_params = list(ref_root.parameters()) if ref_root is not None else []
     out = {
         "n_micro": len(micro_batches(row_widths(share), None, CFG["micro_batch_tokens"])),
         "ref": worker.compute_logprobs(share, temperature=1.0, reference=True)["logprobs"],

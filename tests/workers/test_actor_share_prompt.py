@@ -126,7 +126,7 @@ def test_share_prompt_prefix_defaults_on_and_is_a_strict_bool():
 def test_sharded_ranks_decide_prompt_sharing_together(monkeypatch, rows, global_min, calls):
     """FSDP2 gathers every layer once per decoder call, so all ranks must make the same calls:
     a sharded policy asks every rank (all_reduce min) and follows the common answer."""
-    import groupflow.workers.actor as actor_module
+    import groupflow.workers.policy_forward as forward_module
 
     asked = []
 
@@ -134,9 +134,9 @@ def test_sharded_ranks_decide_prompt_sharing_together(monkeypatch, rows, global_
         asked.append((value, op))
         return float(global_min)
 
-    monkeypatch.setattr(actor_module, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(forward_module, "all_reduce", fake_all_reduce)
     model = _model()
-    policy = actor_module._PolicyForward(model, share_prompt_prefix=True, sharded=True)
+    policy = forward_module.PolicyForward(model, share_prompt_prefix=True, sharded=True)
     batch = _group_batch()
     idx = [int((batch["group_ids"] == g).nonzero()[k]) for k, g in zip([0, 1, 0, 1], rows)]
     mb = batch.index(idx)
@@ -147,7 +147,7 @@ def test_sharded_ranks_decide_prompt_sharing_together(monkeypatch, rows, global_
     )
     assert asked == [(int(len(set(rows)) < len(rows)), "min")]
     assert counter[0] == calls
-    single, _ = actor_module.response_logprobs(
+    single, _ = forward_module.response_logprobs(
         model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
         share_prompt=False,
     )  # fmt: skip

@@ -71,7 +71,7 @@ def _base_logprobs(model, batch):
 def test_only_adapters_train_and_reference_is_the_base_model(tok):
     base, batch = _base(tok), _batch(tok)
     worker = _worker(base, tok)
-    assert worker.ref_model is None  # no second model in memory
+    assert worker.reference is None  # no second model in memory
     trainable = [n for n, p in worker.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # B = 0 at init: the LoRA policy starts equal to the base

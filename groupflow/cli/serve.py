@@ -27,7 +27,7 @@ from groupflow.serve.app import build_app
 from groupflow.serve.build import server_core
 from groupflow.serve.thread import check_bind
 from groupflow.utils.hub import is_hub_id
-from groupflow.workflows import check_paths
+from groupflow.workflows.build import check_paths
 
 __all__ = ["serve", "serving"]
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from groupflow.utils.safe_state import check_dcp_metadata
+
 __all__ = [
     "bf16_policy",
     "empty_parameters",
@@ -109,8 +111,6 @@ def load_shards(path: str | Path, model: nn.Module, optimizer, extra: dict[str, 
     """Load :func:`save_shards` output written by any number of ranks into these (DCP reshards)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    from groupflow.utils.safe_state import check_dcp_metadata
 
     check_dcp_metadata(path)
     state = _shard_state(model, optimizer, extra)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from groupflow.utils.safe_state import check_dcp_metadata
+
 __all__ = [
     "init_process_group",
     "is_distributed",
@@ -145,8 +147,6 @@ def load_sharded_state(module: nn.Module, optimizer, path: str) -> None:
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from groupflow.utils.safe_state import check_dcp_metadata
 
     check_dcp_metadata(path)
 

@@ -3,8 +3,9 @@
 Design decision: pip's layout. This module holds the whole parser (every command's flags and
 help, so ``groupflow --help`` and ``docs/hooks.py`` need nothing else) and names each command's
 handler by its import path, ``"groupflow.cli.<module>:<function>"``; :func:`main` imports that one
-module only when its command runs — the CLI's one lazy import point, so ``--help``, a bad flag
-and the light commands (``plot``) never import torch, and no command pays for another's imports.
+module only when its command runs (``_handler``: the one place command code is imported), so
+``--help``, a bad flag and the light commands (``plot``) never import torch, and no command pays
+for another's imports; ``groupflow.cli.errors`` is imported only once a command has failed.
 Each handler is a thin function that loads the typed config (YAML + ``key=value`` overrides) and
 calls library code; errors the user can fix (config, data, paths, reward code, a diverged run, a
 full disk) are printed as one paragraph naming the culprit and the fix with exit code 2
@@ -18,8 +19,6 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable
-
-from groupflow.utils.env import load_dotenv_file
 
 __all__ = ["build_parser", "main"]
 
@@ -166,11 +165,15 @@ def _handler(path: str) -> Callable[[argparse.Namespace], int]:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(build_parser(), argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # lazy: `groupflow --help` and a bad flag end in the parser, before groupflow.utils is imported
+    from groupflow.utils.env import load_dotenv_file
+
     load_dotenv_file()  # API keys for W&B / MLflow from a git-ignored .env; never overrides the environment
     try:
         return _handler(args.handler)(args)
     except Exception as e:
-        # lazy: only after a failure; its exception classes import torch, which --help must not
+        # lazy: only after a failure; its exception classes import torch, which a light command
+        # (plot) and --help do not pay for
         from groupflow.cli.errors import explain
 
         explained = explain(e)

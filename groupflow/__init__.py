@@ -11,8 +11,8 @@ __all__ = ["Run"]
 
 
 def __getattr__(name: str):
-    # `import groupflow` stays light (no torch); `groupflow.Run` imports the driver on first use.
     if name == "Run":
+        # lazy: `import groupflow` stays light (no torch); `groupflow.Run` imports the driver
         from groupflow.api import Run
 
         return Run

@@ -27,8 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from groupflow.assembly.data import PythonInputs
-from groupflow.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+from groupflow.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    parse_overrides,
+)
 from groupflow.rewards import RewardConfigError, RewardFunction, make_reward_function
+from groupflow.trainer import Trainer
 
 __all__ = ["Run", "as_rows", "reward_functions"]
 
@@ -63,8 +71,6 @@ class Run:
         train_dataset: Any = None,
         val_dataset: Any = None,
     ) -> None:
-        from groupflow.trainer import Trainer
-
         given = tuple(
             k for k, v in (("train", train_dataset), ("val", val_dataset)) if v is not None
         )
@@ -127,8 +133,6 @@ def build_config(
         if "val" in python_data:
             d["val_files"] = []
     if overrides:
-        from groupflow.config import parse_overrides
-
         ov = parse_overrides(list(overrides)) if not isinstance(overrides, Mapping) else overrides
         data = apply_overrides(data, dict(ov))
         source += " with overrides"

@@ -41,7 +41,8 @@ from groupflow.run.tracking import Tracker
 from groupflow.utils.main_guard import refuse_run_in_child
 from groupflow.utils.seeds import sample_seed
 from groupflow.utils.timing import StageTimer
-from groupflow.workflows import build_run, check_paths, close_run
+from groupflow.workflows import close_run
+from groupflow.workflows.build import build_run, check_paths
 from groupflow.workflows.collect import Sampling, collect_step, prompt_loader
 
 log = logging.getLogger("groupflow")

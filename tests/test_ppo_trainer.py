@@ -142,7 +142,7 @@ def test_reward_model_in_the_run(tiny_config, tmp_path):
 
 
 def test_missing_model_paths_fail_at_start_up(tiny_config, tmp_path, monkeypatch):
-    import groupflow.workflows as workflows
+    import groupflow.workflows.build as workflows
 
     def too_late(*a, **k):
         raise AssertionError("data were loaded before the path check")

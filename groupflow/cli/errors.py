@@ -7,7 +7,9 @@ to the paragraph a user reads and an exit code, so the CLI shows no traceback fo
 reward code, the machine's disk or permissions); 1 means a failure that may pass on a retry (a
 worker that died or hung) or an error nobody anticipated. A failure inside a Ray worker arrives as
 a ``WorkerError`` carrying the remote traceback as text; its last line names the remote
-exception's class, which is classified like a local one.
+exception's class, which is classified like a local one. The exception classes are imported at
+the top: the CLI imports this module only once a command has failed (``groupflow.cli.commands``),
+so ``--help`` never pays for them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,17 @@ import errno
 import importlib
 import os
 from dataclasses import dataclass
+
+from groupflow.distributed.group import WorkerError
+from groupflow.distributed.placement import PlacementError
+from groupflow.envs import OpenEnvServerError
+from groupflow.rewards import RewardError, RewardOutputError
+from groupflow.rollout.engines.vllm_engine import VLLMUnavailableError
+from groupflow.rollout.hosts import RolloutTimeoutError
+from groupflow.run.checkpoint import CheckpointError
+from groupflow.run.tracking import MissingBackendPackageError
+from groupflow.utils.safe_state import os_error_in_text
+from groupflow.workers.common import NonFiniteLossError
 
 __all__ = ["Explained", "explain"]
 
@@ -38,14 +51,6 @@ class Explained:
 
 def _user_error_types() -> dict[type[BaseException], str]:
     """groupflow's own user errors that are not ValueErrors, with the fix to append."""
-    from groupflow.distributed.placement import PlacementError
-    from groupflow.envs import OpenEnvServerError
-    from groupflow.rewards import RewardError, RewardOutputError
-    from groupflow.rollout.engines.vllm_engine import VLLMUnavailableError
-    from groupflow.run.checkpoint import CheckpointError
-    from groupflow.run.tracking import MissingBackendPackageError
-    from groupflow.workers.common import NonFiniteLossError
-
     # Order matters: the first matching class wins (RewardOutputError is a RewardError).
     return {
         OpenEnvServerError: (
@@ -185,10 +190,6 @@ def _hang(message: str) -> Explained:
 def explain(exc: BaseException) -> Explained | None:
     """The paragraph and exit code for ``exc``, or None when it is not anticipated (a bug: the
     CLI then lets the traceback through)."""
-    from groupflow.distributed.group import WorkerError
-    from groupflow.rollout.hosts import RolloutTimeoutError
-    from groupflow.utils.safe_state import os_error_in_text
-
     if isinstance(exc, WorkerError):
         return _worker_error(exc)
     if isinstance(exc, RolloutTimeoutError):

@@ -8,11 +8,12 @@ left untouched. Noisy RL curves get a trailing moving average over the faint raw
 
 Several runs (seeds, a control, two algorithms) are compared with :func:`plot_runs`: one panel per
 metric, one colour per run, the runs' directory names as labels — the figure a results table
-cites, drawn from the same JSONL files.
+cites, drawn from the same JSONL files. ``groupflow plot`` is :func:`plot_command`.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from groupflow.run.tracking import METRICS_FILE, read_metrics
 
-__all__ = ["COMPARE_METRICS", "PANELS", "Panel", "plot_run", "plot_runs"]
+__all__ = ["COMPARE_METRICS", "PANELS", "Panel", "plot_command", "plot_run", "plot_runs"]
 
 # Below this many points a curve is drawn raw with markers; above it, raw (faint) plus smoothed.
 _SMOOTH_MIN_POINTS = 20
@@ -269,3 +270,16 @@ def _draw_runs(ax, runs: list[list[dict[str, float]]], names: list[str], key: st
     ax.set_xlabel("step")
     ax.legend(fontsize=8, loc="best")
     ax.grid(True, alpha=0.3)
+
+
+def plot_command(args: argparse.Namespace) -> int:
+    """``groupflow plot RUN_DIR...``: one run's panels, or several runs compared (``--out``)."""
+    if len(args.run_dirs) == 1:
+        paths = plot_run(args.run_dirs[0], out_dir=args.out, metrics=args.metrics)
+    elif args.out is None:
+        raise ValueError("groupflow plot with several runs compares them: give --out DIR")
+    else:
+        paths = plot_runs(args.run_dirs, out_dir=args.out, metrics=args.metrics)
+    for p in paths:
+        print(p)
+    return 0

@@ -16,6 +16,7 @@ from pydantic import (
 )
 
 from groupflow.config.base import IntPair, _Section
+from groupflow.config.registries import get_sampler
 
 
 class DiffusionLoraConfig(_Section):
@@ -154,15 +155,11 @@ class DiffusionConfig(_Section):
     @field_validator("sampler", "eval_sampler")
     @classmethod
     def _known_sampler(cls, name: str) -> str:
-        from groupflow.diffusion.samplers import get_sampler
-
         get_sampler(name)  # raises, listing the valid names
         return name
 
     @model_validator(mode="after")
     def _train_sampler(self):
-        from groupflow.diffusion.samplers import get_sampler
-
         # DiffusionNFT needs no log-probs: any sampler, the ODE included, collects its data
         if self.objective in ("grpo", "flow_dppo") and not get_sampler(self.sampler).stochastic:
             raise ValueError(

@@ -185,6 +185,8 @@ class DataConfig(_Section):
                 "data.task has its own"
             )
         if self.prompt_template is not None:
+            # lazy: keeps `import groupflow.config` light (groupflow.data's __init__ imports
+            # transformers); data.columns itself is plain Python
             from groupflow.data.columns import template_fields
 
             template_fields(self.prompt_template)

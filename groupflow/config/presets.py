@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
+from groupflow.config.registries import is_policy_loss, option_names, policy_loss
 
 __all__ = [
     "PRESETS",
@@ -188,12 +189,9 @@ def _set_default(data: dict, dotted: str, value: Any) -> None:
 
 
 def _accepted_options(loss_fn: Any) -> tuple[str, ...] | None:
-    from groupflow.algorithms import POLICY_LOSSES
-    from groupflow.algorithms.registry import option_names
-
-    if not isinstance(loss_fn, str) or loss_fn not in POLICY_LOSSES:
+    if not isinstance(loss_fn, str) or not is_policy_loss(loss_fn):
         return None  # an unknown loss is reported by actor.loss_fn's own validator
-    return option_names(POLICY_LOSSES.get(loss_fn))
+    return option_names(policy_loss(loss_fn))
 
 
 def expand_preset(data: Any) -> Any:

@@ -22,6 +22,13 @@ from pydantic import (
 from groupflow.config.base import FloatPair, _Section
 from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
 from groupflow.config.model_data import TinyModelConfig
+from groupflow.config.presets import PRESETS
+from groupflow.config.registries import (
+    advantage_estimator,
+    check_options,
+    option_names,
+    policy_loss,
+)
 
 
 class KLInRewardConfig(_Section):
@@ -72,8 +79,6 @@ class AlgorithmConfig(_Section):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, name: str | None) -> str | None:
-        from groupflow.config.presets import PRESETS
-
         if name is not None and name not in PRESETS:
             close = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.4)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -83,11 +88,9 @@ class AlgorithmConfig(_Section):
     @field_validator("estimator")
     @classmethod
     def _known(cls, name: str) -> str:
-        from groupflow.algorithms import ADVANTAGE_ESTIMATORS
-
         if name == "gae":  # token-level, with a critic: not an outcome estimator of the registry
             return name
-        ADVANTAGE_ESTIMATORS.get(name)  # raises, listing the valid names
+        advantage_estimator(name)  # raises, listing the valid names
         return name
 
 
@@ -205,9 +208,7 @@ class ActorConfig(_Section):
     @field_validator("loss_fn")
     @classmethod
     def _known_loss(cls, name: str) -> str:
-        from groupflow.algorithms import POLICY_LOSSES
-
-        POLICY_LOSSES.get(name)  # raises, listing the valid names
+        policy_loss(name)  # raises, listing the valid names
         return name
 
     @model_validator(mode="after")
@@ -215,10 +216,7 @@ class ActorConfig(_Section):
         # A typed PPO option the chosen loss does not take would be dropped silently
         # (workers.common.loss_options passes only those it declares): one set to a value other
         # than its default is an error (a dumped config, which holds every default, still loads).
-        from groupflow.algorithms import POLICY_LOSSES
-        from groupflow.algorithms.registry import check_options, option_names
-
-        fn = POLICY_LOSSES.get(self.loss_fn)
+        fn = policy_loss(self.loss_fn)
         accepted = option_names(fn)
         if accepted is not None:
             for key in LOSS_TYPED_OPTIONS:

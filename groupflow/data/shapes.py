@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from groupflow.data.synthetic import clean_completion
+
 __all__ = ["COLOURS", "SHAPES_SOURCE", "make_shape_rows", "draw_board", "count_reward"]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 60, 220)}
@@ -113,8 +115,6 @@ def count_reward(completions, answer, **_: Any) -> list[float]:
     (so 0.25 for off-by-one), anything else 0. The graded part tells the policy which way to
     move, as the text demo's partial credit does; accuracy (reward >= 1) counts exact answers
     only."""
-    from groupflow.data.synthetic import clean_completion
-
     out = []
     for c, a in zip(completions, answer, strict=True):
         text = clean_completion(c)

@@ -48,7 +48,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from groupflow.diffusion.sharding import empty_parameters
 from groupflow.rewards.errors import RewardConfigError
+from groupflow.utils.safe_state import load_torch_weights_only
 
 __all__ = [
     "PIXELS",
@@ -166,8 +168,6 @@ def read_checkpoint(file: Path) -> dict[str, Tensor]:
 
         state = load_file(str(file))
     else:
-        from groupflow.utils.safe_state import load_torch_weights_only
-
         state = load_torch_weights_only(file)
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
@@ -283,8 +283,6 @@ class HPSv3Scorer:
 
     def __init__(self, path: str | Path, device: str = "cpu", processor_path=None):
         from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLConfig, Qwen2VLModel
-
-        from groupflow.diffusion.sharding import empty_parameters
 
         if processor_path is None:
             raise RewardConfigError("hpsv3: kwargs.processor_path (the Qwen2-VL base) is required")

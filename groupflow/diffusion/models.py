@@ -35,6 +35,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from groupflow.diffusion.sharding import empty_parameters
+
 __all__ = [
     "FlowModel",
     "PromptEncoder",
@@ -411,8 +413,6 @@ def load_diffusers_model(
             f"'{kind}' takes a {cls.__name__}"
         )
     if empty:
-        from groupflow.diffusion.sharding import empty_parameters
-
         with empty_parameters():
             transformer = cls.from_config(cls.load_config(str(path), local_files_only=True))
     else:

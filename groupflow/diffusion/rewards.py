@@ -45,6 +45,7 @@ from torch import Tensor
 from groupflow.rewards.base import RewardConfigError
 from groupflow.rewards.frames import check_frames, select_frames
 from groupflow.rewards.registry import register_reward
+from groupflow.utils.hub import is_hub_id, resolve_repo
 
 __all__ = [
     "select_frames",
@@ -141,7 +142,9 @@ class CLIPStyleScorer:
 
 
 def _hpsv3(path: Path, device: str = "cpu", processor_path=None):
-    from groupflow.diffusion.hpsv3 import HPSv3Scorer  # transformers' Qwen2-VL: imported on use
+    # lazy: breaks the cycle diffusion.hpsv3 -> rewards (whose __init__ registers these image
+    # rewards) -> diffusion.rewards -> diffusion.hpsv3, for a process that imports hpsv3 first
+    from groupflow.diffusion.hpsv3 import HPSv3Scorer
 
     return HPSv3Scorer(path, device, processor_path)
 
@@ -159,8 +162,6 @@ _BASE_FILES = ["*.json", "*.jinja", "*.txt"]  # not its 16 GB of weights: the ch
 
 def _local(value: str, key: str, allow_patterns: list[str] | None = None) -> Path:
     """A local path as given, or the HF-cache snapshot of a Hub id (``groupflow.utils.hub``)."""
-    from groupflow.utils.hub import is_hub_id, resolve_repo
-
     if is_hub_id(value):
         return resolve_repo(
             value, None, f"image_scorer kwargs.{key}", allow_patterns=allow_patterns

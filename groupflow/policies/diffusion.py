@@ -34,7 +34,9 @@ from groupflow.batch import Batch
 from groupflow.config import Config, DiffusionConfig, TeacherConfig
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
-from groupflow.diffusion.models import check_teacher_model
+from groupflow.diffusion.encoders import WanTextEncoder, WanVaeDecoder
+from groupflow.diffusion.models import check_teacher_model, load_diffusers_model, load_tiny_model
+from groupflow.diffusion.pretrain import pretrain_tiny_model
 from groupflow.diffusion.schedule import flux_shift
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport, ticket_nbytes
@@ -68,21 +70,15 @@ class FlowModelSpec:
 
     def build(self, empty: bool = False):
         """``empty``: a diffusers transformer with meta parameters (for sharded loading)."""
-        from groupflow.diffusion.models import load_diffusers_model, load_tiny_model
-
         if self.kind == "tiny":
             return load_tiny_model(self.path)
         encoder = decoder = None
         if self.parts.get("text_encoder_path"):
-            from groupflow.diffusion.encoders import WanTextEncoder
-
             encoder = WanTextEncoder(
                 self.parts["text_encoder_path"], self.parts.get("tokenizer_path"),
                 self.parts.get("max_sequence_length", 512),
             )  # fmt: skip
         if self.parts.get("vae_path"):
-            from groupflow.diffusion.encoders import WanVaeDecoder
-
             decoder = WanVaeDecoder(self.parts["vae_path"])
         return load_diffusers_model(
             self.path, self.kind, self.latent_shape, encoder, decoder, empty=empty,
@@ -131,8 +127,6 @@ def ensure_tiny_model(d: DiffusionConfig, seed: int) -> dict[str, float]:
             f"diffusion.model.path '{path}' holds no tiny model; create it with "
             f"`groupflow pretrain-diffusion --out {path}` or set diffusion.model.pretrain_if_missing=true"
         )
-    from groupflow.diffusion.pretrain import pretrain_tiny_model
-
     log.info("pre-training the tiny flow model into %s (%d steps)", path, m.pretrain_steps)
     _, stats = pretrain_tiny_model(path, steps=m.pretrain_steps, seed=seed)
     return stats

@@ -27,6 +27,7 @@ from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config, ModelConfig
 from groupflow.contracts import CONTRACTS
 from groupflow.distributed.transport import ticket_nbytes
+from groupflow.models.causal_lm import ModelLoadError
 from groupflow.policies.base import RolloutView
 from groupflow.rollout.engines.base import HF
 from groupflow.rollout.engines.hf import SamplingParams
@@ -125,8 +126,6 @@ def sampling_params(cfg: Config) -> SamplingParams:
 
 def check_role_paths(cfg: Config) -> None:
     """Model directories of the optional roles must exist before anything else starts."""
-    from groupflow.models.causal_lm import ModelLoadError
-
     if cfg.model is not None and cfg.model.path is not None:
         check_model_dir(cfg.model.path, "model.path")
     if cfg.reward_model is not None:

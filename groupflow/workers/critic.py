@@ -27,6 +27,7 @@ from groupflow.distributed.parallel import (
     init_process_group,
     shard,
 )
+from groupflow.models.causal_lm import build_tiny_llama, resolve_dtype
 from groupflow.models.packing import packed_values
 from groupflow.models.value import (
     decoder_layers,
@@ -55,8 +56,6 @@ class CriticSpec:
         self.cfg, self.policy, self.seed = cfg, policy, seed
 
     def build(self) -> nn.Module:
-        from groupflow.models.causal_lm import resolve_dtype
-
         return self._build().to(resolve_dtype(self.cfg.dtype))
 
     def _build(self) -> nn.Module:
@@ -67,8 +66,6 @@ class CriticSpec:
             )
         if c.tiny is not None:
             from transformers import AutoTokenizer
-
-            from groupflow.models.causal_lm import build_tiny_llama
 
             tok = AutoTokenizer.from_pretrained(self.policy.tokenizer_path(), local_files_only=True)
             t = c.tiny

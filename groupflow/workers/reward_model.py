@@ -27,6 +27,7 @@ from groupflow.distributed.parallel import init_process_group
 from groupflow.models.causal_lm import ModelLoadError, resolve_dtype, token_positions
 from groupflow.rewards.base import RewardResult
 from groupflow.rewards.combine import combine_rewards
+from groupflow.workers.common import worker_device
 
 __all__ = ["RewardModelWorker", "ModelRewardRunner", "check_reward_model_path", "reward_texts"]
 
@@ -104,8 +105,6 @@ class RewardModelWorker:
         cls, rank: int, world_size: int, *, cfg: RewardModelConfig, pg_timeout_s: float = 600.0
     ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from groupflow.workers.common import worker_device
 
         check_reward_model_path(cfg)
         init_process_group(rank, world_size, pg_timeout_s)

@@ -41,23 +41,24 @@ it hands the reward functions besides the dataset's) and a ``tokenizer_texts(cfg
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Protocol
 
-from groupflow.assembly.data import PythonInputs, build_data
 from groupflow.assembly.rewards import build_reward
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.data import PromptRow
+from groupflow.utils.imports import resolve_import_path
 
 __all__ = [
     "Workflow",
     "workflow_name",
     "workflow_class",
-    "build_run",
+    "BUILTIN_WORKFLOWS",
     "build_workflow",
     "rule_rewards",
-    "check_paths",
+    "close_run",
 ]
 
 
@@ -84,60 +85,22 @@ def workflow_name(cfg: Config) -> str:
     return cfg.kind.auto_workflow(cfg) if name == "auto" else name
 
 
-# The runtime half of a model kind (its config half: ``groupflow.config.kinds``), looked up once by
-# ``cfg.kind.name``: how its policy is built, and which model directories must exist before anything
-# starts (a diffusion model's directory is read, and checked, as its policy loads).
-
-
-def _llm_policy(cfg: Config, run_dir: Path, corpus: list[PromptRow], workflow_cls: type):
-    from groupflow.policies.llm import LLMPolicy
-
-    # a tiny model's character tokenizer must also spell what the workflow appends (observations)
-    texts = getattr(workflow_cls, "tokenizer_texts", None)
-    return LLMPolicy(cfg, run_dir, corpus, list(texts(cfg)) if texts else [])
-
-
-def _diffusion_policy(cfg: Config, run_dir: Path, corpus: list[PromptRow], workflow_cls: type):
-    from groupflow.policies.diffusion import DiffusionPolicy
-
-    return DiffusionPolicy(cfg, run_dir, corpus)
-
-
-def _llm_paths(cfg: Config) -> None:
-    from groupflow.policies.llm import check_role_paths
-
-    check_role_paths(cfg)
-
-
-_POLICIES = {"llm": _llm_policy, "diffusion": _diffusion_policy}
-_PATH_CHECKS = {"llm": _llm_paths, "diffusion": lambda cfg: None}
-
-
-def check_paths(cfg: Config) -> None:
-    """Model directories the run needs must exist before anything else starts."""
-    _PATH_CHECKS[cfg.kind.name](cfg)
+# The built-in workflows by import path, like a custom one: importing this package (the rollout
+# side, the benchmarks through ``workflows.llm``) loads only the configured workflow's module and
+# its dependencies (the agent workflow's web server, the diffusion workflow's image code).
+BUILTIN_WORKFLOWS = {
+    "single_turn": "groupflow.workflows.single_turn:SingleTurnWorkflow",
+    "multi_turn": "groupflow.workflows.multi_turn:MultiTurnWorkflow",
+    "diffusion": "groupflow.workflows.diffusion:DiffusionWorkflow",
+    "agent": "groupflow.workflows.agent:AgentWorkflow",
+}
 
 
 def workflow_class(cfg: Config) -> type:
     name = workflow_name(cfg)
-    if name == "diffusion":
-        from groupflow.workflows.diffusion import DiffusionWorkflow
-
-        return DiffusionWorkflow
-    if name == "single_turn":
-        from groupflow.workflows.single_turn import SingleTurnWorkflow
-
-        return SingleTurnWorkflow
-    if name == "multi_turn":
-        from groupflow.workflows.multi_turn import MultiTurnWorkflow
-
-        return MultiTurnWorkflow
-    if name == "agent":
-        from groupflow.workflows.agent import AgentWorkflow
-
-        return AgentWorkflow
-    from groupflow.utils.imports import resolve_import_path
-
+    if name in BUILTIN_WORKFLOWS:  # ours: an import failure (a missing extra) is raised as it is
+        module, _, attr = BUILTIN_WORKFLOWS[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
     return resolve_import_path(name, "rollout.workflow")
 
 
@@ -165,7 +128,7 @@ def build_workflow(cfg: Config, policy, train_rows: list[PromptRow], val_rows: l
 
 
 def close_run(workflow, policy) -> None:
-    """Close what ``build_run`` built: the workflow's own resources first (the agent workflow's
+    """Close what ``groupflow.workflows.build.build_run`` built: the workflow's own resources first (the agent workflow's
     server and event loop, which would outlive a Ray actor or a thread), then the policy's worker
     groups, even when the workflow's close fails or the workflow was never built (None)."""
     close = getattr(workflow, "close", None)
@@ -174,23 +137,3 @@ def close_run(workflow, policy) -> None:
             close()
     finally:
         policy.shutdown()
-
-
-def build_run(cfg: Config, run_dir: Path, inputs=None):
-    """(policy, workflow, data statistics): the rule-based rewards, the data (each row checked
-    for the fields its reward needs, except those the workflow supplies while scoring), the
-    policy's worker groups and the workflow that produces their experience. ``inputs``: a
-    ``PythonInputs`` (reward callables and datasets from the Python API) or None."""
-    inputs = inputs or PythonInputs()
-    cls = workflow_class(cfg)
-    rewards = rule_rewards(cfg, inputs.rewards)
-    provided = tuple(getattr(cls, "provided_fields", ()))
-    train_rows, val_rows, stats = build_data(cfg, rewards, provided=provided, inputs=inputs)
-    policy = _POLICIES[cfg.kind.name](cfg, run_dir, train_rows + val_rows, cls)
-    try:
-        workflow = build_workflow(cfg, policy, train_rows, val_rows, rewards, run_dir)
-    except BaseException:
-        policy.shutdown()  # its worker groups (Ray actors) must not outlive a failed start
-        raise
-    stats.update(getattr(workflow, "data_stats", {}))
-    return policy, workflow, stats

@@ -61,6 +61,7 @@ from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import PromptRow
+from groupflow.data.tokenizer import DEFAULT_ALPHABET
 from groupflow.envs import build_env_agent
 from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.access import CallRecord
@@ -169,8 +170,6 @@ class AgentWorkflow:
         """A tiny model's characters must spell what agents send: chat templates, tool calls, JSON
         and capitalised instructions."""
         import string
-
-        from groupflow.data.tokenizer import DEFAULT_ALPHABET
 
         return [DEFAULT_ALPHABET, string.ascii_uppercase]
 

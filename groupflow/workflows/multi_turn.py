@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from groupflow.agents.environments import environment_factory
+from groupflow.agents.calls import run_async
+from groupflow.agents.environments import environment_factory, reset_env, step_env
 from groupflow.agents.formats import ChatFormat, PlainFormat, TemplateError, VisionChatFormat
 from groupflow.agents.parsers import build_parser
 from groupflow.agents.tools import build_tools
@@ -40,6 +41,7 @@ from groupflow.config import Config
 from groupflow.contracts import validate
 from groupflow.data import DataError, PromptRow
 from groupflow.data.images import ImageLimits
+from groupflow.data.tokenizer import DEFAULT_ALPHABET
 from groupflow.evaluation import records_from_scores, report_progress
 from groupflow.models.vision import join_vision
 from groupflow.rollout.engines.hf import SamplingParams
@@ -284,9 +286,6 @@ def teacher_trajectory(workflow: MultiTurnWorkflow, row: PromptRow, turns: list[
     """Target ids, loss mask and observation images (``VisionInputs`` list) of a demonstrated
     conversation: each model turn tokenized (the last one ends with EOS), each observation
     produced by a real environment step (mask 0)."""
-    from groupflow.agents.calls import run_async
-    from groupflow.agents.environments import reset_env, step_env
-
     env = workflow.make_env()
     timeout = workflow.limits.env_timeout_s
     first = run_async(reset_env(env, {"prompt": row.prompt, **row.fields}, timeout))
@@ -327,8 +326,6 @@ def teacher_trajectory(workflow: MultiTurnWorkflow, row: PromptRow, turns: list[
 def _tokenizer_texts(cfg: Config) -> list[str]:
     """Text a tiny model's character tokenizer must cover beyond the data: the observation
     template, tool names and tool-call syntax, and the characters of error observations."""
-    from groupflow.data.tokenizer import DEFAULT_ALPHABET
-
     r = cfg.rollout
     names = [t.label or t.name or "" for t in r.tools]
     return [DEFAULT_ALPHABET, r.observation_template or "", *names, '<>/{}[]":,']

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from groupflow.cli.commands import _parse, _serving, build_parser, main
+from groupflow.cli.commands import _parse, build_parser, main
+from groupflow.cli.serve import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,7 +108,7 @@ def _served_completion(target: str, overrides=()):
     from groupflow.serve.thread import ServerThread
 
     args = _parse(build_parser(), ["serve", target, *overrides])
-    cfg, policy = _serving(args)
+    cfg, policy = serving(args)
     core = server_core(cfg, policy.tokenizer, policy.rollout, replace(policy.sampling, n=1))
     server = ServerThread(build_app(core)).start()
     try:

@@ -84,11 +84,5 @@ def instruction_benchmark(
     def grade(rows, responses):
         return grade_rows(registry_of(name), name, rows, responses)
 
-    return Benchmark(
-        name=name,
-        description=description,
-        load=load,
-        grade=grade,
-        metrics=if_metrics,
-        max_new_tokens=MAX_NEW_TOKENS,
-    )
+    return Benchmark(name=name, description=description, load=load, grade=grade,
+                     metrics=if_metrics, max_new_tokens=MAX_NEW_TOKENS)  # fmt: skip

@@ -175,22 +175,8 @@ class Batch:
         if self.keys() and other.keys() and len(self) != len(other):
             raise BatchError(f"union: batch sizes differ ({len(self)} vs {len(other)})")
         tensors, non_tensors = dict(self.tensors), dict(self.non_tensors)
-        for k, v in other.tensors.items():
-            if k in non_tensors:
-                raise BatchError(
-                    f"union: key '{k}' is a non-tensor on one side and a tensor on the other"
-                )
-            if k in tensors and not _same_tensor(tensors[k], v):
-                raise BatchError(f"union: conflicting values for tensor '{k}'")
-            tensors[k] = v
-        for k, v in other.non_tensors.items():
-            if k in tensors:
-                raise BatchError(
-                    f"union: key '{k}' is a tensor on one side and a non-tensor on the other"
-                )
-            if k in non_tensors and not _same_objects(non_tensors[k], v):
-                raise BatchError(f"union: conflicting values for non-tensor '{k}'")
-            non_tensors[k] = v
+        _merge_kind(tensors, other.tensors, non_tensors, _same_tensor, "tensor", "non-tensor")
+        _merge_kind(non_tensors, other.non_tensors, tensors, _same_objects, "non-tensor", "tensor")
         for k, v in other.meta.items():
             if k in self.meta and not _same_meta(self.meta[k], v):
                 raise BatchError(f"union: conflicting meta values for '{k}'")
@@ -371,6 +357,19 @@ class Batch:
 
 def _is_object_array(v: Any) -> bool:
     return isinstance(v, np.ndarray) and v.dtype == object and v.ndim == 1
+
+
+def _merge_kind(into: dict, incoming: dict, other_kind: dict, same, kind: str,
+                other: str) -> None:  # fmt: skip
+    """``union``'s merge of one kind of value (``kind``: "tensor" or "non-tensor") into ``into``:
+    a key held as the ``other`` kind (``other_kind``), or held already with a value that is not
+    ``same``, is a BatchError."""
+    for k, v in incoming.items():
+        if k in other_kind:
+            raise BatchError(f"union: key '{k}' is a {other} on one side and a {kind} on the other")
+        if k in into and not same(into[k], v):
+            raise BatchError(f"union: conflicting values for {kind} '{k}'")
+        into[k] = v
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

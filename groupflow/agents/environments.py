@@ -144,21 +144,27 @@ def _describe(env: Any) -> str:
     return type(env).__qualname__
 
 
+def _call_failed(name: str, exc: Exception, timeout_s: float | None, kind: str) -> StepResult:
+    """The failed, finished step of an environment call ``name`` that raised ``exc``: a
+    ``CallTimeout``, or user code's error (``kind``; BaseExceptions arrive as UserCodeExit)."""
+    if isinstance(exc, CallTimeout):
+        return StepResult(None, done=True, failure=f"{name} timed out after {timeout_s:g} s",
+                          failure_kind="timeout")  # fmt: skip
+    return StepResult(None, done=True, failure=f"{name}: {error_text(exc)}", failure_kind=kind)
+
+
 async def reset_env(env: Any, row: Mapping[str, Any], timeout_s: float | None) -> StepResult:
     """``env.reset(row)``; a failure is reported, never raised."""
     name = f"{_describe(env)}.reset"
     try:
         obs = await call_with_timeout(env.reset, (row,), timeout_s=timeout_s, name=name)
         return StepResult(normalize_observation(obs))
-    except CallTimeout:
-        return StepResult(None, done=True, failure=f"{name} timed out after {timeout_s:g} s",
-                          failure_kind="timeout")  # fmt: skip
     except StuckCallsError:
         raise  # stops the run
-    except Exception as exc:  # user code (BaseExceptions arrive as UserCodeExit): this sample only
-        kind = "invalid" if isinstance(exc, ValueError) else "error"
-        return StepResult(None, done=True, failure=f"{name}: {error_text(exc)}",
-                          failure_kind=kind)  # fmt: skip
+    except Exception as exc:  # a timeout, or user code: this sample only
+        return _call_failed(
+            name, exc, timeout_s, "invalid" if isinstance(exc, ValueError) else "error"
+        )
 
 
 async def step_env(env: Any, text: str, timeout_s: float | None) -> StepResult:
@@ -166,14 +172,10 @@ async def step_env(env: Any, text: str, timeout_s: float | None) -> StepResult:
     name = f"{_describe(env)}.step"
     try:
         out = await call_with_timeout(env.step, (text,), timeout_s=timeout_s, name=name)
-    except CallTimeout:
-        return StepResult(None, done=True, failure=f"{name} timed out after {timeout_s:g} s",
-                          failure_kind="timeout")  # fmt: skip
     except StuckCallsError:
         raise  # stops the run
-    except Exception as exc:  # user code (BaseExceptions arrive as UserCodeExit): this sample only
-        return StepResult(None, done=True, failure=f"{name}: {error_text(exc)}",
-                          failure_kind="error")  # fmt: skip
+    except Exception as exc:  # a timeout, or user code: this sample only
+        return _call_failed(name, exc, timeout_s, "error")
     try:
         if not isinstance(out, tuple) or len(out) != 3:
             raise ValueError(f"must return (observation, reward, done), got {out!r:.200}")

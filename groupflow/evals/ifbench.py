@@ -12,8 +12,8 @@ greedy, 1,280 new tokens).
 from __future__ import annotations
 
 from groupflow.evals._jsonl import instruction_rows
-from groupflow.evals.base import Benchmark, BenchmarkData
-from groupflow.evals.instruction_following import grade_rows, if_metrics, registry_of
+from groupflow.evals.base import BenchmarkData
+from groupflow.evals.instruction_following import instruction_benchmark
 
 __all__ = ["IFBENCH", "NEEDS_UNAVAILABLE_DATA", "PIP"]
 
@@ -39,15 +39,6 @@ def _load() -> BenchmarkData:
     return BenchmarkData(kept, excluded)
 
 
-def _grade(rows, responses):
-    return grade_rows(registry_of("ifbench"), "ifbench", rows, responses)
-
-
-IFBENCH = Benchmark(
-    name="ifbench",
-    description="IFBench test, 276 of 294 prompts gradable offline, official checkers",
-    load=_load,
-    grade=_grade,
-    metrics=if_metrics,
-    max_new_tokens=1280,
+IFBENCH = instruction_benchmark(
+    "ifbench", "IFBench test, 276 of 294 prompts gradable offline, official checkers", _load
 )

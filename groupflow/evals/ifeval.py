@@ -11,8 +11,8 @@ the model's chat template, greedy, 1,280 new tokens: lm-evaluation-harness's ife
 from __future__ import annotations
 
 from groupflow.evals._jsonl import instruction_rows
-from groupflow.evals.base import Benchmark, BenchmarkData
-from groupflow.evals.instruction_following import grade_rows, if_metrics, registry_of
+from groupflow.evals.base import BenchmarkData
+from groupflow.evals.instruction_following import instruction_benchmark
 
 __all__ = ["IFEVAL", "PIP"]
 
@@ -31,15 +31,6 @@ def _load() -> BenchmarkData:
     )
 
 
-def _grade(rows, responses):
-    return grade_rows(registry_of("ifeval"), "ifeval", rows, responses)
-
-
-IFEVAL = Benchmark(
-    name="ifeval",
-    description="IFEval, 541 prompts, official checkers; prompt/inst strict/loose",
-    load=_load,
-    grade=_grade,
-    metrics=if_metrics,
-    max_new_tokens=1280,
+IFEVAL = instruction_benchmark(
+    "ifeval", "IFEval, 541 prompts, official checkers; prompt/inst strict/loose", _load
 )

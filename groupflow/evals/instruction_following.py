@@ -13,13 +13,16 @@ of prompts following every instruction, instruction-level = share of all instruc
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from groupflow.evals.base import BenchmarkDataMissing, pass_at_k_of
+from groupflow.evals.base import Benchmark, BenchmarkData, BenchmarkDataMissing, pass_at_k_of
 from groupflow.rewards.official_checkers import CheckersMissing, checker_registry, follow_lists
 
-__all__ = ["grade_rows", "if_metrics", "registry_of"]
+__all__ = ["grade_rows", "if_metrics", "instruction_benchmark", "registry_of"]
+
+# IFEval's budget, IFBench's too: lm-evaluation-harness's ifeval task allows 1,280 new tokens.
+MAX_NEW_TOKENS = 1280
 
 log = logging.getLogger(__name__)
 
@@ -69,3 +72,17 @@ def if_metrics(records: list[dict[str, Any]], k: int) -> dict[str, float]:
     out["checker_errors"] = float(sum(len(r["errors"]) for r in records))
     out["prompts"] = float(len(records) // max(1, k))
     return out
+
+
+def instruction_benchmark(
+    name: str, description: str, load: Callable[[], BenchmarkData]
+) -> Benchmark:
+    """An instruction-following benchmark: ``load``'s rows graded by ``name``'s official checkers
+    (looked up when grading, so a missing package fails then, naming its pip command), these
+    metrics, the chat template and ``MAX_NEW_TOKENS``."""
+
+    def grade(rows, responses):
+        return grade_rows(registry_of(name), name, rows, responses)
+
+    return Benchmark(name=name, description=description, load=load, grade=grade,
+                     metrics=if_metrics, max_new_tokens=MAX_NEW_TOKENS)  # fmt: skip

@@ -127,21 +127,11 @@ def build_app(core: ServerCore) -> Guard:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        key = _bearer(request.headers)
-        if not req.stream:
-            return await _answer(request, core.chat(key, req))
-        usage = req.stream_options is not None and req.stream_options.include_usage
-        events = await core.chat_stream(key, req, usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return await _sampled(request, req, core.chat, core.chat_stream)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        key = _bearer(request.headers)
-        if not req.stream:
-            return await _answer(request, core.complete(key, req))
-        usage = req.stream_options is not None and req.stream_options.include_usage
-        events = await core.complete_stream(key, req, usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return await _sampled(request, req, core.complete, core.complete_stream)
 
     # vLLM's tokenizer endpoints, at the root as vLLM serves them (lm-evaluation-harness finds
     # them there from a base_url ending in /v1/completions)
@@ -158,6 +148,19 @@ def build_app(core: ServerCore) -> Guard:
         return _json(core.tokenizer_info())
 
     return Guard(app, core.access, core.limits.max_body_bytes)
+
+
+async def _sampled(request: Request, req: ChatRequest | CompletionRequest, answer,
+                   stream) -> Response:  # fmt: skip
+    """A sampling endpoint's answer: ``answer(key, req)`` as JSON, or with ``req.stream`` the
+    server-sent events of ``stream(key, req, usage)`` (whose errors before the first event,
+    e.g. a full queue, are still this request's 4xx)."""
+    key = _bearer(request.headers)
+    if not req.stream:
+        return await _answer(request, answer(key, req))
+    usage = req.stream_options is not None and req.stream_options.include_usage
+    events = await stream(key, req, usage)
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
 async def _answer(request: Request, work) -> Response:

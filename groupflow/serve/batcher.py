@@ -165,7 +165,27 @@ def _sampling_key(p: SamplingParams) -> SamplingParams:
     return dataclasses.replace(p, max_new_tokens=1, n=1)
 
 
-class DynamicBatcher:
+class _Batcher:
+    """The interface both batchers give alike (see the module docstring): ``submit`` is
+    ``enqueue`` awaited, and a request's room in the queue is checked the same way; each
+    batcher queues (``enqueue``) and decodes in its own way."""
+
+    def enqueue(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                listener: Listener | None = None) -> asyncio.Future:  # fmt: skip
+        """The future of the request's completions, queued now (each batcher's own)."""
+        raise NotImplementedError
+
+    def check_room(self, samples: int) -> None:
+        """``Overloaded`` unless ``samples`` more fit in the queue now."""
+        _check_room(self, samples)
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                     listener: Listener | None = None) -> list[Completion]:  # fmt: skip
+        """The completions (``enqueue``, awaited)."""
+        return await self.enqueue(prompts, params, seeds, listener)
+
+
+class DynamicBatcher(_Batcher):
     """``await submit(prompts, params, seeds)`` → completions; see the module docstring."""
 
     def __init__(self, generate: GenerateFn, *, score: ScoreFn | None = None,
@@ -189,10 +209,6 @@ class DynamicBatcher:
     def pending_samples(self) -> int:
         return _waiting(self._queue)
 
-    def check_room(self, samples: int) -> None:
-        """``Overloaded`` unless ``samples`` more fit in the queue now."""
-        _check_room(self, samples)
-
     def enqueue(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
                 listener: Listener | None = None) -> asyncio.Future:  # fmt: skip
         """Queue a request now (``Overloaded`` when it does not fit) and return the future of its
@@ -206,11 +222,6 @@ class DynamicBatcher:
         self._queue.append(item)
         self._wake.set()
         return item.future
-
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                     listener: Listener | None = None) -> list[Completion]:  # fmt: skip
-        """The completions (``enqueue``, awaited)."""
-        return await self.enqueue(prompts, params, seeds, listener)
 
     async def score(self, jobs: list[ScoreJob], k: int) -> list[TokenScores]:
         """A scoring forward (``serve.scoring``) on the engine's thread, between engine calls."""
@@ -337,7 +348,7 @@ async def _gather(batcher) -> None:
             return
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(_Batcher):
     """``await submit(prompts, params, seeds, listener)`` → completions, decoded by a
     ``ContinuousDecoder`` on a thread of its own (see the module docstring).
 
@@ -378,10 +389,6 @@ class ContinuousBatcher:
     def pending_samples(self) -> int:
         return _waiting(self._queue) + _waiting(self._inbox)
 
-    def check_room(self, samples: int) -> None:
-        """``Overloaded`` unless ``samples`` more fit in the queue now."""
-        _check_room(self, samples)
-
     @property
     def reused_tokens(self) -> int:
         """Prompt tokens the decoder's prefix cache spared prefilling."""
@@ -397,11 +404,6 @@ class ContinuousBatcher:
         self._queue.append(item)
         self._wake.set()
         return item.future
-
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                     listener: Listener | None = None) -> list[Completion]:  # fmt: skip
-        """The completions (``enqueue``, awaited)."""
-        return await self.enqueue(prompts, params, seeds, listener)
 
     async def score(self, jobs: list[ScoreJob], k: int) -> list[TokenScores]:
         """A scoring forward (``serve.scoring``) on the decode thread, between two steps."""

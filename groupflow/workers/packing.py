@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "packed_micro_batches",
+    "consecutive_groups",
     "check_token_budget",
     "balanced_rank_order",
     "OverBudgetError",
@@ -45,11 +46,8 @@ def packed_micro_batches(
     ``names`` (e.g. uids) name an offending sample in the error; its index otherwise.
     """
     n = len(lengths)
-    if n == 0:
-        return []
     if max_tokens is None:
-        size = max_samples or n
-        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+        return consecutive_groups(n, max_samples)
     check_token_budget(lengths, max_tokens, key=key, names=names)
     order = sorted(range(n), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
@@ -64,6 +62,15 @@ def packed_micro_batches(
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def consecutive_groups(n: int, max_samples: int | None) -> list[list[int]]:
+    """Indices 0..n-1 in consecutive groups of ``max_samples`` (all in one group if None; no
+    group when n is 0): the micro-batches of an update without a token budget, packed or not."""
+    if n == 0:
+        return []
+    size = max_samples or n
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
 def check_token_budget(

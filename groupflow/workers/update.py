@@ -30,7 +30,7 @@ from groupflow.distributed.ulysses import SequenceGroup
 from groupflow.models.logprobs import response_logprobs
 from groupflow.models.packing import packed_logprobs
 from groupflow.models.sequence_parallel import sequence_parallel_logprobs
-from groupflow.workers.packing import packed_micro_batches
+from groupflow.workers.packing import consecutive_groups, packed_micro_batches
 
 __all__ = [
     "micro_batches",
@@ -79,12 +79,8 @@ def micro_batches(
     padded to its longest prompt plus its longest response, so that is the width charged against
     the budget. A single sample longer than the budget gets a micro-batch of its own.
     """
-    n = len(lengths)
-    if n == 0:
-        return []
     if max_tokens is None:
-        size = max_samples or n
-        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+        return consecutive_groups(len(lengths), max_samples)
     pairs = [
         (int(x), 0) if isinstance(x, (int, float)) else (int(x[0]), int(x[1])) for x in lengths
     ]

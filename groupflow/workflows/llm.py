@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from groupflow.assembly.data import EncodedPrompts
+from groupflow.assembly.data import EncodedPrompts, prompt_stats
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.data import PromptRow
 from groupflow.evaluation import evaluate
 from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.sft import warm_start
+from groupflow.utils.seeds import step_seeds
 from groupflow.workers.reward_model import ModelRewardRunner
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "build_rewards",
     "add_rewards",
     "PromptTable",
+    "EncodedPromptsWorkflow",
+    "scoring_chunks",
 ]
 
 
@@ -195,3 +198,63 @@ def llm_warm_start(cfg: Config, policy, examples, score: Scorer, train) -> dict[
         policy, examples, lambda probe: score(probe, greedy, cfg.run.seed), train,
         cfg.sft, cfg.run.seed, sync=lambda: policy.sync(0),  # RL starts from version 0
     )  # fmt: skip
+
+
+def scoring_chunks(encoded, n: int, seed: int, chunk_prompts: int):
+    """``encoded``'s prompts in chunks of ``chunk_prompts`` for scoring ``n`` samples each:
+    (start, rows, ids, texts, seeds [one per sample], vision or None). Each sample's seed depends
+    on its place in the table only, so a score does not depend on the chunk size."""
+    images = getattr(encoded, "vision", None)  # None: text prompts (or a bare table)
+    for start in range(0, len(encoded.rows), chunk_prompts):
+        stop = start + chunk_prompts
+        rows = encoded.rows[start:stop]
+        seeds = [seed * 7919 + (start * n + i) for i in range(len(rows) * n)]
+        vision = images[start:stop] if images else None
+        yield start, rows, encoded.ids[start:stop], encoded.texts[start:stop], seeds, vision
+
+
+class EncodedPromptsWorkflow:
+    """What the single- and multi-turn workflows share beside how a sample is made: they hold
+    encoded prompts (``train``, a :class:`PromptTable`, and ``val``), and validate and warm-start
+    through their own ``score`` and ``sft_examples``. The one base class they have."""
+
+    cfg: Config
+    policy: Any
+    train: PromptTable
+    val: EncodedPrompts | None
+
+    # each workflow's own: its episodes, and its demonstrations for the warm start
+    score: Callable[..., list[dict[str, Any]]]
+    sft_examples: Callable[[Any], list[tuple]]
+
+    def _set_rewards(self, rewards) -> None:
+        """The reward functions (checked against both prompt tables), data stats and contracts,
+        once ``train`` and ``val`` are encoded."""
+        tables = [self.train.encoded] + ([self.val] if self.val else [])
+        self.reward_fn = build_rewards(self.cfg, self.policy, rewards, tables)
+        self.data_stats = prompt_stats(self.train.encoded, self.val)
+        self.contracts = self.policy.contracts
+
+    @property
+    def train_rows(self) -> list[PromptRow]:
+        return self.train.rows
+
+    def _step_prompts(self, rows: list[PromptRow], step: int, round_: int):
+        """A step's (seeds [per row, n each], group ids, prompt texts, prompt ids) for ``rows``:
+        the seeds from (run seed, step, round, slot), so a resumed run samples the same."""
+        n = self.policy.sampling.n
+        seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
+        texts, ids = self.train.lookup(rows)
+        return seeds, group_ids, texts, ids
+
+    def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:
+        return llm_step_metrics(batch, seconds)
+
+    def validate(self, step: int, return_records: bool = False, progress_label="validation"):
+        return validate_llm(self.cfg, self.score, self.val, self.policy.sampling, return_records,
+                            progress_label)  # fmt: skip
+
+    def warm_start(self) -> dict[str, float]:
+        return llm_warm_start(
+            self.cfg, self.policy, self.sft_examples, self.score, self.train.encoded
+        )

@@ -34,7 +34,7 @@ from groupflow.agents.environments import environment_factory, reset_env, step_e
 from groupflow.agents.formats import ChatFormat, PlainFormat, TemplateError, VisionChatFormat
 from groupflow.agents.parsers import build_parser
 from groupflow.agents.tools import build_tools
-from groupflow.assembly.data import encode_prompts, prompt_stats
+from groupflow.assembly.data import encode_prompts
 from groupflow.assembly.tokenizers import build_processor
 from groupflow.batch import Batch
 from groupflow.config import Config
@@ -46,18 +46,15 @@ from groupflow.evaluation import records_from_scores, report_progress
 from groupflow.models.vision import join_vision
 from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.utils.imports import resolve_import_path
-from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.episodes import Episode, EpisodeLimits, episodes_batch, run_episodes
 from groupflow.workflows.llm import (
     LLM_FIELDS,
+    EncodedPromptsWorkflow,
     PromptTable,
-    build_rewards,
     finite_metrics,
-    llm_step_metrics,
-    llm_warm_start,
     row_fields,
+    scoring_chunks,
     sft_turns,
-    validate_llm,
     with_prompt_info,
 )
 
@@ -69,7 +66,7 @@ __all__ = ["MultiTurnWorkflow", "TRAJECTORY_FIELDS"]
 TRAJECTORY_FIELDS = ("trajectory", "messages", "turns", "tool_calls", "env_rewards")
 
 
-class MultiTurnWorkflow:
+class MultiTurnWorkflow(EncodedPromptsWorkflow):
     """Prompt → G conversations of up to ``rollout.max_turns`` model turns → rewards."""
 
     # handed to the reward functions with each sample
@@ -136,15 +133,7 @@ class MultiTurnWorkflow:
             max_observation_tokens=r.max_observation_tokens, env_timeout_s=r.env_timeout_s,
             max_observation_chars=r.max_observation_chars,
         )  # fmt: skip
-        self.reward_fn = build_rewards(
-            cfg, policy, rewards, [self.train.encoded] + ([self.val] if self.val else [])
-        )
-        self.data_stats = prompt_stats(self.train.encoded, self.val)
-        self.contracts = policy.contracts
-
-    @property
-    def train_rows(self) -> list[PromptRow]:
-        return self.train.rows
+        self._set_rewards(rewards)
 
     @staticmethod
     def tokenizer_texts(cfg: Config) -> list[str]:
@@ -153,10 +142,8 @@ class MultiTurnWorkflow:
     # ----- the trainer's calls ------------------------------------------------------------------
     def collect(self, rows: list[PromptRow], step: int, round_: int,
                 version: int) -> tuple[Batch, dict[str, float]]:  # fmt: skip
-        params = self.policy.sampling
-        n = params.n
-        seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
-        texts, ids = self.train.lookup(rows)
+        params, n = self.policy.sampling, self.policy.sampling.n
+        seeds, group_ids, texts, ids = self._step_prompts(rows, step, round_)
         episodes = self.run(rows, ids, [s for per in seeds for s in per], group_ids, params,
                             self.train.vision(rows))  # fmt: skip
         batch = episodes_batch(
@@ -168,18 +155,6 @@ class MultiTurnWorkflow:
         batch, reward_metrics = self.add_rewards(batch, episodes)
         metrics = {**episode_metrics(episodes), **reward_metrics}
         return validate(batch, self.contracts["rewarded"]), metrics
-
-    def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:
-        return llm_step_metrics(batch, seconds)
-
-    def validate(self, step: int, return_records: bool = False, progress_label="validation"):
-        return validate_llm(self.cfg, self.score, self.val, self.policy.sampling, return_records,
-                            progress_label)  # fmt: skip
-
-    def warm_start(self) -> dict[str, float]:
-        return llm_warm_start(
-            self.cfg, self.policy, self.sft_examples, self.score, self.train.encoded
-        )
 
     # ----- episodes -----------------------------------------------------------------------------
     def run(self, rows, prompt_ids, seeds, group_ids, params: SamplingParams,
@@ -218,13 +193,9 @@ class MultiTurnWorkflow:
         sample, with its turn and tool-call counts)."""
         records: list[dict[str, Any]] = []
         n = params.n
-        for start in range(0, len(encoded.rows), chunk_prompts):
-            rows = encoded.rows[start : start + chunk_prompts]
-            ids = encoded.ids[start : start + chunk_prompts]
-            texts = encoded.texts[start : start + chunk_prompts]
-            seeds = [seed * 7919 + (start * n + i) for i in range(len(rows) * n)]
-            images = getattr(encoded, "vision", None)  # None: text prompts (or a bare table)
-            vision = images[start : start + chunk_prompts] if images else None
+        for start, rows, ids, texts, seeds, vision in scoring_chunks(
+            encoded, n, seed, chunk_prompts
+        ):
             episodes = self.run(rows, ids, seeds, list(range(len(rows))), params, vision)
             sample_rows = [rows[i // n] for i in range(len(episodes))]
             fields = trajectory_fields(episodes, self.policy.tokenizer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from groupflow.assembly.data import encode_prompts, prompt_stats
+from groupflow.assembly.data import encode_prompts
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.contracts import validate
@@ -18,23 +18,20 @@ from groupflow.data import PromptRow
 from groupflow.evaluation import records_from_scores, report_progress
 from groupflow.rollout.engines.batching import prompts_batch
 from groupflow.rollout.engines.hf import SamplingParams
-from groupflow.utils.seeds import step_seeds
 from groupflow.workflows.llm import (
     LLM_FIELDS,
+    EncodedPromptsWorkflow,
     PromptTable,
     add_rewards,
-    build_rewards,
-    llm_step_metrics,
-    llm_warm_start,
     row_fields,
-    validate_llm,
+    scoring_chunks,
     with_prompt_info,
 )
 
 __all__ = ["SingleTurnWorkflow"]
 
 
-class SingleTurnWorkflow:
+class SingleTurnWorkflow(EncodedPromptsWorkflow):
     """Prompt → G completions → rewards (``rollout.max_turns: 1``, no tools or environment)."""
 
     provided_fields = LLM_FIELDS  # handed to the reward functions with each sample
@@ -45,23 +42,13 @@ class SingleTurnWorkflow:
         tok = policy.tokenizer
         self.train = PromptTable(encode_prompts(train_rows, tok, cfg, "train"))
         self.val = encode_prompts(val_rows, tok, cfg, "validation") if val_rows else None
-        self.reward_fn = build_rewards(
-            cfg, policy, rewards, [self.train.encoded] + ([self.val] if self.val else [])
-        )
-        self.data_stats = prompt_stats(self.train.encoded, self.val)
-        self.contracts = policy.contracts
-
-    @property
-    def train_rows(self) -> list[PromptRow]:
-        return self.train.rows
+        self._set_rewards(rewards)
 
     # ----- the trainer's calls ------------------------------------------------------------------
     def collect(self, rows: list[PromptRow], step: int, round_: int,
                 version: int) -> tuple[Batch, dict[str, float]]:  # fmt: skip
-        params = self.policy.sampling
-        n = params.n
-        seeds, group_ids = step_seeds(self.cfg.run.seed, step, round_, len(rows), n)
-        texts, ids = self.train.lookup(rows)
+        params, n = self.policy.sampling, self.policy.sampling.n
+        seeds, group_ids, texts, ids = self._step_prompts(rows, step, round_)
         prompts = prompts_batch(ids, seeds, group_ids, self.train.vision(rows))
         out = self.policy.rollout.generate(prompts, params, max(len(i) for i in ids))
         batch = with_prompt_info(out, rows, texts, n, f"{step}-{round_}", version)
@@ -69,18 +56,6 @@ class SingleTurnWorkflow:
         validate(batch, self.contracts["rollout"])
         batch, metrics = add_rewards(self.reward_fn, batch, list(batch["completion"]))
         return validate(batch, self.contracts["rewarded"]), metrics
-
-    def step_metrics(self, batch: Batch, seconds: float) -> dict[str, float]:
-        return llm_step_metrics(batch, seconds)
-
-    def validate(self, step: int, return_records: bool = False, progress_label="validation"):
-        return validate_llm(self.cfg, self.score, self.val, self.policy.sampling, return_records,
-                            progress_label)  # fmt: skip
-
-    def warm_start(self) -> dict[str, float]:
-        return llm_warm_start(
-            self.cfg, self.policy, self.sft_examples, self.score, self.train.encoded
-        )
 
     def sample(self, prompts: list[str], params: SamplingParams,
                seeds: list[list[int]]) -> list[dict[str, Any]]:  # fmt: skip
@@ -126,13 +101,9 @@ class SingleTurnWorkflow:
         sample (what validation, the warm start's probe and ``groupflow eval`` read)."""
         records: list[dict[str, Any]] = []
         n = params.n
-        for start in range(0, len(encoded.rows), chunk_prompts):
-            rows = encoded.rows[start : start + chunk_prompts]
-            ids = encoded.ids[start : start + chunk_prompts]
-            texts = encoded.texts[start : start + chunk_prompts]
-            images = getattr(encoded, "vision", None)  # None: text prompts (or a bare table)
-            vision = images[start : start + chunk_prompts] if images else None
-            seeds = [seed * 7919 + (start * n + i) for i in range(len(rows) * n)]
+        for start, rows, ids, texts, seeds, vision in scoring_chunks(
+            encoded, n, seed, chunk_prompts
+        ):
             per_prompt = [seeds[i * n : (i + 1) * n] for i in range(len(ids))]
             out = self.policy.rollout.generate(
                 prompts_batch(ids, per_prompt, range(len(ids)), vision), params,

@@ -44,7 +44,7 @@ def warm_start(
     first pushes the actor's weights to a rollout pool placed apart from it."""
     examples = make_examples(train)
     rng = random.Random(seed)
-    probe_set = _probe(train, 128, seed)
+    probe_set = _probe(train, cfg.probe_prompts, seed)
     loss, acc, step = float("nan"), 0.0, 0
     for step in range(1, cfg.steps + 1):
         chosen = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_samples)]

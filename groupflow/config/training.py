@@ -255,6 +255,10 @@ class SFTConfig(_Section):
     batch_samples: int = Field(64, ge=1)  # samples per supervised step
     stop_at_accuracy: float | None = Field(None, ge=0, le=1)  # on a probe of TRAINING prompts
     check_every: int = Field(10, ge=1)  # steps between probe-accuracy checks
+    probe_prompts: int = Field(128, ge=1)  # training prompts in that probe (greedy episodes)
+    # agent workflow: rows whose demonstrations are played through the agent (an episode each;
+    # an environment whose episodes are slow, e.g. a verifiers harness program, wants fewer)
+    demonstrations: int = Field(1024, ge=1)
     target_field: str = "answer"  # the row field that holds the answer trained on
 
 

@@ -50,10 +50,11 @@ class VerifiersAgent:
         require("verifiers", _PIP, "rollout.verifiers")
         vf = _vf()
         self.cfg = cfg
-        # verifiers logs every rollout's start at INFO: it would bury the run's console (a level
-        # set explicitly by the user is kept)
-        if logging.getLogger("verifiers").level == logging.NOTSET:
-            logging.getLogger("verifiers").setLevel(logging.WARNING)
+        # verifiers logs every rollout's start at INFO, and its interception server (aiohttp)
+        # every model call: they would bury the run's console (a level set by the user is kept)
+        for name in ("verifiers", "aiohttp.access"):
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         if cfg.taskset_dir is not None:
             where = str(Path(cfg.taskset_dir).resolve())
             if where not in sys.path:
@@ -96,10 +97,13 @@ class VerifiersAgent:
             ) from None
 
     def rows(self) -> tuple[list[PromptRow], list[PromptRow]]:
-        """One prompt row per task (train, validation): the row names its task."""
+        """One prompt row per task (train, validation): the row names its task and carries the
+        task data's plain fields (e.g. its ``answer``: what ``sft.target_field`` can name for a
+        warm start; the reward stays verifiers')."""
         source = f"verifiers:{self.cfg.taskset}"
         return tuple(
-            [PromptRow(_prompt(t.data), {"vf_split": split, "vf_task": i}, source, i)
+            [PromptRow(_prompt(t.data), {**_plain_fields(t.data), "vf_split": split, "vf_task": i},
+                       source, i)
              for i, t in enumerate(self.tasks[split])]
             for split in ("train", "val")
         )  # fmt: skip
@@ -161,3 +165,16 @@ def _prompt(data) -> str | list[dict[str, Any]]:
         return [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
                 for m in prompt]  # fmt: skip
     return data.prompt_text or f"task {data.idx}"
+
+
+def _plain_fields(data) -> dict[str, Any]:
+    """A task data's string, number and list-of-string fields other than its prompt (a row field
+    must survive the trip to a rollout process and the reward functions' columns)."""
+    fields = data.model_dump() if hasattr(data, "model_dump") else dict(data)
+    return {
+        k: v for k, v in fields.items()
+        if k not in ("prompt", "prompt_text") and (
+            isinstance(v, (str, int, float, bool))
+            or (isinstance(v, list) and v and all(isinstance(x, str) for x in v))
+        )
+    }  # fmt: skip

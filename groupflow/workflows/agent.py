@@ -89,7 +89,6 @@ log = logging.getLogger("groupflow")
 
 __all__ = ["AgentBlockedError", "AgentWorkflow", "resolve_agent", "AGENT_FIELDS"]
 
-_MAX_DEMOS = 1024  # rows whose demonstrations the warm start plays through the agent
 # Abandoned event loops (each blocked by an agent's sync code) still blocked at once: the run stops.
 MAX_BLOCKED_LOOPS = 4
 
@@ -297,11 +296,11 @@ class AgentWorkflow:
         string), each played through the agent: the server answers the agent's k-th call with
         the k-th turn instead of a sample, so the tool results, the chat template and the
         agent's own messages in between are real — and masked out of the loss. Up to
-        ``_MAX_DEMOS`` rows; a demonstration the agent does not follow to its end (it stops
+        ``sft.demonstrations`` rows; a demonstration the agent does not follow to its end (it stops
         calling early, or the calls do not form one conversation) is left out and counted."""
         field = self.cfg.sft.target_field
         tok = self.policy.tokenizer
-        rows = encoded.rows[:_MAX_DEMOS]
+        rows = encoded.rows[: self.cfg.sft.demonstrations]
         scripts = []
         for row in rows:
             turns = sft_turns(row, field)

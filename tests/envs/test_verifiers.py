@@ -78,6 +78,35 @@ def test_two_grpo_steps_train_the_replies_verifiers_scored(vf_log, tiny_base, tm
 
 
 @pytest.mark.slow
+def test_the_warm_start_plays_the_tasks_answers_through_verifiers(tiny_base, tmp_path):
+    """A verifiers row carries its task data's plain fields, so ``sft.target_field`` can name the
+    task's ``answer``; the warm start plays ``sft.demonstrations`` of them through verifiers' own
+    harness, and each example trains exactly that answer (+ EOS) after the prompt the harness
+    sent."""
+    from types import SimpleNamespace
+
+    from groupflow.trainer import Trainer
+
+    torch.set_num_threads(1)
+    t = Trainer(_config(tiny_base, tmp_path, **{
+        "sft.steps": 2, "sft.batch_samples": 4, "sft.demonstrations": 3}))  # fmt: skip
+    try:
+        wf, tok = t.workflow, t.policy.tokenizer
+        tasks = wf.agent.tasks["train"]
+        assert [r.fields["answer"] for r in wf.train_rows] == [x.data.answer for x in tasks]
+        assert [r.fields["vf_task"] for r in wf.train_rows] == list(range(8))
+        examples = wf.sft_examples(SimpleNamespace(rows=wf.train_rows))
+        assert len(examples) == 3
+        for (prompt_ids, ids, _), row in zip(examples, wf.train_rows):
+            answer = tok(row.fields["answer"], add_special_tokens=False)["input_ids"]
+            assert ids == answer + [tok.eos_token_id]
+            assert row.prompt in tok.decode(prompt_ids)
+        assert wf.warm_start()["sft/steps"] == 2
+    finally:
+        t.workflow.close()
+
+
+@pytest.mark.slow
 def test_a_task_that_fails_in_scoring_is_a_counted_failure(tiny_base, tmp_path):
     from groupflow.trainer import Trainer
 

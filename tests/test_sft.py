@@ -65,6 +65,13 @@ def test_the_probe_scores_probe_prompts_training_prompts_and_stops_at_the_accura
     assert all(p.ids == [[r.index] for r in p.rows] for p in probed)
 
 
+def test_demonstrations_outside_the_agent_workflow_is_refused_at_load(tiny_config_data):
+    from groupflow.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="sft.demonstrations bounds .*rollout.workflow=.auto."):
+        config_from_dict(tiny_config_data(sft__demonstrations=16), "<sft test>")
+
+
 def test_the_probe_and_demonstration_counts_are_validated():
     with pytest.raises(ValueError, match="probe_prompts"):
         SFTConfig(probe_prompts=0)

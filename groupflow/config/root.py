@@ -259,6 +259,20 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _sft_demonstrations(self):
+        # only the agent workflow plays demonstrations one episode each; elsewhere the setting
+        # would be silently ignored (compared with the default: configs are re-validated from
+        # full dumps, in which every field counts as set)
+        default = type(self.sft).model_fields["demonstrations"].default
+        if self.sft.demonstrations != default and self.rollout.workflow != "agent":
+            raise ValueError(
+                "sft.demonstrations bounds the demonstrations the agent workflow plays through "
+                f"its agent; rollout.workflow={self.rollout.workflow!r} trains on every row's "
+                "(remove it)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ppo(self):
         gae = self.algorithm.estimator == "gae"
         if gae and self.critic is None:

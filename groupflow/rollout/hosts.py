@@ -54,6 +54,7 @@ from groupflow.distributed.process import ChildStartError, ProcessHost
 from groupflow.rollout.ray_host import PoolSideHost, TicketStore
 from groupflow.rollout.side import (
     COLLECTING,
+    IDLE,
     LOADING,
     RECIPE_UNPICKLABLE,
     RolloutRecipe,
@@ -280,7 +281,7 @@ class AsyncRollout:
             self._conn.send(msg)
         except (BrokenPipeError, OSError) as e:
             detail = self._death(f"could not be reached ({e})")
-            if not self._doing():  # the side was idle: say what the driver was sending it
+            if int(self.status[0]) == IDLE:  # say what the driver was sending it
                 detail += _sending(msg)
             raise WorkerError(self._name(), 0, "submit", detail) from None
 
@@ -314,13 +315,24 @@ class AsyncRollout:
         )
 
     def _doing(self) -> str:
-        """What the side was doing, from its status (for an error message)."""
+        """What the side was doing, from its status (for an error message). A Ray actor's status
+        is the copy its last answer carried, which a dead actor cannot refresh: that is said, with
+        the batches in flight from the driver's own records (exact either way)."""
         phase, step, version = (int(x) for x in self.status)
+        doing = ""
         if phase == LOADING:
-            return f" (while loading the weights of policy version {version} for step {step})"
-        if phase == COLLECTING:
-            return f" (while collecting the batch of step {step}, policy version {version})"
-        return ""
+            doing = f"loading the weights of policy version {version} for step {step}"
+        elif phase == COLLECTING:
+            doing = f"collecting the batch of step {step}, policy version {version}"
+        if not getattr(self._host, "status_is_copy", False):
+            return f" (while {doing})" if doing else ""
+        parts = [f"last heard from {doing}"] if doing else []
+        if self._jobs:
+            parts.append(
+                "batches in flight: "
+                + ", ".join(f"step {t} (policy version {v})" for t, v in sorted(self._jobs.items()))
+            )
+        return f" ({'; '.join(parts)})" if parts else ""
 
     def _death(self, what: str) -> str:
         if self._host is None:

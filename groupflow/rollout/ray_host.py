@@ -112,6 +112,7 @@ class PoolSideHost:
 
     kind = "Ray actor"
     process = None  # not a child process of the driver
+    status_is_copy = True  # as of the actor's last answer: a dead actor's is stale
 
     def __init__(self, recipe: RolloutRecipe, pool, ring: TicketStore, status: torch.Tensor, *,
                  eager: bool, startup_timeout_s: float):  # fmt: skip

@@ -47,3 +47,31 @@ def test_a_dead_loop_actor_is_reported_with_the_node_it_ran_on_once():
     assert host.describe(seen).count("it ran on node n1") == 1
     host.where = lambda rank: ""  # not known (the placement group is gone)
     assert host.describe("died") == "the rollout loop's Ray actor died"
+
+
+def test_a_dead_loop_actor_names_the_batches_in_flight_and_calls_its_status_last_heard():
+    """The driver's copy of the actor's status is as of its last answer, which a dead actor cannot
+    refresh (the side may have moved on): the report says "last heard from" and names the batches
+    in flight from the driver's own records, which are exact."""
+    import torch
+
+    from groupflow.rollout.hosts import AsyncRollout
+    from groupflow.rollout.ray_host import PoolSideHost
+    from groupflow.rollout.side import IDLE, LOADING
+
+    host = object.__new__(PoolSideHost)
+    host.where = lambda rank: "; it ran on node n1 (10.0.0.2)"
+    rollouts = object.__new__(AsyncRollout)
+    rollouts._host, rollouts._jobs = host, {3: 2, 2: 1}
+    rollouts.status = torch.tensor([LOADING, 2, 1])
+    assert rollouts._death("died") == (
+        "the rollout loop's Ray actor died; it ran on node n1 (10.0.0.2) (last heard from loading "
+        "the weights of policy version 1 for step 2; batches in flight: step 2 (policy version 1), "
+        "step 3 (policy version 2))"
+    )
+    rollouts.status, rollouts._jobs = torch.tensor([IDLE, 2, 1]), {3: 2}
+    assert rollouts._death("died").endswith("(batches in flight: step 3 (policy version 2))")
+    rollouts._jobs = {}
+    assert (
+        rollouts._death("died") == "the rollout loop's Ray actor died; it ran on node n1 (10.0.0.2)"
+    )

@@ -23,6 +23,16 @@ estimate — sync's CPU per step over the busier side's, what two idle cores wou
 bound from the sync run's own stage times (step / max(rollout, rest)). The load average is
 printed before and after.
 
+``--in-flight``: two more trainers in the same blocks, k = 1 with decoupled PPO in
+``rollout.async_mode: eager`` (a batch takes the newest version when it starts) and ``in_flight``
+(a version published while a batch decodes reaches it between two decode steps), both with
+``rollout.max_new_tokens`` raised to ``--in-flight-tokens`` (48): without the warm start most
+samples then run to the limit and a few stop early (skewed lengths), and generation, not the
+update, is the slower side — only then can a version arrive while a batch decodes. Printed: the
+steps/s of both and their ratio, and the staleness each trains at: per sample (its oldest token)
+and per token, and the share of samples whose tokens span two versions. In-flight updates make
+tokens fresher, not steps faster: the ratio shows what loading a version mid-batch costs.
+
 ``--curves``: then runs the whole demo (warm start included, ``run.total_steps``) once
 synchronously and once with k = 1 (decoupled PPO) and prints held-out greedy accuracy at every
 validation side by side — does the stale run learn as well in the same number of steps?
@@ -30,7 +40,7 @@ validation side by side — does the stale run learn as well in the same number 
 ``--val-every`` validates more often than the demo's 40 steps); ``--no-speed`` skips the timing.
 
     .venv/bin/python benchmarks/bench_async.py [--blocks 4] [--block 6] [--prompts 32]
-        [--model demo|medium] [--all-samples]
+        [--model demo|medium] [--all-samples] [--in-flight [--in-flight-tokens 48]]
         [--curves [--plot docs/async_curves.png] [--val-every 20]] [--no-speed]
 """
 
@@ -108,6 +118,9 @@ class Block:
     trainer_cpu: float  # this process (the trainer; for sync also its collect)
     rollout_cpu: float | None  # the rollout side's child process (None: sync, or no /proc)
     skipped: float  # mean fraction of samples the update left out (zero advantage): work per step
+    staleness: float = 0.0  # mean per-sample staleness (async/staleness)
+    token_staleness: float | None = None  # mean per-token staleness (in-flight updates only)
+    switched: float | None = None  # mean share of samples whose tokens span two versions
 
     @property
     def cores(self) -> float | None:
@@ -130,10 +143,11 @@ def timed_block(trainer, n: int, stages: list | None) -> Block:
     rollouts = getattr(trainer.source, "rollouts", None)  # the asynchronous source's side
     child = rollouts.process.pid if rollouts and rollouts.process else None
     wall, cpu, rollout = time.perf_counter(), cpu_seconds(), cpu_seconds(child) if child else None
-    skipped = []
+    skipped, seen = [], []
     for _ in range(n - 1):
         _, metrics = trainer.train_step()
         skipped.append(metrics.get("actor/zero_adv_skipped", 0.0))
+        seen.append(metrics)
         if stages is not None:
             stages.append((metrics["time/rollout_and_reward"], metrics["time/step"]))
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
@@ -141,7 +155,14 @@ def timed_block(trainer, n: int, stages: list | None) -> Block:
         rollout = cpu_seconds(child) - rollout
     if rollouts is not None:
         rollouts.drain()  # the batch generated ahead must not run during another's block
-    return Block(n - 1, wall, cpu, rollout, statistics.mean(skipped))
+
+    def mean(key: str) -> float | None:
+        values = [m[key] for m in seen if key in m]
+        return statistics.mean(values) if values else None
+
+    return Block(n - 1, wall, cpu, rollout, statistics.mean(skipped),
+                 mean("async/staleness") or 0.0, mean("async/token_staleness_mean"),
+                 mean("async/samples_switched_frac"))  # fmt: skip
 
 
 def speed(args) -> None:
@@ -160,6 +181,10 @@ def speed(args) -> None:
             "k=1": build("k1", out, 1, extra, "none"),
             "k=1 dec": build("k1d", out, 1, extra, "decoupled"),
         }
+        if args.in_flight:
+            longer = [*extra, f"rollout.max_new_tokens={args.in_flight_tokens}"]
+            for name, mode in (("eager", "eager"), ("in-flight", "in_flight")):
+                trainers[name] = build(name, out, 1, [*longer, f"rollout.async_mode={mode}"])
         blocks: dict[str, list[Block]] = {n: [] for n in trainers}
         stages: list[tuple[float, float]] = []  # the sync run's (rollout+reward, step) seconds
         try:
@@ -215,6 +240,17 @@ def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) ->
             print(f"CPU view {n}: sync uses {sync_cpu:.3f} CPU-s per step; the trainer "
                   f"{trainer:.3f} and the rollout side {rollout:.3f} -> with two idle cores "
                   f"{sync_cpu / max(trainer, rollout):.2f}x")  # fmt: skip
+    if "in-flight" in blocks:  # k = 1, decoupled PPO, longer responses: what in-flight changes
+        print(f"{'':10} {'steps/s':>8} {'ratio':>6} | {'staleness: sample':>17} {'token':>6} | "
+              f"{'samples switched':>16}")  # fmt: skip
+        for n in ("eager", "in-flight"):
+            bl = blocks[n]
+            token = [b.token_staleness for b in bl if b.token_staleness is not None]
+            switched = [b.switched for b in bl if b.switched is not None]
+            print(f"{n:10} {1 / med[n]:8.2f} {med['eager'] / med[n]:6.2f} | "
+                  f"{statistics.mean(b.staleness for b in bl):17.3f} "
+                  f"{fmt(statistics.mean(token) if token else None):>6} | "
+                  f"{fmt(statistics.mean(switched) if switched else None, '.2f'):>16}")  # fmt: skip
     # What overlap could give with two idle cores: the sync step's rollout and the rest of it
     # run side by side, so the step takes the longer of the two (a bound, not a measurement).
     rollout = statistics.median(r for r, _ in stages)
@@ -286,6 +322,10 @@ def main() -> None:
     p.add_argument("--all-samples", action="store_true",
                    help="speed part: train every sample (no zero-advantage skipping), so every "
                         "run does the same work per step")  # fmt: skip
+    p.add_argument("--in-flight", action="store_true",
+                   help="speed part: also k=1 with async_mode eager and in_flight (staleness)")  # fmt: skip
+    p.add_argument("--in-flight-tokens", type=int, default=48,
+                   help="with --in-flight: rollout.max_new_tokens of the eager/in-flight pair")  # fmt: skip
     p.add_argument("--curves", action="store_true", help="also the demo's learning curves")
     p.add_argument("--plot", default=None, help="with --curves: write them to this PNG")
     p.add_argument("--val-every", type=int, default=None, help="with --curves: validation steps")

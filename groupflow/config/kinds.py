@@ -84,6 +84,29 @@ def _llm_workflow(cfg) -> None:
         raise ValueError("rollout.workflow=diffusion needs a 'diffusion' section")
 
 
+def _llm_in_flight(cfg) -> None:
+    """What in-flight weight updates need: an engine that decodes with the rollout side's own
+    model (HF), token versions recorded by the workflow (single- and multi-turn), the side's copy
+    (local backend: a Ray rollout pool's workers would each have to switch mid-decode)."""
+    r = cfg.rollout
+    if r.async_mode != "in_flight":
+        return
+    why = []
+    if r.engine != "hf":
+        why.append(f"rollout.engine=hf (not {r.engine}: vLLM's weight updates between decode "
+                   "steps are not wired yet)")  # fmt: skip
+    name = _llm_auto_workflow(cfg) if r.workflow == "auto" else r.workflow
+    if name not in ("single_turn", "multi_turn"):
+        why.append(f"the single_turn or multi_turn workflow (not {name}: its calls go through "
+                   "the OpenAI-compatible server, whose batcher does not switch versions)")  # fmt: skip
+    if cfg.run.backend != "local":
+        why.append(f"run.backend=local (not {cfg.run.backend}: the rollout pool's workers would "
+                   "each have to switch between decode steps)")  # fmt: skip
+    if why:
+        raise ValueError("rollout.async_mode=in_flight needs " + "; ".join(why)
+                         + "; rollout.async_mode=eager takes new weights between batches")  # fmt: skip
+
+
 def _llm_auto_workflow(cfg) -> str:
     r = cfg.rollout
     return "multi_turn" if (r.max_turns > 1 or r.tools or r.environment) else "single_turn"
@@ -93,7 +116,7 @@ LLM = Kind(
     "llm",
     "model",
     {},
-    (_llm_teacher, _llm_async_on_ray, _llm_workflow),
+    (_llm_teacher, _llm_async_on_ray, _llm_workflow, _llm_in_flight),
     auto_workflow=_llm_auto_workflow,
     writes_text=True,
     teacher_in_actor=False,

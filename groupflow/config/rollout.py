@@ -187,8 +187,12 @@ class RolloutConfig(_Section):
     # deterministic: the batch of step s always comes from version max(0, s - k) (reproducible,
     # exact resume). eager: from the newest version when the rollout side starts the batch
     # (never staler than k; fresher when generation is the bottleneck), at the price of
-    # reproducibility: which version that is depends on timing.
-    async_mode: Literal["deterministic", "eager"] = "deterministic"
+    # reproducibility: which version that is depends on timing. in_flight: eager, and a version
+    # published while a batch is generated reaches the engine between two decode steps (the
+    # running sequences go on with it; every token records the version that sampled it,
+    # token_versions, and its behaviour log-prob): no batch waits for its longest sample to
+    # take new weights. HF engine, single- or multi-turn workflow, local backend (groupflow.rollout.side).
+    async_mode: Literal["deterministic", "eager", "in_flight"] = "deterministic"
     # ---- weight transport (groupflow.distributed.transport): how a new version reaches a
     # rollout pool, the reference or a critic. "collective" (groupflow.distributed.collective):
     # every actor rank broadcasts its shard to the rollout pool over a process group of their

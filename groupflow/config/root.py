@@ -237,10 +237,10 @@ class Config(_Section):
     @model_validator(mode="after")
     def _async_rollout(self):
         if self.rollout.max_staleness == 0:
-            if self.rollout.async_mode == "eager":
+            if self.rollout.async_mode != "deterministic":
                 raise ValueError(
-                    "rollout.async_mode=eager needs rollout.max_staleness >= 1 (with 0 every batch "
-                    "is generated with the current weights already)"
+                    f"rollout.async_mode={self.rollout.async_mode} needs rollout.max_staleness >= 1 "
+                    "(with 0 every batch is generated with the current weights already)"
                 )
             if self.rollout.async_worker == "thread":
                 raise ValueError(

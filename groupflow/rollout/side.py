@@ -83,6 +83,15 @@ class RolloutSide:
             self.close()
             raise
         self.sampling = Sampling.from_config(cfg)
+        self.async_mode = cfg.rollout.async_mode
+
+    @property
+    def in_flight(self) -> bool:
+        """rollout.async_mode=in_flight: versions also reach the engine between decode steps."""
+        return self.async_mode == "in_flight"
+
+    def take_updates_in_flight(self, updates) -> None:
+        self.policy.rollout.take_updates_in_flight(updates)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         self.policy.load_weights(weights)
@@ -96,10 +105,42 @@ class RolloutSide:
 
 def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool) -> None:
     """Answer jobs until ``None`` or the pipe closes. ``eager``: a job takes the newest version
-    published when it starts (at least its scheduled one). After a failure every later job is
+    published when it starts (at least its scheduled one). With ``side.in_flight``
+    (rollout.async_mode=in_flight) the engine also takes each version published while the job
+    runs, between two decode steps (``in_flight_updates``). After a failure every later job is
     answered with the same error: it must not run on a side in an unknown state."""
     held, newest, failed = None, -1, None
     pending: deque = deque()
+    job = [0]  # the step being collected (what a status written mid-job names)
+
+    def take_published() -> int:
+        """The newest version published so far (jobs and the stop that arrive meanwhile wait)."""
+        nonlocal newest
+        while conn.poll():
+            m = conn.recv()
+            if m is not None and m[0] == "weights":
+                newest = max(newest, m[1])
+            else:
+                pending.append(m)
+        return newest
+
+    def in_flight_updates() -> tuple[int, dict | None]:
+        nonlocal held
+        assert held is not None, "a job loads its version before it decodes"
+        version = take_published()
+        if version <= held:
+            return held, None
+        status[:] = torch.tensor([LOADING, job[0], version])
+        weights = ring.read(version)
+        held = version
+        status[:] = torch.tensor([COLLECTING, job[0], version])
+        return version, weights
+
+    try:
+        if side.in_flight:
+            side.take_updates_in_flight(in_flight_updates)
+    except BaseException as e:  # noqa: BLE001 - answered to the trainer with the first job
+        failed = e
     while True:
         try:
             msg = pending.popleft() if pending else conn.recv()
@@ -111,17 +152,12 @@ def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool) -> N
             newest = max(newest, msg[1])
             continue
         _, step, version = msg
+        job[0] = step
         try:
             if failed is not None:
                 raise failed
             if eager:  # what was published while the previous job ran
-                while conn.poll():
-                    m = conn.recv()
-                    if m is not None and m[0] == "weights":
-                        newest = max(newest, m[1])
-                    else:
-                        pending.append(m)
-                version = max(version, newest)
+                version = max(version, take_published())
             if version != held:
                 status[:] = torch.tensor([LOADING, step, version])
                 side.load(ring.read(version))

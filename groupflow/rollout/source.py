@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+import torch
+
 from groupflow.batch import Batch
 from groupflow.distributed.transport import ticket_nbytes
 from groupflow.policies.base import weights_nbytes
@@ -32,6 +34,25 @@ from groupflow.workflows.collect import Sampling, collect_step
 log = logging.getLogger("groupflow")
 
 __all__ = ["RolloutSource", "SyncRollout", "AsyncRolloutSource", "build_rollout_source"]
+
+
+def token_staleness(batch, step: int) -> dict[str, float]:
+    """In-flight weight updates: how stale the batch's tokens are when trained at ``step`` (the
+    mean, the largest, the share of each staleness) and the share of samples whose tokens span
+    several versions. Nothing without ``token_versions``."""
+    if "token_versions" not in batch:
+        return {}
+    versions, mask = batch["token_versions"], batch["response_mask"].bool()
+    stale = (step - versions)[mask]
+    if stale.numel() == 0:
+        return {}
+    out = {"async/token_staleness_mean": float(stale.float().mean()),
+           "async/token_staleness_max": float(stale.max())}  # fmt: skip
+    for k, n in zip(*torch.unique(stale, return_counts=True)):
+        out[f"async/token_staleness_{int(k)}_frac"] = float(n) / stale.numel()
+    spans = torch.where(mask, versions, versions.max()).min(1).values < versions.max(1).values
+    out["async/samples_switched_frac"] = float(spans.float().mean())
+    return out
 
 
 class RolloutSource(Protocol):
@@ -90,7 +111,7 @@ class AsyncRolloutSource:
         self.recipe_parts = recipe_parts  # (cfg, run_dir, train_rows, rewards) for RolloutRecipe
         self.policy, self.loader, self.k = policy, loader, max_staleness
         self.total_steps = total_steps  # a callable: a resume may raise run.total_steps
-        self.process, self.eager = async_worker == "process", async_mode == "eager"
+        self.process, self.eager = async_worker == "process", async_mode in ("eager", "in_flight")
         self.timeout_s = timeout_s
         self.rollouts: AsyncRollout | None = None
         self.snapshots: dict[int, dict] = {}  # version -> weights, while no side holds them
@@ -136,7 +157,7 @@ class AsyncRolloutSource:
         assert self.rollouts is not None, "start() first"
         batch, metrics = self.rollouts.result(step)
         staleness = step - float(batch["version"].float().mean())
-        return batch, {**metrics, "async/staleness": staleness}
+        return batch, {**metrics, "async/staleness": staleness, **token_staleness(batch, step)}
 
     def after_update(self, version: int, submit: bool = True) -> dict[str, float]:
         """Version ``version`` (= s+1 after the update of step s) exists: publish it and submit the

@@ -73,6 +73,17 @@ class InferenceWorker:
         return self.generated_samples
 
     @register("all")
+    def take_updates_in_flight(self, updates) -> None:
+        """rollout.async_mode=in_flight: the engine calls ``updates`` between decode steps
+        (``HFEngine.updates``); only an engine that decodes with this process's model can."""
+        if not hasattr(self.engine, "updates"):
+            raise ValueError(
+                f"rollout.async_mode=in_flight: the {self.engine.name} engine does not load "
+                "weights between decode steps (use rollout.engine=hf, or async_mode=eager)"
+            )
+        self.engine.updates = updates
+
+    @register("all")
     def engine_state(self) -> tuple[str, int]:
         """(engine name, policy version of its weights): which engine generates here, and what
         it last received."""

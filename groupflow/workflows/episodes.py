@@ -102,6 +102,8 @@ class Episode:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # in-flight weight updates: the version that sampled each token (-1: an observation's)
+    versions: list[int] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     turn_texts: list[str] = field(default_factory=list)
     env_rewards: list[float] = field(default_factory=list)
@@ -124,10 +126,13 @@ class Episode:
         """The images of the whole sequence (prompt and observations), in placeholder order."""
         return join_vision(self.images)
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float], text: str) -> None:
+    def add_model_turn(self, ids: list[int], logprobs: list[float], text: str,
+                       versions: list[int] | None = None) -> None:  # fmt: skip
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += logprobs
+        if versions is not None:
+            self.versions += versions
         self.turn_texts.append(text)
         self.messages.append({"role": "assistant", "content": text})
 
@@ -138,6 +143,8 @@ class Episode:
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        if self.versions:
+            self.versions += [-1] * len(ids)
         self.observation_tokens += len(ids)
         self.messages += messages
 
@@ -294,16 +301,20 @@ def _turn_inputs(live: list[Episode], turn: int, n: int, prompts_batch) -> tuple
 def _take_turn(live: list[Episode], out: Batch, budget: list[int], limits: EpisodeLimits,
                tokenizer, turn: int = 0, placeholders: Sequence[int] = ()) -> None:  # fmt: skip
     responses, mask, logps = out["responses"], out["response_mask"], out["rollout_logprobs"]
+    versions = out["token_versions"] if "token_versions" in out else None  # in-flight updates
     for k, e in enumerate(live):
         m = mask[k].bool()
         ids, lps = responses[k][m].tolist(), logps[k][m].tolist()
+        vs = versions[k][m].tolist() if versions is not None else None
         reason = out["finish_reason"][k]
+        keep = len(ids)
         if len(ids) > budget[k]:  # the batch decoded to the longest budget; this one has less
-            ids, lps, reason = ids[: budget[k]], lps[: budget[k]], "length"
-        cut = next((j for j, t in enumerate(ids) if t in placeholders), None)
+            keep, reason = budget[k], "length"
+        cut = next((j for j, t in enumerate(ids[:keep]) if t in placeholders), None)
         if cut is not None:  # see the module docstring: no placeholder without its image
-            ids, lps = ids[:cut], lps[:cut]
-        e.add_model_turn(ids, lps, tokenizer.decode(ids, skip_special_tokens=True))
+            keep = cut
+        ids, lps, vs = ids[:keep], lps[:keep], (vs[:keep] if vs is not None else None)
+        e.add_model_turn(ids, lps, tokenizer.decode(ids, skip_special_tokens=True), vs)
         if cut is not None:
             e.fail(StepResult(None, failure=f"turn {turn + 1}: the model sampled an image "
                               f"placeholder token (id {responses[k][m][cut].item()}); the turn is "
@@ -428,6 +439,15 @@ def episodes_batch(episodes: list[Episode], pad_id: int, width: int) -> Batch:
             responses[i, :t] = torch.tensor(e.ids)
             response_mask[i, :t] = torch.tensor(e.mask)
             logprobs[i, :t] = torch.tensor(e.logprobs)
+    versions = None
+    if any(e.versions for e in episodes):  # in-flight updates: every model token has its version
+        versions = torch.full((b, width), -1, dtype=torch.long)
+        for i, e in enumerate(episodes):
+            if len(e.versions) != len(e.ids):
+                raise RuntimeError(f"episode {i}: {len(e.versions)} token versions for "
+                                   f"{len(e.ids)} tokens")  # fmt: skip
+            if e.versions:
+                versions[i, : len(e.versions)] = torch.tensor(e.versions)
     objects: dict[str, Any] = {"finish_reason": [e.finish for e in episodes]}
     vision = [e.vision for e in episodes]
     if any(v is not None for v in vision):  # each sample's images, for log-probs and updates
@@ -440,6 +460,7 @@ def episodes_batch(episodes: list[Episode], pad_id: int, width: int) -> Batch:
             "response_mask": response_mask,
             "rollout_logprobs": logprobs,
             "group_ids": torch.tensor([e.group for e in episodes], dtype=torch.long),
+            **({"token_versions": versions} if versions is not None else {}),
         },
         objects,
     )

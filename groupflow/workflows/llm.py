@@ -76,6 +76,10 @@ def with_prompt_info(out: Batch, rows: list[PromptRow], texts: list[str], n: int
     out["prompt"] = [texts[i // n] for i in range(b)]
     out["row"] = [rows[i // n] for i in range(b)]
     out["version"] = torch.full((b,), version, dtype=torch.long)
+    if "token_versions" in out:  # in-flight updates: a sample is as old as its oldest token
+        tv = out["token_versions"]
+        oldest = torch.where(tv >= 0, tv, torch.iinfo(tv.dtype).max).min(dim=1).values
+        out["version"] = torch.where(oldest == torch.iinfo(tv.dtype).max, version, oldest)
     return out
 
 

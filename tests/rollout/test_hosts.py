@@ -87,6 +87,8 @@ def test_deterministic_schedule(tiny_config):
 class _FakeSide:
     """A rollout side that records what it loads and collects; job 0 waits for ``gate``."""
 
+    in_flight = False  # rollout.async_mode != in_flight
+
     def __init__(self):
         self.gate, self.loaded, self.collected = threading.Event(), [], []
         self.loader = type("L", (), {"state_dict": staticmethod(dict)})()
@@ -121,7 +123,9 @@ def test_eager_jobs_take_the_newest_snapshot_when_they_start(eager):
     trainer_end.send(("weights", 0))
     for step in range(3):
         trainer_end.send(("job", step, 0))
+    deadline = time.monotonic() + 30
     while int(status[0]) != COLLECTING:  # job 0 has started (with version 0)
+        assert thread.is_alive() and time.monotonic() < deadline, "job 0 never started"
         time.sleep(0.01)
     ring.write(1, {"w": torch.tensor(1.0)})  # the trainer's update of step 0
     trainer_end.send(("weights", 1))
@@ -169,6 +173,146 @@ def test_eager_mode_is_fresher_and_respects_the_bound(tiny_config, monkeypatch):
     assert all(0.0 <= eager[s]["async/staleness"] <= 1.0 for s in range(2, 6)), eager
 
 
+def test_in_flight_updates_reach_a_running_batch_between_decode_steps(tiny_config, monkeypatch):
+    """k = 1, the side in a thread: the batch of step 1 starts with version 0, and the trainer's
+    version 1 (its update of step 0) is held back until it has; the batch then waits at its 4th
+    decode step until version 1 is there. Its tokens 0-2 carry version 0, the later ones version
+    1 (token_versions, checked against the staleness bound in the loop), each sample is as old
+    as its first token, and the metrics count the switch; the run trains on."""
+    from groupflow.rollout.side import RolloutSide
+    from groupflow.rollout.source import AsyncRolloutSource
+
+    now = {"step": -1, "calls": 0}
+    collect, take = RolloutSide.collect, RolloutSide.take_updates_in_flight
+    after_update, train_step = AsyncRolloutSource.after_update, Trainer.train_step
+    trained = {}
+
+    def wait_for(done, what):
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.005)
+
+    def collect_(self, step, version):
+        now["step"], now["calls"] = step, 0
+        return collect(self, step, version)
+
+    def take_(self, updates):
+        def held_at_the_4th_step_of_batch_1():
+            now["calls"] += 1
+            if now["step"] == 1 and now["calls"] == 4:
+                seen = []
+                wait_for(lambda: seen.append(updates()) or seen[-1][0] >= 1, "version 1")
+                return seen[-1]
+            return updates()
+
+        return take(self, held_at_the_4th_step_of_batch_1)
+
+    def after_update_(self, version, submit=True):
+        if version == 1:
+            wait_for(lambda: now["step"] == 1, "the batch of step 1 to start")
+        return after_update(self, version, submit)
+
+    def train_step_(self):
+        step = self.step
+        batch, metrics = train_step(self)
+        trained[step] = batch
+        return batch, metrics
+
+    monkeypatch.setattr(RolloutSide, "collect", collect_)
+    monkeypatch.setattr(RolloutSide, "take_updates_in_flight", take_)
+    monkeypatch.setattr(AsyncRolloutSource, "after_update", after_update_)
+    monkeypatch.setattr(Trainer, "train_step", train_step_)
+    rows = _run(tiny_config, run__total_steps=3, rollout__max_staleness=1,
+                rollout__async_worker="thread", rollout__async_mode="in_flight")  # fmt: skip
+    batch = trained[1]
+    mask = batch["response_mask"].bool()
+    width = batch["token_versions"].shape[1]
+    per_step = torch.tensor([0, 0, 0] + [1] * (width - 3))
+    assert mask[:, 3:].any()
+    assert torch.equal(batch["token_versions"], torch.where(mask, per_step, -1))
+    assert batch["version"].tolist() == [0] * len(batch)
+    switched = float(mask[:, 3:].any(1).float().mean())
+    assert rows[2]["async/samples_switched_frac"] == pytest.approx(switched)
+    stale = 1 - batch["token_versions"][mask]  # trained at step 1
+    assert rows[2]["async/token_staleness_1_frac"] == pytest.approx(
+        float((stale == 1).float().mean())
+    )
+    assert rows[2]["async/token_staleness_mean"] == pytest.approx(float(stale.float().mean()))
+    assert rows[2]["async/token_staleness_max"] == 1.0
+    assert rows[2]["async/staleness"] == 1.0  # a sample is as old as its first token
+    # batch 0 ran before any new version existed; batch 2 started with version 1 or 2
+    assert (trained[0]["token_versions"][trained[0]["response_mask"].bool()] == 0).all()
+    assert set(trained[2]["token_versions"].unique().tolist()) <= {-1, 1, 2}
+    assert all(math.isfinite(rows[s]["actor/loss"]) for s in (1, 2, 3))
+
+
+def test_in_flight_updates_reach_a_multi_turn_episode_between_decode_steps(
+    tiny_config, monkeypatch
+):
+    """The multi-turn workflow with a calculator, k = 1: version 1 reaches the batch of step 1
+    at its 4th decode step (as above). Every model token of an episode records the version that
+    sampled it, the rest -1; an episode's versions never go back; tokens 0-2 are version 0; the
+    switch is counted (observations between turns: tests/workflows/test_episodes.py)."""
+    from groupflow.rollout.side import RolloutSide
+    from groupflow.rollout.source import AsyncRolloutSource
+
+    now = {"step": -1, "calls": 0}
+    collect, take = RolloutSide.collect, RolloutSide.take_updates_in_flight
+    after_update, train_step = AsyncRolloutSource.after_update, Trainer.train_step
+    trained = {}
+
+    def wait_for(done):
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.005)
+
+    def collect_(self, step, version):
+        now["step"], now["calls"] = step, 0
+        return collect(self, step, version)
+
+    def take_(self, updates):
+        def held():
+            now["calls"] += 1
+            if now["step"] == 1 and now["calls"] == 4:
+                seen = []
+                wait_for(lambda: seen.append(updates()) or seen[-1][0] >= 1)
+                return seen[-1]
+            return updates()
+
+        return take(self, held)
+
+    def after_update_(self, version, submit=True):
+        if version == 1:
+            wait_for(lambda: now["step"] == 1)
+        return after_update(self, version, submit)
+
+    def train_step_(self):
+        step = self.step
+        trained[step] = (out := train_step(self))[0]
+        return out
+
+    for cls, name, fn in ((RolloutSide, "collect", collect_),
+                          (RolloutSide, "take_updates_in_flight", take_),
+                          (AsyncRolloutSource, "after_update", after_update_),
+                          (Trainer, "train_step", train_step_)):  # fmt: skip
+        monkeypatch.setattr(cls, name, fn)
+    rows = _run(tiny_config, run__total_steps=2, rollout__max_staleness=1,
+                rollout__async_worker="thread", rollout__async_mode="in_flight",
+                **CALC)  # fmt: skip
+    batch = trained[1]
+    mask, versions = batch["response_mask"].bool(), batch["token_versions"]
+    assert (versions[~mask] == -1).all()  # observations and padding
+    assert set(versions[mask].tolist()) == {0, 1}
+    assert (versions[:, :3][mask[:, :3]] == 0).all()
+    for row, m in zip(versions, mask):
+        assert row[m].tolist() == sorted(row[m].tolist())  # never back to an older version
+    assert batch["version"].tolist() == [0] * len(batch)
+    switched = [bool(set(row[m].tolist()) == {0, 1}) for row, m in zip(versions, mask)]
+    assert rows[2]["async/samples_switched_frac"] == pytest.approx(sum(switched) / len(switched))
+
+
 def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
     import groupflow.rollout.source as source_module
 
@@ -197,6 +341,34 @@ def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
         ({"rollout.max_staleness": 1, "run.backend": "ray"}, "rollout pool of its own"),
         ({"rollout.async_worker": "fork"}, "rollout.async_worker"),
         ({"rollout.async_mode": "eager"}, "async_mode=eager needs rollout.max_staleness"),
+        ({"rollout.async_mode": "in_flight"}, "async_mode=in_flight needs rollout.max_staleness"),
+        (
+            {
+                "rollout.async_mode": "in_flight",
+                "rollout.max_staleness": 1,
+                "rollout.workflow": "agent",
+                "rollout.agent": "serve_agents:openai_sdk_agent",
+            },
+            r"in_flight needs the single_turn or multi_turn workflow \(not agent",
+        ),
+        (
+            {
+                "rollout.async_mode": "in_flight",
+                "rollout.max_staleness": 1,
+                "rollout.engine": "vllm",
+                "model.tiny.hidden_size": 128,
+            },
+            r"in_flight needs rollout.engine=hf \(not vllm",
+        ),
+        (
+            {
+                "rollout.async_mode": "in_flight",
+                "rollout.max_staleness": 1,
+                "run.backend": "ray",
+                "placement.rollout": {"nodes": 1},
+            },
+            r"in_flight needs run.backend=local \(not ray",
+        ),
         ({"rollout.async_worker": "thread"}, "async_worker=thread .*max_staleness=0 runs none"),
         ({"rollout.async_mode": "newest", "rollout.max_staleness": 1}, "rollout.async_mode"),
         ({"actor.off_policy": "tis"}, "needs actor.tis_cap"),
@@ -256,16 +428,18 @@ def test_dynamic_sampling_refills_use_the_scheduled_version(tiny_config):
     assert [rows[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
+CALC = dict(
+    data__task={"name": "calc", "digits": 2, "num_train": 200, "num_val": 8},
+    model__tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 80},
+    rollout__max_turns=2, rollout__max_new_tokens=20, rollout__max_response_tokens=40,
+    rollout__stop=["</calc>"], rollout__tools=[{"name": "calculator", "label": "calc"}],
+    rollout__tool_parser="tag", rollout__observation_template="={content}\n",
+)  # fmt: skip
+
+
 def test_multi_turn_tools_run_asynchronously(tiny_config):
-    calc = dict(
-        data__task={"name": "calc", "digits": 2, "num_train": 200, "num_val": 8},
-        model__tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 80},
-        rollout__max_turns=2, rollout__max_new_tokens=20, rollout__max_response_tokens=40,
-        rollout__stop=["</calc>"], rollout__tools=[{"name": "calculator", "label": "calc"}],
-        rollout__tool_parser="tag", rollout__observation_template="={content}\n",
-    )  # fmt: skip
-    sync = _run(tiny_config, run__name="mt0", run__total_steps=2, **calc)
-    k1 = _run(tiny_config, run__name="mt1", run__total_steps=2, rollout__max_staleness=1, **calc)
+    sync = _run(tiny_config, run__name="mt0", run__total_steps=2, **CALC)
+    k1 = _run(tiny_config, run__name="mt1", run__total_steps=2, rollout__max_staleness=1, **CALC)
     assert [sync[1][k] for k in KEYS] == [k1[1][k] for k in KEYS]
     assert sync[1]["rollout/turns/mean"] == k1[1]["rollout/turns/mean"]
     assert k1[2]["async/staleness"] == 1.0

@@ -108,6 +108,45 @@ def test_trained_ids_are_the_sampled_ids_and_logprobs_recompute(lm, helpers):
     assert batch["rollout_logprobs"][~m].abs().sum() == 0
 
 
+def test_in_flight_token_versions_follow_each_model_token_through_turns(lm, helpers):
+    """rollout.async_mode=in_flight: an engine whose version rises at every decode step (no
+    weights change: only the bookkeeping is under test). In the batch, every model token has
+    its version, observations and padding -1, and along an episode the versions only rise —
+    the turns' tokens in sampling order, each observation in between."""
+    model, tok = lm
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=5, max_response_tokens=40)
+    clock = iter(range(10**6))
+
+    class Rising(Recorder):
+        def __call__(self, batch, params, width):
+            engine = HFEngine(self.model, self.tok, eos_ids=[self.tok.eos_token_id],
+                              pad_id=self.tok.pad_token_id)  # fmt: skip
+            engine.updates = lambda: (next(clock), None)
+            out = generate_batch(engine, self.tok.pad_token_id, batch, params, width)
+            self.calls.append((batch, params, out))
+            return out
+
+    rows = _rows()
+    gen = Rising(model, tok)
+    episodes = run_episodes(
+        rows, [tok(r.prompt)["input_ids"] for r in rows], list(range(100, 106)), [0, 1], n=3,
+        generate=gen, params=SamplingParams(max_new_tokens=5, temperature=1.0),
+        make_env=lambda: helpers.CountdownEnv(turns=5), fmt=PlainFormat(tok, "={content}\n"),
+        tokenizer=tok, limits=limits,
+    )  # fmt: skip
+    assert any(e.observation_tokens for e in episodes)
+    batch = episodes_batch(episodes, tok.pad_token_id, limits.max_response_tokens)
+    versions, mask = batch["token_versions"], batch["response_mask"].bool()
+    assert (versions[~mask] == -1).all() and (versions[mask] >= 0).all()
+    for i, e in enumerate(episodes):
+        row = versions[i, : len(e.ids)][mask[i, : len(e.ids)]].tolist()
+        assert len(row) == len(e.ids) - e.observation_tokens
+        assert row == sorted(set(row)), row  # one decode step per token, in order
+    # each call's versions are those its generate recorded for the rows it decoded
+    recorded = {v for _, _, out in gen.calls for v in out["token_versions"].flatten().tolist()}
+    assert set(versions[mask].tolist()) <= recorded
+
+
 def test_each_turn_samples_from_the_whole_context(lm, helpers):
     """Turn k's prompt is the prompt + everything so far (model and observation tokens)."""
     limits = EpisodeLimits(max_turns=3, max_new_tokens=4, max_response_tokens=40)

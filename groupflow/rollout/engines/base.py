@@ -19,7 +19,7 @@ vLLM does, answers None) — so no caller tests which class an engine is.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,12 +81,26 @@ class HFEngine:
         # set by a worker whose model is sharded across ranks: they decode in lockstep
         # (``rollout.hf.generate``'s ``lockstep``; ``distributed.parallel.agree``)
         self.lockstep = None
+        # set by the asynchronous rollout side for rollout.async_mode=in_flight: called between
+        # decode steps, it answers (the version to decode with, its weights when they are newer
+        # than what the model holds, else None) — ``groupflow.rollout.side.serve``
+        self.updates: Callable[[], tuple[int, dict | None]] | None = None
 
     def generate(self, prompts, params: SamplingParams, *, seeds, vision=None) -> GenerationOutput:
         return generate(
             self.model, prompts, params, seeds=seeds, pad_id=self.pad_id, eos_ids=self.eos_ids,
             tokenizer=self.tokenizer, vision=vision, lockstep=self.lockstep,
+            between=self._between if self.updates is not None else None,
         )  # fmt: skip
+
+    def _between(self) -> int:
+        """In-flight weight updates: load a newer version in place (the KV cache is kept)."""
+        assert self.updates is not None
+        version, weights = self.updates()
+        if weights is not None:
+            self.model.load_state_dict(weights)
+        self.version = version
+        return version
 
     def load_weights(self, weights, version: int = -1) -> float:
         """The shared model: load into it (a worker whose model is not the engine's own, e.g. a

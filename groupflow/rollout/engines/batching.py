@@ -61,6 +61,8 @@ def generate_batch(engine: RolloutEngine, pad_id: int, prompts: Batch, params: S
         "response_mask": _pad_to(out.response_mask, params.max_new_tokens, 0, left=False),
         "rollout_logprobs": _pad_to(out.logprobs, params.max_new_tokens, 0.0, left=False),
     }
+    if out.token_versions is not None:  # in-flight weight updates: the version of each token
+        tensors["token_versions"] = _pad_to(out.token_versions, params.max_new_tokens, -1, False)
     tensors = {k: v.cpu() for k, v in tensors.items()}
     tensors["group_ids"] = prompts["group_ids"].repeat_interleave(params.n)
     objects: dict = {"finish_reason": out.finish_reasons}

@@ -12,6 +12,14 @@ Design decisions:
   agree, and a resumed run replays the same samples.
 - The recorded log-prob is ``log_softmax(logits / T)`` of the sampled token *without* top-k/top-p/
   min-p truncation, which is what the training forward computes (algorithms.md §5).
+- In-flight weight updates (``rollout.async_mode: in_flight``) are a callback, ``between``, that
+  the loop calls before the prefill and after every sampled token, before the forward that gives
+  the next token's logits: it may load a newer version into the model in place and answers the
+  version the model holds, which each token records (``token_versions``). The KV cache of the
+  tokens before a switch stays as the older weights computed it (as PipelineRL and SkyRL keep
+  it): re-encoding it would cost a prefill per switch, and the recorded log-prob is still exactly
+  the probability the token was sampled with — the behaviour log-prob the off-policy correction
+  needs.
 """
 
 from __future__ import annotations
@@ -62,6 +70,9 @@ class GenerationOutput:
     response_mask: torch.Tensor  # [B, T] 1 for generated tokens up to and including EOS/stop
     logprobs: torch.Tensor  # [B, T] sampling log-probs (0 where masked)
     finish_reasons: list[str] = field(default_factory=list)  # "stop" or "length"
+    # [B, T] the policy version whose forward gave each token's logits (-1 where masked); only
+    # with ``between`` (in-flight weight updates)
+    token_versions: torch.Tensor | None = None
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +176,7 @@ def generate(
     tokenizer=None,
     vision: Sequence | None = None,
     lockstep: Callable[[bool, str], bool] | None = None,
+    between: Callable[[], int] | None = None,
 ) -> GenerationOutput:
     """Sample ``params.n`` responses per prompt.
 
@@ -178,19 +190,29 @@ def generate(
     (``distributed.parallel.agree``), so every rank takes the same decode path and as many steps
     as the longest (a rank whose rows have all finished steps on with them masked: its tokens
     are the same as without lockstep).
+
+    ``between``: in-flight weight updates (module docstring); called before the prefill and
+    between decode steps, it may load newer weights into ``model`` in place and returns the
+    policy version ``model`` holds; the output's ``token_versions`` records it per token. Not
+    with ``lockstep`` (every rank would have to switch at the same step).
     """
+    if between is not None and lockstep is not None:
+        raise ValueError(
+            "generate: in-flight weight updates (between) do not combine with lockstep"
+        )
     # Inference mode skips autograd's version counters and view tracking on every decode op
     # (~5-10% of generation on CPU). Its tensors cannot be saved for backward, and the training
     # forward indexes with these ids, so they are cloned back to normal tensors outside it.
     with torch.inference_mode():
-        out = _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer, vision, lockstep)
+        out = _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer, vision, lockstep,
+                        between)  # fmt: skip
     return dataclasses.replace(
         out, **{k: v.clone() for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
     )
 
 
 def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
-              vision=None, lockstep=None) -> GenerationOutput:  # fmt: skip
+              vision=None, lockstep=None, between=None) -> GenerationOutput:  # fmt: skip
     n_out = len(prompts) * params.n
     if len(seeds) != n_out:
         raise ValueError(f"generate: need one seed per output sample ({n_out}), got {len(seeds)}")
@@ -212,6 +234,8 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
                 f"generate: need one vision entry per prompt ({len(prompts)}), got {len(vision)}"
             )
         images = collate_vision(vision, device)
+    version = between() if between is not None else -1  # what the prefill computes with
+    versions_out: list[int] = []
     try:
         # Prefill once per prompt, then share the cache across its n samples.
         if images:
@@ -255,6 +279,7 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
             tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
             tokens_out.append(tok)
             logps_out.append(torch.where(alive, logp, torch.zeros_like(logp)))
+            versions_out.append(version)
             finished = alive & torch.isin(tok, eos)
             if params.stop:
                 finished |= alive & _hits_stop(tokens_out, params.stop, stop_window, tokenizer)
@@ -266,6 +291,8 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
                 more = lockstep(more, "any")
             if not more or t == params.max_new_tokens - 1:
                 break
+            if between is not None:  # a newer version computes the next token's logits
+                version = between()
             if decoder is not None:
                 logits = decoder.step(tok, next_pos + t, t)
                 continue
@@ -287,7 +314,12 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
     responses = responses.masked_fill(response_mask == 0, pad_id)
     logprobs = torch.stack(logps_out, dim=1) * response_mask
     reasons = ["stop" if s else "length" for s in stopped.tolist()]
-    return GenerationOutput(prompt_ids, prompt_mask, responses, response_mask, logprobs, reasons)
+    token_versions = None
+    if between is not None:
+        per_step = torch.tensor(versions_out, dtype=torch.long, device=device)
+        token_versions = per_step[None, :].expand(n_out, -1).masked_fill(response_mask == 0, -1)
+    return GenerationOutput(prompt_ids, prompt_mask, responses, response_mask, logprobs, reasons,
+                            token_versions)  # fmt: skip
 
 
 def _stop_window(stop: Sequence[str]) -> int:

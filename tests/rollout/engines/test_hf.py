@@ -242,3 +242,57 @@ def test_the_block_search_picks_the_inverse_cdf_token_with_and_without_padding(v
         u = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(row))
         cdf = logits[row].softmax(-1).double().cumsum(-1)
         assert int(tokens[row]) == int((cdf <= u * cdf[-1]).sum())
+
+
+@pytest.mark.parametrize("static_kv_cache", [True, False])
+def test_in_flight_weights_switch_between_decode_steps_and_each_token_records_its_version(
+    model, static_kv_cache
+):
+    """A new version arrives before the forward of token 3 (rollout.async_mode=in_flight). It
+    differs from the old one in the final norm only, which no key or value passes through, so
+    the KV cache kept from the old weights is the new version's own as well and the exact
+    reference is the teacher-forced log-probs: tokens 0-2 are the old model's (the very tokens
+    it samples alone, with its log-probs), tokens 3 on have the new model's log-probs, and
+    token_versions says which version gave each (-1 where masked)."""
+    import copy
+
+    old, new, decoding = model, copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        new.model.norm.weight.mul_(torch.linspace(0.2, 3.0, new.model.norm.weight.numel()))
+    calls = []
+
+    def between() -> int:
+        calls.append(len(calls))
+        if len(calls) == 4:  # before the forward of token 3: load in place, as the engine does
+            decoding.load_state_dict(new.state_dict())
+        return 6 if len(calls) < 4 else 7
+
+    params = SamplingParams(max_new_tokens=10, n=2, static_kv_cache=static_kv_cache)
+    seeds = list(range(40, 46))
+    out = generate(decoding, PROMPTS, params, seeds=seeds, pad_id=PAD, eos_ids=[EOS],
+                   between=between)  # fmt: skip
+    alone = run(old, PROMPTS, params, seeds)
+    mask = out.response_mask.bool()
+    assert mask[:, 3:].sum() > 10  # enough tokens after the switch to check
+    assert torch.equal(out.responses[:, :3], alone.responses[:, :3])
+    assert not torch.equal(out.responses, alone.responses)  # the new weights sampled the rest
+    per_step = torch.tensor([6, 6, 6] + [7] * (out.responses.shape[1] - 3))
+    assert torch.equal(out.token_versions, torch.where(mask, per_step, -1))
+    assert len(calls) == out.responses.shape[1]  # the prefill's and one per decode step after it
+    args = (out.prompt_ids, out.prompt_mask, out.responses, out.response_mask)
+    by_old, _ = response_logprobs(old, *args)
+    by_new, _ = response_logprobs(new, *args)
+    before, after = mask.clone(), mask.clone()
+    before[:, 3:], after[:, :3] = False, False
+    torch.testing.assert_close(out.logprobs[before], by_old[before], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logprobs[after], by_new[after], atol=1e-5, rtol=0)
+    assert (out.logprobs[after] - by_old[after]).abs().max() > 1e-2  # the check can tell them apart
+    assert run(old, PROMPTS, params, seeds).token_versions is None  # only with in-flight updates
+
+
+def test_in_flight_updates_refuse_lockstep(model):
+    with pytest.raises(
+        ValueError, match="in-flight weight updates .* do not combine with lockstep"
+    ):
+        generate(model, PROMPTS, SamplingParams(max_new_tokens=2), seeds=[0, 1, 2], pad_id=PAD,
+                 eos_ids=[EOS], lockstep=lambda flag, how: flag, between=lambda: 0)  # fmt: skip

@@ -187,3 +187,18 @@ def test_staleness_bound_names_the_stale_and_the_future_samples():
         check_staleness(b, current=4, max_staleness=0)
     with pytest.raises(ContractError, match=r"versions from the future in 2 sample.*'u1', 'u3'"):
         check_staleness(b, current=3, max_staleness=1)
+
+
+def test_in_flight_token_versions_are_bounded_by_the_policy_and_the_oldest_token():
+    """rollout.async_mode=in_flight: a sample's version is its oldest token's (the lower bound);
+    a token newer than the policy that trains it names its sample."""
+    b = staged("train_ready")
+    width = b["responses"].shape[1]
+    b["version"] = torch.tensor([3, 3, 2, 4])
+    b["token_versions"] = b["version"][:, None].repeat(1, width)
+    b["token_versions"][0, -1] = 4  # switched to version 4 mid-sample
+    assert check_staleness(b, current=4, max_staleness=2) is b
+    b["token_versions"][2, -1] = 5
+    with pytest.raises(ContractError, match=r"'token_versions': expected <= 4 .*tokens from the "
+                       r"future in 1 sample.*'u2'"):  # fmt: skip
+        check_staleness(b, current=4, max_staleness=2)

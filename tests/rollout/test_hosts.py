@@ -143,6 +143,35 @@ def test_eager_jobs_take_the_newest_snapshot_when_they_start(eager):
     assert side.collected == results
 
 
+def test_a_side_that_cannot_take_in_flight_updates_answers_its_first_job_with_why():
+    """The in-flight hook is set before the first job (e.g. an engine that cannot load weights
+    between decode steps refuses it): the error is the first job's answer, not a dead thread."""
+    import multiprocessing as mp
+    import pickle
+
+    from groupflow.rollout.side import serve
+    from groupflow.rollout.weight_ring import WeightRing
+
+    class Refusing(_FakeSide):
+        in_flight = True
+
+        def take_updates_in_flight(self, updates):
+            raise ValueError("the vllm engine does not load weights between decode steps")
+
+    side, ring = Refusing(), WeightRing({"w": torch.zeros(())}, slots=3, shared=False)
+    trainer_end, side_end = mp.Pipe()
+    thread = threading.Thread(target=serve, args=(side_end, side, ring, torch.zeros(3).long(),
+                                                  True))  # fmt: skip
+    thread.start()
+    trainer_end.send(("job", 0, 0))
+    assert trainer_end.poll(10)
+    kind, step, (how, body, text) = pickle.loads(trainer_end.recv_bytes())
+    trainer_end.send(None)
+    thread.join(10)
+    assert (kind, step) == ("error", 0) and "between decode steps" in text
+    assert side.collected == []
+
+
 def test_eager_mode_is_fresher_and_respects_the_bound(tiny_config, monkeypatch):
     """k = 2 with generation made the bottleneck: the batch of step s is only finished once the
     trainer reached step s, so the next batch starts when version s exists — eager takes it

@@ -202,59 +202,85 @@ def test_eager_mode_is_fresher_and_respects_the_bound(tiny_config, monkeypatch):
     assert all(0.0 <= eager[s]["async/staleness"] <= 1.0 for s in range(2, 6)), eager
 
 
-def test_in_flight_updates_reach_a_running_batch_between_decode_steps(tiny_config, monkeypatch):
-    """k = 1, the side in a thread: the batch of step 1 starts with version 0, and the trainer's
-    version 1 (its update of step 0) is held back until it has; the batch then waits at its 4th
-    decode step until version 1 is there. Its tokens 0-2 carry version 0, the later ones version
-    1 (token_versions, checked against the staleness bound in the loop), each sample is as old
-    as its first token, and the metrics count the switch; the run trains on."""
-    from groupflow.rollout.side import RolloutSide
-    from groupflow.rollout.source import AsyncRolloutSource
+class _PinnedSwitch:
+    """Pins where version 1 reaches the batch of step 1 (rollout.async_mode=in_flight, k = 1, the
+    side in a thread of this process): that batch starts with version 0 (the trainer publishes
+    version 1 only once it has started), its engine sees no newer version before its 4th call
+    (the prefill's is the 1st), and at the 4th waits until version 1 is there. So its tokens 0-2
+    are version 0's and the later ones version 1's, whatever the timing; every other batch takes
+    versions as they come. ``trained``: each step's trained batch."""
 
-    now = {"step": -1, "calls": 0}
-    collect, take = RolloutSide.collect, RolloutSide.take_updates_in_flight
-    after_update, train_step = AsyncRolloutSource.after_update, Trainer.train_step
-    trained = {}
+    def __init__(self, monkeypatch):
+        from groupflow.rollout.side import RolloutSide
+        from groupflow.rollout.source import AsyncRolloutSource
 
-    def wait_for(done, what):
+        self.step, self.calls, self.trained = -1, 0, {}
+        collect, take = RolloutSide.collect, RolloutSide.take_updates_in_flight
+        after_update, train_step = AsyncRolloutSource.after_update, Trainer.train_step
+        pin = self
+
+        def collect_(side, step, version):
+            pin.step, pin.calls = step, 0
+            return collect(side, step, version)
+
+        def take_(side, updates):
+            held = [0]
+
+            def pinned():
+                pin.calls += 1
+                if pin.step == 1 and pin.calls < 4:
+                    return held[0], None  # versions published meanwhile wait in the pipe
+                deadline = time.monotonic() + 60
+                while True:
+                    version, weights = updates()
+                    held[0] = version
+                    if pin.step != 1 or pin.calls != 4 or version >= 1:
+                        return version, weights
+                    assert time.monotonic() < deadline, "timed out waiting for version 1"
+                    time.sleep(0.005)
+
+            return take(side, pinned)
+
+        def after_update_(source, version, submit=True):
+            if version == 1:
+                pin.wait(lambda: pin.step == 1, "the batch of step 1 to start")
+            return after_update(source, version, submit)
+
+        def train_step_(trainer):
+            step = trainer.step
+            batch, metrics = train_step(trainer)
+            pin.trained[step] = batch
+            return batch, metrics
+
+        for cls, name, fn in ((RolloutSide, "collect", collect_),
+                              (RolloutSide, "take_updates_in_flight", take_),
+                              (AsyncRolloutSource, "after_update", after_update_),
+                              (Trainer, "train_step", train_step_)):  # fmt: skip
+            monkeypatch.setattr(cls, name, fn)
+
+    @staticmethod
+    def wait(done, what: str) -> None:
         deadline = time.monotonic() + 60
         while not done():
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.005)
 
-    def collect_(self, step, version):
-        now["step"], now["calls"] = step, 0
-        return collect(self, step, version)
+    def run(self, tiny_config, name: str, steps: int = 3, **overrides) -> dict[int, dict]:
+        self.trained = {}
+        return _run(tiny_config, run__name=name, run__total_steps=steps, rollout__max_staleness=1,
+                    rollout__async_worker="thread", rollout__async_mode="in_flight",
+                    **overrides)  # fmt: skip
 
-    def take_(self, updates):
-        def held_at_the_4th_step_of_batch_1():
-            now["calls"] += 1
-            if now["step"] == 1 and now["calls"] == 4:
-                seen = []
-                wait_for(lambda: seen.append(updates()) or seen[-1][0] >= 1, "version 1")
-                return seen[-1]
-            return updates()
 
-        return take(self, held_at_the_4th_step_of_batch_1)
-
-    def after_update_(self, version, submit=True):
-        if version == 1:
-            wait_for(lambda: now["step"] == 1, "the batch of step 1 to start")
-        return after_update(self, version, submit)
-
-    def train_step_(self):
-        step = self.step
-        batch, metrics = train_step(self)
-        trained[step] = batch
-        return batch, metrics
-
-    monkeypatch.setattr(RolloutSide, "collect", collect_)
-    monkeypatch.setattr(RolloutSide, "take_updates_in_flight", take_)
-    monkeypatch.setattr(AsyncRolloutSource, "after_update", after_update_)
-    monkeypatch.setattr(Trainer, "train_step", train_step_)
-    rows = _run(tiny_config, run__total_steps=3, rollout__max_staleness=1,
-                rollout__async_worker="thread", rollout__async_mode="in_flight")  # fmt: skip
-    batch = trained[1]
+def test_in_flight_updates_reach_a_running_batch_between_decode_steps(tiny_config, monkeypatch):
+    """Version 1 reaches the batch of step 1 at its 4th decode step (``_PinnedSwitch``): its
+    tokens 0-2 carry version 0, the later ones version 1 (token_versions, checked against the
+    staleness bound in the loop), each sample is as old as its first token, and the metrics
+    count the switch. A second run with the same switch point samples and trains the same
+    (what in-flight updates keep of determinism: it is the arrival times that vary)."""
+    pin = _PinnedSwitch(monkeypatch)
+    rows = pin.run(tiny_config, "a")
+    trained, batch = pin.trained, pin.trained[1]
     mask = batch["response_mask"].bool()
     width = batch["token_versions"].shape[1]
     per_step = torch.tensor([0, 0, 0] + [1] * (width - 3))
@@ -274,63 +300,23 @@ def test_in_flight_updates_reach_a_running_batch_between_decode_steps(tiny_confi
     assert (trained[0]["token_versions"][trained[0]["response_mask"].bool()] == 0).all()
     assert set(trained[2]["token_versions"].unique().tolist()) <= {-1, 1, 2}
     assert all(math.isfinite(rows[s]["actor/loss"]) for s in (1, 2, 3))
+    again = pin.run(tiny_config, "b")
+    for step in (0, 1):  # pinned: the same switch points
+        for key in ("responses", "token_versions", "rollout_logprobs", "rewards"):
+            assert torch.equal(pin.trained[step][key], trained[step][key]), (step, key)
+    assert not _same(rows[1], again[1]) and not _same(rows[2], again[2])
 
 
 def test_in_flight_updates_reach_a_multi_turn_episode_between_decode_steps(
     tiny_config, monkeypatch
 ):
-    """The multi-turn workflow with a calculator, k = 1: version 1 reaches the batch of step 1
-    at its 4th decode step (as above). Every model token of an episode records the version that
-    sampled it, the rest -1; an episode's versions never go back; tokens 0-2 are version 0; the
-    switch is counted (observations between turns: tests/workflows/test_episodes.py)."""
-    from groupflow.rollout.side import RolloutSide
-    from groupflow.rollout.source import AsyncRolloutSource
-
-    now = {"step": -1, "calls": 0}
-    collect, take = RolloutSide.collect, RolloutSide.take_updates_in_flight
-    after_update, train_step = AsyncRolloutSource.after_update, Trainer.train_step
-    trained = {}
-
-    def wait_for(done):
-        deadline = time.monotonic() + 60
-        while not done():
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.005)
-
-    def collect_(self, step, version):
-        now["step"], now["calls"] = step, 0
-        return collect(self, step, version)
-
-    def take_(self, updates):
-        def held():
-            now["calls"] += 1
-            if now["step"] == 1 and now["calls"] == 4:
-                seen = []
-                wait_for(lambda: seen.append(updates()) or seen[-1][0] >= 1)
-                return seen[-1]
-            return updates()
-
-        return take(self, held)
-
-    def after_update_(self, version, submit=True):
-        if version == 1:
-            wait_for(lambda: now["step"] == 1)
-        return after_update(self, version, submit)
-
-    def train_step_(self):
-        step = self.step
-        trained[step] = (out := train_step(self))[0]
-        return out
-
-    for cls, name, fn in ((RolloutSide, "collect", collect_),
-                          (RolloutSide, "take_updates_in_flight", take_),
-                          (AsyncRolloutSource, "after_update", after_update_),
-                          (Trainer, "train_step", train_step_)):  # fmt: skip
-        monkeypatch.setattr(cls, name, fn)
-    rows = _run(tiny_config, run__total_steps=2, rollout__max_staleness=1,
-                rollout__async_worker="thread", rollout__async_mode="in_flight",
-                **CALC)  # fmt: skip
-    batch = trained[1]
+    """The multi-turn workflow with a calculator, the switch pinned as above: every model token
+    of an episode records the version that sampled it, the rest -1; an episode's versions never
+    go back; tokens 0-2 are version 0; the switch is counted (observations between turns:
+    tests/workflows/test_episodes.py)."""
+    pin = _PinnedSwitch(monkeypatch)
+    rows = pin.run(tiny_config, "mt", steps=2, **CALC)
+    batch = pin.trained[1]
     mask, versions = batch["response_mask"].bool(), batch["token_versions"]
     assert (versions[~mask] == -1).all()  # observations and padding
     assert set(versions[mask].tolist()) == {0, 1}
@@ -340,6 +326,30 @@ def test_in_flight_updates_reach_a_multi_turn_episode_between_decode_steps(
     assert batch["version"].tolist() == [0] * len(batch)
     switched = [bool(set(row[m].tolist()) == {0, 1}) for row, m in zip(versions, mask)]
     assert rows[2]["async/samples_switched_frac"] == pytest.approx(sum(switched) / len(switched))
+
+
+def test_an_in_flight_run_resumes_from_its_checkpoint_within_the_bound(tiny_config, monkeypatch):
+    """in_flight is not bit-reproducible (arrival times vary), but a resume is sound: a run
+    stopped after its step-2 checkpoint and resumed to step 4 regenerates the batch that was in
+    flight from the checkpoint's snapshot, and every token it trains is within the bound."""
+    common = dict(run__name="resume", rollout__max_staleness=1, rollout__async_mode="in_flight",
+                  run__save_every=2, actor__lr_schedule="constant")  # fmt: skip
+    assert sorted(_run(tiny_config, run__total_steps=2, **common)) == [1, 2]
+    trained, train_step = {}, Trainer.train_step
+
+    def capture(trainer):
+        step = trainer.step
+        batch, metrics = train_step(trainer)
+        trained[step] = batch
+        return batch, metrics
+
+    monkeypatch.setattr(Trainer, "train_step", capture)
+    rows = _run(tiny_config, run__total_steps=4, **common)  # run.resume=auto
+    assert sorted(trained) == [2, 3]  # resumed after the step-2 checkpoint
+    for step, batch in trained.items():
+        versions = batch["token_versions"][batch["response_mask"].bool()]
+        assert versions.min() >= step - 1 and versions.max() <= step, (step, versions.unique())
+        assert rows[step + 1]["async/token_staleness_max"] <= 1.0
 
 
 def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):

@@ -124,7 +124,7 @@ def make_task_rows(
 
     def row(x: int, split: str) -> dict[str, Any]:
         prompt, answer = make(x, digits)
-        out = {
+        out: dict[str, Any] = {
             "prompt": prompt,
             "answer": answer,
             "data_source": DATA_SOURCES[task],

@@ -94,7 +94,7 @@ class RapidOCRReader:
 
     def __call__(self, frame: Tensor) -> str:
         lines, _ = self.engine(_to_bgr_uint8(frame))
-        return "".join(text for _, text, conf in lines or () if conf > self.min_confidence)
+        return "".join(text for _, text, conf in lines or () if float(conf) > self.min_confidence)
 
 
 def make_ocr_reward(

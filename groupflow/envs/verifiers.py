@@ -101,12 +101,13 @@ class VerifiersAgent:
         task data's plain fields (e.g. its ``answer``: what ``sft.target_field`` can name for a
         warm start; the reward stays verifiers')."""
         source = f"verifiers:{self.cfg.taskset}"
-        return tuple(
+        train, val = (
             [PromptRow(_prompt(t.data), {**_plain_fields(t.data), "vf_split": split, "vf_task": i},
                        source, i)
              for i, t in enumerate(self.tasks[split])]
             for split in ("train", "val")
         )  # fmt: skip
+        return train, val
 
     async def _enter_serving(self) -> None:
         """The env's serving resources (interception server, shared tools), once per loop."""

@@ -519,7 +519,7 @@ def capture_rng_state() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": {
             "bit_generator": str(kind),
-            "keys": keys.tolist(),
+            "keys": np.asarray(keys).tolist(),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),

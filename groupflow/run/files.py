@@ -92,8 +92,8 @@ def to_plain(obj: Any, where: str) -> Any:
         return obj
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
-    if callable(getattr(obj, "tolist", None)):
-        return to_plain(obj.tolist(), where)
+    if callable(tolist := getattr(obj, "tolist", None)):
+        return to_plain(tolist(), where)
     raise TypeError(
         f"config value at '{where}' has type {type(obj).__name__}, which cannot be saved"
     )

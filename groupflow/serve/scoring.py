@@ -116,7 +116,9 @@ def score_sequences(model: nn.Module, jobs: Sequence[ScoreJob], k: int,
             batch = []
         if i is not None:
             batch.append(i)
-    return out
+    scored = [s for s in out if s is not None]
+    assert len(scored) == len(out), "every job is scored above"
+    return scored
 
 
 def model_scorer(model: nn.Module, pad_id: int) -> ScoreFn:

@@ -323,6 +323,6 @@ def lockstep_logprobs(forward: nn.Module, batch: Batch, temperature: float, cfg:
                 out[idx, : lp.shape[1]] = lp * mb["response_mask"]
     finally:
         forward.train(was_training)
-        if hasattr(forward, "reshard"):  # FSDP2's root: free its gathered parameters
-            forward.reshard()
+        if callable(reshard := getattr(forward, "reshard", None)):  # FSDP2's root: free its
+            reshard()  # gathered parameters
     return Batch({"logprobs": out.cpu()})

@@ -139,7 +139,8 @@ class AgentLoop:
     def where(self) -> str:
         """Where the loop's thread is now: the innermost frame of code outside Python's standard
         library and installed packages (the agent's own line), and the innermost frame."""
-        frame = sys._current_frames().get(self._thread.ident)
+        ident = self._thread.ident
+        frame = sys._current_frames().get(ident) if ident is not None else None
         if frame is None:
             return "?"
         innermost, own = _frame_text(frame), None

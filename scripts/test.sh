@@ -26,6 +26,7 @@ fi
 # The tests that need vLLM (they skip in .venv); the pure TIS/config tests ran above.
 .venv-vllm/bin/python -m pytest -q -ra tests/rollout/engines/test_vllm.py tests/rollout/engines/test_vllm_vision.py tests/test_trainer_engine.py \
   tests/rollout/test_hosts.py::test_vllm_engine_runs_asynchronously_and_deterministically \
+  tests/rollout/test_hosts.py::test_vllm_engine_takes_in_flight_updates_in_the_rollout_process \
   tests/workflows/test_agent.py::test_one_step_with_the_vllm_engine_trains_exactly_the_sampled_ids \
   "tests/workflows/test_agent.py::test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train[vllm-0]" \
   "tests/workflows/test_agent.py::test_on_a_ray_rollout_pool_the_pool_generates_and_the_sampled_ids_train[vllm-1]" \

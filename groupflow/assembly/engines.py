@@ -44,6 +44,7 @@ def build_rollout_engine(cfg: Config):
         enable_prefix_caching=v.enable_prefix_caching,
         seed=cfg.run.seed,
         processor_path=processor_path,
+        in_flight=cfg.rollout.async_mode == "in_flight",
     )
 
 

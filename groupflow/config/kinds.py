@@ -85,16 +85,13 @@ def _llm_workflow(cfg) -> None:
 
 
 def _llm_in_flight(cfg) -> None:
-    """What in-flight weight updates need: an engine that decodes with the rollout side's own
-    model (HF), token versions recorded by the workflow (single- and multi-turn), the side's copy
-    (local backend: a Ray rollout pool's workers would each have to switch mid-decode)."""
+    """What in-flight weight updates need: token versions recorded by the workflow (single- and
+    multi-turn), the side's copy (local backend: a Ray rollout pool's workers would each have to
+    switch mid-decode). Either engine loads weights between decode steps."""
     r = cfg.rollout
     if r.async_mode != "in_flight":
         return
     why = []
-    if r.engine != "hf":
-        why.append(f"rollout.engine=hf (not {r.engine}: vLLM's weight updates between decode "
-                   "steps are not wired yet)")  # fmt: skip
     name = _llm_auto_workflow(cfg) if r.workflow == "auto" else r.workflow
     if name not in ("single_turn", "multi_turn"):
         why.append(f"the single_turn or multi_turn workflow (not {name}: its calls go through "

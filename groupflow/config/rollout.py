@@ -191,7 +191,8 @@ class RolloutConfig(_Section):
     # published while a batch is generated reaches the engine between two decode steps (the
     # running sequences go on with it; every token records the version that sampled it,
     # token_versions, and its behaviour log-prob): no batch waits for its longest sample to
-    # take new weights. HF engine, single- or multi-turn workflow, local backend (groupflow.rollout.side).
+    # take new weights. HF or vLLM engine, single- or multi-turn workflow, local backend
+    # (groupflow.rollout.side).
     async_mode: Literal["deterministic", "eager", "in_flight"] = "deterministic"
     # ---- weight transport (groupflow.distributed.transport): how a new version reaches a
     # rollout pool, the reference or a critic. "collective" (groupflow.distributed.collective):

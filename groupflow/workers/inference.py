@@ -75,11 +75,11 @@ class InferenceWorker:
     @register("all")
     def take_updates_in_flight(self, updates) -> None:
         """rollout.async_mode=in_flight: the engine calls ``updates`` between decode steps
-        (``HFEngine.updates``); only an engine that decodes with this process's model can."""
+        (``HFEngine.updates``, ``VLLMEngine.updates``)."""
         if not hasattr(self.engine, "updates"):
             raise ValueError(
                 f"rollout.async_mode=in_flight: the {self.engine.name} engine does not load "
-                "weights between decode steps (use rollout.engine=hf, or async_mode=eager)"
+                "weights between decode steps (use rollout.engine=hf or vllm, or async_mode=eager)"
             )
         self.engine.updates = updates
 

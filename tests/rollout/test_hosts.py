@@ -394,15 +394,6 @@ def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
             {
                 "rollout.async_mode": "in_flight",
                 "rollout.max_staleness": 1,
-                "rollout.engine": "vllm",
-                "model.tiny.hidden_size": 128,
-            },
-            r"in_flight needs rollout.engine=hf \(not vllm",
-        ),
-        (
-            {
-                "rollout.async_mode": "in_flight",
-                "rollout.max_staleness": 1,
                 "run.backend": "ray",
                 "placement.rollout": {"nodes": 1},
             },
@@ -825,6 +816,54 @@ def test_vllm_engine_runs_asynchronously_and_deterministically(tmp_path):
     assert a[1]["rollout/logprob_diff_max"] < 1e-3
     # step 1: the samples are one version old, the recomputed log-probs are not theirs
     assert a[2]["rollout/logprob_diff_mean"] > a[1]["rollout/logprob_diff_mean"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not vllm_available(),
+    reason="vLLM is not installed here; runs in .venv-vllm (bash scripts/setup_vllm.sh)",
+)
+def test_vllm_engine_takes_in_flight_updates_in_the_rollout_process(tmp_path, monkeypatch):
+    """rollout.async_mode=in_flight on vLLM, the side in its own process: every trained token
+    carries the version of the engine step that sampled it (tests/rollout/engines/test_vllm.py
+    pins a switch; here the arrival times are the real ones): -1 exactly where masked, versions
+    of a sample never going back, within the staleness bound; batch 0 ran before any update, and
+    the staleness metrics are logged."""
+    from groupflow.config import load_config
+
+    trained = {}
+    train_step = Trainer.train_step
+
+    def train_step_(trainer):
+        step = trainer.step
+        batch, metrics = train_step(trainer)
+        trained[step] = batch
+        return batch, metrics
+
+    monkeypatch.setattr(Trainer, "train_step", train_step_)
+    cfg = load_config(
+        "examples/reverse_vllm.yaml",
+        ["rollout.max_staleness=1", "rollout.async_mode=in_flight", "run.total_steps=3",
+         "sft.steps=20", "run.loggers=[]", "data.prompts_per_step=8",
+         "validation.before_training=false", f"run.output_dir={tmp_path}"],
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    rows = _rows(trainer.run_dir)
+    for step, batch in trained.items():
+        versions, mask = batch["token_versions"], batch["response_mask"].bool()
+        assert (versions[~mask] == -1).all()
+        assert ((versions[mask] >= step - 1) & (versions[mask] <= step)).all(), step
+        for row, m in zip(versions, mask):
+            assert row[m].tolist() == sorted(row[m].tolist())
+    assert (trained[0]["token_versions"][trained[0]["response_mask"].bool()] == 0).all()
+    for step in (1, 2, 3):
+        assert 0.0 <= rows[step]["async/token_staleness_mean"] <= 1.0
+        assert 0.0 <= rows[step]["async/samples_switched_frac"] <= 1.0
+    print({s: rows[s]["async/samples_switched_frac"] for s in (1, 2, 3)})
 
 
 def test_closing_the_rollout_side_closes_its_workflow_then_its_policy():

@@ -27,6 +27,18 @@ Design decisions:
   the request is an error, since the trained ids would not be the ids sampled from. vLLM resizes
   the images with the processor config copied from ``processor_path``; they arrive already within
   ``data.min_pixels`` / ``max_pixels``, so both processors see the same pixels.
+- In-flight weight updates (``rollout.async_mode: in_flight``, ``VLLMOptions.in_flight``): the
+  engine is stepped by our own loop (``_step_all``: ``LLM.generate``'s loop, with the requests
+  rendered by the ``LLM``'s own ``_preprocess_cmpl`` and added to its ``llm_engine``), and
+  ``updates`` is called before every engine step, as the HF engine calls it before the prefill
+  and every decode step. New weights go in place through ``reload_weights`` while the requests
+  are running; their KV blocks stay as the older weights computed them (the HF engine's rule,
+  and PipelineRL's and SkyRL's: a recompute would cost a prefill per switch, and the recorded
+  log-prob is still the one the token was sampled with). Every token records the version of the
+  step that sampled it (``token_versions``; the requests return their cumulative outputs for
+  this). vLLM's asynchronous scheduling (a GPU) would run a step's forward after the next
+  update, so it is off for such an engine. After a call in which the version changed, the
+  prefix cache is reset: the next call's prompts must not reuse blocks of superseded weights.
 - ``vllm`` is imported only when an engine is built, so everything else runs without it;
   ``require_vllm`` gives the install command when it is missing.
 """
@@ -35,12 +47,13 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +111,8 @@ class VLLMOptions:
     # chat template) vLLM's multimodal processor reads; None: a text model
     processor_path: str | None = None
     max_images_per_prompt: int = 8
+    # rollout.async_mode=in_flight: weights may change between two engine steps (module docstring)
+    in_flight: bool = False
 
     def build(self, model: nn.Module, tokenizer, *, eos_ids: Sequence[int],
               pad_id: int) -> VLLMEngine:  # fmt: skip
@@ -149,6 +164,11 @@ class VLLMEngine:
         self.eos_ids, self.pad_id = sorted(set(eos_ids)), pad_id
         self.sleeping = False
         self.version = -1
+        # set by the asynchronous rollout side for rollout.async_mode=in_flight (the HF engine's
+        # ``updates``): called before every engine step, it answers (the version to decode with,
+        # its weights when they are newer than what the engine holds, else None)
+        self.updates: Callable[[], tuple[int, dict | None]] | None = None
+        self._request_ids = itertools.count()
         # Config and tokenizer only: the weights arrive through load_weights below.
         self._dir = tempfile.mkdtemp(prefix="groupflow-vllm-")
         config = copy.deepcopy(model.config)
@@ -161,6 +181,8 @@ class VLLMEngine:
         if options.processor_path is not None:
             _copy_processor_files(options.processor_path, self._dir)
             extra["limit_mm_per_prompt"] = {"image": options.max_images_per_prompt, "video": 0}
+        if options.in_flight:  # each step's forward runs with the weights loaded before it
+            extra["async_scheduling"] = False
         dtype = options.dtype
         if dtype == "auto":
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -239,6 +261,11 @@ class VLLMEngine:
             raise ValueError(
                 f"generate: need one seed per output sample ({n_out}), got {len(seeds)}"
             )
+        if self.updates is not None and not self.options.in_flight:
+            raise ValueError(
+                "the vLLM engine was given in-flight weight updates but built without "
+                "VLLMOptions.in_flight (rollout.async_mode=in_flight sets it)"
+            )
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)  # validates the prompts
         self.resume()
         requests, sampling = [], []
@@ -247,16 +274,67 @@ class VLLMEngine:
             for j in range(params.n):
                 requests.append(request)
                 sampling.append(vllm_sampling_params(params, seeds[i * params.n + j], self.eos_ids))
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs, versions = self._step_all(requests, sampling)
         self.pause()  # between rollouts (sleep mode only)
         if has_images:
             _check_expanded(outputs, prompts, params.n)
-        out = _to_generation_output(outputs, self.pad_id)
+        responses, mask, logprobs, reasons = _to_generation_output(outputs, self.pad_id)
+        token_versions = None
+        if versions is not None:
+            token_versions = torch.full_like(responses, -1)
+            for i, seen in enumerate(versions):
+                seen = seen[: int(mask[i].sum())]
+                token_versions[i, : len(seen)] = torch.as_tensor(seen, dtype=torch.long)
         return GenerationOutput(
             prompt_ids.repeat_interleave(params.n, dim=0),
             prompt_mask.repeat_interleave(params.n, dim=0),
-            *out,
-        )
+            responses, mask, logprobs, reasons, token_versions,
+        )  # fmt: skip
+
+    def _step_all(self, requests: list[dict], sampling: list) -> tuple[list, list | None]:
+        """Run ``requests`` to the end (``LLM.generate``'s loop, ours so that weights can change
+        between two steps). Returns their outputs in order and, with ``updates``, each one's
+        version per response token (else None)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, updates = self.llm.llm_engine, self.updates
+        kind = RequestOutputKind.FINAL_ONLY if updates is None else RequestOutputKind.CUMULATIVE
+        ids = [f"groupflow-{next(self._request_ids)}" for _ in requests]
+        seen: dict[str, list[int]] = {rid: [] for rid in ids}
+        done: dict[str, object] = {}
+        started = self.version
+        try:
+            for rid, rendered, sp in zip(ids, self.llm._preprocess_cmpl(requests), sampling):
+                sp.output_kind = kind
+                engine.add_request(rid, rendered, sp)
+            while engine.has_unfinished_requests():
+                if updates is not None:
+                    self._take_update(updates)
+                for out in engine.step():
+                    if updates is not None:  # the tokens this step sampled: its version's
+                        got = seen[out.request_id]
+                        got += [self.version] * (len(out.outputs[0].token_ids) - len(got))
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            engine.abort_request([rid for rid in ids if rid not in done])
+            raise
+        finally:
+            if self.version != started:  # no later prompt may reuse a superseded version's KV
+                self.llm.reset_prefix_cache()
+        missing = [rid for rid in ids if rid not in done]
+        if missing:
+            raise RuntimeError(f"vLLM finished without an output for requests {missing}")
+        return [done[rid] for rid in ids], None if updates is None else [seen[r] for r in ids]
+
+    def _take_update(self, updates: Callable[[], tuple[int, dict | None]]) -> None:
+        """In-flight: load a newer version in place between two steps (running requests keep
+        their KV blocks; module docstring)."""
+        version, weights = updates()
+        if weights is not None:
+            named = [(k, v.detach()) for k, v in weights.items()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        self.version = version
 
     def _request(self, index: int, prompt: Sequence[int], vision) -> dict:
         """One prompt as a vLLM request: token ids (image blocks collapsed, the images as

@@ -30,6 +30,11 @@ def test_vllm_options_pass_through(tiny_config, monkeypatch):
         gpu_memory_utilization=0.5, sleep_mode=True, cpu_kv_cache_gib=2, max_model_len=64,
         dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True, seed=7,
     )  # fmt: skip
+    assert not opts.in_flight
+    # rollout.async_mode=in_flight: an engine whose weights may change between its steps
+    cfg = tiny_config(rollout__engine="vllm", model__tiny__hidden_size=128,
+                      rollout__max_staleness=1, rollout__async_mode="in_flight")  # fmt: skip
+    assert build_rollout_engine(cfg).in_flight
 
 
 def test_vllm_missing_fails_at_start_up_naming_the_install(tiny_config, monkeypatch):

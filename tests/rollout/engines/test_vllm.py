@@ -1,10 +1,13 @@
 """The vLLM engine against the HF engine and the training forward (runs in .venv-vllm only).
 
-One engine serves the whole module (starting vLLM costs seconds); the test that updates its
-weights restores them at the end. The model is a tiny Llama with head dim 64 (hidden 128, 2 heads):
+One engine serves the whole module (starting vLLM costs seconds), built for in-flight weight
+updates (on CPU that changes nothing for the other tests: vLLM schedules synchronously here
+anyway); the tests that update its weights restore them at the end. The model is a tiny Llama with head dim 64 (hidden 128, 2 heads):
 vLLM's CPU attention rejects the demo's head dim 16.
 """
 
+import copy
+import dataclasses
 import os
 
 import pytest
@@ -42,7 +45,7 @@ def setup():
     ).eval()  # fmt: skip
     _sharpen(model, seed=0)
     engine = VLLMEngine(
-        model, tok, VLLMOptions(dtype="float32", seed=0), eos_ids=[tok.eos_token_id],
+        model, tok, VLLMOptions(dtype="float32", seed=0, in_flight=True), eos_ids=[tok.eos_token_id],
         pad_id=tok.pad_token_id,
     )  # fmt: skip
     prompts = [tok(t)["input_ids"] for t in PROMPT_TEXTS]
@@ -196,3 +199,73 @@ def test_bad_input_is_rejected(setup):
         engine.generate(prompts, SamplingParams(n=2), seeds=[1])
     with pytest.raises(ValueError, match="sequence 1 is empty"):
         engine.generate([[5], []], SamplingParams(), seeds=[1, 2])
+
+
+def test_in_flight_weights_switch_between_engine_steps_and_each_token_records_its_version(
+    setup, monkeypatch
+):
+    """rollout.async_mode=in_flight on vLLM: a new version arrives before the engine step that
+    samples token 3 (step 1 prefills and samples token 0). It differs from the old one in the
+    final norm only, which no key or value passes through, so the KV blocks kept from the old
+    weights are the new version's own as well and the exact reference is the teacher-forced
+    log-probs: tokens 0-2 are the old model's (the very tokens it samples alone), tokens 3 on
+    have the new model's log-probs, token_versions says which version gave each (-1 where
+    masked), and the prefix cache is reset once the call is over."""
+    model, tok, engine, prompts = setup
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        new.model.norm.weight.mul_(torch.linspace(0.2, 3.0, new.model.norm.weight.numel()))
+    params = SamplingParams(max_new_tokens=10, n=2)
+    seeds = list(range(40, 48))
+    alone = engine.generate(prompts, params, seeds=seeds)
+    assert alone.token_versions is None  # only with in-flight updates
+    calls, resets = [], []
+    reset = engine.llm.reset_prefix_cache
+
+    def spy(*args, **kwargs):
+        resets.append(len(calls))
+        return reset(*args, **kwargs)
+
+    def updates():
+        calls.append(len(calls))
+        if len(calls) == 4:
+            return 7, new.state_dict()
+        return (6 if len(calls) < 4 else 7), None
+
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", spy)
+    engine.updates = updates
+    try:
+        out = engine.generate(prompts, params, seeds=seeds)
+        assert engine.version == 7
+    finally:
+        engine.updates = None
+        engine.load_weights(model.state_dict().items())
+    mask = out.response_mask.bool()
+    assert mask[:, 3:].sum() > 10  # enough tokens after the switch to check
+    assert torch.equal(out.responses[:, :3], alone.responses[:, :3])
+    assert not torch.equal(out.responses, alone.responses)  # the new weights sampled the rest
+    per_step = torch.tensor([6, 6, 6] + [7] * (out.responses.shape[1] - 3))
+    assert torch.equal(out.token_versions, torch.where(mask, per_step, -1))
+    assert len(calls) == out.responses.shape[1]  # one per engine step: one token each
+    assert resets[0] == len(calls)  # after the last step (then load_weights' own reset)
+    by_old, by_new = _train_logprobs(model, out, 1.0), _train_logprobs(new, out, 1.0)
+    before, after = mask.clone(), mask.clone()
+    before[:, 3:], after[:, :3] = False, False
+    assert (out.logprobs[before] - by_old[before]).abs().max() < 1e-3
+    assert (out.logprobs[after] - by_new[after]).abs().max() < 1e-3
+    assert (out.logprobs[after] - by_old[after]).abs().max() > 1e-2  # the check tells them apart
+    _same_outputs(engine.generate(prompts, params, seeds=seeds), alone)  # the old weights again
+
+
+def test_in_flight_updates_need_an_engine_built_for_them(setup):
+    _, _, engine, prompts = setup
+    options = engine.options
+    engine.options, engine.updates = (
+        dataclasses.replace(options, in_flight=False),
+        lambda: (0, None),
+    )
+    try:
+        with pytest.raises(ValueError, match="built without VLLMOptions.in_flight"):
+            engine.generate(prompts, SamplingParams(max_new_tokens=2), seeds=[0, 1, 2, 3])
+    finally:
+        engine.options, engine.updates = options, None

@@ -32,6 +32,11 @@ update, is the slower side — only then can a version arrive while a batch deco
 steps/s of both and their ratio, and the staleness each trains at: per sample (its oldest token)
 and per token, and the share of samples whose tokens span two versions. In-flight updates make
 tokens fresher, not steps faster: the ratio shows what loading a version mid-batch costs.
+``--multi-turn``: the pair runs the calculator-tool demo instead (``examples/calc_tools_demo.yaml``,
+its own model, 2-turn episodes of up to 48 response tokens) after an untimed warm start of
+``--warm-start`` SFT steps (150), so that some episodes call the tool and take two turns while
+others answer in one: episodes of skewed lengths. Printed as well: the mean turns per episode
+and the mean and longest response of each batch.
 
 ``--curves``: then runs the whole demo (warm start included, ``run.total_steps``) once
 synchronously and once with k = 1 (decoupled PPO) and prints held-out greedy accuracy at every
@@ -40,7 +45,8 @@ validation side by side — does the stale run learn as well in the same number 
 ``--val-every`` validates more often than the demo's 40 steps); ``--no-speed`` skips the timing.
 
     .venv/bin/python benchmarks/bench_async.py [--blocks 4] [--block 6] [--prompts 32]
-        [--model demo|medium] [--all-samples] [--in-flight [--in-flight-tokens 48]]
+        [--model demo|medium] [--all-samples]
+        [--in-flight [--in-flight-tokens 48] [--multi-turn [--warm-start 150]]]
         [--curves [--plot docs/async_curves.png] [--val-every 20]] [--no-speed]
 """
 
@@ -67,14 +73,17 @@ def overrides(
     ]  # fmt: skip
 
 
-def build(name: str, out_dir: str, k: int, extra: list[str], correction: str = "decoupled"):
+def build(name: str, out_dir: str, k: int, extra: list[str], correction: str = "decoupled",
+          config: str = "examples/reverse_demo.yaml"):  # fmt: skip
     from groupflow.config import load_config
     from groupflow.trainer import Trainer
 
-    cfg = load_config("examples/reverse_demo.yaml", overrides(name, out_dir, k, extra, correction))
+    cfg = load_config(config, overrides(name, out_dir, k, extra, correction))
     trainer = Trainer(cfg)
+    # what fit() does first: the warm start (if any) and an asynchronous child starting
     trainer.policy.sync()
-    trainer.source.start(trainer.step)  # what fit() does first: an asynchronous child starts here
+    trainer.before_training()
+    trainer.source.start(trainer.step)
     return trainer
 
 
@@ -121,6 +130,9 @@ class Block:
     staleness: float = 0.0  # mean per-sample staleness (async/staleness)
     token_staleness: float | None = None  # mean per-token staleness (in-flight updates only)
     switched: float | None = None  # mean share of samples whose tokens span two versions
+    turns: float | None = None  # mean turns per episode (multi-turn workflows)
+    length: float | None = None  # mean response length
+    longest: float | None = None  # mean over steps of the batch's longest response
 
     @property
     def cores(self) -> float | None:
@@ -162,7 +174,8 @@ def timed_block(trainer, n: int, stages: list | None) -> Block:
 
     return Block(n - 1, wall, cpu, rollout, statistics.mean(skipped),
                  mean("async/staleness") or 0.0, mean("async/token_staleness_mean"),
-                 mean("async/samples_switched_frac"))  # fmt: skip
+                 mean("async/samples_switched_frac"), mean("rollout/turns/mean"),
+                 mean("response_length/mean"), mean("response_length/max"))  # fmt: skip
 
 
 def speed(args) -> None:
@@ -182,9 +195,18 @@ def speed(args) -> None:
             "k=1 dec": build("k1d", out, 1, extra, "decoupled"),
         }
         if args.in_flight:
-            longer = [*extra, f"rollout.max_new_tokens={args.in_flight_tokens}"]
+            config, pair = "examples/reverse_demo.yaml", [
+                *extra, f"rollout.max_new_tokens={args.in_flight_tokens}"]  # fmt: skip
+            if args.multi_turn:  # its own model; a warm start so that some episodes call the tool
+                config, pair = "examples/calc_tools_demo.yaml", [
+                    f"run.total_steps={steps + 2}", f"data.prompts_per_step={args.prompts}",
+                    "validation.before_training=false", f"sft.steps={args.warm_start}",
+                    "sft.stop_at_accuracy=null",
+                ]  # fmt: skip
+                print(f"in-flight pair: {config}, {args.warm_start} SFT steps first (untimed)")
             for name, mode in (("eager", "eager"), ("in-flight", "in_flight")):
-                trainers[name] = build(name, out, 1, [*longer, f"rollout.async_mode={mode}"])
+                trainers[name] = build(name, out, 1, [*pair, f"rollout.async_mode={mode}"],
+                                       config=config)  # fmt: skip
         blocks: dict[str, list[Block]] = {n: [] for n in trainers}
         stages: list[tuple[float, float]] = []  # the sync run's (rollout+reward, step) seconds
         try:
@@ -242,7 +264,7 @@ def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) ->
                   f"{sync_cpu / max(trainer, rollout):.2f}x")  # fmt: skip
     if "in-flight" in blocks:  # k = 1, decoupled PPO, longer responses: what in-flight changes
         print(f"{'':10} {'steps/s':>8} {'ratio':>6} | {'staleness: sample':>17} {'token':>6} | "
-              f"{'samples switched':>16}")  # fmt: skip
+              f"{'samples switched':>16} | {'turns':>5} {'length':>6} {'longest':>7}")  # fmt: skip
         for n in ("eager", "in-flight"):
             bl = blocks[n]
             token = [b.token_staleness for b in bl if b.token_staleness is not None]
@@ -250,13 +272,20 @@ def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) ->
             print(f"{n:10} {1 / med[n]:8.2f} {med['eager'] / med[n]:6.2f} | "
                   f"{statistics.mean(b.staleness for b in bl):17.3f} "
                   f"{fmt(statistics.mean(token) if token else None):>6} | "
-                  f"{fmt(statistics.mean(switched) if switched else None, '.2f'):>16}")  # fmt: skip
+                  f"{fmt(statistics.mean(switched) if switched else None, '.2f'):>16} | "
+                  f"{fmt(_mean(bl, 'turns'), '.2f'):>5} {fmt(_mean(bl, 'length'), '.1f'):>6} "
+                  f"{fmt(_mean(bl, 'longest'), '.1f'):>7}")  # fmt: skip
     # What overlap could give with two idle cores: the sync step's rollout and the rest of it
     # run side by side, so the step takes the longer of the two (a bound, not a measurement).
     rollout = statistics.median(r for r, _ in stages)
     step = statistics.median(s for _, s in stages)
     print(f"sync step {step:.3f} s, of which rollout+reward {rollout:.3f} s: with two idle cores "
           f"overlap could reach {step / max(rollout, step - rollout):.2f}x (bound)")  # fmt: skip
+
+
+def _mean(blocks: list[Block], attr: str) -> float | None:
+    values = [getattr(b, attr) for b in blocks if getattr(b, attr) is not None]
+    return statistics.mean(values) if values else None
 
 
 def curves(args) -> None:
@@ -326,6 +355,17 @@ def main() -> None:
                    help="speed part: also k=1 with async_mode eager and in_flight (staleness)")  # fmt: skip
     p.add_argument("--in-flight-tokens", type=int, default=48,
                    help="with --in-flight: rollout.max_new_tokens of the eager/in-flight pair")  # fmt: skip
+    p.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="with --in-flight: the pair on the calculator-tool demo (skewed episodes)",
+    )
+    p.add_argument(
+        "--warm-start",
+        type=int,
+        default=150,
+        help="with --multi-turn: untimed SFT steps before the pair's timing",
+    )
     p.add_argument("--curves", action="store_true", help="also the demo's learning curves")
     p.add_argument("--plot", default=None, help="with --curves: write them to this PNG")
     p.add_argument("--val-every", type=int, default=None, help="with --curves: validation steps")
@@ -333,6 +373,8 @@ def main() -> None:
     args = p.parse_args()
     if (args.plot or args.val_every) and not args.curves:
         p.error("--plot and --val-every need --curves")
+    if args.multi_turn and not args.in_flight:
+        p.error("--multi-turn chooses the --in-flight pair's task: it needs --in-flight")
 
     import torch
 

@@ -143,10 +143,13 @@ def reward_functions(rewards: RewardLike | Iterable[RewardLike] | None) -> list[
     """Reward objects from what a notebook holds (see :class:`Run`); errors name the entry."""
     if rewards is None:
         return []
-    if callable(rewards) or isinstance(rewards, (str, Mapping, RewardFunction)):
-        rewards = [rewards]
+    entries = (
+        [rewards]
+        if callable(rewards) or isinstance(rewards, (str, Mapping, RewardFunction))
+        else list(rewards)
+    )
     out = []
-    for i, r in enumerate(rewards):
+    for i, r in enumerate(entries):
         where = f"rewards[{i}]"
         if isinstance(r, RewardFunction):
             out.append(r)
@@ -154,7 +157,8 @@ def reward_functions(rewards: RewardLike | Iterable[RewardLike] | None) -> list[
             spec = {"function": r} if ":" in r else {"name": r}
             out.append(make_reward_function(spec, where=where))
         elif isinstance(r, Mapping) and callable(r.get("function")):
-            unknown = set(r) - {"function", "label", "weight", "failure_value", "kwargs"}
+            unknown = {str(k) for k in r} - {"function", "label", "weight", "failure_value",
+                                             "kwargs"}  # fmt: skip
             if unknown:
                 raise RewardConfigError(
                     f"{where}: unknown key {sorted(unknown)[0]!r}; valid keys: function, label, "

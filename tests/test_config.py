@@ -512,3 +512,13 @@ def test_cli_values_keep_their_yaml_types():
 def test_bad_serve_values_name_the_key(key, value, message):
     err = _error({**_base(), "serve": {key: value}})
     assert f"serve.{key}" in err and message in err
+
+
+def test_present_narrows_a_guaranteed_section_and_names_a_missing_one(tiny_config):
+    from groupflow.config import present
+
+    cfg = tiny_config()
+    assert present(cfg.model, "model") is cfg.model
+    assert present(0, "run.seed") == 0  # only None is missing
+    with pytest.raises(ConfigError, match=r"diffusion must be set here \(it is None\)"):
+        present(cfg.diffusion, "diffusion")

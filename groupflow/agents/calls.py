@@ -187,7 +187,7 @@ async def call_with_timeout(
     in the warning and the error about abandoned calls. Raises :class:`StuckCallsError` instead
     of calling when :data:`MAX_ABANDONED` abandoned calls are still running."""
     _check_abandoned()
-    name = name or getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    label: str = name or getattr(fn, "__qualname__", None) or type(fn).__qualname__
     kwargs = dict(kwargs or {})
     thread = None
     if is_async_callable(fn):
@@ -196,7 +196,7 @@ async def call_with_timeout(
         except BaseException as exc:  # noqa: BLE001 - raised while creating the coroutine
             raise _contain(exc) from None
     else:
-        work, thread = _in_thread(name, functools.partial(fn, *args, **kwargs))
+        work, thread = _in_thread(label, functools.partial(fn, *args, **kwargs))
     try:
         result = await asyncio.wait_for(work, timeout_s)
         if inspect.isawaitable(result):  # a sync function that returned a coroutine
@@ -204,11 +204,11 @@ async def call_with_timeout(
         return result
     except asyncio.TimeoutError:
         if thread is not None:
-            _abandon(name, thread, timeout_s)
+            _abandon(label, thread, timeout_s)
         raise CallTimeout(f"no result after {timeout_s:g} s") from None
     except BaseException:  # the run is stopping (Ctrl-C, a failed gather): no more waiting
         if thread is not None:
-            _abandoned.add(name, thread)
+            _abandoned.add(label, thread)
         raise
 
 

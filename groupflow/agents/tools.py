@@ -66,7 +66,7 @@ class Tool:
 
 
 def _schema(fn: Callable[..., Any], name: str, bound: Sequence[str]) -> dict[str, Any]:
-    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import get_json_schema
 
     try:
         schema = get_json_schema(fn)

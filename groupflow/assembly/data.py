@@ -206,13 +206,13 @@ def encode_prompts(rows: list[PromptRow], tokenizer, cfg: Config, split: str, *,
         texts = [render(r, tokenizer, d.use_chat_template) for r in rows]
         # A chat template writes its own special tokens into the text; a plain prompt gets the
         # tokenizer's usual BOS (if it has one).
-        templated = [
+        per_row = [
             (r.is_chat or bool(d.use_chat_template)) if templated is None else templated
             for r in rows
         ]
         ids = [
             tokenizer(t, add_special_tokens=not chat)["input_ids"]
-            for t, chat in zip(texts, templated)
+            for t, chat in zip(texts, per_row)
         ]
     keep = []
     for j, (r, t, i) in enumerate(zip(rows, texts, ids)):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from groupflow.config import Config, ModelConfig
-from groupflow.models.causal_lm import ModelLoadError, build_tiny_llama, load_causal_lm
+from groupflow.config import Config, ModelConfig, present
+from groupflow.models.causal_lm import ModelLoadError, build_tiny_llama, hf_model, load_causal_lm
 from groupflow.models.logit_transform import check_logit_transform
 from groupflow.models.tiny_vlm import tiny_idefics3
 from groupflow.models.vision import freeze_vision_tower, is_vision_model
@@ -35,8 +35,10 @@ def resolve_hub_models(cfg: Config) -> Config:
     ]
     for name, keys in sections:
         section = getattr(out, name)
+        if section is None:
+            continue
         for key in keys:
-            value = getattr(section, key, None) if section is not None else None
+            value = getattr(section, key, None)
             if value is not None:
                 setattr(section, key, resolve_model_path(value, section.revision, f"{name}.{key}"))
     dm = out.diffusion.model if out.diffusion is not None else None
@@ -100,11 +102,13 @@ def build_model(m: ModelConfig, tokenizer, seed: int):
             seed=seed if t.seed is None else t.seed,
         )
     else:
-        model = load_causal_lm(m.path, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+        model = load_causal_lm(present(m.path, "model.path"), dtype=m.dtype,
+                               trust_remote_code=m.trust_remote_code)  # fmt: skip
     if m.freeze_vision and is_vision_model(model):
         freeze_vision_tower(model)
     check_logit_transform(model)  # training log-probs must be those the model samples from
     if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        hf = hf_model(model)
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.config.use_cache = False
     return model

@@ -10,10 +10,11 @@ every worker that loads the tokenizer from that directory) see the same ids.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from groupflow.assembly.models import resolve_hub_models
-from groupflow.config import Config
+from groupflow.config import Config, present
 from groupflow.data import PromptRow, train_char_tokenizer
 from groupflow.data.tokenizer import DEFAULT_ALPHABET
 from groupflow.models.causal_lm import ModelLoadError
@@ -31,14 +32,14 @@ __all__ = [
 
 def tokenizer_dir(cfg: Config, run_dir: Path) -> Path:
     """Where the tokenizer lives: the run's own (tiny models) or the model's local directory."""
-    m = cfg.model
+    m = present(cfg.model, "model")
     if m.tiny is not None and m.tokenizer_path is None:
         return run_dir / "tokenizer"
-    return Path(m.tokenizer_path or m.path).expanduser()
+    return Path(present(m.tokenizer_path or m.path, "model.path")).expanduser()
 
 
-def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = (),
-                    extra_texts: list[str] = ()):  # fmt: skip
+def build_tokenizer(cfg: Config, run_dir: Path, corpus: Sequence[PromptRow] = (),
+                    extra_texts: Sequence[str] = ()):  # fmt: skip
     """Load the tokenizer from a local directory, or train a character tokenizer on ``corpus``.
 
     The tiny model's vocabulary is exactly the characters of the data (prompts and answers, plus
@@ -47,7 +48,7 @@ def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = (),
     """
     from transformers import AutoTokenizer
 
-    m = cfg.model
+    m = present(cfg.model, "model")
     if m.tiny is not None and m.tokenizer_path is None:
         saved = run_dir / "tokenizer"
         if saved.is_dir():  # resume: reuse the exact tokenizer the run started with
@@ -61,7 +62,7 @@ def build_tokenizer(cfg: Config, run_dir: Path, corpus: list[PromptRow] = (),
         tok.save_pretrained(str(saved))
         return tok
     key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
-    path = Path(m.tokenizer_path or m.path).expanduser()
+    path = Path(present(m.tokenizer_path or m.path, "model.path")).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"{key}: tokenizer path '{path}' does not exist or is not a directory")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -98,10 +99,10 @@ def _prompt_text(prompt) -> str:
 
 
 def is_vlm_config(cfg: Config) -> bool:
-    m = cfg.model
+    m = present(cfg.model, "model")
     if m.tiny is not None:
         return m.tiny.vision is not None
-    cfg_file = Path(m.path).expanduser() / "config.json"
+    cfg_file = Path(present(m.path, "model.path")).expanduser() / "config.json"
     return cfg_file.is_file() and "vision_config" in json.loads(cfg_file.read_text())
 
 
@@ -115,7 +116,10 @@ def save_processor(cfg: Config, tokenizer, out: Path) -> None:
         return
     if type(processor).__name__.startswith("ImageOnly"):
         processor.image_processor.save_pretrained(str(out))
-        (Path(out) / "chat_template.jinja").write_text(processor.chat_template)
+        template = processor.chat_template
+        if not isinstance(template, str):
+            raise ValueError(f"the image processor's chat template is not a string: {template!r}")
+        (Path(out) / "chat_template.jinja").write_text(template)
     else:
         processor.save_pretrained(str(out))
 
@@ -123,7 +127,7 @@ def save_processor(cfg: Config, tokenizer, out: Path) -> None:
 def build_processor(cfg: Config, tokenizer):
     """The processor that turns prompts with images into ids and image tensors: the tiny VLM's
     (``model.tiny.vision``) or the model directory's; None for a text-only model."""
-    m = cfg.model
+    m = present(cfg.model, "model")
     if m.tiny is not None:
         v = m.tiny.vision
         if v is None:
@@ -132,7 +136,8 @@ def build_processor(cfg: Config, tokenizer):
                                   scale_factor=v.scale_factor)  # fmt: skip
     if not is_vlm_config(cfg):
         return None
-    return load_processor(str(Path(m.path).expanduser()), tokenizer, m.trust_remote_code)
+    path = Path(present(m.path, "model.path")).expanduser()
+    return load_processor(str(path), tokenizer, m.trust_remote_code)
 
 
 # Files a Hugging Face tokenizer directory has at least one of.

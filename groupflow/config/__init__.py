@@ -9,7 +9,7 @@ Nothing below the assembly (``groupflow.assembly``) reads this object: it passes
 into workers (style.md principle 6).
 """
 
-from groupflow.config.base import ConfigError
+from groupflow.config.base import ConfigError, present
 from groupflow.config.diffusion import (
     DiffusionConfig,
     DiffusionLoraConfig,
@@ -64,6 +64,7 @@ __all__ = [
     "AlgorithmConfig",
     "Config",
     "ConfigError",
+    "present",
     "CriticConfig",
     "DataConfig",
     "DiffusionConfig",

@@ -14,7 +14,7 @@ what it records, how it is evaluated); ``diffusion`` holds the diffusion policy'
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -25,6 +25,19 @@ from pydantic import (
 
 class ConfigError(ValueError):
     """The configuration file or an override is invalid."""
+
+
+_T = TypeVar("_T")
+
+
+def present(value: _T | None, key: str) -> _T:
+    """``value`` of an optional section or key that validation guarantees to be set where this
+    is called (``model`` of an LLM run, ``diffusion`` of a diffusion run, ``model.path`` of a
+    model that is not tiny). The type checker narrows on it. A config built around the
+    validator gets a ``ConfigError`` naming the key, not an ``AttributeError`` on None."""
+    if value is None:
+        raise ConfigError(f"{key} must be set here (it is None)")
+    return value
 
 
 class _Section(BaseModel):

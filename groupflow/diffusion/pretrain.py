@@ -97,7 +97,7 @@ def pretrain_tiny_model(
     with Progress("pre-training the tiny flow model", steps, unit="steps") as progress:
         for _ in range(steps):
             idx = torch.randint(len(labels), (batch_size,), generator=g)
-            x0 = synthetic_images([labels[i] for i in idx.tolist()], image_size, g)
+            x0 = synthetic_images([labels[int(i)] for i in idx.tolist()], image_size, g)
             drop = torch.rand(batch_size, generator=g) < label_dropout
             cond = torch.where(drop, len(labels), idx)
             loss = flow_matching_loss(model, x0, cond, g)

@@ -259,6 +259,8 @@ def sample_trajectory(
     spec = get_sampler(sampler)
     level = spec.default_noise_level if noise_level is None else noise_level
     b, n = noise.shape[0], sigmas.numel() - 1
+    if n < 1:
+        raise ValueError(f"sample_trajectory: sigmas needs at least 2 entries, got {n + 1}")
     per_sample_ok = isinstance(generators, torch.Generator) or (
         generators is not None and len(generators) == b
     )
@@ -275,6 +277,7 @@ def sample_trajectory(
         step = spec.step if sde else ode_step
         mean, std = step(x, v, s, s_next, noise_level=level)
         if sde and spec.stochastic and level > 0:
+            assert generators is not None  # per_sample_ok above
             z = step_noise(generators, tuple(x.shape[1:]), b).to(x.device, x.dtype)
             x_next = mean + _b(std, mean) * z
             lps.append(spec.step_logprob(x_next, mean, std))
@@ -286,6 +289,7 @@ def sample_trajectory(
         if i == n - 1:
             final = x - _b(s, x) * v if spec.image_from_x0_pred else x_next
         x = x_next
+    assert final is not None  # set at the last of n >= 1 steps
     return Trajectory(
         latents=torch.stack(xs, 1),
         next_latents=torch.stack(nexts, 1),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -26,8 +26,12 @@ from groupflow.models.vision import (
     vision_positions,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = [
     "ModelLoadError",
+    "hf_model",
     "build_tiny_llama",
     "load_causal_lm",
     "cache_kwarg",
@@ -38,6 +42,13 @@ __all__ = [
 
 class ModelLoadError(ValueError):
     """A model or tokenizer path is missing or not an HF directory."""
+
+
+def hf_model(model: nn.Module) -> PreTrainedModel:
+    """``model`` as the Hugging Face model it is, for the type checker only: workers and
+    forwards hold their models as ``nn.Module`` (a wrapped, sharded or LoRA model is one too),
+    whose ``__getattr__`` types every HF method (``get_decoder``, ``config``, ...) as a tensor."""
+    return cast("PreTrainedModel", model)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

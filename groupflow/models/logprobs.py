@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from groupflow.algorithms import entropy_from_logits
-from groupflow.models.causal_lm import response_hidden_states
+from groupflow.models.causal_lm import hf_model, response_hidden_states
 from groupflow.models.head_logprob import fusable_head, fused_head_logprobs
 from groupflow.models.logit_transform import logit_transform
 
@@ -108,7 +108,9 @@ def hidden_logprobs(
     (through the model's LM head and final logit transform); entropy [B, T] if asked."""
     temperature = temperature if temperature > 0 else 1.0
     t = targets.shape[1]
-    head = model.get_output_embeddings()
+    head = hf_model(model).get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
     transform = logit_transform(model)
     if fused and fusable_head(head, transform) and not (with_entropy and entropy_grad):
         return fused_head_logprobs(

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from groupflow.algorithms.masks import response_span
-from groupflow.models.causal_lm import ModelLoadError, resolve_dtype, token_positions
+from groupflow.models.causal_lm import ModelLoadError, hf_model, resolve_dtype, token_positions
 
 __all__ = [
     "value_model_from_config",
@@ -31,7 +31,7 @@ __all__ = [
 
 
 def _backbone(model: nn.Module) -> nn.Module:
-    return getattr(model, model.base_model_prefix)
+    return getattr(model, hf_model(model).base_model_prefix)
 
 
 def value_model_from_config(config) -> nn.Module:
@@ -48,8 +48,10 @@ def value_model_from_policy(policy: nn.Module, seed: int) -> nn.Module:
     """Backbone weights copied from the policy; the head initialised from ``seed``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        critic = value_model_from_config(policy.config)
-    missing = _backbone(critic).load_state_dict(policy.get_decoder().state_dict(), strict=True)
+        critic = value_model_from_config(hf_model(policy).config)
+    missing = _backbone(critic).load_state_dict(
+        hf_model(policy).get_decoder().state_dict(), strict=True
+    )
     del missing
     return critic.to(next(policy.parameters()).dtype)
 

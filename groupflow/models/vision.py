@@ -246,6 +246,8 @@ def collapse_placeholders(ids: Sequence[int], model_config, tokenizer) -> list[i
     kind = getattr(model_config, "model_type", "")
     out: list[int] = []
     if kind in ("idefics3", "smolvlm"):
+        if image is None:
+            raise ValueError(f"a {kind} model config without image_token_id")
         fake, glob = (tokenizer.convert_tokens_to_ids(t) for t in IDEFICS3_MARKS)
         i = 0
         while i < len(ids):

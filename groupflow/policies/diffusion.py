@@ -31,7 +31,7 @@ from typing import Any
 from groupflow.assembly.engines import build_weight_transport
 from groupflow.assembly.groups import role_group, snapshot_group
 from groupflow.batch import Batch
-from groupflow.config import Config, DiffusionConfig, TeacherConfig
+from groupflow.config import Config, DiffusionConfig, TeacherConfig, present
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.encoders import WanTextEncoder, WanVaeDecoder
@@ -80,8 +80,9 @@ class FlowModelSpec:
             )  # fmt: skip
         if self.parts.get("vae_path"):
             decoder = WanVaeDecoder(self.parts["vae_path"])
+        shape = present(self.latent_shape, "diffusion.model.latent_shape")
         return load_diffusers_model(
-            self.path, self.kind, self.latent_shape, encoder, decoder, empty=empty,
+            self.path, self.kind, shape, encoder, decoder, empty=empty,
             guidance=self.parts.get("guidance", 3.5),
         )  # fmt: skip
 
@@ -92,7 +93,7 @@ def resolve_shift(d: DiffusionConfig) -> float:
     if d.shift is not None:
         return d.shift
     if d.model.kind == "flux":
-        _, h, w = d.model.latent_shape
+        _, h, w = present(d.model.latent_shape, "diffusion.model.latent_shape")
         return flux_shift((h // 2) * (w // 2))
     return 3.0
 
@@ -155,7 +156,7 @@ class DiffusionPolicy:
 
     def __init__(self, cfg: Config, run_dir: Path, corpus: list[PromptRow]):
         self.cfg = cfg
-        d = cfg.diffusion
+        d = present(cfg.diffusion, "diffusion")
         self.pretrain_stats = ensure_tiny_model(d, cfg.run.seed)
         if d.model.kind == "tiny":
             check_labels(Path(d.model.path), corpus)
@@ -200,7 +201,7 @@ class DiffusionPolicy:
         timer = timer or StageTimer()
         a = self.cfg.actor
         several = a.ppo_epochs > 1 or (a.mini_batch_samples or len(batch)) < len(batch)
-        d = self.cfg.diffusion
+        d = present(self.cfg.diffusion, "diffusion")
         with timer("old_logprobs"):
             if d.objective in ("nft", "awm"):
                 # re-noised final latents: the old policy is the worker's "old" copy, evaluated
@@ -278,7 +279,7 @@ class DiffusionPolicy:
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(state, writers): sharded, every rank writes its DCP shards (``shards``) and the
         checkpoint keeps only the small train state; replicated, the full state by name."""
-        if self.cfg.diffusion.fsdp and self.cfg.run.num_workers > 1:
+        if present(self.cfg.diffusion, "diffusion").fsdp and self.cfg.run.num_workers > 1:
             writers = {"shards": lambda path: self.actor.save_sharded(str(path))}
             return {"actor_state": self.actor.train_state()}, writers
         return dict(self.actor.state_dict()), {}

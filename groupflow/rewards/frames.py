@@ -47,7 +47,7 @@ def select_frames(media: Tensor, frames: str | int | Sequence[int] = "first") ->
     video = media.permute(1, 0, 2, 3).float()  # [F, 3, H, W]
     frames = check_frames(frames)
     n = video.shape[0]
-    if frames == "first":
+    if isinstance(frames, str):  # "first": check_frames allows no other string
         return video[:1]
     if isinstance(frames, int):
         if frames >= n > 1:

@@ -20,6 +20,7 @@ from groupflow.algorithms.registry import option_names
 from groupflow.assembly.models import build_model
 from groupflow.config import ActorConfig
 from groupflow.config.loss_keys import LOSS_TYPED_OPTIONS
+from groupflow.models.causal_lm import hf_model
 
 __all__ = [
     "NonFiniteGuard",
@@ -189,7 +190,7 @@ def worker_device(rank: int) -> torch.device:
 
 def decoder_layers(model: nn.Module):
     """The transformer blocks of an HF causal LM (FSDP2 shards each as a unit)."""
-    decoder = model.get_decoder()
+    decoder = hf_model(model).get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None:
         raise ValueError(f"cannot find the transformer layers of {type(model).__name__} to shard")

@@ -27,7 +27,7 @@ from groupflow.distributed.parallel import (
     init_process_group,
     shard,
 )
-from groupflow.models.causal_lm import build_tiny_llama, resolve_dtype
+from groupflow.models.causal_lm import build_tiny_llama, hf_model, resolve_dtype
 from groupflow.models.packing import packed_values
 from groupflow.models.value import (
     decoder_layers,
@@ -240,7 +240,7 @@ class CriticWorker(CheckpointMethods):
         """Copy a causal LM's decoder weights (full state dict, HF names) into the backbone."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        prefix = self.model.base_model_prefix + "."
+        prefix = hf_model(self.model).base_model_prefix + "."
         backbone = {k: v for k, v in policy_weights.items() if k.startswith(prefix)}
         if not backbone:
             raise ValueError(
@@ -259,7 +259,9 @@ class CriticWorker(CheckpointMethods):
         if self.rank == 0:
             # a sharded model's parameters are DTensors: write through an unsharded copy
             target = (
-                value_model_from_config(self.model.config) if self.world_size > 1 else self.model
+                hf_model(value_model_from_config(hf_model(self.model).config))
+                if self.world_size > 1
+                else hf_model(self.model)
             )
             target.load_state_dict({k.removeprefix("model."): v for k, v in full.items()})
             target.save_pretrained(out_dir, safe_serialization=True)

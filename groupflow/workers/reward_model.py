@@ -24,7 +24,7 @@ from groupflow.batch import Batch
 from groupflow.config import RewardModelConfig
 from groupflow.distributed import PAD_KEY, register
 from groupflow.distributed.parallel import init_process_group
-from groupflow.models.causal_lm import ModelLoadError, resolve_dtype, token_positions
+from groupflow.models.causal_lm import ModelLoadError, hf_model, resolve_dtype, token_positions
 from groupflow.rewards.base import RewardResult
 from groupflow.rewards.combine import combine_rewards
 from groupflow.workers.common import worker_device
@@ -151,7 +151,7 @@ class RewardModelWorker:
         head = getattr(model, "score", None)
         if head is None:  # an architecture with its own pooling (e.g. BERT-style [CLS] heads)
             return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0]
-        base = getattr(model, model.base_model_prefix)
+        base = getattr(model, hf_model(model).base_model_prefix)
         out = base(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from groupflow.batch import Batch
-from groupflow.config import Config
+from groupflow.config import Config, present
 from groupflow.contracts import validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion import rewards as _rewards  # noqa: F401  (registers the image rewards)
@@ -101,7 +101,7 @@ class DiffusionWorkflow:
 
     def validate(self, step: int, return_records: bool = False, progress_label="validation"):
         """Fixed prompts × fixed noise, ODE sampler: mean reward and a PNG grid in the run dir."""
-        d = self.cfg.diffusion
+        d = present(self.cfg.diffusion, "diffusion")
         k = d.eval_samples_per_prompt
         rows = [r for r in self.val_rows for _ in range(k)]
         texts = [_prompt_text(r) for r in rows]
@@ -153,6 +153,6 @@ def save_image_grid(images: torch.Tensor, per_row: int, path: Path, scale: int =
     pixels = (grid.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(pixels).resize(
-        (pixels.shape[1] * scale, pixels.shape[0] * scale), Image.NEAREST
+        (pixels.shape[1] * scale, pixels.shape[0] * scale), Image.Resampling.NEAREST
     ).save(path)
     return path

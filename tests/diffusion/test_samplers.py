@@ -126,6 +126,8 @@ def test_trajectory_shapes_and_generators_required():
     assert torch.equal(traj.sigmas[0], sigmas[:-1]) and bool((traj.logprobs == 0).all())
     with pytest.raises(ValueError, match="needs one torch.Generator per sample"):
         sample_trajectory(lambda x, s: -x, x, sigmas, "flow_sde")
+    with pytest.raises(ValueError, match="sigmas needs at least 2 entries, got 1"):
+        sample_trajectory(lambda x, s: -x, x, sigmas[:1], "ode")
 
 
 def test_dance_sde_decodes_the_last_x0_prediction():

@@ -26,7 +26,7 @@ from groupflow.algorithms import (
 )
 from groupflow.algorithms.registry import option_names
 from groupflow.batch import Batch
-from groupflow.config import AlgorithmConfig, TeacherConfig
+from groupflow.config import AlgorithmConfig, TeacherConfig, present
 from groupflow.utils.seeds import sample_seed
 
 __all__ = ["CreditAssignment", "estimator_options"]
@@ -101,7 +101,7 @@ class CreditAssignment:
     def distill(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """[B, T] advantages: the teacher's per-token reverse-KL term plus the weighted outcome
         advantage (groupflow.algorithms.distillation); and the mean reverse KL as a metric."""
-        t, mask = self.teacher, batch["response_mask"]
+        t, mask = present(self.teacher, "teacher"), batch["response_mask"]
         student, teacher = batch["old_logprobs"], batch["teacher_logprobs"]
         with torch.no_grad():
             valid = mask != 0
@@ -116,15 +116,15 @@ class CreditAssignment:
         (token rewards [B, T], the KL controller's metrics)."""
         mask = batch["response_mask"]
         token_rewards = place_outcome_reward(batch["rewards"], mask)
-        k = self.al.kl_in_reward
-        if k is None:
+        k, ctrl = self.al.kl_in_reward, self.kl_ctrl
+        if k is None or ctrl is None:  # the controller exists exactly when kl_in_reward is set
             return token_rewards, {}
-        beta = self.kl_ctrl.value
+        beta = ctrl.value
         token_rewards, kl = kl_in_reward(
             token_rewards, batch["old_logprobs"], batch["ref_logprobs"], mask, beta, k.kind
         )
         current = float(sequence_mean_kl(kl, mask))
-        self.kl_ctrl.update(current, n_steps=len(batch))
+        ctrl.update(current, n_steps=len(batch))
         return token_rewards, {"kl_in_reward/kl": current, "kl_in_reward/coef": beta}
 
     def state_dict(self) -> dict[str, Any]:

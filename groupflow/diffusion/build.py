@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -100,11 +101,15 @@ def _replay_adapter_init(model: nn.Module) -> None:
         for layer in model.modules():
             if not isinstance(layer, LoraLayer):
                 continue
-            dtype = layer.get_base_layer().weight.dtype
+            dtype = cast(torch.dtype, layer.get_base_layer().weight.dtype)
             for name in list(layer.lora_A):
-                layer.lora_A[name] = nn.Linear(layer.in_features, layer.r[name], bias=False)
+                in_features, out_features = (
+                    cast(int, layer.in_features),
+                    cast(int, layer.out_features),
+                )
+                layer.lora_A[name] = nn.Linear(in_features, layer.r[name], bias=False)
                 layer.lora_B[name] = nn.Linear(
-                    layer.r[name], layer.out_features, bias=layer.lora_bias[name]
+                    layer.r[name], out_features, bias=layer.lora_bias[name]
                 )
                 layer.reset_lora_parameters(name, True)
                 layer.lora_A[name].to(dtype)

@@ -102,6 +102,16 @@ def _piece_view(t: torch.Tensor, piece: dict) -> torch.Tensor:
     return flat[piece["row"] : piece["row"] + piece["rows"]]
 
 
+def _driver_host() -> str:
+    """The address the rollout workers reach the driver's store at: on Ray, the driver node's
+    (workers may run on other nodes), else the loopback."""
+    try:
+        import ray
+    except ImportError:
+        return "127.0.0.1"
+    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
+
+
 @dataclass
 class CollectiveTransport:
     """Actor ranks → rollout workers over per-sender process groups (see the module docstring).
@@ -125,16 +135,9 @@ class CollectiveTransport:
         ``receivers`` rollout workers; once per run. The store holds group set-up keys only."""
         if senders < 1 or receivers < 1:
             raise ValueError(f"collective transport: {senders} senders, {receivers} receivers")
-        if host is None:
-            host = "127.0.0.1"
-            try:
-                import ray
-
-                if ray.is_initialized():  # workers on other nodes reach the driver's node address
-                    host = ray.util.get_node_ip_address()
-            except ImportError:
-                pass
-        from torch.distributed import TCPStore
+        host = host if host is not None else _driver_host()
+        # torch's type stubs do not re-export the c10d store classes torch.distributed exposes
+        from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                timeout=datetime.timedelta(seconds=self.timeout_s))  # fmt: skip
@@ -169,7 +172,7 @@ class CollectiveTransport:
         if key not in _GROUPS:
             if self.address is None:
                 raise TransferError("collective weight transport: open() was never called")
-            from torch.distributed import PrefixStore, TCPStore
+            from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
             timeout = datetime.timedelta(seconds=self.timeout_s)
             try:

@@ -164,7 +164,7 @@ def decoder_hidden_states(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
     """Last hidden states [B, L, H] of the decoder stack, without the LM head."""
-    decoder = model.get_decoder()
+    decoder = hf_model(model).get_decoder()
     out = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -253,7 +253,9 @@ def prompt_sharing_applies(
     """Whether ``response_hidden_states`` would encode these rows' prompts once each: some prompt
     repeats and the model's cache can be shared at this length."""
     length = prompt_ids.shape[1] + responses.shape[1]
-    if responses.shape[1] == 0 or not _can_share_prompt(model, model.get_decoder(), length):
+    if responses.shape[1] == 0 or not _can_share_prompt(
+        model, hf_model(model).get_decoder(), length
+    ):
         return False
     return _unique_prompts(prompt_ids, prompt_mask)[0].shape[0] < prompt_ids.shape[0]
 
@@ -268,7 +270,7 @@ def _shared_prompt_hidden(
 ) -> torch.Tensor | None:
     """Hidden states [B, T, H] predicting each response token, with every distinct prompt encoded
     once and its K/V shared by the rows that repeat it; None when that is not possible or useful."""
-    decoder = model.get_decoder()
+    decoder = hf_model(model).get_decoder()
     p, t = prompt_ids.shape[1], responses.shape[1]
     if t == 0 or not _can_share_prompt(model, decoder, p + t):
         return None

@@ -86,11 +86,18 @@ class _FusedHeadLogprob(torch.autograd.Function):
             if inv_temp != 1.0:
                 grad.mul_(inv_temp)
             grad = grad.to(hidden.dtype)
-            if need_h:
+            if grad_h is not None:  # need_h
                 grad_h[s : s + chunk] = grad @ weight
-            if need_w:
+            if grad_w is not None:  # need_w
                 grad_w.addmm_(grad.t().float(), h.float())
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return (
+            grad_h,
+            (grad_w.to(weight.dtype) if grad_w is not None else None),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def fused_head_logprobs(

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from groupflow.algorithms.masks import response_span
-from groupflow.models.causal_lm import full_attention_only
+from groupflow.models.causal_lm import full_attention_only, hf_model
 from groupflow.models.logprobs import hidden_logprobs
 
 __all__ = [
@@ -117,7 +117,7 @@ def _segment_attention(model: nn.Module, packed: Packed) -> Iterator[dict]:
     """Decoder keyword arguments for ``packed``: the segment bounds, with the model switched to
     :func:`segment_attention` for the duration, where its attention would build a dense mask
     (SDPA, eager) and every layer attends to the whole prefix; nothing for flash/flex."""
-    config = model.config
+    config = hf_model(model).config
     impl = getattr(config, "_attn_implementation", None)
     lengths = packed.lengths.tolist()
     if impl not in ("sdpa", "eager", None) or not full_attention_only(
@@ -197,7 +197,7 @@ def _unpack(values: torch.Tensor, packed: Packed) -> torch.Tensor:
 def packed_hidden(model: nn.Module, packed: Packed) -> torch.Tensor:
     """Decoder states [M, H] that predict the response tokens at ``packed.span``."""
     with _segment_attention(model, packed) as extra:
-        out = model.get_decoder()(
+        out = hf_model(model).get_decoder()(
             input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
             **extra,
         )  # fmt: skip
@@ -232,7 +232,7 @@ def packed_logprobs(
             entropy_grad=entropy_grad,
         )  # fmt: skip
         logps.append(lp[0])
-        ents.append(ent[0] if with_entropy else None)
+        ents.append(ent[0] if ent is not None else None)  # None unless with_entropy
     empty = hidden.new_zeros(0, dtype=torch.float32)
     logp = _unpack(torch.cat(logps) if logps else empty, packed)
     if not with_entropy:

@@ -34,7 +34,7 @@ from groupflow.distributed.ulysses import (
     gather_sequence,
     padded_length,
 )
-from groupflow.models.causal_lm import full_attention_only, token_positions
+from groupflow.models.causal_lm import full_attention_only, hf_model, token_positions
 from groupflow.models.logprobs import hidden_logprobs
 
 __all__ = [
@@ -123,7 +123,7 @@ def use_ulysses_attention(model: nn.Module) -> None:
     """Make ``model`` dispatch attention to :func:`ulysses_attention` — for good, so that
     activation checkpointing replays a layer the same way in backward; it is plain SDPA
     attention whenever no sequence-parallel forward passes its group down."""
-    model.config._attn_implementation = ATTENTION_NAME
+    hf_model(model).config._attn_implementation = ATTENTION_NAME
 
 
 def whole_rows_mask(attention: torch.Tensor) -> torch.Tensor | None:
@@ -171,7 +171,7 @@ def sequence_parallel_logprobs(
     s = width // sp.size
     lo = sp.rank * s
     use_ulysses_attention(model)
-    out = model.get_decoder()(
+    out = hf_model(model).get_decoder()(
         input_ids=ids[:, lo : lo + s], position_ids=positions[:, lo : lo + s], use_cache=False,
         ulysses=(sp, whole_rows_mask(attention)),
     )  # fmt: skip

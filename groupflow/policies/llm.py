@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,14 @@ from groupflow.assembly.groups import role_group, snapshot_group
 from groupflow.assembly.models import check_model_dir
 from groupflow.assembly.tokenizers import build_tokenizer, check_teacher, tokenizer_dir
 from groupflow.batch import Batch
-from groupflow.config import ActorConfig, Config, ModelConfig
+from groupflow.config import ActorConfig, Config, ModelConfig, present
 from groupflow.contracts import CONTRACTS
 from groupflow.distributed.transport import ticket_nbytes
 from groupflow.models.causal_lm import ModelLoadError
 from groupflow.policies.base import RolloutView
-from groupflow.rollout.engines.base import HF
+from groupflow.rollout.engines.base import HF, HFOptions
 from groupflow.rollout.engines.hf import SamplingParams
+from groupflow.rollout.engines.vllm_engine import VLLMOptions
 from groupflow.utils.timing import StageTimer
 from groupflow.workers.actor import ActorRolloutWorker
 from groupflow.workers.common import ModelSpec
@@ -145,7 +147,7 @@ class LLMPolicy:
 
     contracts = CONTRACTS
 
-    def __init__(self, cfg: Config, run_dir: Path, corpus: list, extra_texts: list[str] = ()):
+    def __init__(self, cfg: Config, run_dir: Path, corpus: list, extra_texts: Sequence[str] = ()):
         self.cfg = cfg
         check_role_paths(cfg)  # a missing model directory fails now, not mid-run
         engine = build_rollout_engine(cfg)  # fails fast if vLLM is missing
@@ -156,7 +158,8 @@ class LLMPolicy:
         # reference live inside the actor worker unless placement gives them pools of their own.
         # a tokenizer trained by the run lives in the driver's run directory: it travels with the
         # spec, so a worker on another node does not need to see that directory
-        own_tokenizer = cfg.model.tiny is not None and cfg.model.tokenizer_path is None
+        m = present(cfg.model, "model")
+        own_tokenizer = m.tiny is not None and m.tokenizer_path is None
         spec = (ModelSpec.carrying if own_tokenizer else ModelSpec)(
             cfg.model, str(tokenizer_dir(cfg, run_dir)), cfg.run.seed
         )
@@ -262,7 +265,7 @@ class LLMPolicy:
             with timer("values"):
                 batch["values"] = balanced_call(
                     self.critic.compute_values, self.critic, model_inputs(batch),
-                    self.cfg.critic.packing,
+                    present(self.cfg.critic, "critic").packing,
                 )["values"]  # fmt: skip
         return batch, metrics
 
@@ -285,11 +288,11 @@ class LLMPolicy:
             metrics.update(
                 balanced_call(
                     self.critic.update_critic, self.critic,
-                    batch.select(*critic_keys, meta=False), self.cfg.critic.packing,
+                    batch.select(*critic_keys, meta=False), present(self.cfg.critic, "critic").packing,
                     shuffle_seed=seed,
                 )
             )  # fmt: skip
-            if step < self.cfg.critic.warmup_steps:
+            if step < present(self.cfg.critic, "critic").warmup_steps:
                 return metrics
         metrics.update(
             balanced_call(
@@ -335,7 +338,7 @@ class LLMPolicy:
             elif self.reference is not None:
                 self._transfer(self.reference.receive_weights, 0, self.side_transport)
         c = self.cfg.critic
-        if self.critic is not None and c.path is None and c.tiny is None:
+        if self.critic is not None and c is not None and c.path is None and c.tiny is None:
             self._transfer(self.critic.receive_backbone, 0, self.side_transport)
 
     # ----- asynchronous rollout (groupflow.rollout.hosts) -------------------------------------
@@ -378,9 +381,9 @@ class LLMPolicy:
             state["reference"] = self.reference.reference_weights()
         if self.critic is not None and self.critic.world_size == 1:
             state.update({f"critic_{k}": v for k, v in self.critic.state_dict().items()})
-        elif self.critic is not None:
-            state["critic_train_state"] = self.critic.train_state()
-            writers["critic_shards"] = lambda path: self.critic.save_sharded(str(path))
+        elif (critic := self.critic) is not None:
+            state["critic_train_state"] = critic.train_state()
+            writers["critic_shards"] = lambda path: critic.save_sharded(str(path))
         return state, writers
 
     def load(self, state: dict[str, Any], path: Path) -> None:
@@ -408,7 +411,8 @@ class LLMPolicy:
         self.transport.close()  # e.g. the collective transport's rendezvous store
 
 
-def frozen_view(cfg: Config, run_dir: Path, spec: ModelSpec, engine=HF) -> RolloutView:
+def frozen_view(cfg: Config, run_dir: Path, spec: ModelSpec,
+                engine: HFOptions | VLLMOptions = HF) -> RolloutView:  # fmt: skip
     """The rollout side's view with a frozen copy of the model in the side's own process (built
     there: this is the picklable recipe's callable): its own rollout worker, the run's saved
     tokenizer, the sampling parameters and — when configured — a reward model of its own (frozen:

@@ -325,6 +325,7 @@ def make_judge_reward(
             system = RUBRIC_SYSTEM.format(rubric=rubric, marker=marker, low=low, high=high)
             user = _content(RUBRIC_USER.format(prompt=prompt, response=text), images)
             return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        assert template is not None  # exactly one of rubric and template (checked above)
         user = _content(template.format(prompt=prompt, response=text, marker=marker, **row), images)
         if _MARKER_FIELD in _template_fields(template):
             return [{"role": "user", "content": user}]
@@ -417,7 +418,7 @@ def make_judge_reward(
 
     def take_metrics() -> dict[str, float]:
         with counts_lock:
-            taken = dict(counts)
+            taken = {k: float(v) for k, v in counts.items()}
             counts["invalid_verdicts"] = 0
         return taken
 

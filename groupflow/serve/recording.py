@@ -64,7 +64,7 @@ class EpisodeRecorder:
     def refused(self, key: str) -> int:
         """Calls of the open episode ``key`` refused for its ``max_calls``."""
         with self._lock:
-            episode = self._open.get(key)
+            episode = self._find(key)
             return episode.refused if episode is not None else 0
 
     def close(self, key: str) -> list[CallRecord]:
@@ -77,13 +77,17 @@ class EpisodeRecorder:
         return len(self._open)
 
     # ----- Access -----------------------------------------------------------------------------
+    def _find(self, key: str | None) -> _Open | None:
+        """The open episode of ``key`` (None: a call without one); under the lock."""
+        return None if key is None else self._open.get(key)
+
     def authorize(self, key: str | None) -> bool:
         with self._lock:
             return key in self._open
 
     def params(self, key: str | None, requested: SamplingParams) -> SamplingParams:
         with self._lock:
-            episode = self._open.get(key)
+            episode = self._find(key)
         if episode is None:
             return requested
         s = episode.sampling
@@ -99,7 +103,7 @@ class EpisodeRecorder:
 
     def seeds(self, key: str | None, count: int, seed: int | None) -> list[int]:
         with self._lock:
-            episode = self._open.get(key)
+            episode = self._find(key)
             if episode is None:
                 return [0] * count
             start = episode.sampled
@@ -109,7 +113,7 @@ class EpisodeRecorder:
     def scripted(self, key: str | None, count: int) -> list[list[int]] | None:
         # every call passes here before it is sampled: the episode's call budget is spent here
         with self._lock:
-            episode = self._open.get(key)
+            episode = self._find(key)
             if episode is None:
                 return None
             if episode.max_calls is not None and episode.started >= episode.max_calls:
@@ -131,12 +135,12 @@ class EpisodeRecorder:
 
     def remaining_script(self, key: str) -> int:
         with self._lock:
-            episode = self._open.get(key)
+            episode = self._find(key)
             return len(episode.script or []) if episode is not None else 0
 
     def record(self, key: str | None, call: CallRecord) -> None:
         with self._lock:
-            episode = self._open.get(key)
+            episode = self._find(key)
             if episode is None:
                 self.late_calls += 1
                 return

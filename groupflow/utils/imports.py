@@ -69,6 +69,8 @@ def _import_file(path: Path):
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import '{resolved}' as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:

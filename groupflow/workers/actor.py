@@ -64,6 +64,7 @@ from groupflow.distributed.parallel import (
     shard,
 )
 from groupflow.distributed.ulysses import gather_rows, sequence_groups
+from groupflow.models.causal_lm import hf_model
 from groupflow.models.sequence_parallel import check_heads
 from groupflow.rollout.engines.base import HF
 from groupflow.rollout.engines.batching import generate_batch
@@ -529,8 +530,8 @@ class ActorRolloutWorker(CheckpointMethods):
         """Write a plain HF directory (safetensors + config + tokenizer) from the (gathered) weights;
         LoRA adapters are merged into the base weights, so the directory needs no PEFT to load."""
         target = self._plain_model()
-        if self.rank == 0:
-            target.save_pretrained(out_dir, safe_serialization=True)
+        if target is not None:  # rank 0
+            hf_model(target).save_pretrained(out_dir, safe_serialization=True)
             self.tokenizer.save_pretrained(out_dir)
 
     @register("rank0")
@@ -564,7 +565,7 @@ class ActorRolloutWorker(CheckpointMethods):
         for a rollout or reference pool, or to initialise a critic. ``copy=False``: in-process,
         CPU weights may come as the live tensors (for a caller that copies them at once)."""
         target = self._plain_model()
-        if self.rank != 0:
+        if target is None:  # not rank 0
             return {}
         weights = {k: v.detach().cpu() for k, v in target.state_dict().items()}
         return {k: v.clone() for k, v in weights.items()} if copy else weights
@@ -583,5 +584,5 @@ class ActorRolloutWorker(CheckpointMethods):
             target = copy.deepcopy(self._template)
             target.load_state_dict(full, assign=True)
             if hasattr(target, "tie_weights"):  # assign gives tied names tensors of their own
-                target.tie_weights()
+                hf_model(target).tie_weights()
         return merged_lora_copy(target) if self.cfg.lora is not None else target

@@ -8,6 +8,7 @@ is the same weights with the adapters off — no second copy in memory.
 from __future__ import annotations
 
 import copy
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ def set_adapters(model: nn.Module, enabled: bool) -> None:
     """Switch every LoRA layer of ``model`` on or off (off: the base model); no-op without LoRA."""
     for module in model.modules():
         if hasattr(module, "enable_adapters") and hasattr(module, "base_layer"):
-            module.enable_adapters(enabled)
+            cast(Any, module).enable_adapters(enabled)  # a peft tuner layer (duck-typed)
 
 
 def merged_lora_copy(model: nn.Module) -> nn.Module:
@@ -69,12 +70,13 @@ def merged_lora_copy(model: nn.Module) -> nn.Module:
     out = copy.deepcopy(model)
     for name, module in list(out.named_modules()):
         if hasattr(module, "merge") and hasattr(module, "base_layer"):
-            module.merge()
+            layer = cast(Any, module)  # a peft tuner layer (duck-typed)
+            layer.merge()
             parent_name, _, child = name.rpartition(".")
             setattr(
                 out.get_submodule(parent_name) if parent_name else out,
                 child,
-                module.get_base_layer(),
+                layer.get_base_layer(),
             )
     out.requires_grad_(True)
     return out

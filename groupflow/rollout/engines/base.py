@@ -80,7 +80,7 @@ class HFEngine:
         self.version = -1
         # set by a worker whose model is sharded across ranks: they decode in lockstep
         # (``rollout.hf.generate``'s ``lockstep``; ``distributed.parallel.agree``)
-        self.lockstep = None
+        self.lockstep: Callable[[bool, str], bool] | None = None
         # set by the asynchronous rollout side for rollout.async_mode=in_flight: called between
         # decode steps, it answers (the version to decode with, its weights when they are newer
         # than what the model holds, else None) — ``groupflow.rollout.side.serve``

@@ -23,6 +23,7 @@ are seen (tested).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,7 @@ def _hooked(module: nn.Module) -> bool:
     )
 
 
-def _plain_cpu_fp32_linear(head: nn.Module) -> bool:
+def _plain_cpu_fp32_linear(head: nn.Module) -> TypeGuard[nn.Linear]:
     if type(head) is not nn.Linear or _hooked(head):
         return False
     tensors = [head.weight] + ([head.bias] if head.bias is not None else [])

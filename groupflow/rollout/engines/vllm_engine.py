@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from groupflow.models.causal_lm import hf_model
 from groupflow.models.vision import collapse_placeholders
 from groupflow.rollout.engines.hf import GenerationOutput, SamplingParams, left_pad
 
@@ -171,12 +172,12 @@ class VLLMEngine:
         self._request_ids = itertools.count()
         # Config and tokenizer only: the weights arrive through load_weights below.
         self._dir = tempfile.mkdtemp(prefix="groupflow-vllm-")
-        config = copy.deepcopy(model.config)
+        config = copy.deepcopy(hf_model(model).config)
         if not getattr(config, "architectures", None):  # a model built from a config, never
             config.architectures = [type(model).__name__]  # saved: vLLM picks its class by this
         config.save_pretrained(self._dir)
         tokenizer.save_pretrained(self._dir)
-        self.model_config, self.tokenizer = model.config, tokenizer
+        self.model_config, self.tokenizer = hf_model(model).config, tokenizer
         extra = {}
         if options.processor_path is not None:
             _copy_processor_files(options.processor_path, self._dir)
@@ -270,7 +271,7 @@ class VLLMEngine:
         self.resume()
         requests, sampling = [], []
         for i, prompt in enumerate(prompts):
-            request = self._request(i, prompt, vision[i] if has_images else None)
+            request = self._request(i, prompt, vision[i] if has_images and vision else None)
             for j in range(params.n):
                 requests.append(request)
                 sampling.append(vllm_sampling_params(params, seeds[i * params.n + j], self.eos_ids))

@@ -110,8 +110,9 @@ def run_child(launch: Launch, limits: SandboxLimits, backend: str) -> tuple[Sand
         _kill_group(proc.pid)
         wait_status, usage = os.wait4(proc.pid, 0)[1:]
         proc.returncode = os.waitstatus_to_exitcode(wait_status)
-        proc.stdout.close()
-        proc.stderr.close()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
     duration = time.monotonic() - started
     code, cpu = proc.returncode, usage.ru_utime + usage.ru_stime
     status = _read_status(launch.status_fd) if capture.reason is None else None
@@ -167,6 +168,7 @@ def _read_capped(proc: subprocess.Popen, cap: int, deadline: float) -> _Capture:
     the parent ``O(cap)`` memory however fast the child writes.
     """
     capture = _Capture(bytearray(), bytearray())
+    assert proc.stdout is not None and proc.stderr is not None  # started with both piped
     buffers = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
     with selectors.DefaultSelector() as selector:
         for fd in buffers:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from groupflow.assembly.tokenizers import is_vlm_config
-from groupflow.config import Config
+from groupflow.config import Config, present
 from groupflow.config.root import collective_refusal
 from groupflow.distributed.collective import CollectiveTransport
 from groupflow.distributed.transport import DriverTransport, FileTransport, RayObjectTransport
@@ -33,7 +33,11 @@ def build_rollout_engine(cfg: Config):
     require_vllm()
     v = cfg.rollout.vllm
     # a vision-language model: vLLM's multimodal processor reads the directory's processor files
-    processor_path = str(Path(cfg.model.path).expanduser()) if is_vlm_config(cfg) else None
+    processor_path = None
+    if is_vlm_config(cfg):
+        processor_path = str(
+            Path(present(present(cfg.model, "model").path, "model.path")).expanduser()
+        )
     return VLLMOptions(
         gpu_memory_utilization=v.gpu_memory_utilization,
         sleep_mode=v.sleep_mode,

@@ -194,13 +194,14 @@ def make_image_scorer_reward(
         )
     if kind == "hpsv3" and processor_path is None:
         processor_path = HPSV3_BASE
+    processor = None
     if processor_path is not None:
-        processor_path = _local(processor_path, "processor_path", _BASE_FILES)
-        if not processor_path.exists():
+        processor = _local(processor_path, "processor_path", _BASE_FILES)
+        if not processor.exists():
             raise RewardConfigError(
-                f"image_scorer ({kind}): processor_path '{processor_path}' does not exist"
+                f"image_scorer ({kind}): processor_path '{processor}' does not exist"
             )
-    scorer = _SCORERS[kind](p, device, processor_path)
+    scorer = _SCORERS[kind](p, device, processor)
 
     def reward(prompts: Sequence[str], completions: Sequence[Tensor]) -> list[float]:
         chosen = [select_frames(media, frames) for media in completions]

@@ -142,7 +142,7 @@ class ChatPrompts:
                 tool_choice.function["name"] if isinstance(tool_choice, NamedToolChoice) else None
             )
             if name is None and self.parser_name == "tag":
-                if len(tools) != 1:
+                if not tools or len(tools) != 1:
                     raise ValueError(
                         "tool_choice 'required' with the tag parser needs exactly one tool "
                         "(or name the tool)"

@@ -158,7 +158,7 @@ class AgentWorkflow:
         self._server: AgentServer | None = None
         self._loop: AgentLoop | None = None
         self._blocked = Abandoned()  # loops given up on, while their agent's code still blocks
-        self._logged: set[str] = set()
+        self._logged: set[str | None] = set()
 
     @property
     def train_rows(self) -> list[PromptRow]:

@@ -184,7 +184,7 @@ def run_episodes(
     (rendered again with it)."""
     episodes = [
         Episode(row, make_env(), seeds[i * n + j], group_ids[i], list(prompt_ids[i]),
-                images=[vision[i]] if vision is not None and vision[i] is not None else [])
+                images=[v] if vision is not None and (v := vision[i]) is not None else [])
         for i, row in enumerate(rows)
         for j in range(n)
     ]  # fmt: skip

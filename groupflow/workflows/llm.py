@@ -168,9 +168,10 @@ class PromptTable:
 
     def vision(self, rows: Sequence[PromptRow]) -> list | None:
         """Each row's images (``models.vision.VisionInputs`` or None); None when no row has any."""
-        if getattr(self.encoded, "vision", None) is None:
+        vision = getattr(self.encoded, "vision", None)
+        if vision is None:
             return None
-        by_row = {id(r): v for r, v in zip(self.encoded.rows, self.encoded.vision)}
+        by_row = {id(r): v for r, v in zip(self.encoded.rows, vision)}
         return [by_row[id(r)] for r in rows]
 
 

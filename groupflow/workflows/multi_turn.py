@@ -34,7 +34,7 @@ from groupflow.agents.environments import environment_factory, reset_env, step_e
 from groupflow.agents.formats import ChatFormat, PlainFormat, TemplateError, VisionChatFormat
 from groupflow.agents.parsers import build_parser
 from groupflow.agents.tools import build_tools
-from groupflow.assembly.data import encode_prompts
+from groupflow.assembly.data import EncodedPrompts, encode_prompts
 from groupflow.assembly.tokenizers import build_processor
 from groupflow.batch import Batch
 from groupflow.config import Config
@@ -124,9 +124,12 @@ class MultiTurnWorkflow(EncodedPromptsWorkflow):
                     str(exc), source=row.source, index=row.index, field="prompt"
                 ) from None
 
-        encode = dict(render=render, templated=templated, encode_images=encode_images)
-        self.train = PromptTable(encode_prompts(train_rows, tok, cfg, "train", **encode))
-        self.val = encode_prompts(val_rows, tok, cfg, "validation", **encode) if val_rows else None
+        def encode(rows: list[PromptRow], split: str) -> EncodedPrompts:
+            return encode_prompts(rows, tok, cfg, split, render=render, templated=templated,
+                                  encode_images=encode_images)  # fmt: skip
+
+        self.train = PromptTable(encode(train_rows, "train"))
+        self.val = encode(val_rows, "validation") if val_rows else None
         self.limits = EpisodeLimits(
             max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
             max_response_tokens=r.max_response_tokens or r.max_new_tokens * r.max_turns,
@@ -337,7 +340,7 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     return m
 
 
-_logged_failures: set[str] = set()
+_logged_failures: set[str | None] = set()
 
 
 def _log_first_failure(episodes: list[Episode]) -> None:

@@ -101,14 +101,18 @@ def _sample(
     logits = logits.float()
     scale = params.temperature if params.temperature > 0 else 1.0
     scaled = logits / scale if scale != 1.0 else logits
-    filters = dict(top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+
+    def filters(x: torch.Tensor, temperature: float) -> torch.Tensor:
+        return apply_sampling_filters(x, temperature, top_k=params.top_k, top_p=params.top_p,
+                                      min_p=params.min_p)  # fmt: skip
+
     if params.temperature == 0:
-        tokens = apply_sampling_filters(logits, temperature=0.0, **filters).argmax(-1)
+        tokens = filters(logits, 0.0).argmax(-1)
         logz = scaled.logsumexp(-1)
     else:
         plain = not params.top_k and params.top_p >= 1.0 and not params.min_p
         # the filters act on temperature-scaled logits: scale once, filter at temperature 1
-        filtered = scaled if plain else apply_sampling_filters(scaled, 1.0, **filters)
+        filtered = scaled if plain else filters(scaled, 1.0)
         # amax: max(-1) also finds the indices (20x slower on [16, 49k] on our CPU)
         peak = filtered.amax(-1, keepdim=True)
         # unnormalised probabilities; a filtered-out token (-inf) gets exactly 0. exp in place:
@@ -251,6 +255,8 @@ def _generate(model, prompts, params, seeds, pad_id, eos_ids, tokenizer,
             **images,
         )
         cache = output_cache(out)
+        if cache is None:
+            raise RuntimeError(f"{type(model).__name__} returned no KV cache from its prefill")
         logits = out.logits[:, -1]
         decoder = None
         if params.static_kv_cache and not images:  # image prompts: see models/vision.py

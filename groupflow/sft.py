@@ -15,6 +15,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from groupflow.batch import Batch
 from groupflow.config import SFTConfig
@@ -32,7 +33,7 @@ Example = tuple
 def warm_start(
     learner,
     make_examples: Callable[[object], list[Example]],
-    probe: Callable[[object], list[dict]],
+    probe: Callable[[Any], list[dict]],  # given a split of the caller's own type
     train,
     cfg: SFTConfig,
     seed: int,

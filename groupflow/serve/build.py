@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from groupflow.config import Config
+from groupflow.config import Config, present
 from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.serve.access import Access
 from groupflow.serve.batcher import group_batcher
@@ -25,9 +25,10 @@ def context_length(cfg: Config) -> int:
     """``serve.max_context_tokens``, else the model's positions (tiny config or config.json)."""
     if cfg.serve.max_context_tokens is not None:
         return cfg.serve.max_context_tokens
-    if cfg.model.tiny is not None:
-        return cfg.model.tiny.max_positions
-    config = Path(cfg.model.path).expanduser() / "config.json"
+    m = present(cfg.model, "model")
+    if m.tiny is not None:
+        return m.tiny.max_positions
+    config = Path(present(m.path, "model.path")).expanduser() / "config.json"
     if config.is_file():
         n = json.loads(config.read_text()).get("max_position_embeddings")
         if isinstance(n, int) and n > 0:

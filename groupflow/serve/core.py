@@ -185,8 +185,9 @@ class ServerCore(ChatEndpoints, CompletionEndpoints):
                 raise ApiError(400, str(exc), "messages") from None
             ids = prompt.ids
         else:
-            self._check_chars(len(req.prompt), "prompt")
-            ids = await self._off_loop(len(req.prompt), encode, self.tokenizer, req.prompt,
+            text = req.prompt or ""  # set: the request model requires messages or a prompt
+            self._check_chars(len(text), "prompt")
+            ids = await self._off_loop(len(text), encode, self.tokenizer, text,
                                        req.add_special_tokens)  # fmt: skip
         return {"count": len(ids), "max_model_len": self.limits.max_context_tokens,
                 "tokens": ids}  # fmt: skip

@@ -58,7 +58,7 @@ import torch
 from groupflow.agents.calls import error_text, guarded, is_async_callable
 from groupflow.assembly.data import EncodedPrompts
 from groupflow.batch import Batch
-from groupflow.config import Config
+from groupflow.config import Config, present
 from groupflow.contracts import validate
 from groupflow.data import PromptRow
 from groupflow.data.tokenizer import DEFAULT_ALPHABET
@@ -142,10 +142,13 @@ class AgentWorkflow:
                 logging.getLogger(name).setLevel(logging.WARNING)
         self.cfg, self.policy = cfg, policy
         # an environment adapter (rollout.openenv) is the agent, else the user's own function
-        self.agent = build_env_agent(cfg.rollout) or resolve_agent(cfg.rollout.agent)
+        self.agent = build_env_agent(cfg.rollout) or resolve_agent(
+            present(cfg.rollout.agent, "rollout.agent")
+        )
         self._train_rows, self.val_rows = list(train_rows), list(val_rows)
-        if hasattr(self.agent, "rows"):  # an environment's own tasks (a verifiers taskset)
-            self._train_rows, self.val_rows = self.agent.rows()
+        if (own_rows := getattr(self.agent, "rows", None)) is not None:
+            # an environment's own tasks (a verifiers taskset)
+            self._train_rows, self.val_rows = own_rows()
             train_rows, val_rows = self._train_rows, self.val_rows
         self.reward_fn = None
         if cfg.rollout.agent_reward != "return":

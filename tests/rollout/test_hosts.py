@@ -44,12 +44,41 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 
 def _run(tiny_config, **overrides) -> dict[int, dict]:
-    trainer = Trainer(tiny_config(**overrides))
+    return _fit(tiny_config(**overrides))
+
+
+def _fit(cfg) -> dict[int, dict]:
+    """Train ``cfg`` to the end; its metric rows by step."""
+    trainer = Trainer(cfg)
     try:
         trainer.fit()
     finally:
         trainer.shutdown()
     return _rows(trainer.run_dir)
+
+
+def _reverse_vllm(out_dir, *overrides: str) -> dict[int, dict]:
+    """The metric rows of examples/reverse_vllm.yaml trained with ``overrides`` (20 SFT steps, no
+    baseline validation, no loggers)."""
+    from groupflow.config import load_config
+
+    return _fit(load_config("examples/reverse_vllm.yaml",
+                            ["sft.steps=20", "run.loggers=[]", "validation.before_training=false",
+                             f"run.output_dir={out_dir}", *overrides]))  # fmt: skip
+
+
+def _capture_trained(monkeypatch) -> dict:
+    """Each step's trained batch, by step, from every Trainer.train_step from now on."""
+    trained, train_step = {}, Trainer.train_step
+
+    def capture(trainer):
+        step = trainer.step
+        batch, metrics = train_step(trainer)
+        trained[step] = batch
+        return batch, metrics
+
+    monkeypatch.setattr(Trainer, "train_step", capture)
+    return trained
 
 
 def _same(a: dict, b: dict) -> list[str]:
@@ -335,15 +364,7 @@ def test_an_in_flight_run_resumes_from_its_checkpoint_within_the_bound(tiny_conf
     common = dict(run__name="resume", rollout__max_staleness=1, rollout__async_mode="in_flight",
                   run__save_every=2, actor__lr_schedule="constant")  # fmt: skip
     assert sorted(_run(tiny_config, run__total_steps=2, **common)) == [1, 2]
-    trained, train_step = {}, Trainer.train_step
-
-    def capture(trainer):
-        step = trainer.step
-        batch, metrics = train_step(trainer)
-        trained[step] = batch
-        return batch, metrics
-
-    monkeypatch.setattr(Trainer, "train_step", capture)
+    trained = _capture_trained(monkeypatch)
     rows = _run(tiny_config, run__total_steps=4, **common)  # run.resume=auto
     assert sorted(trained) == [2, 3]  # resumed after the step-2 checkpoint
     for step, batch in trained.items():
@@ -791,21 +812,10 @@ def test_vllm_engine_runs_asynchronously_and_deterministically(tmp_path):
     weights (pushed through the engine's load_weights). Step 0's batch (version 0) equals the
     synchronous run's — generated there by the actor's engine — to the bit; two runs give the same
     metrics; the training forward's log-probs of step 0's samples match vLLM's (fp32)."""
-    from groupflow.config import load_config
 
     def run(name, k, steps):
-        cfg = load_config(
-            "examples/reverse_vllm.yaml",
-            [f"rollout.max_staleness={k}", f"run.total_steps={steps}", "sft.steps=20",
-             "run.loggers=[]", "data.prompts_per_step=4", "validation.before_training=false",
-             f"run.output_dir={tmp_path}", f"run.name={name}"],
-        )  # fmt: skip
-        trainer = Trainer(cfg)
-        try:
-            trainer.fit()
-        finally:
-            trainer.shutdown()
-        return _rows(trainer.run_dir)
+        return _reverse_vllm(tmp_path, f"rollout.max_staleness={k}", f"run.total_steps={steps}",
+                             "data.prompts_per_step=4", f"run.name={name}")  # fmt: skip
 
     sync, a, b = run("sync", 0, 1), run("a", 1, 2), run("b", 1, 2)
     assert [sync[1][k] for k in KEYS] == [a[1][k] for k in KEYS]
@@ -829,30 +839,9 @@ def test_vllm_engine_takes_in_flight_updates_in_the_rollout_process(tmp_path, mo
     pins a switch; here the arrival times are the real ones): -1 exactly where masked, versions
     of a sample never going back, within the staleness bound; batch 0 ran before any update, and
     the staleness metrics are logged."""
-    from groupflow.config import load_config
-
-    trained = {}
-    train_step = Trainer.train_step
-
-    def train_step_(trainer):
-        step = trainer.step
-        batch, metrics = train_step(trainer)
-        trained[step] = batch
-        return batch, metrics
-
-    monkeypatch.setattr(Trainer, "train_step", train_step_)
-    cfg = load_config(
-        "examples/reverse_vllm.yaml",
-        ["rollout.max_staleness=1", "rollout.async_mode=in_flight", "run.total_steps=3",
-         "sft.steps=20", "run.loggers=[]", "data.prompts_per_step=8",
-         "validation.before_training=false", f"run.output_dir={tmp_path}"],
-    )  # fmt: skip
-    trainer = Trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    rows = _rows(trainer.run_dir)
+    trained = _capture_trained(monkeypatch)
+    rows = _reverse_vllm(tmp_path, "rollout.max_staleness=1", "rollout.async_mode=in_flight",
+                         "run.total_steps=3", "data.prompts_per_step=8")  # fmt: skip
     for step, batch in trained.items():
         versions, mask = batch["token_versions"], batch["response_mask"].bool()
         assert (versions[~mask] == -1).all()

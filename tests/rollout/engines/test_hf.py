@@ -244,6 +244,19 @@ def test_the_block_search_picks_the_inverse_cdf_token_with_and_without_padding(v
         assert int(tokens[row]) == int((cdf <= u * cdf[-1]).sum())
 
 
+def check_switch_at_token_3(out, alone, calls: list) -> None:
+    """Version 6 sampled tokens 0-2 (the very tokens ``alone``, the old weights, sample), version
+    7 the rest (-1 where masked); one ``between``/``updates`` call per token position (also used
+    by tests/rollout/engines/test_vllm.py)."""
+    mask = out.response_mask.bool()
+    assert mask[:, 3:].sum() > 10  # enough tokens after the switch to check
+    assert torch.equal(out.responses[:, :3], alone.responses[:, :3])
+    assert not torch.equal(out.responses, alone.responses)  # the new weights sampled the rest
+    per_step = torch.tensor([6, 6, 6] + [7] * (out.responses.shape[1] - 3))
+    assert torch.equal(out.token_versions, torch.where(mask, per_step, -1))
+    assert len(calls) == out.responses.shape[1]
+
+
 @pytest.mark.parametrize("static_kv_cache", [True, False])
 def test_in_flight_weights_switch_between_decode_steps_and_each_token_records_its_version(
     model, static_kv_cache
@@ -272,13 +285,8 @@ def test_in_flight_weights_switch_between_decode_steps_and_each_token_records_it
     out = generate(decoding, PROMPTS, params, seeds=seeds, pad_id=PAD, eos_ids=[EOS],
                    between=between)  # fmt: skip
     alone = run(old, PROMPTS, params, seeds)
+    check_switch_at_token_3(out, alone, calls)  # the prefill's call and one per decode step
     mask = out.response_mask.bool()
-    assert mask[:, 3:].sum() > 10  # enough tokens after the switch to check
-    assert torch.equal(out.responses[:, :3], alone.responses[:, :3])
-    assert not torch.equal(out.responses, alone.responses)  # the new weights sampled the rest
-    per_step = torch.tensor([6, 6, 6] + [7] * (out.responses.shape[1] - 3))
-    assert torch.equal(out.token_versions, torch.where(mask, per_step, -1))
-    assert len(calls) == out.responses.shape[1]  # the prefill's and one per decode step after it
     args = (out.prompt_ids, out.prompt_mask, out.responses, out.response_mask)
     by_old, _ = response_logprobs(old, *args)
     by_new, _ = response_logprobs(new, *args)

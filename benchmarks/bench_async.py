@@ -48,6 +48,7 @@ validation side by side — does the stale run learn as well in the same number 
         [--model demo|medium] [--all-samples]
         [--in-flight [--in-flight-tokens 48] [--multi-turn [--warm-start 150]]]
         [--curves [--plot docs/async_curves.png] [--val-every 20]] [--no-speed]
+        [--results benchmarks/results/NAME.json]
 """
 
 from __future__ import annotations
@@ -223,6 +224,8 @@ def speed(args) -> None:
                 trainer.shutdown()
     print(f"after:  {load()}")
     report(blocks, stages)
+    if args.results:
+        write_speed_results(args, blocks)
 
 
 def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) -> None:
@@ -281,6 +284,66 @@ def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) ->
     step = statistics.median(s for _, s in stages)
     print(f"sync step {step:.3f} s, of which rollout+reward {rollout:.3f} s: with two idle cores "
           f"overlap could reach {step / max(rollout, step - rollout):.2f}x (bound)")  # fmt: skip
+
+
+def speed_rows(blocks: dict[str, list[Block]]) -> list[dict]:
+    """One row per trainer: the median steps/s and its ratio to sync; for the eager/in-flight pair
+    also the ratio to eager, the staleness each trained at and the episodes' shape."""
+    med = {n: statistics.median(b.wall / b.steps for b in bl) for n, bl in blocks.items()}
+    rows = []
+    for n, bl in blocks.items():
+        row = {
+            "run": n,
+            "steps/s": round(1 / med[n], 2),
+            "ratio to sync": round(med["sync"] / med[n], 2),
+        }
+        if n in ("eager", "in-flight"):
+            token, switched = _mean(bl, "token_staleness"), _mean(bl, "switched")
+            row |= {
+                "ratio to eager": round(med["eager"] / med[n], 2),
+                "staleness per sample": round(statistics.mean(b.staleness for b in bl), 3),
+                "per token": "—" if token is None else round(token, 3),
+                "samples switched": "—" if switched is None else f"{switched:.0%}",
+                "turns": _round(_mean(bl, "turns"), 2),
+                "mean length": _round(_mean(bl, "length"), 1),
+                "longest": _round(_mean(bl, "longest"), 1),
+            }
+        rows.append(row)
+    return rows
+
+
+def _round(x: float | None, digits: int):
+    return "—" if x is None else round(x, digits)
+
+
+def write_speed_results(args, blocks: dict[str, list[Block]]) -> None:
+    """The measured rows as a results file (``groupflow.utils.results``) the docs render."""
+    from groupflow.utils.results import write_results
+
+    rows = speed_rows(blocks)
+    by = {r["run"]: r for r in rows}
+    flags = [f"--blocks {args.blocks}", f"--block {args.block}", f"--prompts {args.prompts}",
+             *(["--in-flight"] if args.in_flight else []),
+             *([f"--multi-turn --warm-start {args.warm_start}"] if args.multi_turn else [])]  # fmt: skip
+    task = ("the calculator-tool demo after its warm start" if args.multi_turn
+            else f"the reverse demo, responses up to {args.in_flight_tokens} tokens")  # fmt: skip
+    pair = "in-flight" in by
+    write_results(
+        args.results, name=Path(args.results).stem, rows=rows,
+        command=f"python benchmarks/bench_async.py {' '.join(flags)} --results {args.results}",
+        summary={
+            "recipe": f"benchmarks/bench_async.py: {task}" if pair else "the reverse demo",
+            "what": "steps/s (eager vs in-flight, and per-token staleness)" if pair
+                    else "steps/s, k = 1 vs sync",
+            "before": f"{by['eager']['steps/s']} steps/s eager" if pair
+                      else f"{by['sync']['steps/s']} steps/s sync",
+            "after": (f"{by['in-flight']['steps/s']} steps/s in-flight, per-token staleness "
+                      f"{by['in-flight']['per token']}") if pair
+                     else f"{by['k=1']['steps/s']} steps/s with k = 1",
+            "guide": "docs/guides/async.md",
+        },
+    )  # fmt: skip
+    print(f"results: {args.results}")
 
 
 def _mean(blocks: list[Block], attr: str) -> float | None:
@@ -365,6 +428,11 @@ def main() -> None:
         type=int,
         default=150,
         help="with --multi-turn: untimed SFT steps before the pair's timing",
+    )
+    p.add_argument(
+        "--results",
+        default=None,
+        help="speed part: also write the rows as a results file (benchmarks/results/)",
     )
     p.add_argument("--curves", action="store_true", help="also the demo's learning curves")
     p.add_argument("--plot", default=None, help="with --curves: write them to this PNG")

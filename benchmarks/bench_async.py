@@ -288,16 +288,15 @@ def report(blocks: dict[str, list[Block]], stages: list[tuple[float, float]]) ->
 
 def speed_rows(blocks: dict[str, list[Block]]) -> list[dict]:
     """One row per trainer: the median steps/s and its ratio to sync; for the eager/in-flight pair
-    also the ratio to eager, the staleness each trained at and the episodes' shape."""
+    (a config of its own) the ratio to eager instead, the staleness each trained at and the
+    episodes' shape."""
     med = {n: statistics.median(b.wall / b.steps for b in bl) for n, bl in blocks.items()}
     rows = []
     for n, bl in blocks.items():
-        row = {
-            "run": n,
-            "steps/s": round(1 / med[n], 2),
-            "ratio to sync": round(med["sync"] / med[n], 2),
-        }
-        if n in ("eager", "in-flight"):
+        row: dict = {"run": n, "steps/s": round(1 / med[n], 2)}
+        if n not in ("eager", "in-flight"):
+            row["ratio to sync"] = round(med["sync"] / med[n], 2)
+        else:  # longer responses or the multi-turn task: not sync's config
             token, switched = _mean(bl, "token_staleness"), _mean(bl, "switched")
             row |= {
                 "ratio to eager": round(med["eager"] / med[n], 2),

@@ -161,7 +161,7 @@ def test_every_results_file_is_valid_and_the_readme_table_is_rendered_from_them(
 
     files = sorted((ROOT / "examples" / "results").glob("*.json"))
     assert len(files) >= 6
-    for path in files:
+    for path in [*files, *sorted((ROOT / "benchmarks" / "results").glob("*.json"))]:
         read_results(path)
     hooks = _hooks()
     assert hooks.sync_readme(check=True), "README's results table is stale: python docs/hooks.py"

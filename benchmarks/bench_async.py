@@ -27,16 +27,17 @@ printed before and after.
 ``rollout.async_mode: eager`` (a batch takes the newest version when it starts) and ``in_flight``
 (a version published while a batch decodes reaches it between two decode steps), both with
 ``rollout.max_new_tokens`` raised to ``--in-flight-tokens`` (48): without the warm start most
-samples then run to the limit and a few stop early (skewed lengths), and generation, not the
-update, is the slower side — only then can a version arrive while a batch decodes. Printed: the
+samples then stop early and a few run to the limit (skewed lengths, a long tail), and
+generation, not the update, is the slower side — only then can a version arrive while a batch decodes. Printed: the
 steps/s of both and their ratio, and the staleness each trains at: per sample (its oldest token)
 and per token, and the share of samples whose tokens span two versions. In-flight updates make
 tokens fresher, not steps faster: the ratio shows what loading a version mid-batch costs.
 ``--multi-turn``: the pair runs the calculator-tool demo instead (``examples/calc_tools_demo.yaml``,
 its own model, 2-turn episodes of up to 48 response tokens) after an untimed warm start of
-``--warm-start`` SFT steps (150), so that some episodes call the tool and take two turns while
-others answer in one: episodes of skewed lengths. Printed as well: the mean turns per episode
-and the mean and longest response of each batch.
+``--warm-start`` SFT steps (150), meant to give episodes of one turn and of two (measured: 150
+steps give one turn, 300 and 600 two, to every episode; benchmarks/README.md). Printed as well:
+the mean turns per episode and the mean and longest response of each batch. ``--results PATH``:
+the rows as a results file (``groupflow.utils.results``) that the docs render.
 
 ``--curves``: then runs the whole demo (warm start included, ``run.total_steps``) once
 synchronously and once with k = 1 (decoupled PPO) and prints held-out greedy accuracy at every

@@ -324,3 +324,14 @@ def test_an_unknown_share_prompt_value_is_refused():
     with pytest.raises(ValueError, match="share_prompt must be True, False or 'always'"):
         response_hidden_states(model, ids, torch.ones_like(ids), ids, torch.ones_like(ids),
                                share_prompt="sometimes")  # fmt: skip
+
+
+def test_a_model_without_an_lm_head_is_refused_naming_it():
+    from groupflow.models.logprobs import hidden_logprobs
+
+    class Headless(nn.Module):
+        def get_output_embeddings(self):
+            return None
+
+    with pytest.raises(ValueError, match="Headless has no output embeddings"):
+        hidden_logprobs(Headless(), torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long))

@@ -200,3 +200,13 @@ def test_idefics3_rows_with_differently_padded_images_collate():
     assert out["pixel_attention_mask"].shape == (1, 3, 32, 32)
     assert out["pixel_attention_mask"][0, 0].sum() == 32 * 24  # padding stays masked out
     assert out["pixel_values"][0, 0, :, :, 24:].abs().sum() == 0
+
+
+def test_collapsing_an_idefics3_prompt_needs_the_image_token_id():
+    from types import SimpleNamespace
+
+    from groupflow.models.vision import collapse_placeholders
+
+    config = SimpleNamespace(model_type="idefics3")  # no image_token_id
+    with pytest.raises(ValueError, match="idefics3 model config without image_token_id"):
+        collapse_placeholders([1, 2, 3], config, tokenizer=None)

@@ -223,8 +223,7 @@ class VLLMEngine:
         seconds it took."""
         start = time.perf_counter()
         self.resume()
-        named = [(k, v.detach()) for k, v in weights]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        self._reload(weights)
         # KV blocks computed with the old weights must not serve the next rollout's prompts.
         self.llm.reset_prefix_cache()
         self.version = version
@@ -333,9 +332,13 @@ class VLLMEngine:
         their KV blocks; module docstring)."""
         version, weights = updates()
         if weights is not None:
-            named = [(k, v.detach()) for k, v in weights.items()]
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            self._reload(weights.items())
         self.version = version
+
+    def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The engine's weights replaced in place (HF names, full tensors)."""
+        named = [(k, v.detach()) for k, v in weights]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
 
     def _request(self, index: int, prompt: Sequence[int], vision) -> dict:
         """One prompt as a vLLM request: token ids (image blocks collapsed, the images as

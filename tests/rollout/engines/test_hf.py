@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch import nn
 
 from groupflow.models.causal_lm import build_tiny_llama
 from groupflow.models.logprobs import response_logprobs
@@ -304,3 +305,21 @@ def test_in_flight_updates_refuse_lockstep(model):
     ):
         generate(model, PROMPTS, SamplingParams(max_new_tokens=2), seeds=[0, 1, 2], pad_id=PAD,
                  eos_ids=[EOS], lockstep=lambda flag, how: flag, between=lambda: 0)  # fmt: skip
+
+
+def test_a_prefill_that_returns_no_kv_cache_is_an_error_naming_the_model(model):
+    """A forward that answers use_cache=True without a cache cannot be decoded incrementally."""
+    from types import SimpleNamespace
+
+    class NoCache(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            return SimpleNamespace(logits=out.logits)
+
+    with pytest.raises(RuntimeError, match="NoCache returned no KV cache from its prefill"):
+        generate(NoCache(model), PROMPTS, SamplingParams(max_new_tokens=2), seeds=[0, 1, 2],
+                 pad_id=PAD, eos_ids=[EOS])  # fmt: skip

@@ -86,22 +86,18 @@ def _llm_workflow(cfg) -> None:
 
 def _llm_in_flight(cfg) -> None:
     """What in-flight weight updates need: token versions recorded by the workflow (single- and
-    multi-turn), the side's copy (local backend: a Ray rollout pool's workers would each have to
-    switch mid-decode). Either engine loads weights between decode steps."""
+    multi-turn). Either engine loads weights between decode steps, in the side's own copy (local
+    backend) or in each worker of a Ray rollout pool (``groupflow.rollout.ray_host``)."""
     r = cfg.rollout
     if r.async_mode != "in_flight":
         return
-    why = []
     name = _llm_auto_workflow(cfg) if r.workflow == "auto" else r.workflow
     if name not in ("single_turn", "multi_turn"):
-        why.append(f"the single_turn or multi_turn workflow (not {name}: its calls go through "
-                   "the OpenAI-compatible server, whose batcher does not switch versions)")  # fmt: skip
-    if cfg.run.backend != "local":
-        why.append(f"run.backend=local (not {cfg.run.backend}: the rollout pool's workers would "
-                   "each have to switch between decode steps)")  # fmt: skip
-    if why:
-        raise ValueError("rollout.async_mode=in_flight needs " + "; ".join(why)
-                         + "; rollout.async_mode=eager takes new weights between batches")  # fmt: skip
+        raise ValueError(
+            f"rollout.async_mode=in_flight needs the single_turn or multi_turn workflow (not "
+            f"{name}: its calls go through the OpenAI-compatible server, whose batcher does not "
+            "switch versions); rollout.async_mode=eager takes new weights between batches"
+        )
 
 
 def _llm_auto_workflow(cfg) -> str:

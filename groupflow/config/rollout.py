@@ -197,7 +197,7 @@ class RolloutConfig(_Section):
     # running sequences go on with it; every token records the version that sampled it,
     # token_versions, and its behaviour log-prob): no batch waits for its longest sample to
     # take new weights. HF or vLLM engine, single- or multi-turn workflow, local backend
-    # (groupflow.rollout.side).
+    # (groupflow.rollout.side) or a Ray rollout pool (groupflow.rollout.ray_host).
     async_mode: Literal["deterministic", "eager", "in_flight"] = "deterministic"
     # ---- weight transport (groupflow.distributed.transport): how a new version reaches a
     # rollout pool, the reference or a critic. "collective" (groupflow.distributed.collective):

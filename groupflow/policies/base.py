@@ -123,6 +123,11 @@ class RolloutView:
     def sync(self, version: int = -1) -> int:
         return 0  # versions arrive through load_weights
 
+    def take_updates_in_flight(self, updates: Any) -> None:
+        """rollout.async_mode=in_flight: ``updates`` answers versions between decode steps — as
+        weights (a frozen copy), or as tickets this view's transport fetches (the pool)."""
+        self.rollout.take_updates_in_flight(updates, self.transport)
+
     def load_weights(self, version_data: Any) -> None:
         """A version's weights (a frozen copy) or its transport ticket (the pool)."""
         if self.transport is None:

@@ -16,12 +16,25 @@ child process (``conn.send`` / ``recv_bytes``, ``wait``, ``close``) over Ray cal
 protocol, the deterministic schedule, timeouts and error reports are the local route's. The
 driver makes one call at a time and waits for each, so the actor sees messages in order.
 
+In-flight weight updates (``rollout.async_mode: in_flight``) need every worker of the pool to
+switch between its own decode steps, in its own process, where the loop's pipe does not reach. So
+each version the loop actor is given is also posted on a ``VersionBoard``, a small asynchronous
+Ray actor beside it that holds the newest version and its ticket. Each worker keeps one question
+to the board open (``BoardUpdates``: "a version newer than the one I hold?") and, between two
+decode steps, only looks whether the answer has come (``ray.wait`` with no timeout: no call per
+step). When it has, the worker fetches that version through the weight transport into its model
+and goes on decoding (``InferenceWorker.take_updates_in_flight``). The workers switch
+independently, each at its own step: every token records its version either way. A collective
+transport cannot serve this (its receivers must all meet the sender), and the asynchronous
+rollout refuses it anyway.
+
 A driver killed with SIGKILL takes the actor with it (Ray ends the actors a dead job owns); a
 resume regenerates the in-flight batches from the checkpoint's weight snapshots.
 """
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import threading
@@ -31,7 +44,7 @@ import torch
 
 from groupflow.rollout.side import RolloutRecipe, RolloutSide, serve
 
-__all__ = ["PoolSideHost", "TicketStore"]
+__all__ = ["BoardUpdates", "PoolSideHost", "TicketStore", "VersionBoard"]
 
 GRACE_S = 30.0  # beyond a wait's own timeout, for the Ray call that carries it
 
@@ -60,19 +73,67 @@ class TicketStore:
         return sorted(self._held)
 
 
+class VersionBoard:
+    """The newest version posted and its ticket (a Ray actor with asynchronous methods: many
+    workers can wait on it at once). Versions only go up: an older one posted later (a
+    checkpoint's snapshot at a resume) is not newer for anyone."""
+
+    def __init__(self):
+        self.version, self.ticket = -1, None
+        self.posted = asyncio.Condition()
+
+    async def post(self, version: int, ticket) -> None:
+        async with self.posted:
+            if version > self.version:
+                self.version, self.ticket = version, ticket
+                self.posted.notify_all()
+
+    async def newer(self, held: int) -> tuple[int, Any]:
+        """(version, ticket) once a version newer than ``held`` is posted."""
+        async with self.posted:
+            await self.posted.wait_for(lambda: self.version > held)
+            return self.version, self.ticket
+
+
+class BoardUpdates:
+    """A worker's end of the ``VersionBoard``: ``self(held)`` is (the newest version posted, its
+    ticket) when one newer than ``held`` has been posted, else (``held``, None) at once. One
+    question stays open at the board; a call only looks whether its answer has come."""
+
+    def __init__(self, board):
+        self.board, self.asked = board, None
+
+    def __call__(self, held: int) -> tuple[int, Any]:
+        import ray
+
+        if self.asked is not None and ray.wait([self.asked], timeout=0)[0]:
+            version, ticket = ray.get(self.asked)
+            self.asked = None
+            if version > held:  # else: the worker got this far with a batch's own version
+                return version, ticket
+        if self.asked is None:
+            self.asked = self.board.newer.remote(held)
+        return held, None
+
+    def __getstate__(self) -> dict:
+        return {"board": self.board, "asked": None}  # a question is asked from one process
+
+
 class SideActor:
     """The Ray actor that owns the rollout loop: a ``RolloutSide`` served by a thread of its
     process; its methods are the driver's end of the pipe."""
 
-    def __init__(self, recipe: RolloutRecipe, slots: int, eager: bool):
+    def __init__(self, recipe: RolloutRecipe, slots: int, eager: bool, board=None):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         torch.set_num_threads(recipe.threads)
         self.ring = TicketStore(slots)  # tickets; the pool's workers fetch the weights
         self.status = torch.zeros(3, dtype=torch.long)  # phase, step, version (side.py)
+        self.board = board  # in-flight updates: where the pool's workers look for versions
         self.side = RolloutSide(recipe)
         self.conn, end = mp.Pipe()
+        updates = None if board is None else BoardUpdates(board)
         self.thread = threading.Thread(
-            target=serve, args=(end, self.side, self.ring, self.status, eager),
+            target=serve, args=(end, self.side, self.ring, self.status, eager, updates),
             name="groupflow-rollout", daemon=True,
         )  # fmt: skip
         self.thread.start()
@@ -81,7 +142,11 @@ class SideActor:
         return True
 
     def publish(self, version: int, ticket) -> None:
+        import ray
+
         self.ring.write(version, ticket)
+        if self.board is not None:  # before the loop hears of it: no job starts older
+            ray.get(self.board.post.remote(version, ticket), timeout=GRACE_S)
         self.conn.send(("weights", version))
 
     def submit(self, step: int, version: int) -> None:
@@ -121,8 +186,11 @@ class PoolSideHost:
 
         self.ring, self.status, self.conn = ring, status, self
         self.where = pool.node_report  # the loop actor shares the pool's first bundle
+        self.board = None
+        if recipe.cfg.rollout.async_mode == "in_flight":
+            self.board = ray.remote(VersionBoard).options(**pool.placement(0)).remote()
         remote = ray.remote(SideActor).options(**pool.placement(0), max_concurrency=1)
-        self.actor = remote.remote(recipe, ring.slots, eager)
+        self.actor = remote.remote(recipe, ring.slots, eager, self.board)
         try:
             ray.get(self.actor.ready.remote(), timeout=startup_timeout_s)
         except GetTimeoutError:
@@ -192,3 +260,5 @@ class PoolSideHost:
         except Exception:  # noqa: BLE001 - already dead or hung: killed below either way
             pass
         ray.kill(self.actor)  # pyright: ignore[reportArgumentType] - Ray types handles as proxies
+        if self.board is not None:
+            ray.kill(self.board)  # pyright: ignore[reportArgumentType]

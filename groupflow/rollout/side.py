@@ -91,7 +91,7 @@ class RolloutSide:
         return self.async_mode == "in_flight"
 
     def take_updates_in_flight(self, updates) -> None:
-        self.policy.rollout.take_updates_in_flight(updates)
+        self.policy.take_updates_in_flight(updates)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         self.policy.load_weights(weights)
@@ -103,11 +103,15 @@ class RolloutSide:
         close_run(getattr(self, "workflow", None), self.policy)
 
 
-def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool) -> None:
+def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool,
+          updates: Callable | None = None) -> None:  # fmt: skip
     """Answer jobs until ``None`` or the pipe closes. ``eager``: a job takes the newest version
     published when it starts (at least its scheduled one). With ``side.in_flight``
     (rollout.async_mode=in_flight) the engine also takes each version published while the job
-    runs, between two decode steps (``in_flight_updates``). After a failure every later job is
+    runs, between two decode steps: read from ``ring`` here (``in_flight_updates``), or, on a Ray
+    rollout pool whose workers decode in processes of their own, ``updates``
+    (``ray_host.BoardUpdates``: each worker fetches the ticket it answers through the weight
+    transport; the status does not show those loads). After a failure every later job is
     answered with the same error: it must not run on a side in an unknown state."""
     held, newest, failed = None, -1, None
     pending: deque = deque()
@@ -138,7 +142,7 @@ def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool) -> N
 
     try:
         if side.in_flight:
-            side.take_updates_in_flight(in_flight_updates)
+            side.take_updates_in_flight(in_flight_updates if updates is None else updates)
     except BaseException as e:  # noqa: BLE001 - answered to the trainer with the first job
         failed = e
     while True:

@@ -52,6 +52,7 @@ class InferenceWorker:
         # the HF engine decodes with self.model; vLLM keeps a copy of its own
         self.engine = engine.build(model, tokenizer, eos_ids=self.eos_ids, pad_id=pad_id)
         self.generated_samples = 0  # what this worker generated (placement checks)
+        self.taken_in_flight = -1  # the last version fetched between decode steps
 
     @classmethod
     def create(cls, rank: int, world_size: int, *, spec: ModelSpec, cfg: ActorConfig, role: str,
@@ -73,15 +74,31 @@ class InferenceWorker:
         return self.generated_samples
 
     @register("all")
-    def take_updates_in_flight(self, updates) -> None:
+    def take_updates_in_flight(self, updates, transport=None) -> None:
         """rollout.async_mode=in_flight: the engine calls ``updates`` between decode steps
-        (``HFEngine.updates``, ``VLLMEngine.updates``)."""
+        (``HFEngine.updates``, ``VLLMEngine.updates``). ``transport`` given (a Ray rollout pool):
+        ``updates(held)`` answers a newer version's ticket, which this worker fetches itself."""
         if not hasattr(self.engine, "updates"):
             raise ValueError(
                 f"rollout.async_mode=in_flight: the {self.engine.name} engine does not load "
                 "weights between decode steps (use rollout.engine=hf or vllm, or async_mode=eager)"
             )
-        self.engine.updates = updates
+        if transport is None:
+            self.engine.updates = updates
+        else:
+            self.engine.updates = lambda: self._fetch_in_flight(updates, transport)
+
+    def _fetch_in_flight(self, updates, transport) -> tuple[int, dict | None]:
+        """(version, weights for the engine) as ``HFEngine.updates`` answers them, from a ticket:
+        the buckets land in the model in place (between two decode steps nothing reads it), and
+        an engine with weights of its own (vLLM) is given the model's."""
+        held = self.engine.version
+        version, ticket = updates(held)
+        if ticket is None or version <= held:
+            return held, None
+        receive_into(transport, ticket, self.model.state_dict(), role=self.role, rank=self.rank)
+        self.taken_in_flight = version
+        return version, dict(self.model.state_dict()) if self.engine.separate_weights else None
 
     @register("all")
     def engine_state(self) -> tuple[str, int]:
@@ -109,9 +126,11 @@ class InferenceWorker:
     def receive_weights(self, ticket, transport) -> None:
         """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
         and version) and load them."""
+        version = ticket_version(ticket)
+        if version == self.taken_in_flight == self.engine.version:
+            return  # fetched between decode steps already (take_updates_in_flight)
         # bucket by bucket into the model: one bucket of extra memory, not one model
         receive_into(transport, ticket, self.model.state_dict(), role=self.role, rank=self.rank)
-        version = ticket_version(ticket)
         if self.engine.separate_weights:  # e.g. vLLM: its own copy, refreshed from the model's
             self.engine.load_weights(self.model.state_dict().items(), version)
         self.engine.version = version

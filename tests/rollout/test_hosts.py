@@ -411,15 +411,6 @@ def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
             },
             r"in_flight needs the single_turn or multi_turn workflow \(not agent",
         ),
-        (
-            {
-                "rollout.async_mode": "in_flight",
-                "rollout.max_staleness": 1,
-                "run.backend": "ray",
-                "placement.rollout": {"nodes": 1},
-            },
-            r"in_flight needs run.backend=local \(not ray",
-        ),
         ({"rollout.async_worker": "thread"}, "async_worker=thread .*max_staleness=0 runs none"),
         ({"rollout.async_mode": "newest", "rollout.max_staleness": 1}, "rollout.async_mode"),
         ({"actor.off_policy": "tis"}, "needs actor.tis_cap"),

@@ -1,13 +1,15 @@
-"""The pooled rollout's pieces that need no Ray: the ticket store's eviction and the rule that only
-a Ray worker group may travel to the rollout loop's actor (the Ray route itself:
+"""The pooled rollout's pieces: the ticket store's eviction, the rule that only a Ray worker group
+may travel to the rollout loop's actor, the reports of a dead loop actor (no Ray), and the version
+board the pool's workers take in-flight updates from (a real Ray actor; the Ray route itself:
 tests/distributed/test_ray_trainer.py)."""
 
 import pickle
+import time
 
 import pytest
 
 from groupflow.distributed import WorkerGroup
-from groupflow.rollout.ray_host import TicketStore
+from groupflow.rollout.ray_host import BoardUpdates, TicketStore, VersionBoard
 
 
 def test_ticket_store_keeps_the_last_slots_versions_and_names_a_missing_one():
@@ -75,3 +77,48 @@ def test_a_dead_loop_actor_names_the_batches_in_flight_and_calls_its_status_last
     assert (
         rollouts._death("died") == "the rollout loop's Ray actor died; it ran on node n1 (10.0.0.2)"
     )
+
+
+def _answer(asks: BoardUpdates, held: int, timeout_s: float = 30.0):
+    """What ``asks(held)`` answers once the board's answer has come (it never waits itself)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := asks(held)) == (held, None):
+        assert time.monotonic() < deadline, f"no answer newer than {held}"
+        time.sleep(0.01)
+    return got
+
+
+@pytest.mark.slow
+def test_the_version_board_answers_newer_versions_only_and_never_makes_a_worker_wait(shared_ray):
+    """A worker's end asks once and then only looks: before any post it answers (held, None) at
+    once; after posts it answers the newest version with its ticket; an older version posted
+    later (a resume's snapshot) is no news; an answer overtaken by the worker's own load is
+    dropped; a copy pickled for another process carries no question of this one's."""
+    import ray
+
+    board = ray.remote(VersionBoard).remote()
+    try:
+        asks = BoardUpdates(board)
+        start = time.perf_counter()
+        assert asks(-1) == (-1, None) and asks(-1) == (-1, None)
+        assert time.perf_counter() - start < 5.0  # a look, not a wait for a version
+        ray.get(board.post.remote(2, {"version": 2, "refs": ["a"]}))
+        ray.get(board.post.remote(1, {"version": 1}))  # older: ignored
+        assert _answer(asks, -1) == (2, {"version": 2, "refs": ["a"]})
+        assert asks(2) == (2, None)  # asked again, holding 2: nothing newer yet
+        ray.get(board.post.remote(4, {"version": 4}))
+        ray.get(board.post.remote(3, {"version": 3}))
+        assert _answer(asks, 2) == (4, {"version": 4})
+        # holding 4, it asks; then a batch loads 6 itself, and the board's answer (5) is stale
+        assert asks(4) == (4, None)
+        ray.get(board.post.remote(5, {"version": 5}))
+        ray.wait([asks.asked], timeout=30)
+        assert asks(6) == (6, None)  # 5 dropped, asked again holding 6
+        ray.get(board.post.remote(7, {"version": 7}))
+        assert _answer(asks, 6) == (7, {"version": 7})
+        asks(7)
+        clone = pickle.loads(pickle.dumps(asks))
+        assert asks.asked is not None and clone.asked is None
+        assert _answer(clone, 6) == (7, {"version": 7})  # the same board
+    finally:
+        ray.kill(board)

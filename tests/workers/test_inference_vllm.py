@@ -3,7 +3,9 @@
 What a Ray rollout pool's worker does with every version, in this process: the filesystem
 transport's buckets land in the worker's torch model, and vLLM loads them from there — the engine
 then generates exactly what the HF engine generates with the sent weights. A corrupted bucket is a
-clear error and the engine keeps the version it had.
+clear error and the engine keeps the version it had. A version whose ticket the pool's board
+answers between two engine steps (rollout.async_mode=in_flight) reaches vLLM the same way, while
+the requests run.
 """
 
 import copy
@@ -52,7 +54,8 @@ def test_a_transported_version_reaches_the_vllm_engine(tmp_path):
     _sharpen(trained, seed=1)  # the actor's newer weights
     worker = InferenceWorker(
         model, tok, ActorConfig(), pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
-        role="rollout", engine=VLLMOptions(dtype="float32", seed=0, cpu_kv_cache_gib=1),
+        role="rollout",
+        engine=VLLMOptions(dtype="float32", seed=0, cpu_kv_cache_gib=1, in_flight=True),
     )  # fmt: skip
     prompts = [tok(t)["input_ids"] for t in ("12345=", "907=", "4411235=")]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -87,3 +90,34 @@ def test_a_transported_version_reaches_the_vllm_engine(tmp_path):
     assert worker.engine_state() == ("vllm", 3)
     again = worker.engine.generate(prompts, greedy, seeds=seeds)
     assert torch.equal(again.responses, after.responses)
+    # in flight (a Ray pool's route, the board pinned): version 7's ticket is answered before the
+    # engine step that samples token 3; it lands in the torch model and vLLM reloads from there
+    from groupflow.models.logprobs import response_logprobs
+    from tests.rollout.engines.test_hf import check_switch_at_token_3
+
+    worker.receive_weights(transport.send(6, trained.state_dict()), transport)
+    new = copy.deepcopy(trained)
+    with torch.no_grad():  # the final norm only: the KV blocks kept are the new version's too
+        new.model.norm.weight.mul_(torch.linspace(0.2, 3.0, new.model.norm.weight.numel()))
+    ticket = transport.send(7, new.state_dict())
+    params, seeds = SamplingParams(max_new_tokens=10, n=2), list(range(40, 46))
+    alone = worker.engine.generate(prompts, params, seeds=seeds)
+    asked = []
+
+    def board(held):
+        asked.append(held)
+        return (7, ticket) if len(asked) == 4 else (held, None)
+
+    worker.take_updates_in_flight(board, transport)
+    out = worker.engine.generate(prompts, params, seeds=seeds)
+    check_switch_at_token_3(out, alone, asked)
+    assert worker.engine_state() == ("vllm", 7) and asked[:4] == [6] * 4
+    mask = out.response_mask.bool()
+    before, after = mask.clone(), mask.clone()
+    before[:, 3:], after[:, :3] = False, False
+    args = (out.prompt_ids, out.prompt_mask, out.responses, out.response_mask)
+    with torch.no_grad():
+        by_old, by_new = response_logprobs(trained, *args)[0], response_logprobs(new, *args)[0]
+    assert (out.logprobs[before] - by_old[before]).abs().max() < 1e-3
+    assert (out.logprobs[after] - by_new[after]).abs().max() < 1e-3
+    assert (out.logprobs[after] - by_old[after]).abs().max() > 1e-2

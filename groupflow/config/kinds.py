@@ -84,22 +84,6 @@ def _llm_workflow(cfg) -> None:
         raise ValueError("rollout.workflow=diffusion needs a 'diffusion' section")
 
 
-def _llm_in_flight(cfg) -> None:
-    """What in-flight weight updates need: token versions recorded by the workflow (single- and
-    multi-turn). Either engine loads weights between decode steps, in the side's own copy (local
-    backend) or in each worker of a Ray rollout pool (``groupflow.rollout.ray_host``)."""
-    r = cfg.rollout
-    if r.async_mode != "in_flight":
-        return
-    name = _llm_auto_workflow(cfg) if r.workflow == "auto" else r.workflow
-    if name not in ("single_turn", "multi_turn"):
-        raise ValueError(
-            f"rollout.async_mode=in_flight needs the single_turn or multi_turn workflow (not "
-            f"{name}: its calls go through the OpenAI-compatible server, whose batcher does not "
-            "switch versions); rollout.async_mode=eager takes new weights between batches"
-        )
-
-
 def _llm_auto_workflow(cfg) -> str:
     r = cfg.rollout
     return "multi_turn" if (r.max_turns > 1 or r.tools or r.environment) else "single_turn"
@@ -109,7 +93,7 @@ LLM = Kind(
     "llm",
     "model",
     {},
-    (_llm_teacher, _llm_async_on_ray, _llm_workflow, _llm_in_flight),
+    (_llm_teacher, _llm_async_on_ray, _llm_workflow),
     auto_workflow=_llm_auto_workflow,
     writes_text=True,
     teacher_in_actor=False,
@@ -146,6 +130,12 @@ def _diffusion_llm_only(cfg) -> None:
         )
     if cfg.rollout.engine == "vllm":
         raise ValueError("rollout.engine=vllm does not work with a 'diffusion' policy")
+    if cfg.rollout.async_mode == "in_flight":
+        raise ValueError(
+            "rollout.async_mode=in_flight switches weights between an LLM's decode steps; a "
+            "'diffusion' policy's samples take new weights between batches "
+            "(rollout.async_mode=eager)"
+        )
 
 
 def _diffusion_workflow(cfg) -> None:

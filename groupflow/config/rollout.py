@@ -196,7 +196,8 @@ class RolloutConfig(_Section):
     # published while a batch is generated reaches the engine between two decode steps (the
     # running sequences go on with it; every token records the version that sampled it,
     # token_versions, and its behaviour log-prob): no batch waits for its longest sample to
-    # take new weights. HF or vLLM engine, single- or multi-turn workflow, local backend
+    # take new weights. HF or vLLM engine; the single- and multi-turn workflows, and the agent
+    # workflow, whose server's decoder switches too (groupflow.serve.batcher); local backend
     # (groupflow.rollout.side) or a Ray rollout pool (groupflow.rollout.ray_host).
     async_mode: Literal["deterministic", "eager", "in_flight"] = "deterministic"
     # ---- weight transport (groupflow.distributed.transport): how a new version reaches a

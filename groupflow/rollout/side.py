@@ -116,6 +116,9 @@ def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool,
     held, newest, failed = None, -1, None
     pending: deque = deque()
     job = [0]  # the step being collected (what a status written mid-job names)
+    # the agent workflow's server calls in_flight_updates on its decode thread, which may still
+    # decode (a late call) while this loop waits on the pipe: one reader at a time
+    pipe = threading.Lock()
 
     def take_published() -> int:
         """The newest version published so far (jobs and the stop that arrive meanwhile wait)."""
@@ -131,14 +134,19 @@ def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool,
     def in_flight_updates() -> tuple[int, dict | None]:
         nonlocal held
         assert held is not None, "a job loads its version before it decodes"
-        version = take_published()
-        if version <= held:
+        if not pipe.acquire(blocking=False):  # the loop waits for its next job: nothing new
             return held, None
-        status[:] = torch.tensor([LOADING, job[0], version])
-        weights = ring.read(version)
-        held = version
-        status[:] = torch.tensor([COLLECTING, job[0], version])
-        return version, weights
+        try:
+            version = take_published()
+            if version <= held:
+                return held, None
+            status[:] = torch.tensor([LOADING, job[0], version])
+            weights = ring.read(version)
+            held = version
+            status[:] = torch.tensor([COLLECTING, job[0], version])
+            return version, weights
+        finally:
+            pipe.release()
 
     try:
         if side.in_flight:
@@ -147,7 +155,8 @@ def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool,
         failed = e
     while True:
         try:
-            msg = pending.popleft() if pending else conn.recv()
+            with pipe:
+                msg = pending.popleft() if pending else conn.recv()
         except (EOFError, OSError):
             return
         if msg is None:
@@ -161,7 +170,8 @@ def serve(conn, side: RolloutSide, ring, status: torch.Tensor, eager: bool,
             if failed is not None:
                 raise failed
             if eager:  # what was published while the previous job ran
-                version = max(version, take_published())
+                with pipe:
+                    version = max(version, take_published())
             if version != held:
                 status[:] = torch.tensor([LOADING, step, version])
                 side.load(ring.read(version))

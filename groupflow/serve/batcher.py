@@ -64,6 +64,7 @@ class Completion:
     ids: list[int]  # sampled ids, the EOS or stop string included
     logprobs: list[float]  # their sampling log-probs
     finish: str  # "stop" (EOS or a stop string) or "length"
+    versions: list[int] | None = None  # in-flight updates: the version that sampled each id
 
 
 # prompts, params (n = 1), one seed per prompt -> one completion per prompt
@@ -80,11 +81,13 @@ class Unsupported(RuntimeError):
     """The batcher's engine cannot do this (a scoring forward without a model in this process)."""
 
 
-def _completions(responses, mask, logprobs, finishes: Sequence[str]) -> list[Completion]:
+def _completions(responses, mask, logprobs, finishes: Sequence[str],
+                 versions=None) -> list[Completion]:  # fmt: skip
     out = []
     for k in range(responses.shape[0]):
         m = mask[k].bool()
-        out.append(Completion(responses[k][m].tolist(), logprobs[k][m].tolist(), finishes[k]))
+        v = None if versions is None else versions[k][m].tolist()
+        out.append(Completion(responses[k][m].tolist(), logprobs[k][m].tolist(), finishes[k], v))
     return out
 
 
@@ -93,7 +96,8 @@ def engine_generate(engine) -> GenerateFn:
 
     def generate(prompts, params, seeds):
         out: GenerationOutput = engine.generate(prompts, params, seeds=seeds)
-        return _completions(out.responses, out.response_mask, out.logprobs, out.finish_reasons)
+        return _completions(out.responses, out.response_mask, out.logprobs, out.finish_reasons,
+                            out.token_versions)  # fmt: skip
 
     return generate
 
@@ -104,9 +108,9 @@ def group_generate(group) -> GenerateFn:
     def generate(prompts, params, seeds):
         batch = prompts_batch(prompts, [[s] for s in seeds], list(range(len(prompts))))
         out: Batch = group.generate(batch, params, 0)
-        return _completions(
-            out["responses"], out["response_mask"], out["rollout_logprobs"], out["finish_reason"]
-        )
+        versions = out["token_versions"] if "token_versions" in out else None
+        return _completions(out["responses"], out["response_mask"], out["rollout_logprobs"],
+                            out["finish_reason"], versions)  # fmt: skip
 
     return generate
 
@@ -126,8 +130,13 @@ def group_batcher(
     if continuous and local is not None and continuous_reason(local.model) is None:
         decoder = ContinuousDecoder(local.model, local.tokenizer, eos_ids=local.eos_ids,
                                     pad_id=local.pad_id, prefix_tokens=prefix_tokens)  # fmt: skip
+
+        def between() -> int | None:
+            # in-flight updates reach the engine after the server is built (rollout.side)
+            return engine.take_update() if getattr(engine, "updates", None) else None
+
         return ContinuousBatcher(decoder, score=model_scorer(local.model, local.pad_id),
-                                 **options)  # fmt: skip
+                                 between=between, **options)  # fmt: skip
     return DynamicBatcher(group_generate(group), score=_worker_scorer(worker, local), **options)
 
 
@@ -358,12 +367,16 @@ class ContinuousBatcher(_Batcher):
     decoded, ``engine_seconds`` the decode thread's busy time, ``reused_tokens`` the prompt
     tokens the decoder's prefix cache spared. The decoder's row slots grow to
     ``max_batch_samples``; its buffer is freed after ``release_s`` without a request (kept
-    between an agent's calls, given back while a trainer updates the model)."""
+    between an agent's calls, given back while a trainer updates the model). ``between``: called
+    on the decode thread before every join and step; it may load newer weights into the model
+    in place and answers their version (recorded per token) or None (in-flight weight updates:
+    ``HFEngine.take_update``)."""
 
     def __init__(self, decoder: ContinuousDecoder, *, score: ScoreFn | None = None,
                  max_batch_samples: int = 64, max_pending_samples: int = 1024,
-                 wait_s: float = 0.005, release_s: float = 2.0):  # fmt: skip
-        self.decoder = decoder
+                 wait_s: float = 0.005, release_s: float = 2.0,
+                 between: Callable[[], int | None] | None = None):  # fmt: skip
+        self.decoder, self.between = decoder, between
         self.score_fn = score or model_scorer(decoder.model, decoder.pad_id)
         decoder.max_rows = max_batch_samples
         self.release_s = release_s
@@ -465,6 +478,10 @@ class ContinuousBatcher(_Batcher):
             progress: list = []
             finished: list[Finished] = []
             try:
+                if self.between is not None and (admit or self.decoder.active):
+                    version = self.between()
+                    if version is not None:
+                        self.decoder.version = version
                 if admit:
                     p, f = self._join(admit)
                     progress += p
@@ -553,7 +570,7 @@ class ContinuousBatcher(_Batcher):
                 item.listener(j, [token])
         for f in finished:
             item, j = f.tag
-            item.results[j] = Completion(f.ids, f.logprobs, f.finish)
+            item.results[j] = Completion(f.ids, f.logprobs, f.finish, f.versions)
             if not item.future.done() and all(r is not None for r in item.results):
                 item.future.set_result(list(item.results))
 
@@ -584,4 +601,5 @@ def _cut(c: Completion, max_tokens: int) -> Completion:
     """A completion decoded in a call for longer requests, cut back to its own limit."""
     if len(c.ids) <= max_tokens:
         return c
-    return Completion(c.ids[:max_tokens], c.logprobs[:max_tokens], "length")
+    versions = None if c.versions is None else c.versions[:max_tokens]
+    return Completion(c.ids[:max_tokens], c.logprobs[:max_tokens], "length", versions)

@@ -158,6 +158,9 @@ class Chain:
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""
     calls: int = 0
+    # in-flight weight updates: the version that sampled each id (-1 where the mask is 0);
+    # None when its completions carry none
+    versions: list[int] | None = None
 
     @property
     def full(self) -> list[int]:
@@ -170,7 +173,8 @@ def merge_calls(calls: list[CallRecord]) -> list[Chain]:
     usual case, and what the server's continuation guarantees when the client did not edit the
     history) is appended to that sample, the tokens in between masked out; any other completion
     starts a sample of its own (step-wise: they share the episode's advantage). Choices of one
-    request (``n`` > 1) branch, so each starts its own sample."""
+    request (``n`` > 1) branch, so each starts its own sample. Token versions (in-flight
+    updates) follow their ids; what lies between completions gets -1."""
     chains: list[Chain] = []
     for call in calls:
         extended: set[int] = set()
@@ -193,6 +197,9 @@ def merge_calls(calls: list[CallRecord]) -> list[Chain]:
             chain.ids += between + c.ids
             chain.mask += [0] * len(between) + [1] * len(c.ids)
             chain.logprobs += [0.0] * len(between) + list(c.logprobs)
+            if c.versions is not None:
+                had = chain.versions if chain.versions is not None else []
+                chain.versions = had + [-1] * (len(chain.ids) - len(had) - len(c.ids)) + c.versions
             chain.finish, chain.calls = c.finish, chain.calls + 1
             extended.add(target)
     return chains

@@ -29,7 +29,7 @@ from groupflow.data import PromptRow
 from groupflow.serve.access import CallRecord
 from groupflow.serve.recording import Chain, merge_calls
 from groupflow.workflows.episodes import Episode, episodes_batch
-from groupflow.workflows.llm import finite_metrics, row_fields
+from groupflow.workflows.llm import finite_metrics, row_fields, sample_versions
 
 __all__ = [
     "AgentEpisode",
@@ -122,25 +122,31 @@ def episode_rewards(
 def episode_samples(tok, width: int, episodes: list[AgentEpisode], rewards: torch.Tensor,
                     uid: str, version: int) -> tuple[Batch, Counter]:  # fmt: skip
     """The episodes' samples (``merge_calls``), each with its episode's reward and id; a sample
-    longer than ``width`` (``rollout.max_response_tokens``) is cut there and counted."""
+    longer than ``width`` (``rollout.max_response_tokens``) is cut there and counted. With
+    in-flight weight updates every sampled token keeps its version (``token_versions``; -1 in
+    a sample that sampled nothing, e.g. a placeholder) and a sample is as old as its oldest."""
     samples, owner, counts = [], [], Counter()
-    for k, e in enumerate(episodes):
-        chains = merge_calls(e.calls) or [placeholder_chain(tok, e)]
+    per_episode = [merge_calls(e.calls) or [placeholder_chain(tok, e)] for e in episodes]
+    in_flight = any(c.versions is not None for chains in per_episode for c in chains)
+    for k, (e, chains) in enumerate(zip(episodes, per_episode)):
         counts["samples"] += len(chains)
         counts["split_episodes"] += len(chains) > 1
         for chain in chains:
+            versions = chain.versions if chain.versions is not None else [-1] * len(chain.ids)
             if len(chain.ids) > width:  # the sample's width: rollout.max_response_tokens
                 counts["truncated"] += 1
                 chain = Chain(chain.prompt_ids, chain.ids[:width],
                               chain.mask[:width], chain.logprobs[:width], "length")  # fmt: skip
             samples.append(Episode(e.row, None, e.seed, e.group, chain.prompt_ids, chain.ids,
-                                   chain.mask, chain.logprobs, finish=chain.finish))  # fmt: skip
+                                   chain.mask, chain.logprobs,
+                                   versions[:width] if in_flight else [],
+                                   finish=chain.finish))  # fmt: skip
             owner.append(k)
     batch = episodes_batch(samples, tok.pad_token_id, width)
     batch["uid"] = [f"{uid}-{i}" for i in range(len(samples))]
     batch["prompt"] = [prompt_key(episodes[k].row) for k in owner]
     batch["row"] = [episodes[k].row for k in owner]
-    batch["version"] = torch.full((len(samples),), version, dtype=torch.long)
+    batch["version"] = sample_versions(batch, version)
     batch["episode_ids"] = torch.tensor(owner, dtype=torch.long)
     batch["completion"] = [episodes[k].completion for k in owner]
     batch["messages"] = [episodes[k].messages for k in owner]

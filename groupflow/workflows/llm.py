@@ -32,6 +32,7 @@ __all__ = [
     "LLM_FIELDS",
     "row_fields",
     "with_prompt_info",
+    "sample_versions",
     "llm_step_metrics",
     "finite_metrics",
     "build_rewards",
@@ -75,12 +76,18 @@ def with_prompt_info(out: Batch, rows: list[PromptRow], texts: list[str], n: int
     out["uid"] = [f"{uid_prefix}-{i}" for i in range(b)]
     out["prompt"] = [texts[i // n] for i in range(b)]
     out["row"] = [rows[i // n] for i in range(b)]
-    out["version"] = torch.full((b,), version, dtype=torch.long)
-    if "token_versions" in out:  # in-flight updates: a sample is as old as its oldest token
-        tv = out["token_versions"]
-        oldest = torch.where(tv >= 0, tv, torch.iinfo(tv.dtype).max).min(dim=1).values
-        out["version"] = torch.where(oldest == torch.iinfo(tv.dtype).max, version, oldest)
+    out["version"] = sample_versions(out, version)
     return out
+
+
+def sample_versions(batch: Batch, version: int) -> torch.Tensor:
+    """Each sample's policy version: ``version``, or with in-flight updates (``token_versions``)
+    its oldest token's — a sample is as old as its oldest token (``version`` where it has none)."""
+    if "token_versions" not in batch:
+        return torch.full((len(batch),), version, dtype=torch.long)
+    tv = batch["token_versions"]
+    oldest = torch.where(tv >= 0, tv, torch.iinfo(tv.dtype).max).min(dim=1).values
+    return torch.where(oldest == torch.iinfo(tv.dtype).max, version, oldest)
 
 
 def build_rewards(cfg: Config, policy, rules, prompt_tables: Sequence):

@@ -97,6 +97,10 @@ def test_llm_kind_refusals_name_the_key(sections, message):
         ({"algorithm": {"preset": "dapo"}}, "algorithm.preset='dapo' sets LLM loss keys"),
         ({"rollout": {"engine": "vllm"}}, "rollout.engine=vllm does not work with a 'diffusion'"),
         (
+            {"rollout": {"max_staleness": 1, "async_mode": "in_flight"}},
+            "rollout.async_mode=in_flight switches weights between an LLM's decode steps",
+        ),
+        (
             {"rollout": {"workflow": "agent", "agent": "m:f"}},
             "rollout.workflow=agent trains an LLM",
         ),

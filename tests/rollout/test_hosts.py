@@ -402,15 +402,6 @@ def test_staleness_contract_is_checked_in_the_loop(tiny_config, monkeypatch):
         ({"rollout.async_worker": "fork"}, "rollout.async_worker"),
         ({"rollout.async_mode": "eager"}, "async_mode=eager needs rollout.max_staleness"),
         ({"rollout.async_mode": "in_flight"}, "async_mode=in_flight needs rollout.max_staleness"),
-        (
-            {
-                "rollout.async_mode": "in_flight",
-                "rollout.max_staleness": 1,
-                "rollout.workflow": "agent",
-                "rollout.agent": "serve_agents:openai_sdk_agent",
-            },
-            r"in_flight needs the single_turn or multi_turn workflow \(not agent",
-        ),
         ({"rollout.async_worker": "thread"}, "async_worker=thread .*max_staleness=0 runs none"),
         ({"rollout.async_mode": "newest", "rollout.max_staleness": 1}, "rollout.async_mode"),
         ({"actor.off_policy": "tis"}, "needs actor.tis_cap"),

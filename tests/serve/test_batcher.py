@@ -170,3 +170,103 @@ def test_an_idle_batcher_frees_the_decoders_buffer(tiny):
         batcher.close()
     assert decoder.max_rows == 4  # the slots grow to the batcher's max_batch_samples
     assert was_freed and first == again  # a new buffer after the release, the same samples
+
+
+def test_in_flight_updates_switch_the_continuous_decoder_between_steps(tiny):
+    """rollout.async_mode=in_flight through the agent server's batcher (``group_batcher`` over a
+    one-worker local group, the updates given to its engine after the batcher was built, as the
+    rollout side does): version 7 arrives before the step that samples token 3 (the join is the
+    1st call). Tokens 0-2 are the old model's own, the rest have the new model's teacher-forced
+    log-probs, and each completion says which version sampled each token. The row that spanned
+    the switch is not kept for the prefix cache: the next call, which continues it, prefills all
+    of its prompt with the new weights."""
+    import copy
+    from types import SimpleNamespace
+
+    from groupflow.models.logprobs import response_logprobs
+    from groupflow.serve.batcher import group_batcher
+    from groupflow.workers.inference import InferenceWorker
+
+    model, tok = tiny
+    old, new = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():  # the final norm only: the kept keys/values are the new version's too
+        new.model.norm.weight.mul_(torch.linspace(0.2, 3.0, new.model.norm.weight.numel()))
+    worker = InferenceWorker(copy.deepcopy(model), tok, None, pad_id=tok.pad_token_id, eos_ids=[],
+                             role="rollout")  # fmt: skip
+    group = SimpleNamespace(backend="local", world_size=1, local_worker=lambda: worker)
+    batcher = group_batcher(group, wait_s=0.001)
+    assert isinstance(batcher, ContinuousBatcher)
+    calls = []
+
+    def updates():
+        calls.append(len(calls))
+        if len(calls) == 4:
+            return 7, new.state_dict()
+        return (6, None) if len(calls) < 4 else (7, None)
+
+    worker.engine.updates = updates
+    prompt = tok("tell me")["input_ids"]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+
+    async def main():
+        (first,) = await asyncio.wait_for(batcher.submit([prompt], params, [5]), TIMEOUT_S)
+        follow = prompt + first.ids + tok(" more")["input_ids"]
+        (second,) = await asyncio.wait_for(batcher.submit([follow], params, [6]), TIMEOUT_S)
+        return first, second
+
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        batcher.close()
+    alone, _ = _alone(old, tok, prompt, params, 5)
+    assert first.ids[:3] == alone[:3] and first.ids != alone
+    assert first.versions == [6, 6, 6] + [7] * 7
+    ids = torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long)
+    response = torch.tensor([first.ids]), torch.ones(1, 10, dtype=torch.long)
+    by_old = response_logprobs(old, *ids, *response)[0][0]
+    by_new = response_logprobs(new, *ids, *response)[0][0]
+    got = torch.tensor(first.logprobs)
+    torch.testing.assert_close(got[:3], by_old[:3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[3:], by_new[3:], atol=1e-5, rtol=0)
+    assert (got[3:] - by_old[3:]).abs().max() > 1e-2
+    assert second.versions == [7] * 10 and batcher.reused_tokens == 0
+    follow = prompt + first.ids + tok(" more")["input_ids"]
+    assert second.ids == _alone(new, tok, follow, params, 6)[0]  # all of it the new weights'
+
+
+def test_the_per_call_batcher_passes_each_token_s_version_through(tiny):
+    """The route of a Ray pool or vLLM (``group_generate`` over a worker group, here a local one):
+    the engine's token versions reach each completion, also when a completion decoded for a
+    longer request is cut back to its own max_tokens."""
+    import copy
+    from types import SimpleNamespace
+
+    from groupflow.serve.batcher import group_generate
+    from groupflow.workers.inference import InferenceWorker
+
+    model, tok = tiny
+    worker = InferenceWorker(copy.deepcopy(model), tok, None, pad_id=tok.pad_token_id, eos_ids=[],
+                             role="rollout")  # fmt: skip
+    calls = []
+
+    def updates():
+        calls.append(1)
+        return (3 if len(calls) < 3 else 4), None  # version 4 from the 3rd decode step on
+
+    worker.engine.updates = updates
+    group = SimpleNamespace(generate=worker.generate)
+    batcher = DynamicBatcher(group_generate(group), wait_s=0.05)
+
+    async def main():
+        return await asyncio.gather(
+            batcher.submit([[5, 6]], SamplingParams(max_new_tokens=6), [1]),
+            batcher.submit([[7]], SamplingParams(max_new_tokens=2), [2]),
+        )
+
+    try:
+        (long,), (short,) = asyncio.run(main())
+    finally:
+        batcher.close()
+    assert batcher.engine_calls == 1  # both in one call: the short one cut back
+    assert long.versions == [3, 3, 4, 4, 4, 4] and short.versions == [3, 3]
+    assert len(short.ids) == len(short.logprobs) == 2

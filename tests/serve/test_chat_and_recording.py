@@ -124,6 +124,19 @@ def test_merge_calls_one_sample_when_each_prompt_extends_the_last():
     assert chain.calls == 2
 
 
+def test_merge_calls_keeps_each_sampled_token_s_version_and_gives_the_rest_minus_one():
+    """In-flight weight updates: each completion's token versions follow its ids (a switch inside
+    the second completion included); the tokens between completions get -1; a chain whose
+    completions carry none has none."""
+    first = Completion([3, 4], [-0.5, -0.5], "stop", [6, 6])
+    second = Completion([5, 6], [-0.5, -0.5], "stop", [6, 7])
+    calls = [CallRecord([1, 2], [first], None), CallRecord([1, 2, 3, 4, 9], [second], None)]
+    (chain,) = merge_calls(calls)
+    assert chain.ids == [3, 4, 9, 5, 6] and chain.mask == [1, 1, 0, 1, 1]
+    assert chain.versions == [6, 6, -1, 6, 7]
+    assert merge_calls([_call([1], [2])])[0].versions is None
+
+
 def test_merge_calls_splits_when_a_prompt_does_not_extend_and_branches_choices():
     calls = [_call([1, 2], [3]), _call([1, 7, 3], [4])]  # history edited: own sample
     assert [c.prompt_ids for c in merge_calls(calls)] == [[1, 2], [1, 7, 3]]

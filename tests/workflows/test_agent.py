@@ -5,6 +5,7 @@ forward's log-probs equal the sampling log-probs; calls merge into one sample wh
 conversation continues, split (sharing the episode's advantage) when it was edited; failing
 agents get reward.failure_value, counted per kind; config errors name the key."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -340,6 +341,42 @@ def test_asynchronous_rollout_runs_the_server_on_the_rollout_side(agents, tiny_b
         t.workflow.close()
     assert final["rollout/agent/calls/mean"] == 2 and final["rollout/agent/failures"] == 0
     assert final["rollout/agent/samples_per_episode"] == 1
+
+
+@pytest.mark.slow
+def test_in_flight_updates_reach_the_agents_server_between_decode_steps(
+    agents, tiny_base, tmp_path, monkeypatch
+):
+    """rollout.async_mode=in_flight with the agent workflow (the rollout side in a thread, its
+    server's continuous decoder taking versions through the engine): version 1 reaches step 1's
+    episodes at the decoder's 4th step, pinned as in tests/rollout/test_hosts.py. Every sampled
+    token records the version that sampled it (0, then 1), what lies between the calls -1; an
+    episode's versions never go back; a sample is as old as its oldest token; the metrics count
+    the switch."""
+    from groupflow.trainer import Trainer
+    from tests.rollout.test_hosts import _PinnedSwitch
+
+    pin = _PinnedSwitch(monkeypatch)
+    cfg = _agent_config(tiny_base, tmp_path, **{
+        "rollout.max_staleness": 1, "rollout.async_mode": "in_flight",
+        "rollout.async_worker": "thread", "run.total_steps": 2, "rollout.max_new_tokens": 12,
+    })  # fmt: skip
+    t = Trainer(cfg)
+    try:
+        t.fit()
+    finally:
+        t.shutdown()
+    batch = pin.trained[1]
+    mask, versions = batch["response_mask"].bool(), batch["token_versions"]
+    assert (versions[~mask] == -1).all()
+    assert set(versions[mask].tolist()) == {0, 1}
+    for row, m, v in zip(versions, mask, batch["version"].tolist()):
+        assert row[m].tolist() == sorted(row[m].tolist()) and row[m].min() == v
+    assert (pin.trained[0]["token_versions"][pin.trained[0]["response_mask"].bool()] == 0).all()
+    lines = (t.run_dir / "metrics.jsonl").read_text().splitlines()
+    rows = {r["step"]: r for r in map(json.loads, lines) if "reward/mean" in r}
+    switched = [bool(set(r[m].tolist()) == {0, 1}) for r, m in zip(versions, mask)]
+    assert rows[2]["async/samples_switched_frac"] == pytest.approx(sum(switched) / len(switched))
 
 
 @pytest.mark.slow

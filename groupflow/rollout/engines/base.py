@@ -90,11 +90,13 @@ class HFEngine:
         return generate(
             self.model, prompts, params, seeds=seeds, pad_id=self.pad_id, eos_ids=self.eos_ids,
             tokenizer=self.tokenizer, vision=vision, lockstep=self.lockstep,
-            between=self._between if self.updates is not None else None,
+            between=self.take_update if self.updates is not None else None,
         )  # fmt: skip
 
-    def _between(self) -> int:
-        """In-flight weight updates: load a newer version in place (the KV cache is kept)."""
+    def take_update(self) -> int:
+        """In-flight weight updates: load a newer version in place (the KV cache is kept); the
+        version the next forward computes with. Also the server's continuous decoder's hook
+        (``serve.batcher.group_batcher``)."""
         assert self.updates is not None
         version, weights = self.updates()
         if weights is not None:

@@ -60,6 +60,7 @@ class Finished:
     ids: list[int]  # sampled ids, the EOS or stop string included
     logprobs: list[float]
     finish: str  # "stop" or "length"
+    versions: list[int] | None = None  # in-flight updates: the version that sampled each id
 
 
 @dataclass
@@ -73,6 +74,7 @@ class _Row:
     weights: tuple = ()  # the model's weights_key when it joined
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,8 @@ class ContinuousDecoder:
         self.kept_tokens = 0
         self.kept_weights: tuple = ()  # the weights_key the kept keys/values belong to
         self.reused_tokens = 0  # prompt tokens not prefilled thanks to the prefix cache
+        # in-flight updates: the policy version of the model's weights, recorded per token
+        self.version: int | None = None
 
     @property
     def active(self) -> int:
@@ -424,9 +428,13 @@ class ContinuousDecoder:
         finished, keep = [], []
         for i, (r, t) in enumerate(zip(rows, tokens.tolist())):
             r.ids.append(t)
+            if self.version is not None:
+                r.versions.append(self.version)
             stop = t in self.eos or (bool(r.params.stop) and self._hits_stop(r))
             if stop or len(r.ids) >= r.params.max_new_tokens:
-                finished.append(Finished(r.tag, r.ids, r.logprobs, "stop" if stop else "length"))
+                versions = r.versions if len(r.versions) == len(r.ids) else None
+                finished.append(Finished(r.tag, r.ids, r.logprobs, "stop" if stop else "length",
+                                         versions))  # fmt: skip
             else:
                 keep.append(i)
         return finished, keep

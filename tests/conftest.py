@@ -207,7 +207,8 @@ NODE_CPUS = 3
 def two_nodes(tmp_path_factory):
     """Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), this process the driver:
     node A (the head) offers the custom resource ``node_a``, node B ``node_b``, so
-    ``placement.<role>.resources: {node_b: 1}`` pins a role there. Node B's processes cannot open
+    ``placement.<role>.resources: {node_b: 1}`` pins a role there; each offers one
+    ``one_per_node``, so a pool of ``nodes: 2`` asking for it gets one bundle on each. Node B's processes cannot open
     anything under ``driver_only`` (tests/node_b_site/sitecustomize.py): a run whose
     ``run.output_dir`` is in it fails if a worker on node B reads or writes the run directory.
     Any other Ray instance of this session is shut down first (one cluster at a time); the
@@ -223,12 +224,12 @@ def two_nodes(tmp_path_factory):
                                        os.environ.get("PYTHONPATH", "")) if p)  # fmt: skip
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": NODE_CPUS, "resources": {"node_a": 100},
+        head_node_args={"num_cpus": NODE_CPUS, "resources": {"node_a": 100, "one_per_node": 1},
                         "include_dashboard": False, "env_vars": one_thread},
     )  # fmt: skip
     try:
         b_args = dict(
-            num_cpus=NODE_CPUS, resources={"node_b": 100},
+            num_cpus=NODE_CPUS, resources={"node_b": 100, "one_per_node": 1},
             env_vars={**one_thread, "PYTHONPATH": path, "GROUPFLOW_DRIVER_ONLY": str(driver_only)},
         )  # fmt: skip
         nodes = TwoNodes(cluster, driver_only, cluster.head_node.node_id, b_args)

@@ -54,6 +54,13 @@ async def two_calls(client, row):
     return 1.0 if len(reply.choices[0].message.content or "") % 2 else 0.0
 
 
+async def two_calls_saying_where(client, row):
+    """``two_calls``, and whether it ran on node B of the two-node fixture (whose processes alone
+    have GROUPFLOW_DRIVER_ONLY set: tests/conftest.py), as the extra field ``on_node_b``."""
+    reward = await two_calls(client, row)
+    return {"reward": reward, "on_node_b": float("GROUPFLOW_DRIVER_ONLY" in os.environ)}
+
+
 async def edits_history(client, row):
     """The second call rewrites the first answer: the calls are separate samples."""
     messages = [{"role": "user", "content": row["prompt"]}]

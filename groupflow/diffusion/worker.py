@@ -83,7 +83,7 @@ from groupflow.distributed.parallel import (
     release_gathered,
     sum_grads,
 )
-from groupflow.distributed.transport import receive_into
+from groupflow.distributed.transport import receive_into, tensors_nbytes
 from groupflow.distributed.ulysses import gather_rows, sequence_groups
 from groupflow.workers.common import (
     NonFiniteGuard,
@@ -575,14 +575,15 @@ class DiffusionWorker(CheckpointMethods):
         return transport.send(version, weights)
 
     @register("all")
-    def receive_weights(self, ticket, transport) -> None:
+    def receive_weights(self, ticket, transport) -> int:
         """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
         and version) into the flow model (and the old copy, the update count) in place, one
-        bucket of extra memory at a time."""
+        bucket of extra memory at a time; the bytes received."""
         dest = self._sampling_state()
         receive_into(transport, ticket, dest, role=self.role, rank=self.rank)
         if UPDATES_KEY in dest:
             self.received_updates = int(dest[UPDATES_KEY])
+        return tensors_nbytes(dest)
 
     @register("rank0")
     def trainable_parameters(self) -> int:

@@ -343,6 +343,22 @@ class WorkerGroup:
         return [self._check(rank, method, *value) if isinstance(value, tuple) else value
                 for rank, (_, value) in enumerate(outcomes)]  # fmt: skip
 
+    def node_ids(self) -> list[str]:
+        """The node each rank runs on: Ray's node ids for a Ray pool (from its placement groups);
+        one name for every rank of an in-process or local-process group (this host)."""
+        if self._pool is None:
+            return ["this-host"] * self.world_size
+        from ray.util import placement_group_table
+
+        tables = {}
+        out = []
+        for rank in range(self.world_size):
+            node, index = self._pool.spec.slot(rank)
+            if node not in tables:
+                tables[node] = placement_group_table(self._pool.groups[node])["bundles_to_node_id"]
+            out.append(str(tables[node][index]))
+        return out
+
     def node_report(self, rank: int) -> str:
         """'; it ran on node <id> (<ip>[, now dead])' for a rank of this group's Ray pool, or ''
         if unknown (not on Ray, or the group travelled to another process): on a cluster the

@@ -40,7 +40,7 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,6 +58,8 @@ __all__ = [
     "Layout",
     "ticket_nbytes",
     "ticket_version",
+    "bytes_between_nodes",
+    "tensors_nbytes",
     "pack_buckets",
     "unpack_buckets",
     "scatter_bucket",
@@ -131,6 +133,21 @@ def ticket_nbytes(ticket: Any) -> int:
     if isinstance(ticket, (list, tuple)):
         return sum(ticket_nbytes(v) for v in ticket)
     return 0
+
+
+def tensors_nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of a name → tensor dict (what a receiver got)."""
+    return sum(int(t.numel()) * t.element_size() for t in tensors.values())
+
+
+def bytes_between_nodes(nbytes: int, senders: Sequence[str], receivers: Sequence[str],
+                        every_rank_sends: bool) -> int:  # fmt: skip
+    """The bytes of one ``nbytes`` version that cross from one node to another when each
+    receiver (its node, per rank) gets it whole: from the node of the sending rank 0, or, with
+    ``every_rank_sends`` (the collective), an equal shard from each sender's node."""
+    if every_rank_sends:
+        return sum(nbytes * sum(s != r for s in senders) // len(senders) for r in receivers)
+    return nbytes * sum(r != senders[0] for r in receivers)
 
 
 def ticket_version(ticket: Any) -> int:

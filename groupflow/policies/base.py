@@ -18,15 +18,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from groupflow.batch import Batch
+from groupflow.distributed.transport import bytes_between_nodes, ticket_nbytes
 from groupflow.utils.timing import StageTimer
 
 __all__ = [
     "DiffusionPolicyView",
     "LLMPolicyView",
+    "Moved",
     "Policy",
     "PolicyView",
     "RolloutView",
-    "weights_nbytes",
+    "published",
+    "transfer_weights",
 ]
 
 
@@ -40,9 +43,8 @@ class PolicyView(Protocol):
     rollout: Any
     reward_model: Any
 
-    def sync(self, version: int = -1) -> int:
-        """Make ``rollout`` hold the current weights; returns the bytes that passed through this
-        (the driver's) process."""
+    def sync(self, version: int = -1) -> Moved:
+        """Make ``rollout`` hold the current weights; returns what that moved (``Moved``)."""
         ...
 
 
@@ -77,6 +79,10 @@ class Policy(PolicyView, Protocol):
     def publish(self, version: int) -> Any:
         """Send the current weights as ``version`` with the policy's weight transport; returns
         the ticket the driver forwards (``groupflow.distributed.transport``)."""
+        ...
+
+    def moved_by(self, ticket: Any) -> Moved:
+        """What a published ticket moves once the rollout pool's workers fetch it."""
         ...
 
     def prepare(self, batch: Batch, timer: StageTimer | None = None) -> tuple[Batch, dict]:
@@ -120,8 +126,8 @@ class RolloutView:
     transport: Any = None
     owns: bool = True
 
-    def sync(self, version: int = -1) -> int:
-        return 0  # versions arrive through load_weights
+    def sync(self, version: int = -1) -> Moved:
+        return Moved()  # versions arrive through load_weights
 
     def take_updates_in_flight(self, updates: Any) -> None:
         """rollout.async_mode=in_flight: ``updates`` answers versions between decode steps — as
@@ -143,6 +149,40 @@ class RolloutView:
                 group.shutdown()
 
 
-def weights_nbytes(weights: dict[str, Any]) -> int:
-    """Bytes of a name → tensor dict (what a weight transfer moved)."""
-    return sum(int(t.numel()) * t.element_size() for t in weights.values())
+@dataclass(frozen=True)
+class Moved:
+    """What a weight transfer moved: the bytes that passed through the driver's process, and the
+    bytes that crossed from one node to another (logged as ``weights/bytes_via_driver`` and
+    ``weights/bytes_between_nodes``)."""
+
+    via_driver: int = 0
+    between_nodes: int = 0
+    version_bytes: int = 0  # what one receiver got: the version's size
+
+
+def transfer_weights(actor, group, receive, version: int, transport) -> Moved:
+    """One version from the actor's ranks to ``group``'s workers through ``transport``;
+    ``receive(ticket, transport)`` runs on every worker of ``group`` and answers the bytes it
+    received. Crossing nodes: each receiver's bytes, from the sending rank's node (or, where
+    every rank sends its shard, from each's), where it is not the receiver's own."""
+    got: list = []
+    ticket = transport.transfer(
+        version, lambda: actor.submit("send_weights", version, transport),
+        lambda t: got.append(receive(t, transport)),
+    )  # fmt: skip
+    received = got[0] if got and isinstance(got[0], list) else []
+    nbytes = max((int(b) for b in received if b), default=0)
+    between = bytes_between_nodes(nbytes, actor.node_ids(), group.node_ids(),
+                                  transport.every_rank_sends)  # fmt: skip
+    return Moved(ticket_nbytes(ticket), between, nbytes)
+
+
+def published(ticket, actor, pool, version_bytes: int) -> Moved:
+    """What a version published for an asynchronous rollout pool moves once each of the pool's
+    workers fetches it (``Moved``): exact with the deterministic schedule, where every worker
+    loads every version; an upper bound with eager or in-flight updates, where a worker skips a
+    version a newer one overtook. ``version_bytes``: the size, where the ticket has no layout."""
+    layout = ticket.get("layout") if isinstance(ticket, dict) else None
+    nbytes = int(layout.total) if layout is not None else version_bytes
+    return Moved(ticket_nbytes(ticket),
+                 bytes_between_nodes(nbytes, actor.node_ids(), pool.node_ids(), False), nbytes)  # fmt: skip

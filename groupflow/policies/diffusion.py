@@ -39,8 +39,8 @@ from groupflow.diffusion.models import check_teacher_model, load_diffusers_model
 from groupflow.diffusion.pretrain import pretrain_tiny_model
 from groupflow.diffusion.schedule import flux_shift
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
-from groupflow.distributed.transport import DriverTransport, ticket_nbytes
-from groupflow.policies.base import RolloutView
+from groupflow.distributed.transport import DriverTransport
+from groupflow.policies.base import Moved, RolloutView, published, transfer_weights
 from groupflow.utils.timing import StageTimer
 
 log = logging.getLogger("groupflow")
@@ -188,6 +188,7 @@ class DiffusionPolicy:
         self.rollout = self.rollout_pool = self.actor
         # How new weights reach a rollout pool (rollout.weight_transport): from the actor's ranks
         self.transport = build_weight_transport(cfg, run_dir)
+        self._version_bytes = 0  # a version's size, as the last transfer's receivers got it
         if cfg.placement.rollout != "colocated":
             self.rollout = self.rollout_pool = role_group(
                 cfg, "rollout", DiffusionWorker, **self._worker_kwargs, role="rollout",
@@ -242,16 +243,20 @@ class DiffusionPolicy:
             return self.actor.send_weights(version, self.transport)
         return DriverTransport().send(version, self.actor.full_weights())
 
-    def sync(self, version: int = -1) -> int:
+    def sync(self, version: int = -1) -> Moved:
         """Colocated, the worker samples with the weights it trains: nothing to push (0 bytes).
         With a rollout pool the actor's ranks send the weights to the pool's workers; returns
-        the bytes that passed through this (the driver's) process."""
+        what that moved."""
         if self.rollout is self.actor:
-            return 0
-        t = self.transport
-        ticket = t.transfer(version, lambda: self.actor.submit("send_weights", version, t),
-                            lambda ticket: self.rollout.receive_weights(ticket, t))  # fmt: skip
-        return ticket_nbytes(ticket)
+            return Moved()
+        moved = transfer_weights(self.actor, self.rollout, self.rollout.receive_weights, version,
+                                 self.transport)  # fmt: skip
+        self._version_bytes = max(self._version_bytes, moved.version_bytes)
+        return moved
+
+    def moved_by(self, ticket) -> Moved:
+        """What a published ticket moves once the pool's workers fetch it (``published``)."""
+        return published(ticket, self.actor, self.rollout_pool, self._version_bytes)
 
     def begin(self, warm_started: bool) -> None:
         """No reference or critic to initialise, no warm start: the pool already holds the

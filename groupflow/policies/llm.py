@@ -27,9 +27,8 @@ from groupflow.assembly.tokenizers import build_tokenizer, check_teacher, tokeni
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig, Config, ModelConfig, present
 from groupflow.contracts import CONTRACTS
-from groupflow.distributed.transport import ticket_nbytes
 from groupflow.models.causal_lm import ModelLoadError
-from groupflow.policies.base import RolloutView
+from groupflow.policies.base import Moved, RolloutView, published, transfer_weights
 from groupflow.rollout.engines.base import HF, HFOptions
 from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.rollout.engines.vllm_engine import VLLMOptions
@@ -166,6 +165,7 @@ class LLMPolicy:
         self.spec, self.engine, self.run_dir = spec, engine, run_dir
         # How new weights reach a rollout pool, the reference and a critic (rollout.weight_transport)
         self.transport = build_weight_transport(cfg, run_dir)
+        self._version_bytes = 0  # a version's size, as the last transfer's receivers got it
         pl = cfg.placement
         needs_reference = cfg.actor.kl_coef > 0 or cfg.algorithm.kl_in_reward is not None
         # With a rollout pool the actor never builds a vLLM engine (a full model and KV cache per
@@ -302,27 +302,29 @@ class LLMPolicy:
         )  # fmt: skip
         return metrics
 
-    def sync(self, version: int = -1) -> int:
+    def sync(self, version: int = -1) -> Moved:
         """Push the actor's current weights into a separately placed rollout pool (no-op colocated;
         with asynchronous rollout the rollout side gets versions from the trainer instead);
-        returns the bytes that passed through this process."""
+        returns what that moved."""
         if self.rollout is self.actor:
-            return 0
-        return self._transfer(self.rollout.receive_weights, version)
+            return Moved()
+        return self._transfer(self.rollout, self.rollout.receive_weights, version)
 
     def publish(self, version: int):
         """Send the actor's current weights as ``version`` with the weight transport; the ticket
         (for Ray or the filesystem: references, not weights) is what the driver forwards."""
         return self.actor.send_weights(version, self.transport)
 
-    def _transfer(self, receive, version: int, transport=None) -> int:
-        """Actor → a role's workers through the transport; the bytes that passed the driver."""
-        transport = transport or self.transport
-        ticket = transport.transfer(
-            version, lambda: self.actor.submit("send_weights", version, transport),
-            lambda t: receive(t, transport),
-        )  # fmt: skip
-        return ticket_nbytes(ticket)
+    def moved_by(self, ticket) -> Moved:
+        """What a published ticket moves once the pool's workers fetch it (``published``)."""
+        return published(ticket, self.actor, self.rollout_pool, self._version_bytes)
+
+    def _transfer(self, group, receive, version: int, transport=None) -> Moved:
+        """Actor → ``group``'s workers through the transport (``policies.base.transfer_weights``);
+        the size of a version is remembered (``publish`` needs it for a ticket without one)."""
+        moved = transfer_weights(self.actor, group, receive, version, transport or self.transport)
+        self._version_bytes = max(self._version_bytes, moved.version_bytes)
+        return moved
 
     def sft_step(self, batch: Batch, lr: float) -> float:
         """One supervised step of the actor (the workflow's warm start)."""
@@ -336,10 +338,11 @@ class LLMPolicy:
             if self.reference is self.actor:
                 self.actor.reset_reference()
             elif self.reference is not None:
-                self._transfer(self.reference.receive_weights, 0, self.side_transport)
+                self._transfer(self.reference, self.reference.receive_weights, 0,
+                               self.side_transport)  # fmt: skip
         c = self.cfg.critic
         if self.critic is not None and c is not None and c.path is None and c.tiny is None:
-            self._transfer(self.critic.receive_backbone, 0, self.side_transport)
+            self._transfer(self.critic, self.critic.receive_backbone, 0, self.side_transport)
 
     # ----- asynchronous rollout (groupflow.rollout.hosts) -------------------------------------
     @property

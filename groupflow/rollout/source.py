@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 
 from groupflow.batch import Batch
-from groupflow.distributed.transport import ticket_nbytes
-from groupflow.policies.base import weights_nbytes
+from groupflow.distributed.transport import tensors_nbytes
+from groupflow.policies.base import Moved
 from groupflow.rollout.hosts import AsyncRollout, ring_slots, schedule_version
 from groupflow.rollout.ray_host import TicketStore
 from groupflow.rollout.side import RolloutRecipe
@@ -69,8 +69,9 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
-def transfer_metrics(nbytes: int) -> dict[str, float]:
-    return {"weights/bytes_via_driver": float(nbytes)}
+def transfer_metrics(moved: Moved) -> dict[str, float]:
+    return {"weights/bytes_via_driver": float(moved.via_driver),
+            "weights/bytes_between_nodes": float(moved.between_nodes)}  # fmt: skip
 
 
 class SyncRollout:
@@ -164,11 +165,11 @@ class AsyncRolloutSource:
         batch of step s+1+k with its scheduled version."""
         self.step = version
         assert self.route is not None and self.rollouts is not None, "start() first"
-        nbytes = self.route.publish_current(self.rollouts, version)
+        moved = self.route.publish_current(self.rollouts, version)
         t = version + self.k
         if submit and t < self.total_steps():
             self.rollouts.submit(t, schedule_version(t, self.k))
-        return transfer_metrics(nbytes)
+        return transfer_metrics(moved)
 
     def _held(self, version: int) -> dict:
         """A version's weights held by the running side (on a pool: fetched through the
@@ -247,11 +248,11 @@ class RingRoute:
         for v, weights in sorted({**held, **current}.items()):
             rollouts.publish(v, weights)
 
-    def publish_current(self, rollouts: AsyncRollout, version: int) -> int:
-        """The policy's weights as ``version``; returns the bytes the driver's process copied."""
+    def publish_current(self, rollouts: AsyncRollout, version: int) -> Moved:
+        """The policy's weights as ``version``; the driver's process copied them (one host)."""
         weights = self.policy.snapshot(copy=False)  # publish copies
         rollouts.publish(version, weights)
-        return weights_nbytes(weights)
+        return Moved(tensors_nbytes(weights))
 
     def read(self, held: dict) -> dict:
         return held
@@ -280,11 +281,12 @@ class PoolRoute:
         for v, weights in held.items():
             rollouts.publish(v, self.transport.send(v, weights))
 
-    def publish_current(self, rollouts: AsyncRollout, version: int) -> int:
-        """The actor's current weights as ``version``; returns the bytes inside the ticket."""
+    def publish_current(self, rollouts: AsyncRollout, version: int) -> Moved:
+        """The actor's current weights as ``version``; what the ticket moves (``moved_by``: the
+        bytes inside it, and across nodes once the pool's workers fetch it)."""
         ticket = self.policy.publish(version)
         rollouts.publish(version, ticket)
-        return ticket_nbytes(ticket)
+        return self.policy.moved_by(ticket)
 
     def read(self, ticket) -> dict:
         return self.transport.receive(ticket, role="checkpoint")

@@ -27,6 +27,7 @@ from groupflow.distributed.parallel import (
     init_process_group,
     shard,
 )
+from groupflow.distributed.transport import tensors_nbytes
 from groupflow.models.causal_lm import build_tiny_llama, hf_model, resolve_dtype
 from groupflow.models.packing import packed_values
 from groupflow.models.value import (
@@ -231,9 +232,12 @@ class CriticWorker(CheckpointMethods):
 
     # ----- initialisation from the (warm-started) policy ----------------------------------------
     @register("all")
-    def receive_backbone(self, ticket, transport) -> None:
-        """``load_backbone`` with the policy's weights fetched through ``transport``."""
-        self.load_backbone(transport.receive(ticket, role="critic", rank=self.rank))
+    def receive_backbone(self, ticket, transport) -> int:
+        """``load_backbone`` with the policy's weights fetched through ``transport``; the bytes
+        received."""
+        weights = transport.receive(ticket, role="critic", rank=self.rank)
+        self.load_backbone(weights)
+        return tensors_nbytes(weights)
 
     @register("all")
     def load_backbone(self, policy_weights: dict[str, torch.Tensor]) -> None:

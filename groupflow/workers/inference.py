@@ -28,7 +28,7 @@ from groupflow.assembly.models import eos_ids
 from groupflow.batch import Batch
 from groupflow.config import ActorConfig
 from groupflow.distributed import register
-from groupflow.distributed.transport import receive_into, ticket_version
+from groupflow.distributed.transport import receive_into, tensors_nbytes, ticket_version
 from groupflow.rollout.engines.base import HF
 from groupflow.rollout.engines.batching import generate_batch
 from groupflow.rollout.engines.hf import SamplingParams
@@ -123,17 +123,19 @@ class InferenceWorker:
             self.engine.load_weights(weights.items())
 
     @register("all")
-    def receive_weights(self, ticket, transport) -> None:
+    def receive_weights(self, ticket, transport) -> int:
         """Fetch a version's weights with ``transport`` (checked; a timeout names this role, rank
-        and version) and load them."""
+        and version) and load them; the bytes received."""
         version = ticket_version(ticket)
         if version == self.taken_in_flight == self.engine.version:
-            return  # fetched between decode steps already (take_updates_in_flight)
+            return 0  # fetched between decode steps already (take_updates_in_flight)
         # bucket by bucket into the model: one bucket of extra memory, not one model
-        receive_into(transport, ticket, self.model.state_dict(), role=self.role, rank=self.rank)
+        state = self.model.state_dict()
+        receive_into(transport, ticket, state, role=self.role, rank=self.rank)
         if self.engine.separate_weights:  # e.g. vLLM: its own copy, refreshed from the model's
             self.engine.load_weights(self.model.state_dict().items(), version)
         self.engine.version = version
+        return tensors_nbytes(state)
 
     @register("all")
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:

@@ -87,6 +87,9 @@ def test_bad_checkpoints_are_refused_naming_the_tensor(wan, tmp_path):
 
 
 def _rank(rank: int, world: int, store_path: str, model: str) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # rank 1 once died natively ("double free or corruption"): say where
     import diffusers
     import torch.distributed as dist
     from safetensors.torch import load_file

@@ -9,12 +9,15 @@ Slow (a cluster start and worker processes); one torch thread per process.
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+import torch
 
 from groupflow.config import load_config
 from groupflow.distributed import PlacementError, PoolSpec
 from groupflow.distributed.placement import RayPool
+from groupflow.distributed.transport import tensors_nbytes
 from groupflow.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -148,6 +151,7 @@ def apart_run(two_nodes):
                     "transport": trainer.policy.transport.name,
                     "actor": two_nodes.node_of(trainer.policy.actor),
                     "rollout": two_nodes.node_of(trainer.policy.rollout_pool),
+                    "nbytes": tensors_nbytes(trainer.policy.snapshot()),
                 }
                 trainer.fit()
                 seen["generated"] = trainer.policy.rollout_pool.generated()
@@ -168,13 +172,17 @@ def test_actor_on_node_a_and_rollout_pool_on_node_b_give_the_single_node_run(
     max_staleness 1 (Ray's object store; the asynchronous side runs on the pool). The run
     directory is on the driver's node only: node B never opens it (the tokenizer the run
     trained travels with the workers' spec). Every batch is generated on node B, no byte of the
-    weights passes the driver, and the samples and numbers are those of the one-process run."""
+    weights passes the driver, each version crosses nodes once (logged per step), and the
+    samples and numbers are those of the one-process run."""
     run_dir, seen = apart_run(staleness)
     assert seen["transport"] == ("ray" if staleness else "collective")
     assert (seen["actor"], seen["rollout"]) == ([two_nodes.a], [two_nodes.b])
     rows, local_dir = metrics(run_dir), local_run(3, *APART[staleness])
     local = metrics(local_dir)
     assert [rows[s]["weights/bytes_via_driver"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
+    # each step's version crosses from node A to the one worker on node B once (the
+    # deterministic schedule loads every version), whole
+    assert [rows[s]["weights/bytes_between_nodes"] for s in (1, 2, 3)] == [seen["nbytes"]] * 3
     train_samples = 3 * 4 * 4  # steps × prompts × samples per prompt
     if staleness:  # the side generated exactly the training batches (validation: the actor)
         assert seen["generated"] == [train_samples]
@@ -237,6 +245,152 @@ def test_critic_on_node_b_gives_the_one_process_ppo_numbers(two_nodes, local_run
         for key in ("reward/mean", "actor/pg_loss", "critic/vf_loss", "critic/grad_norm",
                     "kl_in_reward/kl"):  # fmt: skip
             assert rows[step][key] == local[step][key], (step, key)
+
+
+def test_an_actor_with_a_rank_on_each_node_trains_as_two_ranks_on_one(two_nodes, tmp_path):
+    """FSDP2 over gloo between nodes: the actor's two ranks, one per node (each node offers one
+    ``one_per_node``), rendezvous at rank 0's node and train as two ranks on one node do (up to
+    float reduction order, as there). Each rank writes its shard of the final checkpoint into
+    the run directory, which must be on storage both nodes see (docs/guides/ray.md: on the
+    driver's disk alone, save_sharded fails on node B naming the path)."""
+    two = ("run.backend=ray", "run.num_workers=2")
+    apart = config(tmp_path, "fsdp_apart", 2, *two,
+                   "placement.actor={nodes: 2, workers_per_node: 1, cpus_per_worker: 0.5, "
+                   "resources: {one_per_node: 1}}")  # fmt: skip
+    trainer = Trainer(apart)
+    try:
+        assert sorted(two_nodes.node_of(trainer.policy.actor)) == sorted([two_nodes.a, two_nodes.b])
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    together = config(tmp_path, "fsdp_together", 2, *two,
+                      "placement.actor={nodes: 1, workers_per_node: 2, cpus_per_worker: 0.5, "
+                      "resources: {node_a: 1}}")  # fmt: skip
+    trainer = Trainer(together)
+    try:
+        assert two_nodes.node_of(trainer.policy.actor) == [two_nodes.a] * 2
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    rows, one = metrics(tmp_path / "fsdp_apart"), metrics(tmp_path / "fsdp_together")
+    assert rows[2]["actor/grad_norm"] > 0
+    for step in (1, 2):
+        for key in KEYS:
+            assert rows[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), (
+                step, key,
+            )  # fmt: skip
+
+
+TESTS = Path(__file__).resolve().parents[1]
+AGENT = (
+    "model.tiny={hidden_size: 32, num_layers: 2, num_heads: 2, max_positions: 256}",
+    "data.task={name: calc, digits: 2, num_train: 64, num_val: 4}",
+    "data.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
+    "rollout.max_response_tokens=64", "rollout.workflow=agent",
+    f"rollout.agent={TESTS}/serve_agents.py:two_calls_saying_where", "rollout.agent_timeout_s=30",
+    "reward.failure_value=-1.0", "serve.describe_tools=false", "rollout.tool_parser=tag",
+)  # fmt: skip
+
+
+def test_the_agent_workflow_s_server_and_episodes_run_on_the_rollout_pool_s_node(two_nodes):
+    """The agent workflow, max_staleness 1, the actor on node A and the rollout pool on node B:
+    the loop actor on node B runs the run's OpenAI-compatible server (127.0.0.1 there) and the
+    episodes, whose every call reaches it (the agent says where it ran: node B); each
+    episode's two calls train as one sample, whose recorded log-probs are the training
+    forward's at step 1 (the weights that sampled them); node B never opens the run directory,
+    and no weight passes the driver."""
+    trained = []
+    cfg = config(two_nodes.driver_only, "agent", 2, *AGENT, "rollout.max_staleness=1",
+                 *PINNED)  # fmt: skip
+    trainer = Trainer(cfg)
+    prepare = trainer.policy.prepare
+
+    def keep(batch, timer=None):
+        trained.append(batch)
+        return prepare(batch, timer)
+
+    trainer.policy.prepare = keep
+    try:
+        assert two_nodes.node_of(trainer.policy.rollout_pool) == [two_nodes.b]
+        trainer.fit()
+        generated = trainer.policy.rollout_pool.generated()
+    finally:
+        trainer.shutdown()
+    rows = metrics(two_nodes.driver_only / "agent")
+    for step in (1, 2):
+        assert rows[step]["rollout/agent/on_node_b"] == 1.0, rows[step]
+        assert rows[step]["rollout/agent/failures"] == 0.0
+        assert rows[step]["rollout/agent/calls/mean"] == 2.0
+        assert rows[step]["weights/bytes_via_driver"] == 0.0
+        assert rows[step]["weights/bytes_between_nodes"] > 0  # each version to node B
+    assert generated == [2 * 4 * 2]  # steps × episodes × calls, all on node B's worker
+    assert len(trained) == 2 and all(len(b) == 4 for b in trained)
+    assert rows[1]["rollout/agent/samples_per_episode"] == 1.0
+    # step 1 trains version 0, the actor's weights: the ratio of its forward to the recorded
+    # log-probs (which serve as the old ones) is 1 on every token
+    assert rows[1]["actor/ratio_max"] == pytest.approx(1.0, abs=1e-5), rows[1]
+    assert rows[1]["actor/ratio_min"] == pytest.approx(1.0, abs=1e-5), rows[1]
+    for batch in trained:
+        assert batch["response_mask"].sum(1).min() > 0
+
+
+def _diffusion_config(out, name, model_dir, prompts, *extra):
+    return load_config(None, [
+        f"run.output_dir={out}", f"run.name={name}", "run.seed=0", "run.total_steps=2",
+        "run.loggers=[]", "run.num_threads=1", "run.samples_every=1",
+        f"diffusion={{model: {{kind: tiny, path: {model_dir}}}, num_steps: 3, "
+        "timestep_fraction: 0.67, eval_samples_per_prompt: 2}",
+        f"data.train_files=[{prompts}]", "data.prompts_per_step=2", "rollout.samples_per_prompt=3",
+        "validation.every_steps=1", "actor.lr=1e-3", "reward.functions=[{name: brightness}]",
+        *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_diffusion_rollout_pool_on_node_b_gives_the_one_process_run(
+    two_nodes, tmp_path, staleness
+):
+    """A diffusion policy (the tiny flow model, read from storage both nodes see) with the actor
+    on node A and the rollout pool on node B: synchronously (the collective transport across
+    nodes) and with max_staleness 1 (the loop actor on node B, Ray's object store). Every
+    training trajectory is drawn on node B, node B never opens the run directory, no weight passes the driver, and the samples and numbers are the
+    one-process run's."""
+    from groupflow.diffusion.models import TinyFlowModel, save_tiny_model
+    from groupflow.diffusion.pretrain import COLORS
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny-flow"
+    save_tiny_model(TinyFlowModel(list(COLORS), image_size=8, width=8), model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": c}) + "\n" for c in ("red", "blue", "green")))
+    k = f"rollout.max_staleness={staleness}"
+    local = _diffusion_config(tmp_path, "local", model_dir, prompts, k)
+    trainer = Trainer(local)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    apart = _diffusion_config(two_nodes.driver_only, f"diffusion{staleness}", model_dir, prompts,
+                              k, *PINNED)  # fmt: skip
+    trainer = Trainer(apart)
+    try:
+        assert two_nodes.node_of(trainer.policy.rollout_pool) == [two_nodes.b]
+        assert trainer.policy.transport.name == ("ray" if staleness else "collective")
+        trainer.fit()
+        generated = trainer.policy.rollout_pool.generated()
+    finally:
+        trainer.shutdown()
+    run_dir = two_nodes.driver_only / f"diffusion{staleness}"
+    rows, one = metrics(run_dir), metrics(tmp_path / "local")
+    train = 2 * 2 * 3  # steps × prompts × samples per prompt
+    assert generated == [train], generated  # every training trajectory, drawn on node B
+    assert samples(run_dir) == samples(tmp_path / "local")
+    between = [rows[step]["weights/bytes_between_nodes"] for step in (1, 2)]
+    assert between[0] > 0 and between == [between[0]] * 2  # one version to node B per step
+    for step in (1, 2):
+        assert rows[step]["weights/bytes_via_driver"] == 0.0
+        for key in ("reward/mean", "actor/grad_norm", "val/reward/mean"):
+            assert rows[step][key] == pytest.approx(one[step][key], rel=1e-5), (step, key)
 
 
 def test_node_b_dying_mid_run_is_named_and_a_fresh_node_b_resumes_exactly(two_nodes, apart_run):

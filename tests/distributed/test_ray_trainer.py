@@ -272,6 +272,7 @@ def test_a_ray_rollout_pool_generates_and_no_weights_pass_the_driver(
         trainer.shutdown()
     rows = metrics(tmp_path / "pool")
     assert [rows[s]["weights/bytes_via_driver"] for s in (1, 2, 3)] == [0.0, 0.0, 0.0]
+    assert [rows[s]["weights/bytes_between_nodes"] for s in (1, 2, 3)] == [0.0] * 3  # one node
     assert all(rows[s]["time/weight_transfer"] > 0 for s in (1, 2, 3))
     train_samples = 3 * 4 * 4  # steps × prompts × samples per prompt
     if staleness:  # the side generated exactly the training batches; the final validation

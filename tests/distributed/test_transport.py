@@ -37,6 +37,19 @@ def _same(x, y):
         assert torch.equal(x[k], y[k]), k
 
 
+def test_bytes_between_nodes_counts_each_receiver_on_another_node_than_its_senders():
+    from groupflow.distributed.transport import bytes_between_nodes
+
+    # rank 0 on node a sends the whole version: the receivers on b and c each get 100 bytes
+    assert bytes_between_nodes(100, ["a", "a"], ["a", "b", "c"], every_rank_sends=False) == 200
+    assert bytes_between_nodes(100, ["a"], ["a", "a"], every_rank_sends=False) == 0
+    # the collective: each of 4 ranks (2 on a, 2 on b) sends a quarter; a receiver on a gets the
+    # two quarters of b's ranks across nodes, one on c all four
+    assert bytes_between_nodes(100, ["a", "a", "b", "b"], ["a"], every_rank_sends=True) == 50
+    assert bytes_between_nodes(100, ["a", "a", "b", "b"], ["a", "c"], every_rank_sends=True) == 150
+    assert bytes_between_nodes(0, ["a"], ["b"], every_rank_sends=False) == 0
+
+
 def test_buckets_cut_the_byte_stream_at_fixed_sizes():
     w = _weights()  # 20 + 12 + 24 = 56 bytes
     buckets = list(pack_buckets(w, 16))
@@ -138,6 +151,8 @@ def test_a_rollout_pool_fed_through_the_filesystem_gives_the_driver_runs_numbers
     nbytes = sum(t.numel() * t.element_size() for t in trainer.policy.snapshot().values())
     assert [r["weights/bytes_via_driver"] for r in driver] == [nbytes, nbytes]
     assert [r["weights/bytes_via_driver"] for r in files] == [0.0, 0.0]
+    # one host: nothing crosses nodes, whichever way the weights went
+    assert [r["weights/bytes_between_nodes"] for r in driver + files] == [0.0] * 4
     for a, b in zip(driver, files):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm"):
             assert a[key] == b[key], key  # bit-exact: the same weights arrived

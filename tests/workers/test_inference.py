@@ -76,8 +76,11 @@ def test_a_ticket_answered_between_decode_steps_is_fetched_into_the_model_mid_ba
     for name, t in new.state_dict().items():
         assert torch.equal(worker.model.state_dict()[name], t), name
     assert worker.engine.version == 7
-    worker.receive_weights(ticket, Refusing())  # held already: nothing moves
+    assert worker.receive_weights(ticket, Refusing()) == 0  # held already: nothing moves
     assert worker.engine.version == 7
+    nbytes = sum(t.numel() * t.element_size() for t in new.state_dict().values())
+    assert worker.receive_weights(transport.send(8, old.state_dict()), transport) == nbytes
+    assert worker.engine.version == 8
 
 
 def test_a_version_not_newer_than_the_held_one_is_not_fetched(tmp_path):

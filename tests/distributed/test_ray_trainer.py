@@ -191,16 +191,9 @@ def test_in_flight_updates_reach_a_ray_rollout_pool_s_workers_between_decode_ste
     pinned, is tests/workers/test_inference.py; the board, tests/rollout/test_ray_host.py). Every
     trained token records a version within the staleness bound, a sample is as old as its first
     token and never goes back, the metrics report it, and no weights pass the driver."""
-    trained = {}
-    train_step = Trainer.train_step
+    from tests.rollout.test_hosts import _capture_trained
 
-    def keep(trainer):
-        step = trainer.step
-        batch, out = train_step(trainer)
-        trained[step] = batch
-        return batch, out
-
-    monkeypatch.setattr(Trainer, "train_step", keep)
+    trained = _capture_trained(monkeypatch)
     rows = run(
         tmp_path, "in_flight", 4, "rollout.max_staleness=1", "rollout.async_mode=in_flight",
         "actor.off_policy=decoupled", "rollout.max_new_tokens=32", "run.backend=ray",

@@ -287,16 +287,22 @@ def test_in_flight_weights_switch_between_decode_steps_and_each_token_records_it
                    between=between)  # fmt: skip
     alone = run(old, PROMPTS, params, seeds)
     check_switch_at_token_3(out, alone, calls)  # the prefill's call and one per decode step
+    check_logprobs_switch_at_token_3(out, old, new)
+    assert run(old, PROMPTS, params, seeds).token_versions is None  # only with in-flight updates
+
+
+def check_logprobs_switch_at_token_3(out, old, new, atol: float = 1e-5) -> None:
+    """Tokens 0-2 have ``old``'s teacher-forced log-probs, the later ones ``new``'s, which the
+    check tells apart (also used by tests/workers/test_inference.py)."""
     mask = out.response_mask.bool()
     args = (out.prompt_ids, out.prompt_mask, out.responses, out.response_mask)
-    by_old, _ = response_logprobs(old, *args)
-    by_new, _ = response_logprobs(new, *args)
+    with torch.no_grad():
+        by_old, by_new = response_logprobs(old, *args)[0], response_logprobs(new, *args)[0]
     before, after = mask.clone(), mask.clone()
     before[:, 3:], after[:, :3] = False, False
-    torch.testing.assert_close(out.logprobs[before], by_old[before], atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.logprobs[after], by_new[after], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logprobs[before], by_old[before], atol=atol, rtol=0)
+    torch.testing.assert_close(out.logprobs[after], by_new[after], atol=atol, rtol=0)
     assert (out.logprobs[after] - by_old[after]).abs().max() > 1e-2  # the check can tell them apart
-    assert run(old, PROMPTS, params, seeds).token_versions is None  # only with in-flight updates
 
 
 def test_in_flight_updates_refuse_lockstep(model):

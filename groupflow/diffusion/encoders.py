@@ -16,6 +16,7 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,8 +53,9 @@ class WanTextEncoder:
         path = _folder(path, "UMT5 text encoder", "diffusion.model.text_encoder_path")
         tok = tokenizer_path or path.parent / "tokenizer"
         tok = _folder(tok, "tokenizer", "diffusion.model.tokenizer_path")
-        self.model = UMT5EncoderModel.from_pretrained(str(path), local_files_only=True)
-        self.model = self.model.eval().requires_grad_(False).to(device)
+        # Any: transformers types from_pretrained's result so that .to() looks uncallable
+        model: Any = UMT5EncoderModel.from_pretrained(str(path), local_files_only=True)
+        self.model = model.eval().requires_grad_(False).to(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tok), local_files_only=True)
         self.max_len, self.device = max_sequence_length, device
         self.dim = self.model.config.d_model
@@ -78,12 +80,12 @@ class WanVaeDecoder:
     """``AutoencoderKLWan`` decode of normalised latents to videos in [0, 1]."""
 
     def __init__(self, path: str | Path, device: str = "cpu"):
-        from diffusers import AutoencoderKLWan
+        from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
         path = _folder(path, "AutoencoderKLWan", "diffusion.model.vae_path")
-        self.vae = AutoencoderKLWan.from_pretrained(str(path), local_files_only=True)
-        self.vae = self.vae.eval().requires_grad_(False).to(device)
-        c = self.vae.config
+        vae: Any = AutoencoderKLWan.from_pretrained(str(path), local_files_only=True)
+        self.vae = vae.eval().requires_grad_(False).to(device)
+        c = self.vae.config  # a FrozenDict with attribute access
         shape = (1, c.z_dim, 1, 1, 1)
         self.mean = torch.tensor(c.latents_mean, dtype=torch.float32).view(shape)
         self.std = torch.tensor(c.latents_std, dtype=torch.float32).view(shape)

@@ -11,6 +11,8 @@ easy to reason about.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 __all__ = [
@@ -100,7 +102,8 @@ def tiny_idefics3(tokenizer, *, image_size: int = 32, patch_size: int = 8, scale
             image_size=image_size, patch_size=patch_size,
         ),
         scale_factor=scale_factor, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        # PretrainedConfig's own keys (the typed signature names Idefics3's only)
+        **{"tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id},
     )  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -166,7 +169,7 @@ def tiny_qwen2_vl(tokenizer, *, hidden_size: int = 32, num_layers: int = 2, seed
 
         vision = dict(depth=1, embed_dim=32, hidden_size=hidden_size, num_heads=2, mlp_ratio=2,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
-    config = Config(text_config=text, vision_config=vision, **common)
+    config: Any = Config(text_config=text, vision_config=vision, **common)  # one of three
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Model(config)

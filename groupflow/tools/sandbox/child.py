@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import _thread
 import builtins
+import io
 import json
 import os
 import resource
@@ -243,13 +244,15 @@ def run_user_code(filename: str, echo_last_expression: bool) -> None:
         source = f.read()
     module = types.ModuleType("__main__")
     module.__file__ = filename
-    module.__builtins__ = builtins
+    module.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = module
     try:
-        tree = compile(source, filename, "exec", ast.PyCF_ONLY_AST)
+        tree = ast.parse(source, filename, "exec")
         last = None
-        if echo_last_expression and tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+        tail = tree.body[-1] if tree.body else None
+        if echo_last_expression and isinstance(tail, ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(tail.value)
         exec(compile(tree, filename, "exec"), module.__dict__)
         if last is not None:
             value = eval(compile(last, filename, "eval"), module.__dict__)
@@ -304,6 +307,13 @@ def _first_to_be_killed() -> None:
         pass
 
 
+def _line_buffered() -> None:
+    """What was printed before a timeout kill still reaches the parent."""
+    stdout = sys.stdout
+    assert isinstance(stdout, io.TextIOWrapper), "the child's stdout is the parent's pipe"
+    stdout.reconfigure(line_buffering=True)
+
+
 def main() -> None:
     config = json.loads(sys.argv[1])
     # Run like ``python main.py`` in the working directory: its folder first on sys.path, never
@@ -322,12 +332,11 @@ def main() -> None:
         _first_to_be_killed()
         if config.get("uid") is not None:
             _become_sandbox_user(int(config["uid"]))
-        sys.stdout.reconfigure(line_buffering=True)
+        _line_buffered()
         apply_limits(config)
         run_user_code(config["filename"], config["echo_last_expression"])
         return
-    # Line-buffered: what was printed before a timeout kill still reaches the parent.
-    sys.stdout.reconfigure(line_buffering=True)
+    _line_buffered()
     apply_limits(config)
     _replace_unaudited_functions()
     guard = Guard(os.getcwd(), config["readable"])

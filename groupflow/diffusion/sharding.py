@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,7 +69,8 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
             "diffusion.activation_checkpointing is for the diffusers transformers (kind sd3 / wan), "
             f"not {type(inner).__name__}"
         )
-    inner.enable_gradient_checkpointing()
+    switch: Any = inner.enable_gradient_checkpointing  # diffusers' ModelMixin method
+    switch()
 
 
 def bf16_policy():
@@ -129,11 +131,11 @@ def empty_parameters() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    nn.Module.register_parameter = on_meta
+    setattr(nn.Module, "register_parameter", on_meta)  # noqa: B010 - the method patched
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        setattr(nn.Module, "register_parameter", register)  # noqa: B010
 
 
 def shard_rows(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -199,7 +201,9 @@ def _read_rows(f, entry: dict, base: int, start: int, stop: int, where: str) -> 
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -261,10 +265,11 @@ def _fill(t: torch.Tensor, f, entry: dict, base: int, where: str) -> None:
         raise ValueError(
             f"diffusion.fsdp: {where} has shape {list(full)}; the model's is {list(t.shape)}"
         )
-    if not hasattr(t, "to_local"):
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
         t.copy_(_read_rows(f, entry, base, 0, full[0] if full else 0, where))
         return
-    from torch.distributed.tensor import Shard
 
     local = t.to_local()
     placements = tuple(t.placements)

@@ -148,6 +148,8 @@ class WorkerGroup:
         self.startup_timeout_s = max(startup_timeout_s, timeout_s)
         self._factory, self._cls = factory, cls
         self._pool: RayPool | None = None
+        # per rank: a _Host (local), a ProcessHost (process) or a Ray actor handle of one (ray)
+        self._hosts: list[Any] = []
         env = {"GROUPFLOW_WORLD_SIZE": str(world_size)}
         if world_size > 1:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -195,7 +197,7 @@ class WorkerGroup:
         if worker_threads:
             env["GROUPFLOW_WORKER_THREADS"] = str(worker_threads)
         self._pool = RayPool(spec, timeout_s=placement_timeout_s or self.startup_timeout_s)
-        remote = ray.remote(_Host)
+        remote: Any = ray.remote(_Host)  # Ray types the actor class as a proxy of _Host
         self._hosts = []
         try:
             if world_size > 1:

@@ -26,6 +26,7 @@ decoder states once, at load, and refuses a model where they differ, naming the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ __all__ = ["logit_transform", "lm_logits", "check_logit_transform", "TRANSFORMED
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _softcap(cap: float | None, float32: bool = False) -> Transform | None:
+def _softcap(cap: Any, float32: bool = False) -> Transform | None:
     if cap is None:
         return None
 
@@ -48,11 +49,11 @@ def _softcap(cap: float | None, float32: bool = False) -> Transform | None:
     return transform
 
 
-def _scale(factor: float, divide: bool = False) -> Transform:
+def _scale(factor: Any, divide: bool = False) -> Transform:
     return (lambda z: z / factor) if divide else (lambda z: z * factor)
 
 
-def _text_attr(name: str) -> Callable[[nn.Module], object]:
+def _text_attr(name: str) -> Callable[[Any], Any]:
     return lambda model: getattr(model.config.get_text_config(), name, None)
 
 
@@ -66,7 +67,8 @@ _GRANITE_TYPES = (
 )  # fmt: skip
 _COHERE_TYPES = ("cohere", "cohere2", "cohere2_moe", "cohere_compass_text")
 
-_CATALOG: dict[str, Callable[[nn.Module], Transform | None]] = {
+# each entry reads a transformers model's config or attributes (typed Any: nn.Module has none)
+_CATALOG: dict[str, Callable[[Any], Transform | None]] = {
     **{t: (lambda m: _softcap(_text_attr("final_logit_softcapping")(m))) for t in _SOFTCAP_TYPES},
     "beam": lambda m: _softcap(_text_attr("final_logit_softcapping")(m), float32=True),
     "recurrent_gemma": lambda m: _softcap(_text_attr("logits_soft_cap")(m)),
@@ -82,7 +84,7 @@ def logit_transform(model: nn.Module) -> Transform | None:
     """The function ``model``'s forward applies to the LM head's output; None for none (the
     usual case). Unknown architectures get None here and are vetted by ``check_logit_transform``."""
     config = getattr(model, "config", None)
-    factory = _CATALOG.get(getattr(config, "model_type", None))
+    factory = _CATALOG.get(str(getattr(config, "model_type", None)))
     return factory(model) if factory is not None else None
 
 
@@ -94,7 +96,8 @@ def lm_logits(
     """The model's logits from final hidden states: its LM head (or ``head``, the same module
     reached through a wrapper such as FSDP, or a kernel computing it: ``rollout/kernels.py``),
     then its final transform."""
-    logits = (head if head is not None else model.get_output_embeddings())(hidden)
+    hf: Any = model  # a transformers model: get_output_embeddings
+    logits = (head if head is not None else hf.get_output_embeddings())(hidden)
     transform = logit_transform(model)
     return logits if transform is None else transform(logits)
 
@@ -111,7 +114,8 @@ def check_logit_transform(model: nn.Module) -> None:
     supported architecture; a difference means a transform (or a step between decoder and
     head) groupflow does not know, whose training log-probs would silently be wrong.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hf: Any = model
+    head = hf.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
         raise ModelLoadError(f"{type(model).__name__} has no output embeddings (LM head)")
     vocab = head.weight.shape[0]
@@ -122,7 +126,7 @@ def check_logit_transform(model: nn.Module) -> None:
     model.eval()
     try:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         ours = lm_logits(model, decoder_hidden_states(model, ids, mask))
     except (AttributeError, TypeError, ValueError) as e:  # not an HF decoder + head layout
         raise ModelLoadError(

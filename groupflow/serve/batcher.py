@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, cast
 
 from groupflow.batch import Batch
 from groupflow.rollout.engines.batching import prompts_batch
@@ -131,9 +132,11 @@ def group_batcher(
         decoder = ContinuousDecoder(local.model, local.tokenizer, eos_ids=local.eos_ids,
                                     pad_id=local.pad_id, prefix_tokens=prefix_tokens)  # fmt: skip
 
+        hf: Any = engine  # the group's HF engine (local is its model)
+
         def between() -> int | None:
             # in-flight updates reach the engine after the server is built (rollout.side)
-            return engine.take_update() if getattr(engine, "updates", None) else None
+            return hf.take_update() if getattr(hf, "updates", None) else None
 
         return ContinuousBatcher(decoder, score=model_scorer(local.model, local.pad_id),
                                  between=between, **options)  # fmt: skip
@@ -205,7 +208,7 @@ class DynamicBatcher(_Batcher):
         self.wait_s = wait_s
         self.expected: Callable[[], int] | None = None  # requests to wait for (see _gather)
         self._queue: list[_Pending] = []
-        self._wake: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # replaced for each event loop that runs the batcher
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="groupflow-decode")
         self.engine_calls = 0
@@ -389,7 +392,7 @@ class ContinuousBatcher(_Batcher):
         self._cv = threading.Condition()
         self._busy = False  # the thread has rows or an inbox (under _cv)
         self._closed = False
-        self._wake: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # replaced for each event loop that runs the batcher
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -421,6 +424,7 @@ class ContinuousBatcher(_Batcher):
     async def score(self, jobs: list[ScoreJob], k: int) -> list[TokenScores]:
         """A scoring forward (``serve.scoring``) on the decode thread, between two steps."""
         self._start()
+        assert self._loop is not None, "_start sets the loop"
         future = self._loop.create_future()
         with self._cv:
             self._jobs.append((self.score_fn, (jobs, k), future))
@@ -489,11 +493,11 @@ class ContinuousBatcher(_Batcher):
                 elif self.decoder.active:
                     steps += 1
                     if steps % 8 == 0:  # a client that went (or an agent timed out) frees its rows
-                        self.decoder.drop(lambda tag: tag[0].future.cancelled())
+                        self.decoder.drop(lambda tag: cast(tuple, tag)[0].future.cancelled())
                     progress, finished = self.decoder.step()
                     self.decoded_tokens += len(progress)
             except Exception as exc:  # a failed step: its error goes to every row's request
-                failed = {item for item, _ in self.decoder.reset()}
+                failed = {item for item, _ in _tags(self.decoder.reset())}
                 self._post(self._fail, failed, exc)
                 continue
             finally:
@@ -520,7 +524,7 @@ class ContinuousBatcher(_Batcher):
             )  # fmt: skip
         except Exception as exc:
             if len(self.decoder.rows) != live:  # it failed while joining: the batch is unknown
-                failed = {item for item, _ in self.decoder.reset()} | set(admit)
+                failed = {item for item, _ in _tags(self.decoder.reset())} | set(admit)
                 self._post(self._fail, failed, exc)
                 return [], []
             if len(admit) == 1:
@@ -558,6 +562,7 @@ class ContinuousBatcher(_Batcher):
         return [item for item in admit if not item.future.cancelled()]
 
     def _post(self, fn, *args) -> None:
+        assert self._loop is not None, "the decode thread runs after _start"
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody waits for these
@@ -569,7 +574,7 @@ class ContinuousBatcher(_Batcher):
             if not item.future.done():
                 item.listener(j, [token])
         for f in finished:
-            item, j = f.tag
+            item, j = cast(tuple, f.tag)  # (request, sample): the batcher's own tags
             item.results[j] = Completion(f.ids, f.logprobs, f.finish, f.versions)
             if not item.future.done() and all(r is not None for r in item.results):
                 item.future.set_result(list(item.results))
@@ -586,6 +591,11 @@ class ContinuousBatcher(_Batcher):
         with self._cv:
             self._closed = True
             self._cv.notify()
+
+
+def _tags(tags: list) -> list[tuple]:
+    """The decoder's row tags, which the continuous batcher makes (request, sample index)."""
+    return cast(list[tuple], tags)
 
 
 def _settle(future: asyncio.Future, result, exc: Exception | None) -> None:

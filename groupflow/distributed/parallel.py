@@ -12,12 +12,16 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from groupflow.utils.safe_state import check_dcp_metadata
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.fsdp is heavy to import
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "init_process_group",
@@ -117,7 +121,8 @@ def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in module.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return cast(dict[str, torch.Tensor], state)  # a model's: tensors only
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
@@ -132,7 +137,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> float:
     total = torch.nn.utils.clip_grad_norm_(
         params, max_norm if max_norm is not None else float("inf")
     )
-    if hasattr(total, "full_tensor"):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(total, DTensor):
         total = total.full_tensor()
     return float(total)
 
@@ -163,9 +170,9 @@ def save_sharded_state(
     """Every rank writes its shards of ``module``, ``optimizer`` and the ``extra`` models (frozen
     copies that are part of the training state, e.g. DiffusionNFT's old copy) with
     torch.distributed.checkpoint (a collective: all ranks call it)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save
 
-    dcp.save(_sharded_state(module, optimizer, extra or {}), checkpoint_id=str(path))
+    save(_sharded_state(module, optimizer, extra or {}), checkpoint_id=str(path))
 
 
 def load_sharded_state(
@@ -177,13 +184,13 @@ def load_sharded_state(
     DCP unpickles its ``.metadata`` index with plain pickle; it is checked first with an allowlist
     of DCP's own types, so a crafted index is refused instead of running code.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     check_dcp_metadata(path)
     extra = extra or {}
     state = _sharded_state(module, optimizer, extra)
-    dcp.load(state, checkpoint_id=str(path))
+    load(state, checkpoint_id=str(path))
     set_state_dict(
         module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -216,7 +223,8 @@ def load_full_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> No
     none); each rank keeps its rows."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(module, cast(dict[str, Any], weights),
+                         options=StateDictOptions(full_state_dict=True))  # fmt: skip
 
 
 def agree(flag: bool, op: str) -> bool:
@@ -241,11 +249,12 @@ def gathered(module: nn.Module) -> Iterator[nn.Module]:
     if not _is_fsdp(module):
         yield module
         return
-    module.unshard()
+    fsdp = cast("FSDPModule", module)
+    fsdp.unshard()
     try:
         yield module
     finally:
-        module.reshard()
+        fsdp.reshard()
 
 
 def prepare_unsharded_use(root: nn.Module) -> None:
@@ -260,11 +269,11 @@ def prepare_unsharded_use(root: nn.Module) -> None:
     """
     if not _is_fsdp(root):
         return
-    root._get_fsdp_state()._lazy_init()
+    cast(Any, root)._get_fsdp_state()._lazy_init()  # FSDP2's own (private) lazy init
     for module in root.modules():
         if _is_fsdp(module):
-            module.unshard()
-            module.reshard()
+            cast("FSDPModule", module).unshard()
+            cast("FSDPModule", module).reshard()
 
 
 def release_gathered(module: nn.Module) -> None:
@@ -274,7 +283,7 @@ def release_gathered(module: nn.Module) -> None:
     shard-wise arithmetic (an EMA over ``parameters()``) expects."""
     for m in module.modules():
         if _is_fsdp(m):
-            m.reshard()
+            cast("FSDPModule", m).reshard()
 
 
 @contextmanager
@@ -285,8 +294,9 @@ def gathered_root(root: nn.Module) -> Iterator[nn.Module]:
     if not _is_fsdp(root):
         yield root
         return
-    root.unshard()
+    fsdp = cast("FSDPModule", root)
+    fsdp.unshard()
     try:
         yield root
     finally:
-        root.reshard()
+        fsdp.reshard()

@@ -100,8 +100,10 @@ class FakePolicy:
         self.nbytes, self.synced = nbytes, []
 
     def sync(self, version=-1):
+        from groupflow.policies.base import Moved
+
         self.synced.append(version)
-        return self.nbytes
+        return Moved(self.nbytes, between_nodes=56)
 
 
 def test_sync_source_collects_with_the_current_version_and_reports_driver_bytes():
@@ -109,7 +111,8 @@ def test_sync_source_collects_with_the_current_version_and_reports_driver_bytes(
     source = SyncRollout(policy, FakeWorkflow(), loader, Sampling(prompts_per_step=1))
     batch, metrics = source.batch(3)
     assert batch == {"rows": [1], "version": 3} and metrics == {"reward/mean": 0.5}
-    assert source.after_update(4) == {"weights/bytes_via_driver": 1234.0}
+    assert source.after_update(4) == {"weights/bytes_via_driver": 1234.0,
+                                      "weights/bytes_between_nodes": 56.0}  # fmt: skip
     assert policy.synced == [4]  # the version the rollout group now holds
     state = source.state(4)
     source.batch(4)

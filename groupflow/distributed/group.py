@@ -148,6 +148,7 @@ class WorkerGroup:
         self.startup_timeout_s = max(startup_timeout_s, timeout_s)
         self._factory, self._cls = factory, cls
         self._pool: RayPool | None = None
+        self._node_ids: list[str] | None = None  # node_ids(), once placed
         # per rank: a _Host (local), a ProcessHost (process) or a Ray actor handle of one (ray)
         self._hosts: list[Any] = []
         env = {"GROUPFLOW_WORLD_SIZE": str(world_size)}
@@ -346,20 +347,23 @@ class WorkerGroup:
                 for rank, (_, value) in enumerate(outcomes)]  # fmt: skip
 
     def node_ids(self) -> list[str]:
-        """The node each rank runs on: Ray's node ids for a Ray pool (from its placement groups);
-        one name for every rank of an in-process or local-process group (this host)."""
+        """The node each rank runs on: Ray's node ids for a Ray pool (from its placement groups,
+        looked up once: a placement group's bundles never move); one name for every rank of an
+        in-process or local-process group (this host)."""
         if self._pool is None:
             return ["this-host"] * self.world_size
-        from ray.util import placement_group_table
+        if self._node_ids is None:
+            from ray.util import placement_group_table
 
-        tables = {}
-        out = []
-        for rank in range(self.world_size):
-            node, index = self._pool.spec.slot(rank)
-            if node not in tables:
-                tables[node] = placement_group_table(self._pool.groups[node])["bundles_to_node_id"]
-            out.append(str(tables[node][index]))
-        return out
+            tables, out = {}, []
+            for rank in range(self.world_size):
+                node, index = self._pool.spec.slot(rank)
+                if node not in tables:
+                    table = placement_group_table(self._pool.groups[node])
+                    tables[node] = table["bundles_to_node_id"]
+                out.append(str(tables[node][index]))
+            self._node_ids = out
+        return list(self._node_ids)
 
     def node_report(self, rank: int) -> str:
         """'; it ran on node <id> (<ip>[, now dead])' for a rank of this group's Ray pool, or ''

@@ -5,7 +5,6 @@ forward's log-probs equal the sampling log-probs; calls merge into one sample wh
 conversation continues, split (sharing the episode's advantage) when it was edited; failing
 agents get reward.failure_value, counted per kind; config errors name the key."""
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -353,19 +352,13 @@ def test_in_flight_updates_reach_the_agents_server_between_decode_steps(
     token records the version that sampled it (0, then 1), what lies between the calls -1; an
     episode's versions never go back; a sample is as old as its oldest token; the metrics count
     the switch."""
-    from groupflow.trainer import Trainer
-    from tests.rollout.test_hosts import _PinnedSwitch
+    from tests.rollout.test_hosts import _fit, _PinnedSwitch
 
     pin = _PinnedSwitch(monkeypatch)
-    cfg = _agent_config(tiny_base, tmp_path, **{
+    rows = _fit(_agent_config(tiny_base, tmp_path, **{
         "rollout.max_staleness": 1, "rollout.async_mode": "in_flight",
         "rollout.async_worker": "thread", "run.total_steps": 2, "rollout.max_new_tokens": 12,
-    })  # fmt: skip
-    t = Trainer(cfg)
-    try:
-        t.fit()
-    finally:
-        t.shutdown()
+    }))  # fmt: skip
     batch = pin.trained[1]
     mask, versions = batch["response_mask"].bool(), batch["token_versions"]
     assert (versions[~mask] == -1).all()
@@ -373,8 +366,6 @@ def test_in_flight_updates_reach_the_agents_server_between_decode_steps(
     for row, m, v in zip(versions, mask, batch["version"].tolist()):
         assert row[m].tolist() == sorted(row[m].tolist()) and row[m].min() == v
     assert (pin.trained[0]["token_versions"][pin.trained[0]["response_mask"].bool()] == 0).all()
-    lines = (t.run_dir / "metrics.jsonl").read_text().splitlines()
-    rows = {r["step"]: r for r in map(json.loads, lines) if "reward/mean" in r}
     switched = [bool(set(r[m].tolist()) == {0, 1}) for r, m in zip(versions, mask)]
     assert rows[2]["async/samples_switched_frac"] == pytest.approx(sum(switched) / len(switched))
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -76,6 +78,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--results", default=None, metavar="PATH",
+                   help="also write the measured rows as a results file (groupflow.utils.results)")  # fmt: skip
     args = p.parse_args()
     print(load())
     with tempfile.TemporaryDirectory() as out:
@@ -109,6 +113,25 @@ def main() -> None:
         print(f"  {name:9s} {value:.3f} s  (calls/episode {calls[name]:.2f}; all: {spread})")
     print(f"  ratio watched / unwatched: {w / u:.3f}")
     print(load())
+    if args.results:
+        from groupflow.utils.results import write_results
+
+        write_results(
+            args.results,
+            name=Path(args.results).stem,
+            command="python benchmarks/bench_agent_loop.py " + " ".join(sys.argv[1:]),
+            rows=[{"variant": "watched", "s per collect": round(w, 3)},
+                  {"variant": "unwatched", "s per collect": round(u, 3)},
+                  {"variant": "ratio watched / unwatched", "s per collect": round(w / u, 3)}],
+            summary={"recipe": "benchmarks/bench_agent_loop.py",
+                     "what": "seconds per agent-workflow collect with the blocked-loop watch vs without",
+                     "before": f"unwatched {u:.3f} s per collect",
+                     "after": f"watched {w:.3f} s per collect (ratio {w / u:.3f})",
+                     "guide": "docs/benchmarks/serve.md"},
+            notes=f"Calc agent demo (tiny model), {args.prompts} prompts × 8 episodes in flight, "
+                  "no warm start, one torch thread; the two variants alternate, median of "
+                  f"{args.reps} rounds.",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -323,6 +323,8 @@ def write_speed_results(args, blocks: dict[str, list[Block]]) -> None:
     rows = speed_rows(blocks)
     by = {r["run"]: r for r in rows}
     flags = [f"--blocks {args.blocks}", f"--block {args.block}", f"--prompts {args.prompts}",
+             *([f"--model {args.model}"] if args.model != "demo" else []),
+             *(["--all-samples"] if args.all_samples else []),
              *(["--in-flight"] if args.in_flight else []),
              *([f"--multi-turn --warm-start {args.warm_start}"] if args.multi_turn else [])]  # fmt: skip
     task = ("the calculator-tool demo after its warm start" if args.multi_turn
@@ -379,6 +381,33 @@ def curves(args) -> None:
         if a is not None or b is not None:
             print(f"{step:5d} {a if a is not None else float('nan'):20.3f} "
                   f"{b if b is not None else float('nan'):20.3f}")  # fmt: skip
+    if args.results and not args.speed:  # with the speed part, --results holds its rows
+        write_curve_results(args, rows)
+
+
+def write_curve_results(args, rows: dict[str, dict[int, float | None]]) -> None:
+    """The held-out accuracy per validation step of both runs (``async_curves.json``'s shape)."""
+    from groupflow.utils.results import write_results
+
+    fmt = lambda v: round(v, 3) if v is not None else "—"  # noqa: E731
+    table = [{"step": str(step), "sync": fmt(rows["sync"][step]), "k=1 (decoupled)":
+              fmt(rows["k=1"].get(step))} for step in sorted(rows["sync"])]  # fmt: skip
+    flags = ["--no-speed --curves", *([f"--val-every {args.val_every}"] if args.val_every else []),
+             *([f"--plot {args.plot}"] if args.plot else [])]  # fmt: skip
+    at = next((r for r in table if r["step"] == "60"), table[-1])
+    write_results(
+        args.results, name=Path(args.results).stem, rows=table,
+        command=f"python benchmarks/bench_async.py {' '.join(flags)} --results {args.results}",
+        summary={
+            "recipe": "benchmarks/bench_async.py --curves: the whole reverse demo",
+            "what": "held-out greedy accuracy, sync vs k = 1 decoupled",
+            "before": f"sync {at['sync']} at step {at['step']}",
+            "after": f"k=1 {at['k=1 (decoupled)']} at step {at['step']}",
+            "guide": "docs/benchmarks/async.md",
+        },
+        notes="With the warm start; k = 1 with decoupled PPO; greedy accuracy on the held-out set.",
+    )  # fmt: skip
+    print(f"results: {args.results}")
 
 
 def plot_curves(runs: dict[str, list[dict]], path: str) -> None:

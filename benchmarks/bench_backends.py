@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--results", help="also write the measured rows to this results file (JSON)")
     args = p.parse_args()
 
     import torch
@@ -70,6 +71,35 @@ def main() -> None:
         print(f"{b:<10}{statistics.median(t):>15.4f}{min(t):>10.4f}{max(t):>10.4f}")
     print(
         f"ray / local = {ray / local:.3f}  (overhead {100 * (ray / local - 1):+.1f} %; target <= +10 %)"
+    )
+    if args.results:
+        write_backend_results(args, local, ray)
+
+
+def write_backend_results(args, local: float, ray: float) -> None:
+    """The two medians and their ratio as a results file (the docs render its table)."""
+    import sys
+
+    from groupflow.utils.results import write_results
+
+    rows = [
+        {"backend": "local", "s/step": round(local, 3), "ratio to local": 1.0},
+        {"backend": "ray (1 worker)", "s/step": round(ray, 3), "ratio to local": round(ray / local, 3)},
+    ]  # fmt: skip
+    write_results(
+        args.results,
+        name="backends",
+        command="python benchmarks/bench_backends.py " + " ".join(sys.argv[1:]),
+        rows=rows,
+        summary={
+            "recipe": "benchmarks/bench_backends.py: the reverse demo, 1 worker",
+            "what": "median s/step, run.backend=ray against run.backend=local",
+            "before": f"local {local:.3f} s/step",
+            "after": f"ray {ray:.3f} s/step ({100 * (ray / local - 1):+.1f} %)",
+            "guide": "docs/benchmarks/backends-weights.md",
+        },
+        notes=f"{args.prompts} prompts × {args.samples} samples per step, median of {args.steps} "
+        "interleaved steps after one warm-up, one torch thread each. Target: Ray overhead ≤ 10 %.",
     )
 
 

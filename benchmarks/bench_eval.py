@@ -69,6 +69,35 @@ def _time(fn, reps: int) -> tuple[list[float], list[float], list]:
     return wall, cpu, result
 
 
+def _write_results(a, s: dict, prompts: int) -> None:
+    """The table of docs/benchmarks/eval.md, one row per engine and the ratio."""
+    from groupflow.utils.results import write_results
+
+    g, h = s["groupflow"], s["hf_generate"]
+    rows = [
+        {"engine": "groupflow (`rollout.hf.generate`, static KV cache)", "s per call": round(g["s"], 1),
+         "tokens/s": round(g["tokens_per_s"], 1), "CPU s per call": round(g["cpu_s"], 2)},
+        {"engine": "HF `model.generate`", "s per call": round(h["s"], 1),
+         "tokens/s": round(h["tokens_per_s"], 1), "CPU s per call": round(h["cpu_s"], 2)},
+        {"engine": "groupflow / HF", "s per call": f"{s['ratio_wall']:.2f}× wall", "tokens/s": "",
+         "CPU s per call": f"{s['ratio_cpu']:.2f}× CPU"},
+    ]  # fmt: skip
+    write_results(
+        a.results, name=Path(a.results).stem, rows=rows,
+        command=f"python benchmarks/bench_eval.py --model {a.model} --prompts {a.prompts} "
+                f"--new-tokens {a.new_tokens} --results {a.results}",
+        summary={"recipe": f"benchmarks/bench_eval.py ({Path(a.model).name} fp32)",
+                 "what": f"CPU s per call, {a.prompts} IFEval prompts × {a.new_tokens} tokens",
+                 "before": f"HF generate {h['cpu_s']:.2f} CPU s",
+                 "after": f"groupflow {g['cpu_s']:.2f} CPU s ({s['ratio_cpu']:.2f}×)",
+                 "guide": "docs/benchmarks/eval.md"},
+        notes=f"{a.prompts} IFEval prompts × {a.new_tokens} new tokens, greedy, torch "
+              f"{torch.__version__}, {a.threads} thread(s), median of {a.blocks} alternating "
+              f"blocks × {a.reps} call(s). Greedy tokens agreed on "
+              f"{s['greedy_rows_identical']} of {prompts} rows.",
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="an HF model directory")
@@ -78,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--blocks", type=int, default=2, help="alternating blocks per engine")
     ap.add_argument("--reps", type=int, default=1, help="timed calls per block")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--results", help="write a results file (groupflow.utils.results)")
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -128,6 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
           "; time `groupflow eval CONFIG --benchmark ifeval rollout.engine=vllm` in .venv-vllm")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=2))
+    if a.results:
+        _write_results(a, summary, len(prompts))
     return summary
 
 

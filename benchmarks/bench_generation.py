@@ -25,6 +25,10 @@ Methodology (made for a shared 2-core machine):
   step where each row first differs is printed) and the log-probs' largest difference is shown.
 
     python benchmarks/bench_generation.py --model models/smollm2-135m-instruct --baseline 476f736
+
+``--results PATH`` also writes the comparison as a results file (``groupflow.utils.results``) the
+docs render: one row per measured quantity (``generate`` in CPU and wall time; with ``--step``
+the whole step, its generation, and both over the floor), baseline and this tree side by side.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared")
     ap.add_argument("--step", type=int, default=0, help="whole steps of each variant vs the floor")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--results", help="also write the rows as a results file here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--step-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
@@ -203,14 +209,99 @@ def main(argv: list[str] | None = None) -> dict:
             summary["step"] = _step_summary(a, paths["baseline"])
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), **summary}, indent=2))
+    if a.results:
+        write_rows(a, summary, sys.argv[1:] if argv is None else argv)
     return summary
+
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.2f}×"
+
+
+def _loads(loads: list[float]) -> str:
+    return f"load {min(loads):.1f}–{max(loads):.1f}"
+
+
+def results_rows(a: argparse.Namespace, summary: dict) -> list[dict]:
+    """The comparison in the docs' shape: a row per quantity, baseline beside this tree."""
+    key = (f"{a.threads} thread{'s' if a.threads > 1 else ''}, {a.prompts} × {a.samples} × "
+           f"{a.new_tokens} tokens")  # fmt: skip
+    rows = []
+    if "median_s" in summary:
+        n, loads = a.blocks * a.reps, summary["block_loads"]
+        cpu, wall = summary["median_cpu_s"], summary["median_s"]
+        rows += [
+            {key: f"`generate`, CPU s (median of {n}, alternating blocks; {_loads(loads)})",
+             "baseline": round(cpu["baseline"], 2), "this change": round(cpu["current"], 2),
+             "ratio": _x(summary["cpu_speedup"])},
+            {key: "`generate`, wall s (same runs)", "baseline": round(wall["baseline"], 2),
+             "this change": round(wall["current"], 2), "ratio": _x(summary["speedup"])},
+        ]  # fmt: skip
+    if "step" in summary:
+        st, floor = summary["step"], summary["step"]["floor"]
+        base, cur = st["baseline"], st["current"]
+        clock = "CPU" if cur["clock"] == "cpu" else "wall"
+        loads = [v[i][0] for v in (base, cur) for i in ("load_before", "load_after")]
+        rows += [
+            {key: f"whole GRPO step, {clock} s (median of {a.step} after a warm-up; "
+                  f"{_loads(loads)})", "baseline": round(base["step_s"], 2),
+             "this change": round(cur["step_s"], 2), "ratio": _x(base["step_s"] / cur["step_s"])},
+            {key: f"generation inside that step, {clock} s",
+             "baseline": round(base["generate_s"], 2), "this change": round(cur["generate_s"], 2),
+             "ratio": _x(base["generate_s"] / cur["generate_s"])},
+            {key: f"step / matrix-multiply floor ({floor['step_s']:.2f} s {clock})",
+             "baseline": _x(base["step_over_floor"]), "this change": _x(cur["step_over_floor"]),
+             "ratio": ""},
+            {key: f"generation / its floor ({floor['generate_s']:.2f} s {clock})",
+             "baseline": _x(base["generate_over_floor"]),
+             "this change": _x(cur["generate_over_floor"]), "ratio": ""},
+        ]  # fmt: skip
+    return rows
+
+
+def write_rows(a: argparse.Namespace, summary: dict, argv: list[str]) -> None:
+    """``--results``: the comparison as a results file (``groupflow.utils.results``)."""
+    import transformers
+
+    from groupflow.utils.results import write_results
+
+    rows = results_rows(a, summary)
+    first = rows[0]
+    notes = (f"Baseline {a.baseline}; torch {torch.__version__}, transformers "
+             f"{transformers.__version__}, fp32, {a.threads} torch thread(s).")  # fmt: skip
+    if "greedy_identical" in summary:
+        sampled = summary["sampled_first_difference"]
+        same = sum(1 for d in sampled if d < 0)
+        notes += (
+            f" Greedy tokens ({a.prompts * a.samples} rows × {a.check_tokens}) "
+            f"{'identical to' if summary['greedy_identical'] else 'differ from'} the baseline's, "
+            f"log-probs within {summary['greedy_max_logprob_gap']:.1e}; of the "
+            f"{len(sampled)} sampled rows {same} are identical over all {a.new_tokens} tokens"
+            + ("" if same == len(sampled) else
+               f", the others part at steps {sorted(d for d in sampled if d >= 0)}") + "."
+        )  # fmt: skip
+    write_results(
+        a.results, name=Path(a.results).stem, rows=rows,
+        command="python benchmarks/bench_generation.py " + shlex.join(argv),
+        summary={
+            "recipe": f"benchmarks/bench_generation.py, {Path(a.model).name}",
+            "what": f"{str(next(iter(first.values()))).split(' (')[0]}, {next(iter(first))}",
+            "before": f"baseline {a.baseline} {first['baseline']} s",
+            "after": f"{first['this change']} s ({first['ratio']})",
+            "guide": "docs/benchmarks/generation.md",
+        },
+        notes=notes,
+    )  # fmt: skip
+    print(f"results: {a.results}")
 
 
 def _compare(a: argparse.Namespace, paths: dict[str, Path]) -> dict:
     results: dict[str, list[dict]] = {"baseline": [], "current": []}
+    loads: list[float] = []
     for block in range(a.blocks):
         for variant in ("baseline", "current"):
             load = os.getloadavg()
+            loads.append(load[0])
             results[variant].append(_block(a, paths[variant]))
             r = results[variant][-1]
             times = ", ".join(f"{t:.2f}" for t in r["times"])
@@ -229,6 +320,7 @@ def _compare(a: argparse.Namespace, paths: dict[str, Path]) -> dict:
         "speedup": med["baseline"] / med["current"],
         "cpu_speedup": med_cpu["baseline"] / med_cpu["current"],
         "load_after": os.getloadavg(),
+        "block_loads": loads,
         "greedy_identical": base["greedy"] == cur["greedy"],
         "greedy_first_difference": _first_difference(base["greedy"], cur["greedy"]),
         "greedy_max_logprob_gap": _max_logprob_gap(base, cur, "greedy", "greedy_logprobs"),

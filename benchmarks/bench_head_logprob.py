@@ -13,9 +13,11 @@ so a shared machine's drift hits all alike; medians reported:
 
 Shapes default to SmolLM2-135M's head (hidden 576, vocabulary 49,152) and the issue's work
 (4 prompts × 4 samples × 128 new tokens = 2,048 positions); a real model directory may be given
-with ``--model`` (its head weight is used). fp32, ``--threads`` torch threads.
+with ``--model`` (its head weight is used). fp32, ``--threads`` torch threads. ``--results
+PATH``: the rows as a results file (``groupflow.utils.results``) that the docs render.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_head_logprob.py --threads 2
+        [--results benchmarks/results/head_logprob.json]
 """
 
 from __future__ import annotations
@@ -79,6 +81,44 @@ def one(fn, head, hidden, targets, temperature) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
+LABELS = {"before": "before", "autograd": "autograd (entropy no-grad, no ÷1)", "fused": "fused"}
+
+
+def write_head_results(a, head: nn.Linear, out: dict[str, dict[str, float]]) -> None:
+    """The measured rows as a results file (``groupflow.utils.results``) the docs render."""
+    from pathlib import Path
+
+    from groupflow.utils.results import write_results
+
+    base = out["before"]["total_s"]
+    rows = [{"variant": LABELS[name], "forward s": round(v["forward_s"], 2),
+             "backward s": round(v["backward_s"], 2), "total s": round(v["total_s"], 2),
+             "speed vs before": f"{base / v['total_s']:.2f}×"} for name, v in out.items()]  # fmt: skip
+    flags = [*([f"--model {a.model}"] if a.model else [f"--hidden {a.hidden}", f"--vocab {a.vocab}"]),
+             f"--positions {a.positions}", f"--repeats {a.repeats}", f"--threads {a.threads}",
+             *([f"--temperature {a.temperature}"] if a.temperature != 1.0 else [])]  # fmt: skip
+    fused = out["fused"]["total_s"]
+    write_results(
+        a.results, name=Path(a.results).stem, rows=rows,
+        command=f"OMP_NUM_THREADS={a.threads} python benchmarks/bench_head_logprob.py "
+                f"{' '.join(flags)} --results {a.results}",
+        summary={
+            "recipe": f"benchmarks/bench_head_logprob.py: a {head.out_features} × "
+                      f"{head.in_features} LM head, {a.positions} response positions",
+            "what": "forward + backward seconds of the log-probs and entropy metric from the last "
+                    "hidden states",
+            "before": f"{base:.2f} s (the path before the fix)",
+            "after": f"{fused:.2f} s fused ({base / fused:.2f}×)",
+            "guide": "docs/benchmarks/update-speed.md",
+        },
+        notes=f"LM head {head.out_features} × {head.in_features}"
+              f"{' from ' + a.model if a.model else ' (random weights)'}, fp32, temperature "
+              f"{a.temperature:g}; {a.threads} threads; medians of {a.repeats}, the three variants "
+              "interleaved in one process after a warm-up round.",
+    )  # fmt: skip
+    print(f"results: {a.results}")
+
+
 def main(argv=None) -> dict[str, dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a HF model directory: use its LM head's weight")
@@ -88,6 +128,7 @@ def main(argv=None) -> dict[str, dict[str, float]]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--results", help="also write the rows as a results file (benchmarks/results/)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -124,6 +165,8 @@ def main(argv=None) -> dict[str, dict[str, float]]:
     base = out["before"]["total_s"]
     for name in ("autograd", "fused"):
         print(f"  {name} is {base / out[name]['total_s']:.2f}x the 'before' path's speed")
+    if a.results:
+        write_head_results(a, head, out)
     return out
 
 

@@ -22,9 +22,11 @@ lengths; ``smollm2`` — SmolLM2-135M-Instruct from ``models/smollm2-135m-instru
 ``groupflow convert-gguf --out models/smollm2-135m-instruct``), with the instruction-following
 recipe's LoRA (rank 16 on every linear layer); skipped when the directory is missing. Lengths
 as in instruction following: prompts of 10-60 tokens, responses of 10-440 skewed short
-(20-500 tokens a sample), so that the padded batch is about half padding.
+(20-500 tokens a sample), so that the padded batch is about half padding. ``--results PATH``:
+the rows as a results file (``groupflow.utils.results``) that the docs render.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_packing.py --threads 2
+        [--results benchmarks/results/packing.json]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from groupflow.workers.update import forward_groups, sample_tokens, trim
 
 SMOLLM2 = Path("models/smollm2-135m-instruct")
 TINY_VOCAB = 64
+BUDGETS = {"tiny": 8192, "smollm2": 2048}  # micro_batch_tokens, both variants
 
 
 def skewed_batch(n: int, vocab: int, seed: int = 0) -> Batch:
@@ -177,6 +180,60 @@ def bench_model(name: str, build, batch: Batch, cfg: dict, repeats: int) -> dict
     return out
 
 
+MODEL_LABELS = {
+    "tiny": "tiny (the demo's architecture: hidden 64, 4 layers), full fine-tuning",
+    "smollm2": "SmolLM2-135M-Instruct, LoRA r16 all-linear (the recipe's)",
+}
+
+
+def write_packing_results(a, results: dict) -> None:
+    """The measured rows as a results file (``groupflow.utils.results``) the docs render."""
+    from groupflow.utils.results import write_results
+
+    rows = []
+    for name, r in results.items():
+        pad, pa, pk = r["padding_fraction"], r["padded"], r["packed"]
+        rows.append({
+            "model": MODEL_LABELS[name],
+            "batch": f"{r['samples']} samples, {r['tokens']:,} tokens, micro_batch_tokens "
+                     f"{BUDGETS[name]}",
+            "padding": f"{pad:.0%}".replace("%", " %"),
+            "padded update s": round(pa["update_s"], 2), "packed update s": round(pk["update_s"], 2),
+            "speed-up": f"{r['speedup']:.2f}×", "padding-free bound": f"{1 / (1 - pad):.2f}×",
+            "tokens/s padded": round(pa["tokens_per_s"]), "tokens/s packed": round(pk["tokens_per_s"]),
+            "peak MiB padded": round(pa["peak_mib"]), "peak MiB packed": round(pk["peak_mib"]),
+        })  # fmt: skip
+    flags = [f"--models {','.join(results)}", f"--repeats {a.repeats}", f"--threads {a.threads}"]
+    if "tiny" in results and a.tiny_samples != 64:
+        flags.append(f"--tiny-samples {a.tiny_samples}")
+    if "smollm2" in results and a.smollm2_samples != 8:
+        flags.append(f"--smollm2-samples {a.smollm2_samples}")
+    if "smollm2" in results and a.smollm2 != str(SMOLLM2):
+        flags.append(f"--smollm2 {a.smollm2}")
+    write_results(
+        a.results, name=Path(a.results).stem, rows=rows,
+        command=f"OMP_NUM_THREADS={a.threads} python benchmarks/bench_packing.py {' '.join(flags)} "
+                f"--results {a.results}",
+        summary={
+            "recipe": "benchmarks/bench_packing.py: one update on a length-skewed batch "
+                      "(20–500 tokens a sample)",
+            "what": "seconds of one actor update, actor.packing vs padded",
+            "before": "padded: " + ", ".join(f"{r['padded']['update_s']:.1f} s ({n})"
+                                             for n, r in results.items()),
+            "after": "packed: " + ", ".join(f"{r['packed']['update_s']:.1f} s "
+                                            f"({r['speedup']:.2f}×)" for r in results.values()),
+            "guide": "docs/benchmarks/update-speed.md",
+        },
+        notes=f"{a.threads} threads; medians of {a.repeats}, padded and packed interleaved after "
+              "a warm-up round whose loss and gradient norm are checked equal. Padding-free "
+              "bound: 1/(1 − padding), what removing the padding alone would give. Peak MiB: "
+              + ("CUDA's max_memory_allocated during the update." if torch.cuda.is_available()
+                 else "resident set above its value before the update, sampled every 2 ms "
+                      "(allocator caching blurs it: compare the pair, not absolute values)."),
+    )  # fmt: skip
+    print(f"results: {a.results}")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
@@ -185,6 +242,7 @@ def main(argv=None) -> dict:
     p.add_argument("--smollm2-samples", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--results", help="also write the rows as a results file (benchmarks/results/)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     base = {"lr": 1e-5, "loss_agg": "token_mean", "skip_zero_advantage": False}
@@ -197,7 +255,7 @@ def main(argv=None) -> dict:
                     TINY_VOCAB, hidden_size=64, num_layers=4, num_heads=4, max_positions=512
                 ),  # fmt: skip
                 skewed_batch(a.tiny_samples, TINY_VOCAB),
-                {**base, "micro_batch_tokens": 8192},
+                {**base, "micro_batch_tokens": BUDGETS["tiny"]},
                 a.repeats,
             )
         elif name == "smollm2":
@@ -209,11 +267,13 @@ def main(argv=None) -> dict:
                 "SmolLM2-135M-Instruct + LoRA r16",
                 lambda: load_causal_lm(a.smollm2, dtype="float32"),
                 skewed_batch(a.smollm2_samples, 49152, seed=0),
-                {**base, "micro_batch_tokens": 2048, "lora": lora},
+                {**base, "micro_batch_tokens": BUDGETS["smollm2"], "lora": lora},
                 a.repeats,
             )
         else:
             raise SystemExit(f"--models: unknown model {name!r} (tiny, smollm2)")
+    if a.results and results:
+        write_packing_results(a, results)
     return results
 
 

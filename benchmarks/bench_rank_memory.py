@@ -18,9 +18,12 @@ the samples, one ``update``. Reported per rank (the larger of the two):
 
 The old layout is today's code with ``actor.generation_weights: copy`` and a full reference beside
 it, whose log-probs (and the old policy's) come from ``batch_logprobs`` on the unsharded copies —
-the path the actor took before the reference was sharded.
+the path the actor took before the reference was sharded. ``--results PATH``: the rows (one per
+measure, old / new / new/old per model) as a results file (``groupflow.utils.results``) that the
+docs render.
 
     .venv/bin/python benchmarks/bench_rank_memory.py [--models medium smollm2] [--new-tokens 32]
+        [--results benchmarks/results/rank_memory.json]
 """
 
 from __future__ import annotations
@@ -173,6 +176,63 @@ def measure(shape: str, layout: str, new_tokens: int) -> list[dict]:
         return torch.load(out, weights_only=False)
 
 
+def columns(shape: str, old: list[dict], new: list[dict]) -> tuple[dict[str, dict], bool]:
+    """One model's old / new / new-over-old per measure (the larger rank's, as ``report`` prints),
+    and whether both layouts sampled the same tokens."""
+    out: dict[str, dict] = {}
+    measures = [(key, label, lambda r, k=key: r[k], 2**20) for key, label in
+                (("held", "weights held MiB"), ("resident", "resident after build MiB"),
+                 ("peak", "peak in a step MiB"))]  # fmt: skip
+    measures += [(c, f"peak in {c} MiB", lambda r, c=c: r["peaks"][c], 2**20)
+                 for c in ("generate", "logprobs", "update")]  # fmt: skip
+    measures += [(c, f"{c} s", lambda r, c=c: r["seconds"][c], 1)
+                 for c in ("generate", "logprobs", "update")]  # fmt: skip
+    for _, label, get, scale in measures:
+        label = label.replace("logprobs", "log-probs")
+        o, n = max(get(r) for r in old) / scale, max(get(r) for r in new) / scale
+        out[label] = {f"{shape} old": round(o, 2 if scale == 1 else 1),
+                      f"{shape} new": round(n, 2 if scale == 1 else 1),
+                      f"{shape} new/old": round(n / o, 2)}  # fmt: skip
+    same = all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(old, new))
+    return out, same
+
+
+def write_rank_results(args, measured: dict[str, tuple[dict[str, dict], bool]]) -> None:
+    """The measured rows as a results file (``groupflow.utils.results``) the docs render."""
+    from pathlib import Path
+
+    from groupflow.utils.results import write_results
+
+    labels = list(next(iter(measured.values()))[0])
+    rows = [{"per rank (max of the 2)": label,
+             **{k: v for cols, _ in measured.values() for k, v in cols[label].items()}}
+            for label in labels]  # fmt: skip
+    shape = "smollm2" if "smollm2" in measured else next(iter(measured))
+    held = measured[shape][0]["weights held MiB"]
+    same = all(s for _, s in measured.values())
+    write_results(
+        args.results, name=Path(args.results).stem, rows=rows,
+        command=f"python benchmarks/bench_rank_memory.py --models {' '.join(measured)} "
+                f"--new-tokens {args.new_tokens} --results {args.results}",
+        summary={
+            "recipe": "benchmarks/bench_rank_memory.py: 2 gloo ranks, one rollout step's worker "
+                      "calls",
+            "what": "per-rank memory of a sharded actor, old layout (full reference + generation "
+                    "copy) vs sharded",
+            "before": f"old: {held[f'{shape} old']} MiB of weights held per rank ({shape})",
+            "after": f"sharded: {held[f'{shape} new']} MiB ({held[f'{shape} new/old']})",
+            "guide": "docs/benchmarks/memory.md",
+        },
+        notes="smollm2: the SmolLM2-135M shape (random weights); medium: the 2.7M-parameter "
+              f"Llama. actor.kl_coef 0.1, {PROMPTS_PER_RANK} prompts × {SAMPLES} samples per "
+              f"rank, {PROMPT_LEN}-token prompts, {args.new_tokens} new tokens; one thread per "
+              "rank. Memory above the RSS before the model was built; peaks are VmHWM, reset "
+              "before each call. Both layouts sampled the same tokens: "
+              f"{'yes' if same else 'NO'}.",
+    )  # fmt: skip
+    print(f"results: {args.results}")
+
+
 def report(shape: str, old: list[dict], new: list[dict]) -> None:
     params = sum(p.numel() for p in _model(shape).parameters())
     print(f"\n{shape}: {params / 1e6:.1f}M parameters (fp32 {params * 4 / 2**20:.0f} MiB), 2 ranks")
@@ -197,11 +257,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["medium", "smollm2"], choices=SHAPES)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--results", help="also write the rows as a results file")
     args = parser.parse_args()
+    measured = {}
     for shape in args.models:
         old = measure(shape, "old", args.new_tokens)
         new = measure(shape, "new", args.new_tokens)
         report(shape, old, new)
+        measured[shape] = columns(shape, old, new)
+    if args.results:
+        write_rank_results(args, measured)
 
 
 if __name__ == "__main__":

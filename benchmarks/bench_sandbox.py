@@ -21,7 +21,9 @@ import dataclasses
 import os
 import resource
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from groupflow.rewards.code import make_code_tests_reward
 from groupflow.tools import run_python
@@ -48,6 +50,8 @@ def cpu_seconds() -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--results", default=None, metavar="PATH",
+                   help="also write the measured rows as a results file (groupflow.utils.results)")  # fmt: skip
     args = p.parse_args()
     path = bwrap_path()
     if path is None:
@@ -65,6 +69,7 @@ def main() -> None:
             id(sb), make_code_tests_reward(sandbox=sb, max_workers=1)
         )([SOLUTION], tests=[TESTS]),
     }
+    rows: list[dict] = []
     for name, fn in work.items():
         seconds: dict[str, list[float]] = {k: [] for k in variants}
         cpu: dict[str, float] = {k: 0.0 for k in variants}
@@ -82,7 +87,27 @@ def main() -> None:
         print(f"{name}: wall bounded {b * 1000:.1f} ms, unbounded {u * 1000:.1f} ms (ratio "
               f"{b / u:.3f}, median of {args.reps}); CPU bounded {cb * 1000:.1f} ms, unbounded "
               f"{cu * 1000:.1f} ms per run (ratio {cb / cu:.3f})")  # fmt: skip
+        rows.append({"program": name, "CPU ms bounded": round(cb * 1000, 1),
+                     "CPU ms unbounded": round(cu * 1000, 1), "CPU ratio": round(cb / cu, 3),
+                     "wall ms bounded": round(b * 1000), "wall ms unbounded": round(u * 1000)})  # fmt: skip
     print(load())
+    if args.results:
+        from groupflow.utils.results import write_results
+
+        cgroup = setup.cgroup.describe() if setup.cgroup else "no cgroup here (seccomp only)"
+        write_results(
+            args.results,
+            name=Path(args.results).stem,
+            command="python benchmarks/bench_sandbox.py " + " ".join(sys.argv[1:]),
+            rows=rows,
+            summary={"recipe": "benchmarks/bench_sandbox.py",
+                     "what": "CPU per bubblewrap run, bounded as a whole (cgroup + seccomp) vs per process",
+                     "before": f"unbounded {rows[0]['CPU ms unbounded']} ms CPU per run (pass)",
+                     "after": f"bounded {rows[0]['CPU ms bounded']} ms (×{rows[0]['CPU ratio']})",
+                     "guide": "docs/benchmarks/sandbox.md"},
+            notes=f"Bounded: {cgroup}; {args.reps} runs per variant, alternating run by run; CPU = "
+                  "this process and its finished children, mean per run; wall = median per run.",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ import os
 import statistics
 import string
 import time
+from pathlib import Path
 
 import torch
 
@@ -246,6 +247,40 @@ def close_client() -> None:
         _CLIENT.clear()
 
 
+def write_serve_results(args, name: str, rows: list[dict]) -> None:
+    """The rows measured now as a results file, in the shape of ``benchmarks/results/serve_*.json``."""
+    import sys
+
+    from groupflow.utils.results import write_results
+
+    where = "the server's process" if args.clients == "thread" else "another process"
+    first, last = rows[0], rows[-1]
+    ks = f"{first['conversations']} / {last['conversations']} conversations"
+    notes = (f"{name}, {args.new_tokens} new tokens a call, {args.turns} calls a conversation, "
+             f"{'mixed' if args.mixed else 'equal'} lengths, agents in {where}, {args.batcher} "
+             f"batching, prefix cache {args.prefix_cache_tokens} tokens, "
+             f"{'batcher not told the open conversations, ' if args.no_expected else ''}"
+             f"{args.threads} torch thread(s), medians of {args.reps} alternating rounds. ratio = "
+             "server / in-process tokens/s (wall clock); CPU ratio = in-process CPU over the "
+             "server process's CPU for the same tokens; ceiling = the best ratio a server "
+             "costing nothing reaches with these agents.")  # fmt: skip
+    write_results(
+        args.results,
+        name=Path(args.results).stem,
+        command="python benchmarks/bench_serve.py " + " ".join(sys.argv[1:]),
+        rows=rows,
+        summary={
+            "recipe": "benchmarks/bench_serve.py",
+            "what": f"tokens/s, server vs in-process engine, {name}, agents in {where}",
+            "before": f"in-process {first['in-process tok/s']} / {last['in-process tok/s']} tok/s ({ks})",
+            "after": f"server {first['server tok/s']} / {last['server tok/s']} tok/s "
+                     f"({first['ratio']}× / {last['ratio']}×)",
+            "guide": "docs/benchmarks/serve.md",
+        },
+        notes=notes,
+    )  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="an HF model directory (default: the tiny model)")
@@ -269,6 +304,8 @@ def main() -> None:
                         "serve); default: it does, as in a training run (its open episodes)")  # fmt: skip
     p.add_argument("--batcher", choices=["continuous", "dynamic"], default="continuous",
                    help="the server's: continuous (the HF default) or per engine call")  # fmt: skip
+    p.add_argument("--results", default=None, metavar="PATH",
+                   help="also write the measured rows as a results file (groupflow.utils.results)")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     name, tok, model = _load(args.model)
@@ -311,6 +348,7 @@ def main() -> None:
               f"{'batched/seq':>11} | {'CPU ratio':>9} | {'ceiling':>7}")  # fmt: skip
     print(header)
     print("-" * len(header))
+    measured: list[dict] = []
     for k in args.concurrency:
         rows = {"in": [], "srv": [], "seq": [], "cpu": [], "ceiling": []}
         lat: list[float] = []
@@ -348,7 +386,16 @@ def main() -> None:
               f"{med['seq']:>16.0f} | {med['srv'] / med['seq']:>11.2f} | {med['cpu']:>9.2f} | "
               f"{med['ceiling']:>7.2f}"
               + (f"  ({differ} of {total} tokens differ: float rounding)" if differ else ""))  # fmt: skip
+        measured.append({
+            "conversations": k, "in-process tok/s": round(med["in"]),
+            "server tok/s": round(med["srv"]), "ratio": round(med["srv"] / med["in"], 2),
+            "ceiling": round(med["ceiling"], 2), "CPU ratio": round(med["cpu"], 2),
+            "latency mean s": round(statistics.mean(lat), 3), "latency p90 s": round(p90, 3),
+            "batched / sequential": f"{med['srv'] / med['seq']:.1f}×" if k > 1 else "–",
+        })  # fmt: skip
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    if args.results:
+        write_serve_results(args, name, measured)
     close_client()
     if pool is not None:
         pool.apply(close_client)

@@ -10,8 +10,10 @@ in one forward/backward: the sharing applies within a micro-batch). Timed calls 
 single, shared, single, ... so load from other processes hits both alike; the first of each is a
 discarded warm-up and the median (and the minimum: steadier on a shared machine) of the rest is
 reported, with the ratio shared / single. ``torch.set_num_threads`` is fixed (default 1).
+``--results PATH``: the rows as a results file (``groupflow.utils.results``) that the docs render.
 
     .venv/bin/python benchmarks/bench_share_prompt.py [--prompt-tokens 16 256] [--repeats 5]
+        [--results benchmarks/results/share_prompt.json]
 """
 
 from __future__ import annotations
@@ -92,6 +94,52 @@ def run(args, p_len: int) -> dict:
     return out
 
 
+def write_share_results(args, results: list[dict]) -> None:
+    """The measured rows as a results file (``groupflow.utils.results``) the docs render."""
+    from pathlib import Path
+
+    from groupflow.utils.results import write_results
+
+    b, g, r = args.prompts, args.samples, args.response_tokens
+    rows = [{"prompt tokens": x["prompt_tokens"],
+             "update shared s": round(x["update"]["shared_s"], 3),
+             "update single s": round(x["update"]["single_s"], 3),
+             "update ratio": round(x["update"]["ratio"], 2),
+             "log-probs shared s": round(x["logprobs"]["shared_s"], 3),
+             "log-probs single s": round(x["logprobs"]["single_s"], 3),
+             "log-probs ratio": round(x["logprobs"]["ratio"], 2),
+             # the share of the tokens the shared pass still encodes (computed, not measured)
+             "token-count bound": round((b * x["prompt_tokens"] + b * g * r)
+                                        / (b * g * (x["prompt_tokens"] + r)), 2)}
+            for x in results]  # fmt: skip
+    longest = max(results, key=lambda x: x["prompt_tokens"])
+    flags = [f"--prompt-tokens {' '.join(map(str, args.prompt_tokens))}",
+             f"--response-tokens {r}", f"--prompts {b}", f"--samples {g}",
+             f"--hidden {args.hidden}", f"--layers {args.layers}", f"--heads {args.heads}",
+             f"--vocab {args.vocab}", f"--repeats {args.repeats}", f"--threads {args.threads}"]  # fmt: skip
+    write_results(
+        args.results, name=Path(args.results).stem, rows=rows,
+        command=f"python benchmarks/bench_share_prompt.py {' '.join(flags)} --results {args.results}",
+        summary={
+            "recipe": f"benchmarks/bench_share_prompt.py: {b} prompts × {g} samples, "
+                      f"{r}-token responses",
+            "what": "seconds of one update and one log-prob pass, actor.share_prompt_prefix on vs off",
+            "before": f"update {longest['update']['single_s']:.2f} s with the prompt encoded per "
+                      f"sample ({longest['prompt_tokens']}-token prompts)",
+            "after": f"{longest['update']['shared_s']:.2f} s with it encoded once per group "
+                     f"(ratio {longest['update']['ratio']:.2f})",
+            "guide": "docs/benchmarks/update-speed.md",
+        },
+        notes=f"Llama-style model, hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
+              f"({results[0]['params'] / 1e6:.2f}M parameters), fp32; {args.threads} thread(s); "
+              f"medians of {args.repeats} after one discarded warm-up, calls alternating shared, "
+              "single. ratio = shared / single (lower is faster). The token-count bound is "
+              "computed, not measured: (B·P + B·G·R) / (B·G·(P + R)), the share of the tokens the "
+              "shared pass still encodes.",
+    )  # fmt: skip
+    print(f"results: {args.results}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[16, 256])
@@ -105,6 +153,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--results", default=None,
+                    help="also write the rows as a results file (benchmarks/results/)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = []
@@ -122,6 +172,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    if args.results:
+        write_share_results(args, results)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ built models (e.g. SmolLM2-135M-Instruct from ``groupflow convert-gguf``; the is
 run prints groupflow's per-phase breakdown (generation, loss forward, backward, optimizer; the
 backward column is the update's time less the other two) and both ratios: the speed-up over TRL
 and groupflow's step over the matrix-multiply floor of the same work.
+
+``--results PATH`` also writes the rows as a results file (``groupflow.utils.results``) the docs
+render: per model, TRL, groupflow and the floor — with the per-phase columns for a ``--model``
+run, with the memory columns otherwise.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import copy
 import gc
 import json
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -612,6 +617,93 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _x(ratio: float) -> str:
+    return f"{ratio:.2f}×"
+
+
+def results_rows(rows: list[dict], s: Settings) -> list[dict]:
+    """The summarized rows in the docs' shape: for each model TRL, groupflow, then the floor."""
+    out: list[dict] = []
+    trl_label = "trl (activation checkpointing on)" if s.trl_gradient_checkpointing else "trl"
+    for size in dict.fromkeys(r["size"] for r in rows):
+        trl, gf = (next(r for r in rows if r["size"] == size and r["framework"] == fw)
+                   for fw in FRAMEWORKS)  # fmt: skip
+        f = gf["floor"]
+        if s.model_dir:  # per phase, in seconds
+            ph = gf["phases_s"]
+            out += [
+                {"": "TRL `GRPOTrainer`", "s/step": round(trl["median_step_s"], 1),
+                 "generation": round(trl["phases_s"]["generate"], 1),
+                 "loss forward": f"{trl['phases_s']['rest']:.1f} (the rest)", "backward": "",
+                 "optimizer": "", "ratio": "1.00×"},
+                {"": "groupflow", "s/step": round(gf["median_step_s"], 1),
+                 "generation": round(ph["generate"], 1), "loss forward": round(ph["loss_forward"], 1),
+                 "backward": round(ph["backward"], 1), "optimizer": round(ph["optimizer"], 1),
+                 "ratio": f"{_x(gf['speedup_vs_trl'])} TRL (CPU time {_x(gf['cpu_speedup_vs_trl'])})"},
+                {"": "matrix-multiply floor of the work", "s/step": round(f["step_s"], 1),
+                 "generation": round(f["generate_s"], 1),
+                 "loss forward": f"{f['update_s']:.1f} (update)", "backward": "", "optimizer": "",
+                 "ratio": f"groupflow {_x(gf['over_floor'])} the floor"},
+            ]  # fmt: skip
+            continue
+        for r, label in ((trl, trl_label), (gf, "groupflow")):
+            mem = r["peak_mib"] == r["peak_mib"]  # NaN with --no-memory
+            star = "*" if r["peak_is_whole_process"] else ""
+            out.append({
+                "model": size, "params": f"{r['params'] / 1e6:.2f}M", "framework": label,
+                "wall s/step": round(r["median_step_s"], 3),
+                "[min-max]": f"{r['min_step_s']:.2f}-{r['max_step_s']:.2f}",
+                "gen s": round(r["median_generate_s"], 3),
+                "CPU s/step": round(r["median_step_cpu_s"], 3),
+                "peak MiB": f"{r['peak_mib']:.0f}{star}" if mem else "",
+                "+steps MiB": f"{r['steps_mib']:.0f}" if mem else "",
+                "speed-up": _x(r["speedup_vs_trl"]), "(CPU)": _x(r["cpu_speedup_vs_trl"]),
+                "samples left out": f"{100 * r['zero_adv_skipped']:.0f} %" if r is gf else "",
+            })  # fmt: skip
+        out.append({
+            "model": size, "params": f"{gf['params'] / 1e6:.2f}M",
+            "framework": "matrix-multiply floor", "wall s/step": round(f["step_s"], 3),
+            "[min-max]": "", "gen s": round(f["generate_s"], 3), "CPU s/step": "", "peak MiB": "",
+            "+steps MiB": "", "speed-up": f"{_x(gf['trl_over_floor'])} (TRL / floor)", "(CPU)": "",
+            "samples left out": "",
+        })  # fmt: skip
+    return out
+
+
+def write_rows(path: Path, rows: list[dict], s: Settings, argv: list[str]) -> None:
+    """``--results``: the measured rows as a results file (``groupflow.utils.results``)."""
+    import transformers
+    import trl
+
+    from groupflow.utils.results import write_results
+
+    table = results_rows(rows, s)
+    trl_row, gf = rows[-2], rows[-1]  # the last model's
+    what = (f"s/step of one GRPO step, B={s.prompts_per_step} × G={s.samples_per_prompt} × "
+            f"{s.new_tokens} tokens, fp32, {s.threads} thread(s)")  # fmt: skip
+    model = Path(s.model_dir).name if s.model_dir else ", ".join(s.sizes)
+    write_results(
+        path, name=path.stem, rows=table,
+        command="python benchmarks/bench_trl.py " + shlex.join(argv),
+        summary={
+            "recipe": f"benchmarks/bench_trl.py ({model})"
+            + (", TRL with activation checkpointing" if s.trl_gradient_checkpointing else ""),
+            "what": what,
+            "before": f"TRL {trl_row['median_step_s']:.3g} s/step ({gf['size']})",
+            "after": f"groupflow {gf['median_step_s']:.3g} s/step ({_x(gf['speedup_vs_trl'])}; "
+                     f"{_x(gf['over_floor'])} the floor)",
+            "guide": "docs/benchmarks/trl.md",
+        },
+        notes=f"torch {torch.__version__}, transformers {transformers.__version__}, trl "
+              f"{trl.__version__}, {s.threads} thread(s); medians of {s.steps} timed steps after a "
+              "warm-up, TRL and groupflow alternating in one process. The floor is the "
+              "matrix-multiply floor of the same work (generation plus update); 'samples left "
+              "out' are groupflow's zero-advantage samples, skipped in its update"
+              + (f" ({100 * gf['zero_adv_skipped']:.0f} % here)." if s.model_dir else "."),
+    )  # fmt: skip
+    print(f"results: {path}")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small batch, few steps (a few minutes)")
@@ -630,6 +722,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="TRL with its default activation checkpointing (more work than groupflow does)",
     )
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--results", type=Path, help="also write the rows as a results file here")
     p.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
     p.add_argument("--memory-probe", nargs=2, metavar=("FRAMEWORK", "SIZE"), help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
@@ -659,6 +752,7 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     # TRL 1.x calls transformers APIs that v5 deprecates; the warnings say nothing about the run.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
@@ -720,6 +814,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     if a.json:
         a.json.write_text(json.dumps({"settings": asdict(s), "rows": rows}, indent=2))
+    if a.results:
+        write_rows(a.results, rows, s, argv)
     return rows
 
 

@@ -225,6 +225,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--two-nodes", action="store_true", help="also across two Ray nodes")
     p.add_argument("--json", default=None)
+    p.add_argument("--results", help="also write the measured rows to this results file (JSON)")
     args = p.parse_args()
     results = [measure(m, args.repeats, args.bucket_mb) for m in args.models]
     if args.two_nodes:
@@ -236,6 +237,54 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.results:
+        write_weight_results(args, results)
+
+
+def weight_rows(results: list[dict]) -> list[dict]:
+    """One row per model and path, in the columns of ``benchmarks/results/weights.json``."""
+    rows = []
+    for r in results:
+        for name in PATHS:
+            p = r[name]
+            rows.append({
+                "model (fp32)": f"{r['model']} ({r['bytes'] / 2**20:.1f} MB)",
+                "path": name,
+                "s / sync": round(p["seconds"], 3),
+                "ratio": round(p["seconds"] / r["old"]["seconds"], 2),
+                "bytes via driver": f"{p['bytes_via_driver'] / 2**20:.1f} MB"
+                if p["bytes_via_driver"] else "0",
+                "driver +MB": round(p["driver_peak_extra_mb"], 1),
+                "busiest actor rank +MB": round(p["actor_rank_peak_extra_mb"], 1),
+                "rollout worker +MB": round(p["rollout_worker_peak_extra_mb"], 1),
+            })  # fmt: skip
+    return rows
+
+
+def write_weight_results(args, results: list[dict]) -> None:
+    import os
+    import sys
+
+    from groupflow.utils.results import write_results
+
+    first = results[0]
+    best = min(PATHS, key=lambda n: first[n]["seconds"])
+    write_results(
+        args.results,
+        name=os.path.splitext(os.path.basename(args.results))[0],
+        command="python benchmarks/bench_weights.py " + " ".join(sys.argv[1:]),
+        rows=weight_rows(results),
+        summary={
+            "recipe": "benchmarks/bench_weights.py: 2 FSDP2 actor ranks → 1 rollout worker (Ray)",
+            "what": "seconds and peak memory per weight sync: old driver path, ray, collective",
+            "before": f"old {first['old']['seconds']:.3f} s / sync ({first['model']})",
+            "after": f"{best} {first[best]['seconds']:.3f} s / sync",
+            "guide": "docs/benchmarks/backends-weights.md",
+        },
+        notes=f"median of {args.repeats} rounds after one warm-up, {args.bucket_mb:g} MiB buckets; "
+        "memory is the peak RSS (VmHWM) above the start, per process. "
+        "A model tagged @2n ran with the actor on node A and the pool on node B.",
+    )
 
 
 if __name__ == "__main__":

@@ -12,12 +12,18 @@ which the samples diverge). Models are randomly initialised from configs (no dow
 
     python benchmarks/decode_paths.py --device cuda
     python benchmarks/decode_paths.py --device cpu --small
+
+``--results PATH`` also writes the rows (one per comparison: path, old, new, ratio, check) as a
+results file (``groupflow.utils.results``) that the docs render.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import platform
+import shlex
+import sys
 import time
 
 import torch
@@ -40,7 +46,7 @@ def timed(fn, device: torch.device, reps: int = 3):
     return sorted(times)[len(times) // 2], out
 
 
-def decode_case(name, model, prompts, n, new_tokens, device, dtype=torch.float32) -> None:
+def decode_case(name, model, prompts, n, new_tokens, device, dtype=torch.float32) -> dict:
     from groupflow.rollout.engines.hf import SamplingParams, generate
 
     model = model.to(device, dtype).eval()
@@ -59,18 +65,25 @@ def decode_case(name, model, prompts, n, new_tokens, device, dtype=torch.float32
         f"{t_sta:.3f} s: {t_dyn / t_sta:.2f}x; tokens equal {same:.4f}",
         flush=True,
     )
+    return {
+        "path": f"static vs dynamic KV cache, {name} {str(dtype).removeprefix('torch.')}",
+        "old": f"{t_dyn:.2f} s", "new": f"{t_sta:.2f} s", "ratio": f"{t_dyn / t_sta:.2f}×",
+        "check": "tokens identical" if same == 1.0 else f"tokens equal {same:.4f}",
+    }  # fmt: skip
 
 
-def sampler_case(vocab: int, rows: int, device: torch.device) -> None:
+def sampler_case(vocab: int, rows: int, device: torch.device) -> dict:
     from groupflow.rollout.engines.hf import SamplingParams, _sample
 
     logits = torch.randn(rows, vocab, device=device)
     gens = [torch.Generator().manual_seed(i) for i in range(rows)]
     t, _ = timed(lambda: _sample(logits, SamplingParams(temperature=1.0), gens), device, reps=5)
     print(f"[sampler] {rows} rows x {vocab} vocabulary: {1e3 * t:.2f} ms per decode step")
+    return {"path": f"sampler, {rows} rows, {vocab // 1000}k vocabulary (per decode step)",
+            "old": "", "new": f"{1e3 * t:.2f} ms", "ratio": "", "check": ""}  # fmt: skip
 
 
-def head_case(vocab: int, hidden: int, rows: int) -> None:
+def head_case(vocab: int, hidden: int, rows: int) -> dict:
     """The LM head of a decode step: F.linear (MKL on CPU) vs the kernel the decode picks."""
     import torch.nn.functional as F
 
@@ -87,9 +100,12 @@ def head_case(vocab: int, hidden: int, rows: int) -> None:
         f"[LM head {vocab}x{hidden}, {rows} rows] F.linear {1e3 * t_mkl:.1f} ms, {name} "
         f"{1e3 * t_new:.1f} ms: {t_mkl / t_new:.2f}x; max |d| {(out - ref).abs().max().item():.1e}"
     )
+    return {"path": f"LM head {vocab:,} × {hidden}, {rows} rows: F.linear (MKL) vs {name}",
+            "old": f"{1e3 * t_mkl:.1f} ms", "new": f"{1e3 * t_new:.1f} ms",
+            "ratio": f"{t_mkl / t_new:.2f}×", "check": f"max |d| {(out - ref).abs().max().item():.1e}"}  # fmt: skip
 
 
-def attention_case(rows: int, q_heads: int, kv_heads: int, length: int, layers: int = 30) -> None:
+def attention_case(rows: int, q_heads: int, kv_heads: int, length: int, layers: int = 30) -> dict:
     """One decode step's attention over ``layers`` caches (more bytes than the CPU's caches
     hold, as in a real model): SDPA (what the static decode used) vs grouped_attention."""
     import torch.nn.functional as F
@@ -119,9 +135,12 @@ def attention_case(rows: int, q_heads: int, kv_heads: int, length: int, layers: 
         f"[attention {rows} rows, {q_heads}/{kv_heads} heads, {length} keys, {layers} layers] "
         f"SDPA {1e3 * t_sdpa:.1f} ms, grouped {1e3 * t_grp:.1f} ms: {t_sdpa / t_grp:.2f}x"
     )
+    return {"path": f"attention, {rows} rows, {q_heads}/{kv_heads} heads, {layers} layers, {length} "
+            "cached positions: SDPA vs grouped_attention", "old": f"{1e3 * t_sdpa:.1f} ms",
+            "new": f"{1e3 * t_grp:.1f} ms", "ratio": f"{t_sdpa / t_grp:.2f}×", "check": ""}  # fmt: skip
 
 
-def shared_prompt_case(model, device, prompt_len, response_len, prompts, samples) -> None:
+def shared_prompt_case(model, device, prompt_len, response_len, prompts, samples) -> dict:
     from groupflow.models.logprobs import response_logprobs
 
     model = model.to(device, torch.float32).train()
@@ -148,6 +167,34 @@ def shared_prompt_case(model, device, prompt_len, response_len, prompts, samples
         f"shared {t_sh:.3f} s, one pass {t_one:.3f} s: ratio {t_sh / t_one:.2f} (token bound "
         f"{bound:.2f}); max |dlogp| {(lp_sh - lp_one).abs().max().item():.1e}"
     )
+    return {"path": f"shared-prompt update (forward + backward), prompts {prompt_len}, "
+            f"{prompts} × {samples} × {response_len}", "old": f"{t_one:.2f} s",
+            "new": f"{t_sh:.2f} s", "ratio": f"{t_sh / t_one:.2f} (token bound {bound:.2f})",
+            "check": f"max |dlogp| {(lp_sh - lp_one).abs().max().item():.1e}"}  # fmt: skip
+
+
+def write_rows(path: str, rows: list[dict], device: torch.device, threads: int) -> None:
+    """The measured rows as a results file (``groupflow.utils.results``) the docs render."""
+    import transformers
+
+    from groupflow.utils.results import write_results
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    write_results(
+        path, name=path.rsplit("/", 1)[-1].removesuffix(".json"), rows=rows,
+        command="python benchmarks/decode_paths.py " + shlex.join(sys.argv[1:]),
+        summary={
+            "recipe": f"benchmarks/decode_paths.py --device {device.type}",
+            "what": f"decode and update speed paths, one by one ({device.type})",
+            "before": f"dynamic cache {rows[0]['old']} ({rows[0]['path'].split(', ')[1]})",
+            "after": f"static cache {rows[0]['new']} ({rows[0]['ratio']})",
+            "guide": "docs/benchmarks/trl.md",
+        },
+        notes=f"{where or device.type}; torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, {threads} torch thread(s); medians of 3 (5 for the sampler, "
+        "the LM head and attention) after a warm-up; randomly initialised models.",
+    )  # fmt: skip
+    print(f"results: {path}")
 
 
 def main() -> None:
@@ -159,21 +206,22 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="CPU-sized cases only")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--results", help="also write the rows as a results file here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
 
     medium = build_tiny_llama(34, hidden_size=192, num_layers=6, num_heads=4, seed=0)
     prompts = [[5 + (i + j) % 20 for j in range(16)] for i in range(8)]
-    decode_case("medium 2.7M, 8x8x64", medium, prompts, 8, 64, device)
+    rows = [decode_case("medium 2.7M, 8x8x64", medium, prompts, 8, 64, device)]
     for vocab in (49152, 151936):
-        sampler_case(vocab, 128, device)
+        rows.append(sampler_case(vocab, 128, device))
     if device.type == "cpu":
         for vocab, hidden in ((49152, 576), (151936, 896)):
-            for rows in (1, 16, 128):
-                head_case(vocab, hidden, rows)
+            for n_rows in (1, 16, 128):
+                rows.append(head_case(vocab, hidden, n_rows))
         for length in (40, 100, 166):
-            attention_case(16, 9, 3, length)
+            rows.append(attention_case(16, 9, 3, length))
     qwen3 = transformers.AutoModelForCausalLM.from_config(
         transformers.Qwen3Config(
             vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -181,9 +229,11 @@ def main() -> None:
         )
     )  # fmt: skip
     qwen_prompts = [[3 + (i * 5 + j) % 900 for j in range(10 + i)] for i in range(8)]
-    decode_case("qwen3 tiny, 8x4x64", qwen3, qwen_prompts, 4, 64, device)
+    rows.append(decode_case("qwen3 tiny, 8x4x64", qwen3, qwen_prompts, 4, 64, device))
     if a.small:
-        shared_prompt_case(medium, device, 256, 64, 8, 8)
+        rows.append(shared_prompt_case(medium, device, 256, 64, 8, 8))
+        if a.results:
+            write_rows(a.results, rows, device, a.threads)
         return
     smol_cfg = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -193,9 +243,15 @@ def main() -> None:
     torch.manual_seed(0)
     smol = transformers.LlamaForCausalLM(smol_cfg)
     smol_prompts = [[100 + (7 * i + j) % 1000 for j in range(64 + 8 * i)] for i in range(16)]
-    decode_case("SmolLM2-135M-shaped, 16x8x128", smol, smol_prompts, 8, 128, device)
-    decode_case("SmolLM2-135M-shaped, 16x8x128", smol, smol_prompts, 8, 128, device, torch.bfloat16)
-    shared_prompt_case(smol, device, 256, 256, 8, 8)
+    rows.append(decode_case("SmolLM2-135M-shaped, 16x8x128", smol, smol_prompts, 8, 128, device))
+    rows.append(
+        decode_case(
+            "SmolLM2-135M-shaped, 16x8x128", smol, smol_prompts, 8, 128, device, torch.bfloat16
+        )
+    )
+    rows.append(shared_prompt_case(smol, device, 256, 256, 8, 8))
+    if a.results:
+        write_rows(a.results, rows, device, a.threads)
 
 
 if __name__ == "__main__":

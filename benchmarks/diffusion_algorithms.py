@@ -6,6 +6,9 @@ the demo's, untuned per variant), trained for ``--steps`` steps with the fixed-n
 every ``--eval-every`` steps, one torch thread, runs one after another in this process.
 
     .venv/bin/python benchmarks/diffusion_algorithms.py --steps 40 --seeds 0 1 2
+
+``--results PATH`` writes the table's rows as a results file (groupflow.utils.results), the file
+the docs render (``benchmarks/results/diffusion_algorithms.json`` is ``--steps 80``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,55 @@ def run(variant: str, seed: int, steps: int, every: int, out: Path) -> dict:
             "seconds_to_80": to_80, "train_seconds": seconds, "evals": evals}  # fmt: skip
 
 
+def label(variant: str) -> str:
+    """A variant's name in the table: ``flow_grpo_mu4`` is ``flow_grpo, 4 epochs``."""
+    return variant.replace("_mu4", ", 4 epochs")
+
+
+def table_rows(results: list[dict], steps: int) -> list[dict]:
+    """The printed table's rows, one dict per variant and seed (the results file's rows)."""
+    rows = []
+    for r in results:
+        at = (f"{r['reached_80']} ({r['seconds_to_80']:.0f} s)" if r["reached_80"] is not None
+              else f"not by {steps}")  # fmt: skip
+        rows.append({"variant": label(r["variant"]), "seed": str(r["seed"]),
+                     f"eval reward before → after {steps} steps":
+                         f"{r['before']:.3f} → {r['after']:.3f}",
+                     "gap closed": f"{100 * r['gap_closed']:.0f} %",
+                     "80 % of the gap at step (training time to it)": at,
+                     "training time": f"{r['train_seconds']:.0f} s"})  # fmt: skip
+    return rows
+
+
+def write_variant_results(path: Path, results: list[dict], args: argparse.Namespace,
+                          argv: list[str]) -> Path:  # fmt: skip
+    """The measured rows as a results file, with the command that measures them again."""
+    import shlex
+
+    from groupflow.utils.results import write_results
+
+    one_step = [r for r in results if not r["variant"].endswith("_mu4")] or results
+
+    def rng(xs: list[float]) -> str:
+        lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    variants = sorted({r["variant"] for r in one_step})
+    command = shlex.join(["python", "benchmarks/diffusion_algorithms.py", *argv])
+    summary = {"recipe": "benchmarks/diffusion_algorithms.py (examples/diffusion_demo.yaml, one "
+                         "switch flipped)",
+               "what": f"eval reward, {len(variants)} variants × {len(args.seeds)} seeds",
+               "before": rng([r["before"] for r in one_step]),
+               "after": rng([r["after"] for r in one_step]),
+               "guide": "docs/guides/diffusion.md"}  # fmt: skip
+    notes = (f"One torch thread, the runs one after another in one process; eval every "
+             f"{args.eval_every} steps, so a gap reached at a step was reached within the "
+             f"{args.eval_every} steps before it. Times are sums of step times; the ranges in the "
+             "summary leave out the 4-epoch variants.")  # fmt: skip
+    return write_results(path, name=path.stem, command=command, rows=table_rows(results, args.steps),
+                         summary=summary, notes=notes)  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -81,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--results", type=Path, help="also write the table as a results file")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -103,6 +156,8 @@ def main(argv=None) -> int:
               f"{100 * r['gap_closed']:.0f} % | {at} | {r['train_seconds']:.0f} s |")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    if args.results:
+        print(f"wrote {write_variant_results(args.results, results, args, argv or sys.argv[1:])}")
     return 0
 
 

@@ -16,6 +16,9 @@ replicated path's load, then FSDP2) vs build on the meta device, shard and read 
 rows — each process's peak resident memory (VmHWM) after loading. ``--lora``: with LoRA adapters
 (rank 64 on the attention projections, as the MMDanceGRPO recipe) injected before sharding.
 
+``--results PATH``: the rows (or with ``--load-only`` the load's rows) as a results file
+(``groupflow.utils.results``) that the docs render.
+
 Resident memory includes each process's fixed cost (Python, torch, Ray: several hundred MB), so
 its ratio understates the model-state one; on GPUs the model state is what FSDP divides.
 """
@@ -113,6 +116,93 @@ def load_only(root: Path, model: Path, lora: bool) -> dict[str, list[dict]]:
     return rows
 
 
+STATE_COLUMNS = {"param_bytes": "parameters MiB", "grad_bytes": "gradients MiB",
+                 "optimizer_bytes": "AdamW state MiB", "load_peak_rss_bytes": "load peak RSS MiB",
+                 "peak_rss_bytes": "peak RSS MiB"}  # fmt: skip
+
+
+def _flags(args) -> str:
+    flags = [f"--layers {args.layers}", f"--width {args.width}"]
+    if args.load_only:
+        flags += ["--load-only", *(["--lora"] if args.lora else [])]
+    else:
+        flags += [f"--steps {args.steps}", *(["--checkpointing"] if args.checkpointing else [])]
+    return " ".join(flags)
+
+
+def write_memory_results(args, peak: dict[str, dict[str, int]]) -> None:
+    """The training rows (max over the workers) as a results file the docs render."""
+    from groupflow.utils.results import write_results
+
+    mib, params = 2**20, peak["replicated"]["param_bytes"] / 4  # fp32, every worker holds all
+
+    def row(layout, values):
+        return {"layout": layout, **{STATE_COLUMNS[k]: v for k, v in values.items()}}
+
+    rows = [
+        row(f"replicated (width {args.width}, {params / 1e6:.3g}M params)",
+            {k: round(v / mib, 1) for k, v in peak["replicated"].items()}),
+        row("FSDP2 (diffusion.fsdp: true)", {k: round(v / mib, 1) for k, v in peak["fsdp"].items()}),
+        row("FSDP2 / replicated", {k: round(peak["fsdp"][k] / max(peak["replicated"][k], 1), 2)
+                                   for k in STATE_COLUMNS}),
+    ]  # fmt: skip
+    state = {n: sum(p[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")) / mib
+             for n, p in peak.items()}  # fmt: skip
+    write_results(
+        args.results, name=Path(args.results).stem, rows=rows,
+        command=f"python benchmarks/diffusion_fsdp_memory.py {_flags(args)} --results {args.results}",
+        summary={
+            "recipe": f"benchmarks/diffusion_fsdp_memory.py: {args.layers} Wan blocks, width "
+                      f"{args.width}, 2 workers",
+            "what": "model state and peak resident memory per worker, replicated vs FSDP2",
+            "before": f"replicated: {state['replicated']:.1f} MiB of model state, peak RSS "
+                      f"{peak['replicated']['peak_rss_bytes'] / mib:.0f} MiB",
+            "after": f"FSDP2: {state['fsdp']:.1f} MiB of model state, peak RSS "
+                     f"{peak['fsdp']['peak_rss_bytes'] / mib:.0f} MiB",
+            "guide": "docs/benchmarks/memory.md",
+        },
+        notes=f"Per worker, the larger of the 2. Trainer on Ray, 2 workers, one torch thread each; "
+              f"a random WanTransformer3DModel with {args.layers} blocks, latents 16×3×16×16, "
+              f"{args.steps} training step(s){', activation checkpointing' * args.checkpointing}. "
+              "Model state: the local shards when sharded. load peak RSS: the process's peak "
+              "resident memory once the model was built and loaded; peak RSS: at the end (Linux "
+              "VmHWM).",
+    )  # fmt: skip
+    print(f"results: {args.results}")
+
+
+def write_load_results(args, loads: dict[str, list[dict]]) -> None:
+    """The ``--load-only`` rows (peak RSS per rank after loading) as a results file."""
+    from groupflow.utils.results import write_results
+
+    mib, lora = 2**20, " (LoRA r64)" if args.lora else ""
+    rows = [{"load": name + lora, **{f"rank {i} MiB": round(r["after"] / mib)
+                                     for i, r in enumerate(ranks)}}
+            for name, ranks in loads.items()]  # fmt: skip
+    full, meta = (rows[0], rows[1])
+    write_results(
+        args.results, name=Path(args.results).stem, rows=rows,
+        command=f"python benchmarks/diffusion_fsdp_memory.py {_flags(args)} --results {args.results}",
+        summary={
+            "recipe": f"benchmarks/diffusion_fsdp_memory.py --width {args.width} --load-only"
+                      + " --lora" * args.lora,
+            "what": "peak resident memory per rank after loading a sharded Wan transformer"
+                    + " with LoRA" * args.lora,
+            "before": f"full build, then shard: {full['rank 0 MiB']} / {full['rank 1 MiB']} MiB "
+                      "(ranks 0 / 1)",
+            "after": f"meta build + the rank's rows: {meta['rank 0 MiB']} / {meta['rank 1 MiB']} MiB",
+            "guide": "docs/benchmarks/memory.md",
+        },
+        notes=f"2 gloo processes, {args.layers} blocks × width {args.width}, one torch thread "
+              "each; each process's peak resident memory (VmHWM) after loading, from "
+              + " / ".join(f"{r['before'] / mib:.0f}" for r in loads["meta build, read rows"])
+              + " MiB after the imports"
+              + (". LoRA rank 64 on to_q/to_k/to_v/to_out.0 (the MMDanceGRPO recipe's adapters)."
+                 if args.lora else "."),
+    )  # fmt: skip
+    print(f"results: {args.results}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -122,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--load-only", action="store_true")
     ap.add_argument("--lora", action="store_true", help="--load-only with LoRA adapters")
+    ap.add_argument("--results", help="also write the rows as a results file (benchmarks/results/)")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mib = 2**20
@@ -134,11 +225,14 @@ def main(argv=None) -> int:
                 f"{args.layers} blocks x width {args.width}{lora}: peak RSS per rank after "
                 "loading, MiB"
             )
-            for name, ranks in load_only(root, model, args.lora).items():
+            loads = load_only(root, model, args.lora)
+            for name, ranks in loads.items():
                 print(f"{name:26s}" + "".join(
                     f"  rank {i}: {r['before'] / mib:6.0f} -> {r['after'] / mib:6.0f}"
                     for i, r in enumerate(ranks)
                 ))  # fmt: skip
+            if args.results:
+                write_load_results(args, loads)
             return 0
         prompts = root / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a", "b")))
@@ -164,6 +258,8 @@ def main(argv=None) -> int:
         args.json.write_text(
             json.dumps({"args": vars(args) | {"json": None}, "rows": rows}, indent=2)
         )
+    if args.results:
+        write_memory_results(args, peak)
     return 0
 
 

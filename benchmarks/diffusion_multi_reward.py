@@ -78,7 +78,7 @@ def _write(args, results: list[dict], rows: list[dict]) -> None:
     write_results(
         args.results, name="diffusion_two_rewards", rows=rows,
         command="python benchmarks/diffusion_multi_reward.py "
-                f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))}",
+                f"--steps {args.steps} --seeds {' '.join(map(str, args.seeds))} --results {args.results}",
         summary={
             "recipe": "examples/diffusion_two_rewards.yaml (sky ×100 + compressibility)",
             "what": "eval compressibility, weighted sum vs normalize: group",

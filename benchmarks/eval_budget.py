@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--benchmark", default="ifeval")
     ap.add_argument("--model", required=True, help="the model directory (its tokenizer)")
     ap.add_argument("--budgets", default="256,512,768,1024,1280")
+    ap.add_argument("--results", type=Path, help="write a results file (groupflow.utils.results)")
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     bench = get_benchmark(args.benchmark)
@@ -55,6 +56,7 @@ def main() -> None:
           f"re-tokenize to another length than recorded")  # fmt: skip
     print("| budget | " + " | ".join(METRICS) + " | cut at budget |")
     print("|---:|" + "---:|" * (len(METRICS) + 1))
+    table = []
     for budget in budgets:
         responses = [tok.decode(t[:budget]) if len(t) > budget else r["response"]
                      for t, r in zip(ids, records)]  # fmt: skip
@@ -63,6 +65,37 @@ def main() -> None:
         m = bench.metrics(bench.grade(row_list, responses), 1)
         cells = " | ".join(f"{100 * m[k]:.1f}" for k in METRICS)
         print(f"| {budget} | {cells} | {cut} ({100 * cut / len(records):.0f} %) |")
+        table.append({"new-token budget": budget,
+                      **{k.replace("_", " ") if k == "average_strict" else k: round(100 * m[k], 1)
+                         for k in METRICS},
+                      "cut": f"{100 * cut / len(records):.0f} %"})  # fmt: skip
+    if args.results:
+        _write_results(args, table, len(records), mismatched)
+
+
+def _write_results(args, table: list[dict], n: int, mismatched: int) -> None:
+    """The budget table of docs/guides/benchmarks-eval.md as a results file."""
+    from groupflow.utils.results import write_results
+
+    def at(budget: int) -> str:
+        row = next((r for r in table if r["new-token budget"] == budget), None)
+        return f"{row['average strict']} at {budget} tokens" if row else "?"
+
+    budgets = [r["new-token budget"] for r in table]
+    write_results(
+        args.results, name=args.results.stem, rows=table,
+        command=f"python benchmarks/eval_budget.py --records {args.records} --benchmark "
+                f"{args.benchmark} --model {args.model} --budgets {args.budgets} "
+                f"--results {args.results}",
+        summary={"recipe": f"benchmarks/eval_budget.py ({args.benchmark})",
+                 "what": "average strict accuracy by new-token budget",
+                 "before": at(512 if 512 in budgets else budgets[0]), "after": at(budgets[-1]),
+                 "guide": "docs/guides/benchmarks-eval.md"},
+        notes=f"One greedy eval's records ({args.records}, {n} prompts) re-graded at each budget "
+              f"by the official checkers; {mismatched} of {n} responses re-tokenize to another "
+              "length than generated (their cut is approximate). \"cut\" = answers that did not "
+              "stop within the budget.",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, required=True, help="a convert-gguf model directory")
     ap.add_argument("--qtype", default="Q4_0", help="a gguf block type: Q4_0, Q4_1, Q5_0, Q8_0 ...")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--results", type=Path, help="write a results file (groupflow.utils.results)")
     args = ap.parse_args()
     try:
         qtype = GGMLQuantizationType[args.qtype]
@@ -62,6 +63,23 @@ def main() -> None:
     save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
     print(f"{args.qtype} round trip of {changed} linear weights -> {args.out}; relative change "
           f"‖Δw‖/‖w‖: mean {np.mean(rel):.4f}, max {np.max(rel):.4f}")  # fmt: skip
+    if args.results:
+        from groupflow.utils.results import write_results
+
+        mean, top = f"{100 * np.mean(rel):.1f} %", f"{100 * np.max(rel):.1f} %"
+        write_results(
+            args.results, name=args.results.stem,
+            rows=[{"qtype": args.qtype, "linear weights": changed, "‖Δw‖/‖w‖ mean": mean,
+                   "‖Δw‖/‖w‖ max": top}],
+            command=f"python benchmarks/requantize.py --model {args.model} --qtype {args.qtype} "
+                    f"--out {args.out} --results {args.results}",
+            summary={"recipe": f"benchmarks/requantize.py ({args.model.name})",
+                     "what": "relative weight change of a second rounding",
+                     "before": "the model's weights", "after": f"{args.qtype} {mean} mean ({top} max)",
+                     "guide": "docs/benchmarks/eval.md"},
+            notes="The decoder's linear weights rounded once more with `gguf.quants` (blocks of 32 "
+                  "along the input dimension); one run writes the row of its `--qtype`.",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

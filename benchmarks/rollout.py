@@ -70,6 +70,9 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument(
+        "--results", help="also write the row measured as a results file (JSON) the docs render"
+    )
     args = p.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -137,6 +140,42 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.results:
+        write_rollout_results(args, result)
+
+
+def write_rollout_results(args, result: dict) -> None:
+    """One row (this model and setting) in the shape of ``benchmarks/results/rollout_vllm.json``."""
+    import sys
+
+    from groupflow.utils.results import write_results
+
+    hf, vllm = result["hf"]["tokens_per_s"], result["vllm"]["tokens_per_s"]
+    row = {
+        "model": f"{result['model']} ({result['params'] / 1e6:.1f}M params), {args.dtype}",
+        "work per round": f"{args.prompts} prompts × {args.samples} samples × "
+        f"{args.new_tokens} tokens, {args.rounds} timed rounds",
+        "HF tokens/s": round(hf),
+        "vLLM tokens/s": round(vllm),
+        "vLLM / HF": round(vllm / hf, 2),
+        "vLLM start-up s": round(result["vllm_startup_s"], 1),
+        "weight push s": round(result["vllm_weight_push_s"], 2),
+    }
+    write_results(
+        args.results,
+        name=os.path.splitext(os.path.basename(args.results))[0],
+        command="python benchmarks/rollout.py " + " ".join(sys.argv[1:]),
+        rows=[row],
+        summary={
+            "recipe": "benchmarks/rollout.py: HF engine vs vLLM engine on CPU",
+            "what": "generated tokens/s, same weights, same work",
+            "before": f"HF {hf:.0f} tokens/s",
+            "after": f"vLLM {vllm:.0f} tokens/s ({vllm / hf:.2f}×)",
+            "guide": "docs/benchmarks/rollout-vllm.md",
+        },
+        notes=f"{args.threads} torch threads, median of {args.rounds} rounds after one warm-up; "
+        "responses of exactly the requested length (no EOS id), prompt tokens not counted.",
+    )
 
 
 if __name__ == "__main__":

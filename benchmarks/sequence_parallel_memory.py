@@ -24,8 +24,14 @@ On paper: saved bytes per token, layer and hidden unit measured here, scaled to 
 checkpointing, beside their model state (16 B per parameter: fp32 weights, gradients, AdamW
 moments) sharded by FSDP2 over 8 GPUs or offloaded; the longest sequence is what fits 80 GB.
 
+``--results PATH``: the measured rows as a results file (``groupflow.utils.results``) that the
+docs render, and beside it ``<stem>_offload.json`` (unless ``--skip-offload``) and
+``<stem>_on_paper.json`` (the on-paper table, computed from this run's bytes per token).
+
     .venv/bin/python benchmarks/sequence_parallel_memory.py               # 4096 tokens
     .venv/bin/python benchmarks/sequence_parallel_memory.py --tokens 8192 --hidden 512
+    .venv/bin/python benchmarks/sequence_parallel_memory.py \
+        --results benchmarks/results/sequence_parallel.json
 """
 
 from __future__ import annotations
@@ -213,8 +219,14 @@ def wan_step(sp=None, layers: int = 2, width: int = 256) -> dict:
             "unit": saved / (tokens * layers * width), "tokens": tokens}  # fmt: skip
 
 
-def on_paper(per_unit_llm: float, per_unit_wan: float) -> None:
-    """Longest sequence on an 80 GB GPU: (80 GB - state - reserve) · SP / activation bytes per token."""
+def _tokens(n: float) -> str:
+    """A sequence length as the table writes it: 11k, 559k, 1.1M."""
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1000:.0f}k"
+
+
+def on_paper(per_unit_llm: float, per_unit_wan: float) -> list[dict]:
+    """Longest sequence on an 80 GB GPU: (80 GB - state - reserve) · SP / activation bytes per
+    token; printed, and returned as the results file's rows."""
     models = {  # name: (parameters, hidden, layers, saved bytes per token·layer·hidden in fp32)
         "7B LM (Llama-2-7B shape)": (6.74e9, 4096, 32, per_unit_llm),
         "Wan2.2-5B transformer": (5.0e9, 3072, 30, per_unit_wan),
@@ -225,6 +237,7 @@ def on_paper(per_unit_llm: float, per_unit_wan: float) -> None:
         f"{'model':<26} {'state':<9} {'ckpt':<5} "
         + " ".join(f"{'SP=' + str(n):>9}" for n in (1, 2, 4, 8))
     )
+    rows = []
     for name, (params, hidden, layers, unit) in models.items():
         full = unit / 2 * hidden * layers  # bytes per token, bf16, all layers kept
         checkpointed = 2 * hidden * layers + unit / 2 * hidden  # layer inputs + one layer live
@@ -234,6 +247,9 @@ def on_paper(per_unit_llm: float, per_unit_wan: float) -> None:
                 free = 80e9 - state - reserve
                 cells = [f"{max(0, free) * n / per_token / 1000:>8.0f}k" for n in (1, 2, 4, 8)]
                 print(f"{name:<26} {state_name:<9} {ckpt:<5} " + " ".join(cells))
+                rows.append({"model": name, "model state": {"offload": "offloaded"}.get(state_name, state_name),
+                             "activation checkpointing": ckpt,
+                             **{f"SP = {n}": _tokens(max(0, free) * n / per_token) for n in (1, 2, 4, 8)}})  # fmt: skip
     print(
         "  state: sharded = 16 B/param / 8 GPUs on the device; offload = in host memory, the device"
         "\n  holding one unsharded fp32 layer and its gradient. A Wan2.2-5B 720p clip (1280x704,"
@@ -242,6 +258,7 @@ def on_paper(per_unit_llm: float, per_unit_wan: float) -> None:
         "\n  memory, is the limit; the LLM actor's colocated full rollout copy (generation) and the"
         "\n  diffusion reference copy are not counted (a rollout pool or LoRA removes them)."
     )
+    return rows
 
 
 def table(one: dict, two: list[dict]) -> None:
@@ -255,6 +272,90 @@ def table(one: dict, two: list[dict]) -> None:
               f"{two[1][key] / scale:>12.1f}{worst / max(one[key], 1e-9):>8.2f}")  # fmt: skip
 
 
+def sp_rows(name: str, one: dict, two: list[dict]) -> list[dict]:
+    """The measured rows (as ``table`` prints them) of one model: SP = 1 against SP = 2 per rank."""
+    rows = []
+    for key, label in (("saved", "activations saved MiB"), ("rss", "peak RSS added MiB")):
+        lo, hi = (f(r[key] for r in two) / 2**20 for f in (min, max))
+        per_rank = round(hi, 1) if round(lo, 1) == round(hi, 1) else f"{lo:.1f}–{hi:.1f}"
+        rows.append({"model": name, "measure": label, "SP = 1": round(one[key] / 2**20, 1),
+                     "SP = 2 per rank": per_rank, "ratio": round(hi * 2**20 / max(one[key], 1e-9), 2)})  # fmt: skip
+    return rows
+
+
+def write_sp_results(args, rows: list[dict], offload: tuple[dict, dict] | None,
+                     paper: list[dict]) -> None:  # fmt: skip
+    """The measured rows, the offload rows and the on-paper table as results files
+    (``groupflow.utils.results``) the docs render: ``--results`` and two files beside it."""
+    from groupflow.utils.results import write_results
+
+    path = Path(args.results)
+    flags = [f"--tokens {args.tokens}", f"--hidden {args.hidden}", f"--layers {args.layers}",
+             f"--heads {args.heads}", f"--vocab {args.vocab}",
+             *(["--skip-offload"] if args.skip_offload else [])]  # fmt: skip
+    command = f"python benchmarks/sequence_parallel_memory.py {' '.join(flags)} --results {path}"
+    guide = "docs/benchmarks/memory.md"
+    llm = rows[0]
+    write_results(
+        path, name=path.stem, command=command, rows=rows,
+        summary={"recipe": "benchmarks/sequence_parallel_memory.py: one long row / latent video, "
+                           "forward + backward",
+                 "what": "activation memory per rank, Ulysses SP = 1 vs SP = 2",
+                 "before": f"SP = 1: {llm['SP = 1']} MiB of activations ({args.tokens}-token LLM row)",
+                 "after": f"SP = 2: {llm['SP = 2 per rank']} MiB per rank ({llm['ratio']})",
+                 "guide": guide},
+        notes="One torch thread per rank; SP = 1 in one process, SP = 2 in two gloo processes. "
+              "Activations saved: the bytes autograd keeps for backward (each storage once, "
+              "parameters excluded); peak RSS added: VmHWM after the step minus VmRSS before it. "
+              "ratio: the larger SP = 2 rank over SP = 1.",
+    )  # fmt: skip
+    print(f"results: {path}")
+    if offload is not None:
+        plain, _ = offload
+        state = plain["param_bytes"] + plain["grad_bytes"] + plain["adam_bytes"]
+        kept = 2 * plain["layer_unsharded_bytes"]
+        side = path.with_name(f"{path.stem}_offload.json")
+        write_results(
+            side, name=side.stem, command=command,
+            rows=[{"measure": "parameter shard + gradient + AdamW state, per rank (moved to host "
+                              "by offload)", "MiB": round(state / 2**20, 1)},
+                  {"measure": "left on the device with offload: one unsharded layer and its "
+                              "gradient", "MiB": round(kept / 2**20, 1)}],
+            summary={"recipe": "benchmarks/sequence_parallel_memory.py: the actor's update on 2 "
+                               "FSDP2 ranks",
+                     "what": "per-rank model state that actor.cpu_offload moves to host memory",
+                     "before": f"{state / 2**20:.0f} MiB of model state per rank on the device",
+                     "after": f"{kept / 2**20:.0f} MiB (one unsharded layer and its gradient)",
+                     "guide": guide},
+            notes="A Llama-style actor (hidden 256, 4 layers) FSDP2-sharded over 2 gloo ranks, "
+                  "with and without actor.cpu_offload, after one update. On this CPU host and "
+                  "device are the same memory, so what is measured is where FSDP2 placed the "
+                  "bytes; on a GPU these bytes are the device memory offload frees.",
+        )  # fmt: skip
+        print(f"results: {side}")
+    side = path.with_name(f"{path.stem}_on_paper.json")
+    first = paper[0]
+    write_results(
+        side, name=side.stem, command=command, rows=paper,
+        summary={"recipe": "benchmarks/sequence_parallel_memory.py: on paper from the measured "
+                           "bytes per token",
+                 "what": "the longest sequence an 80 GB GPU trains (tokens), 7B LM and Wan2.2-5B",
+                 "before": f"7B LM, sharded, no checkpointing: {first['SP = 1']} tokens at SP = 1",
+                 "after": f"{first['SP = 8']} at SP = 8; {paper[1]['SP = 8']} with activation "
+                          "checkpointing",
+                 "guide": guide},
+        notes="Computed, not measured on a GPU: the activation bytes per token, layer and hidden "
+              "unit measured on the CPU (SP = 1, fp32) halved for bf16 and scaled to a 7B Llama "
+              "(hidden 4096, 32 layers) and Wan2.2-5B (hidden 3072, 30 layers); with "
+              "checkpointing, the layer inputs plus one layer live. Model state 16 B per "
+              "parameter (fp32 weights, gradients, AdamW moments), sharded by FSDP2 over 8 GPUs "
+              "or offloaded (the device holding one unsharded fp32 layer and its gradient); 6 GiB "
+              "reserve. Memory only: attention's compute at long lengths and the LLM actor's "
+              "colocated full-weight rollout copy are not counted.",
+    )  # fmt: skip
+    print(f"results: {side}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -263,6 +364,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--skip-offload", action="store_true")
+    ap.add_argument("--results", help="also write the rows as results files (benchmarks/results/)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -273,6 +375,9 @@ def main() -> None:
     table(one, two)
     per_unit = one["saved"] / (args.tokens * args.layers * args.hidden)
     print(f"saved bytes per token·layer·hidden unit (fp32, SP=1): {per_unit:.1f}")
+    rows = sp_rows(f"Llama, {args.layers} layers, {args.hidden} wide (GQA), one "
+                   f"{args.tokens}-token row", one, two)  # fmt: skip
+    measured_offload = None
 
     if not args.skip_offload:
         print("\nActor update on 2 FSDP2 ranks (hidden 256, 4 layers): per-rank model state")
@@ -281,6 +386,7 @@ def main() -> None:
             print(f"  {key:<24}{plain[key] / 2**20:>9.2f} MiB {offload[key] / 2**20:>9.2f} MiB")
         print(f"  devices: without {plain['devices']}, with offload {offload['devices']}; "
               f"update {plain['s']:.2f} s vs {offload['s']:.2f} s (x{offload['s'] / plain['s']:.2f})")  # fmt: skip
+        measured_offload = (plain, offload)
         state = plain["param_bytes"] + plain["grad_bytes"] + plain["adam_bytes"]
         print(f"  on a GPU, offload moves {state / 2**20:.2f} MiB per rank to host memory; the device "
               f"keeps ~{2 * plain['layer_unsharded_bytes'] / 2**20:.2f} MiB (one layer + gradient)")  # fmt: skip
@@ -291,7 +397,11 @@ def main() -> None:
     )
     table(wan_one, wan_two)
     print(f"saved bytes per token·layer·hidden unit (fp32, SP=1): {wan_one['unit']:.1f}")
-    on_paper(per_unit, wan_one["unit"])
+    rows += sp_rows(f"tiny Wan, 2 layers, 256 wide, a 9 × 48 × 48 latent video "
+                    f"({wan_one['tokens']} tokens)", wan_one, wan_two)  # fmt: skip
+    paper = on_paper(per_unit, wan_one["unit"])
+    if args.results:
+        write_sp_results(args, rows, measured_offload, paper)
 
 
 if __name__ == "__main__":

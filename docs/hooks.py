@@ -167,40 +167,106 @@ def layout_markdown() -> str:
     return "\n".join(out)
 
 
+# A measured number written into prose goes stale the day the code changes: ratios, throughput,
+# memory and before → after pairs belong in a results file that the page renders. Config values,
+# shapes (3×16×16) and targets stated as integers are not matched.
+MEASURED = re.compile(
+    r"(?<![\w.×])\d+\.\d+\s?×(?![\d])"
+    r"|\b\d[\d.,]*\s?(?:tokens/s|steps/s|s/step|samples/s|episodes/s)\b"
+    r"|\b\d+(?:\.\d+)?\s?(?:MiB|GiB|KiB)\b"
+    r"|\b\d+\.\d+\s?→\s?\d+\.\d+"
+)
+_CODE = re.compile(r"^```.*?^```|`[^`\n]*`", re.S | re.M)
+
+
+def measured_numbers(markdown: str) -> list[str]:
+    """The lines of a page's prose (outside code, results placeholders and rendered blocks) that
+    state a measured number, each as ``line N: text``."""
+    blank = lambda m: "\n" * m.group(0).count("\n")  # noqa: E731 -- keeps line numbers
+    prose = _CODE.sub(blank, SYNCED.sub(blank, markdown))
+    return [f"line {i}: {line.strip()}" for i, line in enumerate(prose.splitlines(), 1)
+            if MEASURED.search(line)]  # fmt: skip
+
+
 RESULTS = re.compile(r"<!-- results: (\S+) -->")
-README_BEGIN, README_END = "<!-- results table: begin -->", "<!-- results table: end -->"
+# Markdown read outside the site (the README, benchmarks/README.md on GitHub) holds its tables
+# rendered between these markers; `python docs/hooks.py` rewrites them, a test fails when stale.
+SYNCED = re.compile(r"(<!-- rendered: (\S+) -->\n).*?(<!-- end rendered -->)", re.S)
+SYNCED_FILES = ("README.md", "benchmarks/README.md")
+
+
+SUMMARY = re.compile(r"<!-- summary: (\S+) -->")
 
 
 def results_tables(markdown: str) -> str:
-    """Each ``<!-- results: PATH -->`` in a page becomes that results file's table."""
+    """Each ``<!-- results: PATH -->`` in a page becomes that results file's table, each
+    ``<!-- summary: NAME -->`` the summaries ``render_block(NAME)`` gives."""
     from groupflow.utils.results import markdown_table, read_results
 
+    markdown = SUMMARY.sub(lambda m: render_block(m.group(1)), markdown)
     return RESULTS.sub(lambda m: markdown_table(read_results(ROOT / m.group(1))), markdown)
 
 
-def readme_results() -> str:
-    """The README's results table: one line per results file under examples/results/."""
+def _summary_rows(folder: str, names: list[str] | None, first: str) -> list[str]:
     from groupflow.utils.results import read_results
 
-    lines = ["| recipe | what is measured | before → after | details |", "|---|---|---|---|"]
-    for path in sorted((ROOT / "examples" / "results").glob("*.json")):
+    paths = sorted((ROOT / folder).glob("*.json"))
+    if names is not None:
+        by_stem = {p.stem: p for p in paths}
+        unknown = [n for n in names if n not in by_stem]
+        if unknown:
+            raise ValueError(f"no results file {folder}/{unknown[0]}.json")
+        paths = [by_stem[n] for n in names]
+    lines = [f"| {first} | what is measured | before → after | details |", "|---|---|---|---|"]
+    for path in paths:
         s = read_results(path)["summary"]
         where = f"`{s['guide']}`" if s.get("guide") else ""
         lines.append(f"| {s['recipe']} | {s['what']} | {s['before']} → {s['after']} | {where} |")
-    return "\n".join(lines)
+    return lines
+
+
+def readme_results(names: list[str] | None = None) -> str:
+    """The README's results table: one line per recipe's results file (``examples/results/NAME``
+    beside ``examples/NAME.yaml``), or per named results file under examples/results/."""
+    if names is None:
+        names = sorted(p.stem for p in (ROOT / "examples" / "results").glob("*.json")
+                       if (ROOT / "examples" / f"{p.stem}.yaml").is_file())  # fmt: skip
+    return "\n".join(_summary_rows("examples/results", names, "recipe"))
+
+
+def benchmarks_summary(names: list[str] | None = None) -> str:
+    """One line per benchmark results file (all, or the named ones in that order)."""
+    return "\n".join(_summary_rows("benchmarks/results", names, "benchmark"))
+
+
+def render_block(name: str) -> str:
+    """What a ``<!-- rendered: NAME -->`` block holds: ``recipes`` / ``recipes:A,B`` and
+    ``benchmarks`` / ``benchmarks:A,B`` (the summaries of all or of those results files), or
+    ``results:PATH`` (one file's table)."""
+    from groupflow.utils.results import markdown_table, read_results
+
+    kind, _, arg = name.partition(":")
+    if kind == "recipes":
+        return readme_results(arg.split(",") if arg else None)
+    if kind == "benchmarks":
+        return benchmarks_summary(arg.split(",") if arg else None)
+    if kind == "results":
+        return markdown_table(read_results(ROOT / arg))
+    raise ValueError(f"unknown rendered block {name!r}")
 
 
 def sync_readme(check: bool = False) -> bool:
-    """Rewrite (or with ``check`` only compare) the README's table between its markers;
-    True when it already matched."""
-    path = ROOT / "README.md"
-    text = path.read_text()
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    new = f"{head}{README_BEGIN}\n{readme_results()}\n{README_END}{tail}"
-    if not check and new != text:
-        path.write_text(new)
-    return new == text
+    """Rewrite (or with ``check`` only compare) the rendered blocks of the README and
+    benchmarks/README.md; True when all already matched."""
+    fresh = True
+    for rel in SYNCED_FILES:
+        path = ROOT / rel
+        text = path.read_text()
+        new = SYNCED.sub(lambda m: f"{m.group(1)}{render_block(m.group(2))}\n{m.group(3)}", text)
+        fresh &= new == text
+        if not check and new != text:
+            path.write_text(new)
+    return fresh
 
 
 def on_page_markdown(markdown, page, config, files):
@@ -223,5 +289,5 @@ def on_files(files, config):
     return files
 
 
-if __name__ == "__main__":  # python docs/hooks.py: the README's results table from the files
-    print("README.md results table", "unchanged" if sync_readme() else "rewritten")
+if __name__ == "__main__":  # python docs/hooks.py: the READMEs' rendered tables from the files
+    print(", ".join(SYNCED_FILES), "unchanged" if sync_readme() else "rewritten")

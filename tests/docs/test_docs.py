@@ -164,9 +164,16 @@ def test_every_results_file_is_valid_and_the_readme_table_is_rendered_from_them(
     for path in [*files, *sorted((ROOT / "benchmarks" / "results").glob("*.json"))]:
         read_results(path)
     hooks = _hooks()
-    assert hooks.sync_readme(check=True), "README's results table is stale: python docs/hooks.py"
-    for path in files:
-        assert read_results(path)["summary"]["recipe"] in hooks.readme_results()
+    assert hooks.sync_readme(check=True), "a README's rendered table is stale: python docs/hooks.py"
+    recipes = hooks.readme_results()
+    for path in (ROOT / "examples").glob("*.yaml"):  # every recipe's own results are in the table
+        if (ROOT / "examples" / "results" / f"{path.stem}.json").is_file():
+            assert read_results(ROOT / "examples" / "results" / f"{path.stem}.json")["summary"][
+                "recipe"] in recipes  # fmt: skip
+    shown = {n for page in NUMBER_PAGES for n in hooks.RESULTS.findall(page.read_text())}
+    for path in files:  # and every other results file is on a page
+        rel = str(path.relative_to(ROOT))
+        assert (ROOT / "examples" / f"{path.stem}.yaml").is_file() or rel in shown, rel
 
 
 def test_results_placeholders_become_tables_and_name_existing_files():
@@ -176,3 +183,52 @@ def test_results_placeholders_become_tables_and_name_existing_files():
             assert (ROOT / name).is_file(), f"{page}: {name} does not exist"
     table = hooks.results_tables("x\n<!-- results: examples/results/calc_tools_demo.json -->\ny")
     assert table.startswith("x\n| ") and "44.5 % → 87.5 %" in table and table.endswith("\ny")
+
+
+def test_the_measured_number_detector_finds_prose_numbers_and_spares_code_and_rendered_blocks():
+    hooks = _hooks()
+    found = hooks.measured_numbers(
+        "groupflow is 1.69× TRL here\n"  # a ratio
+        "it decodes 412 tokens/s\n"
+        "a rank holds 513.1 MiB\n"
+        "the reward went 0.46 → 0.97\n"
+        "a 3×16×16 image, 4 prompts × 8 samples, the issue's 3× target\n"  # shapes, targets
+        "`1.5×` in code\n```text\n2.5× in a block\n```\n"
+        "<!-- rendered: recipes -->\n| 0.1 → 0.9 |\n<!-- end rendered -->\n"
+    )
+    assert [line.split(":")[0] for line in found] == ["line 1", "line 2", "line 3", "line 4"]
+
+
+NUMBER_PAGES = [*PAGES, ROOT / "benchmarks" / "README.md"]
+
+
+@pytest.mark.parametrize("page", NUMBER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_writes_a_measured_number_into_its_prose(page):
+    """A measured number lives in a results file; a page shows it through a placeholder (or a
+    rendered block), so it cannot go stale or disagree with another page."""
+    stray = _hooks().measured_numbers(page.read_text())
+    assert not stray, f"{page.relative_to(ROOT)}: measured numbers in prose:\n" + "\n".join(stray)
+
+
+def test_every_benchmark_results_file_is_shown_and_names_a_script_that_rewrites_it():
+    from groupflow.utils.results import read_results
+
+    shown = {name for page in NUMBER_PAGES for name in _hooks().RESULTS.findall(page.read_text())}
+    files = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+    assert len(files) >= 15
+    for path in files:
+        rel = str(path.relative_to(ROOT))
+        assert rel in shown, f"{rel} is on no page"
+        command = read_results(path)["command"]
+        script = next((w for w in shlex.split(command) if w.endswith(".py")), None)
+        assert script and (ROOT / script).is_file(), f"{rel}: command {command!r} names no script"
+        assert "--results" in (ROOT / script).read_text(), f"{script} cannot write {rel}"
+
+
+def test_rendered_blocks_fail_on_an_unknown_block_or_file():
+    hooks = _hooks()
+    with pytest.raises(ValueError, match="unknown rendered block"):
+        hooks.render_block("speed")
+    with pytest.raises(ValueError, match="no results file benchmarks/results/nope.json"):
+        hooks.render_block("benchmarks:nope")
+    assert hooks.render_block("recipes") == hooks.readme_results()

@@ -328,7 +328,8 @@ def write_speed_results(args, blocks: dict[str, list[Block]]) -> None:
              *(["--in-flight"] if args.in_flight else []),
              *([f"--multi-turn --warm-start {args.warm_start}"] if args.multi_turn else [])]  # fmt: skip
     task = ("the calculator-tool demo after its warm start" if args.multi_turn
-            else f"the reverse demo, responses up to {args.in_flight_tokens} tokens")  # fmt: skip
+            else f"the reverse demo, {args.prompts} prompts per step, responses up to "
+                 f"{args.in_flight_tokens} tokens")  # fmt: skip
     pair = "in-flight" in by
     write_results(
         args.results, name=Path(args.results).stem, rows=rows,

@@ -10,6 +10,7 @@ cannot fall behind the code; the renderers are plain functions of their input, w
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 
@@ -198,16 +199,24 @@ SYNCED_FILES = ("README.md", "benchmarks/README.md")
 SUMMARY = re.compile(r"<!-- summary: (\S+) -->")
 
 
-def results_tables(markdown: str) -> str:
+def results_tables(markdown: str, at: str = "docs/index.md") -> str:
     """Each ``<!-- results: PATH -->`` in a page becomes that results file's table, each
-    ``<!-- summary: NAME -->`` the summaries ``render_block(NAME)`` gives."""
+    ``<!-- summary: NAME -->`` the summaries ``render_block(NAME)`` gives (``at``: the page's
+    path from the repository root, which the summaries' links are relative to)."""
     from groupflow.utils.results import markdown_table, read_results
 
-    markdown = SUMMARY.sub(lambda m: render_block(m.group(1)), markdown)
+    markdown = SUMMARY.sub(lambda m: render_block(m.group(1), at), markdown)
     return RESULTS.sub(lambda m: markdown_table(read_results(ROOT / m.group(1))), markdown)
 
 
-def _summary_rows(folder: str, names: list[str] | None, first: str) -> list[str]:
+def _page_link(page: str, at: str) -> str:
+    """A Markdown link to ``page`` (a path from the root) from the file ``at``: relative, so it
+    works on GitHub and mkdocs checks it (``--strict``)."""
+    target = os.path.relpath(ROOT / page, (ROOT / at).parent)
+    return f"[{pathlib.Path(page).stem}]({pathlib.Path(target).as_posix()})"
+
+
+def _summary_rows(folder: str, names: list[str] | None, first: str, at: str) -> list[str]:
     from groupflow.utils.results import read_results
 
     paths = sorted((ROOT / folder).glob("*.json"))
@@ -220,36 +229,36 @@ def _summary_rows(folder: str, names: list[str] | None, first: str) -> list[str]
     lines = [f"| {first} | what is measured | before → after | details |", "|---|---|---|---|"]
     for path in paths:
         s = read_results(path)["summary"]
-        where = f"`{s['guide']}`" if s.get("guide") else ""
+        where = _page_link(s["guide"], at) if s.get("guide") else ""
         lines.append(f"| {s['recipe']} | {s['what']} | {s['before']} → {s['after']} | {where} |")
     return lines
 
 
-def readme_results(names: list[str] | None = None) -> str:
+def readme_results(names: list[str] | None = None, at: str = "README.md") -> str:
     """The README's results table: one line per recipe's results file (``examples/results/NAME``
     beside ``examples/NAME.yaml``), or per named results file under examples/results/."""
     if names is None:
         names = sorted(p.stem for p in (ROOT / "examples" / "results").glob("*.json")
                        if (ROOT / "examples" / f"{p.stem}.yaml").is_file())  # fmt: skip
-    return "\n".join(_summary_rows("examples/results", names, "recipe"))
+    return "\n".join(_summary_rows("examples/results", names, "recipe", at))
 
 
-def benchmarks_summary(names: list[str] | None = None) -> str:
+def benchmarks_summary(names: list[str] | None = None, at: str = "README.md") -> str:
     """One line per benchmark results file (all, or the named ones in that order)."""
-    return "\n".join(_summary_rows("benchmarks/results", names, "benchmark"))
+    return "\n".join(_summary_rows("benchmarks/results", names, "benchmark", at))
 
 
-def render_block(name: str) -> str:
+def render_block(name: str, at: str = "README.md") -> str:
     """What a ``<!-- rendered: NAME -->`` block holds: ``recipes`` / ``recipes:A,B`` and
     ``benchmarks`` / ``benchmarks:A,B`` (the summaries of all or of those results files), or
-    ``results:PATH`` (one file's table)."""
+    ``results:PATH`` (one file's table); ``at``: the file it is rendered into."""
     from groupflow.utils.results import markdown_table, read_results
 
     kind, _, arg = name.partition(":")
     if kind == "recipes":
-        return readme_results(arg.split(",") if arg else None)
+        return readme_results(arg.split(",") if arg else None, at)
     if kind == "benchmarks":
-        return benchmarks_summary(arg.split(",") if arg else None)
+        return benchmarks_summary(arg.split(",") if arg else None, at)
     if kind == "results":
         return markdown_table(read_results(ROOT / arg))
     raise ValueError(f"unknown rendered block {name!r}")
@@ -262,7 +271,9 @@ def sync_readme(check: bool = False) -> bool:
     for rel in SYNCED_FILES:
         path = ROOT / rel
         text = path.read_text()
-        new = SYNCED.sub(lambda m: f"{m.group(1)}{render_block(m.group(2))}\n{m.group(3)}", text)
+        new = SYNCED.sub(
+            lambda m, at=rel: f"{m.group(1)}{render_block(m.group(2), at)}\n{m.group(3)}", text
+        )
         fresh &= new == text
         if not check and new != text:
             path.write_text(new)
@@ -270,7 +281,7 @@ def sync_readme(check: bool = False) -> bool:
 
 
 def on_page_markdown(markdown, page, config, files):
-    return results_tables(markdown)
+    return results_tables(markdown, f"docs/{page.file.src_uri}")
 
 
 GENERATED = {

@@ -14,11 +14,14 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ResultsError", "markdown_table", "provenance", "read_results", "write_results"]
+__all__ = [
+    "ResultsError", "markdown_table", "provenance", "read_results", "rewrites", "write_results",
+]  # fmt: skip
 
 REQUIRED = {"name": str, "command": str, "rows": list, "measured": dict, "summary": dict}
 SUMMARY = ("recipe", "what", "before", "after")
@@ -100,6 +103,16 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def rewrites(data: dict[str, Any]) -> bool:
+    """Whether the file's own command writes it: a benchmark given ``--results``, or
+    ``scripts/reproduce.py`` on the recipe of the file's name (its default ``--out``)."""
+    command = data["command"]
+    if "--results" in command:
+        return True
+    recipe = re.search(r"scripts/reproduce\.py\s+examples/(\S+)\.yaml", command)
+    return bool(recipe) and recipe.group(1) == data["name"] and "--out" not in command
+
+
 def markdown_table(data: dict[str, Any]) -> str:
     """The rows as a Markdown table (columns in first-seen order), then where they come from."""
     columns: list[str] = []
@@ -109,9 +122,13 @@ def markdown_table(data: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in data["rows"]]
     m = data["measured"]
     if m.get("transcribed_from"):  # a number measured before results files existed
+        again = (
+            "measures it again and replaces this file"
+            if rewrites(data)
+            else ("measures it again; it prints the numbers but does not write this file")
+        )
         lines += ["", f"*Transcribed from the measurement recorded in {m['transcribed_from']} "
-                  f"(before results files existed); `{data['command']}` measures it again and "
-                  "replaces this file.*"]  # fmt: skip
+                  f"(before results files existed); `{data['command']}` {again}.*"]  # fmt: skip
     else:
         where = f"{m.get('date', '?')}, commit `{m.get('commit') or '?'}`, {m.get('machine', '?')}"
         if m.get("load_average") is not None:

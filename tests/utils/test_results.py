@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from groupflow.utils.results import ResultsError, markdown_table, read_results, write_results
+from groupflow.utils.results import (
+    ResultsError,
+    markdown_table,
+    read_results,
+    rewrites,
+    write_results,
+)
 
 SUMMARY = {"recipe": "examples/x.yaml", "what": "acc", "before": "10 %", "after": "90 %"}
 
@@ -32,6 +38,26 @@ def test_the_table_lists_columns_in_first_seen_order_and_says_where_it_comes_fro
     ]  # fmt: skip
     data["measured"] = {"transcribed_from": "`docs/x.md`"}
     assert "Transcribed from the measurement recorded in `docs/x.md`" in markdown_table(data)
+    assert "does not write this file" in markdown_table(data)  # python go.py writes no file
+
+
+@pytest.mark.parametrize(
+    "name,command,writes",
+    [
+        ("b", "python benchmarks/b.py --repeats 3 --results benchmarks/results/b.json", True),
+        ("x", "python scripts/reproduce.py examples/x.yaml --seeds 0 1 2", True),
+        ("x_time", "python scripts/reproduce.py examples/x.yaml --seeds 0", False),
+        ("x", "python scripts/reproduce.py examples/x.yaml --out elsewhere.json", False),
+        ("x", "groupflow train examples/x.yaml", False),
+    ],
+)  # fmt: skip
+def test_the_footnote_says_replaces_this_file_only_when_the_command_writes_it(
+    name, command, writes
+):
+    data = {"name": name, "command": command, "summary": SUMMARY, "notes": "", "rows": [],
+            "measured": {"transcribed_from": "`docs/x.md`"}}  # fmt: skip
+    assert rewrites(data) is writes
+    assert ("replaces this file" in markdown_table(data)) is writes
 
 
 @pytest.mark.parametrize(

@@ -169,13 +169,15 @@ def layout_markdown() -> str:
 
 
 # A measured number written into prose goes stale the day the code changes: ratios, throughput,
-# memory and before → after pairs belong in a results file that the page renders. Config values,
+# memory, timings and before → after pairs belong in a results file that the page renders. Config values,
 # shapes (3×16×16) and targets stated as integers are not matched.
 MEASURED = re.compile(
     r"(?<![\w.×])\d+\.\d+\s?×(?![\d])"
     r"|\b\d[\d.,]*\s?(?:tokens/s|steps/s|s/step|samples/s|episodes/s)\b"
     r"|\b\d+(?:\.\d+)?\s?(?:MiB|GiB|KiB)\b"
     r"|\b\d+\.\d+\s?→\s?\d+\.\d+"
+    r"|\b\d+(?:\.\d+)?\s?%\s?→\s?\d+(?:\.\d+)?\s?%"  # accuracy before → after
+    r"|\b\d+\.\d+\s?(?:s|ms)\b|\b\d+ min \d+ s\b"  # a timing (configured ones are integers)
 )
 _CODE = re.compile(r"^```.*?^```|`[^`\n]*`", re.S | re.M)
 

@@ -1,5 +1,9 @@
 """The batchers: concurrent requests share decode steps — continuously (HF) or per engine call.
 
+This module holds the dynamic batcher and picks a run's batcher (``group_batcher``); the
+continuous one is ``serve.continuous_batcher`` and what both share (the completion, the queue
+entry, the room check, the wait for a burst) is ``serve.queue``; the names are re-exported here.
+
 ``ContinuousBatcher`` (the HF engine on a model ``rollout.continuous`` drives): requests join the
 running decode at its next step and leave when they end, so a request never waits for another
 request's tokens; it also hands each request its tokens as they are decoded (token-by-token
@@ -33,17 +37,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from groupflow.batch import Batch
 from groupflow.rollout.engines.batching import prompts_batch
-from groupflow.rollout.engines.continuous import ContinuousDecoder, Finished, continuous_reason
+from groupflow.rollout.engines.continuous import ContinuousDecoder, continuous_reason
 from groupflow.rollout.engines.hf import GenerationOutput, SamplingParams
+from groupflow.serve.continuous_batcher import ContinuousBatcher
+from groupflow.serve.queue import (
+    Batcher,
+    Completion,
+    GenerateFn,
+    Listener,
+    Overloaded,
+    Pending,
+    Unsupported,
+    gather,
+    pending_entry,
+    waiting,
+)
 from groupflow.serve.scoring import ScoreFn, ScoreJob, TokenScores, model_scorer
 
 __all__ = [
@@ -58,28 +73,6 @@ __all__ = [
     "group_generate",
     "group_batcher",
 ]
-
-
-@dataclass(frozen=True)
-class Completion:
-    ids: list[int]  # sampled ids, the EOS or stop string included
-    logprobs: list[float]  # their sampling log-probs
-    finish: str  # "stop" (EOS or a stop string) or "length"
-    versions: list[int] | None = None  # in-flight updates: the version that sampled each id
-
-
-# prompts, params (n = 1), one seed per prompt -> one completion per prompt
-GenerateFn = Callable[[list[list[int]], SamplingParams, list[int]], list[Completion]]
-# (sample index within the request, its newly decoded ids), called on the event loop
-Listener = Callable[[int, list[int]], None]
-
-
-class Overloaded(RuntimeError):
-    """More samples are waiting than ``max_pending_samples``."""
-
-
-class Unsupported(RuntimeError):
-    """The batcher's engine cannot do this (a scoring forward without a model in this process)."""
 
 
 def _completions(responses, mask, logprobs, finishes: Sequence[str],
@@ -157,47 +150,12 @@ def _worker_scorer(worker, local) -> ScoreFn | None:
     return model_scorer(model, pad_id)
 
 
-@dataclass(eq=False)  # hashed by identity: the continuous decoder's row tags
-class _Pending:
-    prompts: list[list[int]]
-    params: SamplingParams  # n = 1
-    seeds: list[int]
-    future: asyncio.Future
-    listener: Listener | None = None
-    results: list[Completion | None] = dataclasses.field(default_factory=list)
-
-
-def _waiting(items: list[_Pending]) -> int:
-    """Samples of ``items`` someone still waits for."""
-    return sum(len(p.prompts) for p in items if not p.future.cancelled())
-
-
 def _sampling_key(p: SamplingParams) -> SamplingParams:
     """What must agree for requests to share an engine call (``max_new_tokens`` need not)."""
     return dataclasses.replace(p, max_new_tokens=1, n=1)
 
 
-class _Batcher:
-    """The interface both batchers give alike (see the module docstring): ``submit`` is
-    ``enqueue`` awaited, and a request's room in the queue is checked the same way; each
-    batcher queues (``enqueue``) and decodes in its own way."""
-
-    def enqueue(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                listener: Listener | None = None) -> asyncio.Future:  # fmt: skip
-        """The future of the request's completions, queued now (each batcher's own)."""
-        raise NotImplementedError
-
-    def check_room(self, samples: int) -> None:
-        """``Overloaded`` unless ``samples`` more fit in the queue now."""
-        _check_room(self, samples)
-
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                     listener: Listener | None = None) -> list[Completion]:  # fmt: skip
-        """The completions (``enqueue``, awaited)."""
-        return await self.enqueue(prompts, params, seeds, listener)
-
-
-class DynamicBatcher(_Batcher):
+class DynamicBatcher(Batcher):
     """``await submit(prompts, params, seeds)`` → completions; see the module docstring."""
 
     def __init__(self, generate: GenerateFn, *, score: ScoreFn | None = None,
@@ -206,8 +164,10 @@ class DynamicBatcher(_Batcher):
         self.generate, self.score_fn = generate, score
         self.max_batch_samples, self.max_pending_samples = max_batch_samples, max_pending_samples
         self.wait_s = wait_s
-        self.expected: Callable[[], int] | None = None  # requests to wait for (see _gather)
-        self._queue: list[_Pending] = []
+        self.expected: Callable[[], int] | None = (
+            None  # requests to wait for (see serve.queue.gather)
+        )
+        self._queue: list[Pending] = []
         self._wake = asyncio.Event()  # replaced for each event loop that runs the batcher
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="groupflow-decode")
@@ -219,14 +179,14 @@ class DynamicBatcher(_Batcher):
 
     @property
     def pending_samples(self) -> int:
-        return _waiting(self._queue)
+        return waiting(self._queue)
 
     def enqueue(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
                 listener: Listener | None = None) -> asyncio.Future:  # fmt: skip
         """Queue a request now (``Overloaded`` when it does not fit) and return the future of its
         completions; ``listener`` gets each sample's ids when its engine call ends. Cancelling
         the future takes the request out of the queue."""
-        item = _pending(self, prompts, params, seeds, listener)
+        item = pending_entry(self, prompts, params, seeds, listener)
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
@@ -247,14 +207,14 @@ class DynamicBatcher(_Batcher):
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self._gather()
+            await gather(self)
             while self._queue:
                 group = self._take()
                 if group:
                     await self._call(loop, group)
-                await self._gather()  # the answered conversations' next calls are on their way
+                await gather(self)  # the answered conversations' next calls are on their way
 
-    async def _call(self, loop, group: list[_Pending]) -> None:
+    async def _call(self, loop, group: list[Pending]) -> None:
         """One engine call for ``group``; if it fails, each request alone (a request's bad input
         must not fail the others), and a request failing alone gets the error."""
         prompts = [p for item in group for p in item.prompts]
@@ -289,10 +249,7 @@ class DynamicBatcher(_Batcher):
                         item.listener(j, c.ids)
                 item.future.set_result(cut)
 
-    async def _gather(self) -> None:
-        await _gather(self)
-
-    def _take(self) -> list[_Pending]:
+    def _take(self) -> list[Pending]:
         """The oldest request and the queued ones that sample like it, up to the batch size
         (requests nobody waits for any more are dropped)."""
         self._queue = [item for item in self._queue if not item.future.cancelled()]
@@ -314,297 +271,6 @@ class DynamicBatcher(_Batcher):
         if self._task is not None:
             self._task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _check_room(batcher, samples: int) -> None:
-    waiting = batcher.pending_samples
-    if waiting + samples > batcher.max_pending_samples:
-        raise Overloaded(
-            f"{waiting} samples are waiting and this request adds {samples} "
-            f"(serve.max_pending_samples={batcher.max_pending_samples}); retry later"
-        )
-
-
-def _pending(batcher, prompts, params: SamplingParams, seeds, listener) -> _Pending:
-    """A request's queue entry, after the checks every batcher makes."""
-    if len(prompts) != len(seeds):
-        raise ValueError(f"submit: {len(prompts)} prompts but {len(seeds)} seeds")
-    _check_room(batcher, len(prompts))
-    future = asyncio.get_running_loop().create_future()
-    return _Pending([list(p) for p in prompts], dataclasses.replace(params, n=1), list(seeds),
-                    future, listener, [None] * len(prompts))  # fmt: skip
-
-
-async def _gather(batcher) -> None:
-    """Requests sent together arrive a moment apart (each client builds its own): wait while
-    they keep coming — until ``wait_s`` passes without one, the batch is full, or
-    ``10 × wait_s`` in all. With ``expected`` (a training run: its open episodes, each of
-    which will send a request), until that many are queued, or ``4 × wait_s`` without a new
-    one, or ``20 × wait_s``. Each arrival wakes the wait (``submit`` sets ``_wake``), so the
-    batch starts as soon as it is complete, not at the next poll."""
-    b = batcher
-    quiet, limit = (4, 20) if b.expected is not None else (1, 10)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit * b.wait_s
-    while True:
-        pending = b.pending_samples
-        if pending >= b.max_batch_samples or (b.expected is not None and pending >= b.expected()):
-            return
-        timeout = min(quiet * b.wait_s, deadline - loop.time())
-        if timeout <= 0:
-            return
-        b._wake.clear()  # nothing arrives between the count above and this (one event loop)
-        try:
-            await asyncio.wait_for(b._wake.wait(), timeout)
-        except TimeoutError:
-            return
-
-
-class ContinuousBatcher(_Batcher):
-    """``await submit(prompts, params, seeds, listener)`` → completions, decoded by a
-    ``ContinuousDecoder`` on a thread of its own (see the module docstring).
-
-    An idle decoder waits for a burst of requests as ``DynamicBatcher`` does (one prefill for
-    all of them); a busy one takes every request that arrived during a step into the next one.
-    ``engine_calls`` counts prefills (the times requests joined), ``samples`` the samples
-    decoded, ``engine_seconds`` the decode thread's busy time, ``reused_tokens`` the prompt
-    tokens the decoder's prefix cache spared. The decoder's row slots grow to
-    ``max_batch_samples``; its buffer is freed after ``release_s`` without a request (kept
-    between an agent's calls, given back while a trainer updates the model). ``between``: called
-    on the decode thread before every join and step; it may load newer weights into the model
-    in place and answers their version (recorded per token) or None (in-flight weight updates:
-    ``HFEngine.take_update``)."""
-
-    def __init__(self, decoder: ContinuousDecoder, *, score: ScoreFn | None = None,
-                 max_batch_samples: int = 64, max_pending_samples: int = 1024,
-                 wait_s: float = 0.005, release_s: float = 2.0,
-                 between: Callable[[], int | None] | None = None):  # fmt: skip
-        self.decoder, self.between = decoder, between
-        self.score_fn = score or model_scorer(decoder.model, decoder.pad_id)
-        decoder.max_rows = max_batch_samples
-        self.release_s = release_s
-        self.max_batch_samples, self.max_pending_samples = max_batch_samples, max_pending_samples
-        self.wait_s = wait_s
-        self.expected: Callable[[], int] | None = None
-        self._queue: list[_Pending] = []  # on the event loop, not yet handed to the thread
-        self._inbox: list[_Pending] = []  # handed over (under _cv), not yet decoding
-        self._jobs: list[tuple] = []  # (fn, args, future): run on the decode thread (under _cv)
-        self._cv = threading.Condition()
-        self._busy = False  # the thread has rows or an inbox (under _cv)
-        self._closed = False
-        self._wake = asyncio.Event()  # replaced for each event loop that runs the batcher
-        self._task: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self.engine_calls = 0
-        self.samples = 0
-        self.engine_seconds = 0.0
-        self.decoded_tokens = 0  # tokens sampled (rows dropped mid-decode count what they got)
-
-    @property
-    def pending_samples(self) -> int:
-        return _waiting(self._queue) + _waiting(self._inbox)
-
-    @property
-    def reused_tokens(self) -> int:
-        """Prompt tokens the decoder's prefix cache spared prefilling."""
-        return self.decoder.reused_tokens
-
-    def enqueue(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
-                listener: Listener | None = None) -> asyncio.Future:  # fmt: skip
-        """Queue a request now (``Overloaded`` when it does not fit) and return the future of its
-        completions; ``listener`` gets each sample's ids as they are decoded. Cancelling the
-        future drops the request, its rows within a few decode steps."""
-        item = _pending(self, prompts, params, seeds, listener)
-        self._start()
-        self._queue.append(item)
-        self._wake.set()
-        return item.future
-
-    async def score(self, jobs: list[ScoreJob], k: int) -> list[TokenScores]:
-        """A scoring forward (``serve.scoring``) on the decode thread, between two steps."""
-        self._start()
-        assert self._loop is not None, "_start sets the loop"
-        future = self._loop.create_future()
-        with self._cv:
-            self._jobs.append((self.score_fn, (jobs, k), future))
-            self._cv.notify()
-        return await future
-
-    def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done() or self._loop is not loop:
-            self._loop, self._wake = loop, asyncio.Event()
-            self._task = loop.create_task(self._run())
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._decode_loop, daemon=True,
-                                            name="groupflow-decode")  # fmt: skip
-            self._thread.start()
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            with self._cv:
-                busy = self._busy
-            if not busy:  # a fresh burst: let it arrive, so one prefill takes it
-                await _gather(self)
-            with self._cv:
-                self._inbox += self._queue
-                self._queue = []
-                self._busy = True
-                self._cv.notify()
-
-    def _decode_loop(self) -> None:
-        model = self.decoder.model
-        was_training: bool | None = None
-        steps = 0
-        while True:
-            with self._cv:
-                while (not self._inbox and not self.decoder.active and not self._jobs
-                       and not self._closed):  # fmt: skip
-                    if was_training is not None:  # idle: give the model back as it was
-                        model.train(was_training)
-                        was_training = None
-                    self._busy = False
-                    if not self._cv.wait(self.release_s if self.decoder.slots else None):
-                        self.decoder.release()  # idle for release_s: the buffer's memory back
-                if self._closed:
-                    return
-                admit = self._admit()
-                jobs, self._jobs = self._jobs, []
-            if was_training is None:
-                was_training = model.training
-                model.eval()
-            start = time.perf_counter()
-            for fn, args, future in jobs:  # scoring forwards, between two steps
-                self._run_job(fn, args, future)
-            progress: list = []
-            finished: list[Finished] = []
-            try:
-                if self.between is not None and (admit or self.decoder.active):
-                    version = self.between()
-                    if version is not None:
-                        self.decoder.version = version
-                if admit:
-                    p, f = self._join(admit)
-                    progress += p
-                    finished += f
-                elif self.decoder.active:
-                    steps += 1
-                    if steps % 8 == 0:  # a client that went (or an agent timed out) frees its rows
-                        self.decoder.drop(lambda tag: cast(tuple, tag)[0].future.cancelled())
-                    progress, finished = self.decoder.step()
-                    self.decoded_tokens += len(progress)
-            except Exception as exc:  # a failed step: its error goes to every row's request
-                failed = {item for item, _ in _tags(self.decoder.reset())}
-                self._post(self._fail, failed, exc)
-                continue
-            finally:
-                self.engine_seconds += time.perf_counter() - start
-            with self._cv:
-                idle = not self._inbox and not self.decoder.active
-            if idle:  # the model back as it was before the answers go out (the trainer may
-                model.train(was_training)  # use it as soon as its episodes are answered)
-                was_training = None
-            progress = [(tag, t) for tag, t in progress if tag[0].listener is not None]
-            if progress or finished:
-                self._post(self._deliver, progress, finished)
-
-    def _join(self, admit: list[_Pending]) -> tuple[list, list[Finished]]:
-        """Prefill the admitted requests into the running decode. If that fails, each request
-        alone: a failed join leaves the live rows as they were (``ContinuousDecoder.add`` changes
-        them only once the new rows are prefilled), so one request's bad input fails only it."""
-        rows = [(item, j) for item in admit for j in range(len(item.prompts))]
-        live = len(self.decoder.rows)
-        try:
-            progress, finished = self.decoder.add(
-                [item.prompts[j] for item, j in rows], [item.params for item, _ in rows],
-                [item.seeds[j] for item, j in rows], rows,
-            )  # fmt: skip
-        except Exception as exc:
-            if len(self.decoder.rows) != live:  # it failed while joining: the batch is unknown
-                failed = {item for item, _ in _tags(self.decoder.reset())} | set(admit)
-                self._post(self._fail, failed, exc)
-                return [], []
-            if len(admit) == 1:
-                self._post(self._fail, admit, exc)
-                return [], []
-            progress, finished = [], []
-            for item in admit:
-                p, f = self._join([item])
-                progress += p
-                finished += f
-            return progress, finished
-        self.engine_calls += 1
-        self.samples += len(rows)
-        self.decoded_tokens += len(progress)
-        return progress, finished
-
-    def _run_job(self, fn, args, future) -> None:
-        try:
-            result = fn(*args)
-        except Exception as exc:
-            self._post(_settle, future, None, exc)
-        else:
-            self._post(_settle, future, result, None)
-
-    def _admit(self) -> list[_Pending]:
-        """The inbox's oldest requests that fit beside the running rows (at least one)."""
-        room = self.max_batch_samples - self.decoder.active
-        taken, size = 0, 0
-        for item in self._inbox:
-            if size + len(item.prompts) > room and (taken or self.decoder.active):
-                break
-            taken += 1
-            size += len(item.prompts)
-        admit, self._inbox = self._inbox[:taken], self._inbox[taken:]
-        return [item for item in admit if not item.future.cancelled()]
-
-    def _post(self, fn, *args) -> None:
-        assert self._loop is not None, "the decode thread runs after _start"
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody waits for these
-            pass
-
-    @staticmethod
-    def _deliver(progress, finished: list[Finished]) -> None:
-        for (item, j), token in progress:
-            if not item.future.done():
-                item.listener(j, [token])
-        for f in finished:
-            item, j = cast(tuple, f.tag)  # (request, sample): the batcher's own tags
-            item.results[j] = Completion(f.ids, f.logprobs, f.finish, f.versions)
-            if not item.future.done() and all(r is not None for r in item.results):
-                item.future.set_result(list(item.results))
-
-    @staticmethod
-    def _fail(items, exc: Exception) -> None:
-        for item in items:
-            if not item.future.done():
-                item.future.set_exception(exc)
-
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-
-
-def _tags(tags: list) -> list[tuple]:
-    """The decoder's row tags, which the continuous batcher makes (request, sample index)."""
-    return cast(list[tuple], tags)
-
-
-def _settle(future: asyncio.Future, result, exc: Exception | None) -> None:
-    if future.done():  # cancelled: nobody waits
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
 
 
 def _cut(c: Completion, max_tokens: int) -> Completion:

@@ -97,8 +97,6 @@ def importance_weighted_kl(
     log-ratio over valid tokens, shared by its tokens), the policy loss's level. The log-ratio is
     clamped to +-log_ratio_clamp before exp; masked positions are never read.
     """
-    if ratio_level not in ("token", "sequence"):
-        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: token, sequence")
     for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("mask", mask)):
         if not isinstance(t, Tensor) or t.shape != kl.shape:
             raise ValueError(

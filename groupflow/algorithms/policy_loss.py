@@ -81,6 +81,7 @@ def importance_ratio(
     """pi/pi_old [B, T]: per token, or (GSPO, "sequence") exp of the row's mean log-ratio over
     valid tokens, shared by its tokens (1 for a row without any). The log-ratio is clamped to
     +-log_ratio_clamp before exp; invalid positions are never read."""
+    _check_level(ratio_level, log_ratio_clamp)
     log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
     if ratio_level == "sequence":
         count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
@@ -88,8 +89,7 @@ def importance_ratio(
     return log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp).exp()
 
 
-def _validate_ppo_options(ratio_level, eps_low, eps_high, clip_ratio_c, delta, log_ratio_clamp):
-    _check_level(ratio_level, log_ratio_clamp)
+def _validate_ppo_options(eps_low, eps_high, clip_ratio_c, delta):
     if not 0.0 <= eps_low < 1.0:
         raise ValueError(f"clip_eps_low must be in [0, 1), got {eps_low!r}")
     if not eps_high >= 0.0:
@@ -130,7 +130,7 @@ def ppo_clip(
     gradient, TRL's definition), clipfrac_dual = the dual clip is active (A < 0, -c*A < L).
     """
     eps_high = clip_eps_low if clip_eps_high is None else clip_eps_high
-    _validate_ppo_options(ratio_level, clip_eps_low, eps_high, clip_ratio_c, delta, log_ratio_clamp)
+    _validate_ppo_options(clip_eps_low, eps_high, clip_ratio_c, delta)
 
     ratio = importance_ratio(logprobs, old_logprobs, valid, ratio_level, log_ratio_clamp)
 
@@ -160,10 +160,15 @@ def _ratio_stats(ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
     """ratio_mean/max/min over valid tokens (1 when there are none), as ppo_clip reports them."""
     r = ratio.detach()
     return {
-        "ratio_mean": torch.where(valid.any(), masked_mean(r, valid), 1.0),
+        "ratio_mean": _mean_or_one(r, valid),
         "ratio_max": _masked_extreme(r, valid, largest=True, empty=1.0),
         "ratio_min": _masked_extreme(r, valid, largest=False, empty=1.0),
     }
+
+
+def _mean_or_one(x: Tensor, valid: Tensor) -> Tensor:
+    """Mean of a ratio or weight over valid tokens; 1 (the neutral value) when there are none."""
+    return torch.where(valid.any(), masked_mean(x, valid), 1.0)
 
 
 def _check_level(ratio_level: str, log_ratio_clamp: float) -> None:
@@ -195,7 +200,6 @@ def cispo(
 
     Metric cispo_clipfrac: share of valid tokens with rho > clip_ratio_max and A > 0 (TRL's).
     """
-    _check_level(ratio_level, log_ratio_clamp)
     if not clip_ratio_max > 0:
         raise ValueError(f"clip_ratio_max must be > 0, got {clip_ratio_max!r}")
     ratio = importance_ratio(logprobs, old_logprobs, valid, ratio_level, log_ratio_clamp)
@@ -229,7 +233,6 @@ def sapo(
     with s the sigmoid: exactly the policy gradient at rho = 1, decaying smoothly away from it.
     TRL pairs it with its "grpo" aggregation (our seq_mean_token_mean); any agg works here.
     """
-    _check_level(ratio_level, log_ratio_clamp)
     if not (temperature_pos > 0 and temperature_neg > 0):
         raise ValueError(
             f"temperature_pos and temperature_neg must be > 0, got {temperature_pos!r}, "
@@ -318,6 +321,42 @@ def _validate_inputs(logprobs, old_logprobs, advantages, mask) -> None:
         )
 
 
+def _off_policy_weights(
+    old: Tensor,
+    rollout_logprobs: Tensor | None,
+    valid: Tensor,
+    tis_cap: float | None,
+    decoupled: bool,
+    behav_weight_cap: float | None,
+) -> tuple[Tensor, dict[str, Tensor]] | None:
+    """Per-action loss weights [B, T] of the off-policy correction and their metrics: truncated IS
+    (``tis_cap``) or decoupled PPO (``decoupled``), both from the behaviour log-probs; None for
+    neither. No gradient flows through them: ``old`` and the behaviour log-probs are detached."""
+    if tis_cap is None and not decoupled:
+        return None
+    if rollout_logprobs is None:
+        raise ValueError(
+            "tis_cap is set but rollout_logprobs were not given"
+            if tis_cap is not None
+            else "decoupled PPO needs the behaviour (rollout) log-probs"
+        )
+    if decoupled and tis_cap is not None:
+        raise ValueError("decoupled PPO and truncated IS (tis_cap) are exclusive corrections")
+    behaviour = torch.where(valid, rollout_logprobs.detach().to(old.dtype), 0.0)
+    if tis_cap is not None:
+        weights = truncated_is_weights(old, behaviour, tis_cap)
+        names, dropped = ("tis_weight_mean", "tis_capped_frac"), weights >= tis_cap
+    else:
+        weights = decoupled_weights(old, behaviour, behav_weight_cap)
+        names, dropped = ("behav_weight_mean", "behav_masked_frac"), weights == 0
+    with torch.no_grad():
+        metrics = {
+            names[0]: _mean_or_one(weights, valid),
+            names[1]: masked_mean(dropped.float(), valid),
+        }
+    return weights, metrics
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -386,32 +425,13 @@ def policy_loss(
     safe_logprobs = torch.where(valid, logprobs, 0.0)
 
     per_token, metrics = fn(safe_logprobs, old, adv, valid, **opts)
-    if tis_cap is not None:
-        if rollout_logprobs is None:
-            raise ValueError("tis_cap is set but rollout_logprobs were not given")
-        rollout = torch.where(valid, rollout_logprobs.detach().to(logprobs.dtype), 0.0)
-        weights = truncated_is_weights(old, rollout, tis_cap)
+    correction = _off_policy_weights(
+        old, rollout_logprobs, valid, tis_cap, decoupled, behav_weight_cap
+    )
+    if correction is not None:
+        weights, weight_metrics = correction
         per_token = per_token * weights
-        with torch.no_grad():
-            metrics = {
-                **metrics,
-                "tis_weight_mean": torch.where(valid.any(), masked_mean(weights, valid), 1.0),
-                "tis_capped_frac": masked_mean((weights >= tis_cap).float(), valid),
-            }
-    if decoupled:
-        if rollout_logprobs is None:
-            raise ValueError("decoupled PPO needs the behaviour (rollout) log-probs")
-        if tis_cap is not None:
-            raise ValueError("decoupled PPO and truncated IS (tis_cap) are exclusive corrections")
-        behaviour = torch.where(valid, rollout_logprobs.detach().to(logprobs.dtype), 0.0)
-        weights = decoupled_weights(old, behaviour, behav_weight_cap)
-        per_token = per_token * weights
-        with torch.no_grad():
-            metrics = {
-                **metrics,
-                "behav_weight_mean": torch.where(valid.any(), masked_mean(weights, valid), 1.0),
-                "behav_masked_frac": masked_mean((weights == 0).float(), valid),
-            }
+        metrics = {**metrics, **weight_metrics}
     loss = aggregate(
         per_token,
         valid,

@@ -18,7 +18,7 @@ from groupflow.config.base import _Section
 from groupflow.config.diffusion import DiffusionConfig
 from groupflow.config.keys import unknown_key_problem
 from groupflow.config.kinds import Kind, apply_kind_defaults, kind_of
-from groupflow.config.model_data import DataConfig, ModelConfig
+from groupflow.config.model_data import DataConfig, ModelConfig, TinyModelConfig
 from groupflow.config.presets import expand_preset
 from groupflow.config.rewards import RewardConfig, RewardModelConfig, TeacherConfig
 from groupflow.config.rollout import VLLM_HEAD_DIMS, RolloutConfig, ServeConfig
@@ -26,6 +26,17 @@ from groupflow.config.run import ParallelConfig, PlacementConfig, RunConfig, Val
 from groupflow.config.training import ActorConfig, AlgorithmConfig, CriticConfig, SFTConfig
 
 __all__ = ["Config", "collective_refusal", "spans_nodes"]
+
+
+def _tiny(cfg: Config) -> TinyModelConfig | None:
+    """The tiny model's section, or None (a model directory, or no model section at all)."""
+    return cfg.model.tiny if cfg.model is not None else None
+
+
+def _tiny_vlm(cfg: Config) -> bool:
+    """Whether the model is a tiny vision-language one (model.tiny.vision is set)."""
+    tiny = _tiny(cfg)
+    return tiny is not None and tiny.vision is not None
 
 
 def collective_refusal(cfg: Config) -> str | None:
@@ -178,8 +189,7 @@ class Config(_Section):
                 f"{self.parallel.sequence_parallel} (Ulysses attention masks padded rows); "
                 f"set {keys[0]}: false or parallel.sequence_parallel: 1"
             )
-        tiny = self.model.tiny if self.model is not None else None
-        if tiny is not None and tiny.vision is not None:
+        if _tiny_vlm(self):
             raise ValueError(
                 f"{keys[0]} does not support vision-language models (model.tiny.vision is set): "
                 "image rows take the padded forward"
@@ -196,12 +206,12 @@ class Config(_Section):
                 f"parallel.sequence_parallel={n} must divide run.num_workers="
                 f"{self.run.num_workers} (the actor's workers form groups of {n})"
             )
-        tiny = self.model.tiny if self.model is not None else None
-        if tiny is not None and tiny.vision is not None:
+        if _tiny_vlm(self):
             raise ValueError(
                 f"parallel.sequence_parallel={n} does not support vision-language models yet "
                 "(model.tiny.vision is set): use parallel.sequence_parallel: 1"
             )
+        tiny = _tiny(self)
         if tiny is not None and tiny.num_heads % n:
             raise ValueError(
                 f"parallel.sequence_parallel={n} must divide model.tiny.num_heads={tiny.num_heads} "
@@ -379,13 +389,13 @@ class Config(_Section):
                 f"actor.mini_batch_samples={mb} must divide the samples per step "
                 f"(data.prompts_per_step × rollout.samples_per_prompt = {samples})"
             )
-        tiny = self.model.tiny if self.model is not None else None
-        if self.rollout.engine == "vllm" and tiny is not None and tiny.vision is not None:
+        if self.rollout.engine == "vllm" and _tiny_vlm(self):
             raise ValueError(
                 "rollout.engine=vllm: model.tiny.vision builds a vision-language model with no "
                 "model directory, and vLLM's multimodal inputs need one (its processor files); "
                 "use a VLM directory (model.path) or set rollout.engine=hf"
             )
+        tiny = _tiny(self)
         if self.rollout.engine == "vllm" and tiny is not None:
             head_dim = tiny.hidden_size // tiny.num_heads
             if head_dim not in VLLM_HEAD_DIMS:

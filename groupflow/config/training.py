@@ -30,6 +30,19 @@ from groupflow.config.registries import (
     policy_loss,
 )
 
+# The modes of groupflow.algorithms.aggregation, spelled out so that a typo fails at load without
+# importing the algorithms; the actor and the critic average their token losses the same ways.
+LossAgg = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
+]
+
+
+def _one_micro_batch_limit(section: str, samples: int | None, tokens: int | None) -> None:
+    if samples and tokens:
+        raise ValueError(
+            f"set at most one of {section}.micro_batch_samples and {section}.micro_batch_tokens"
+        )
+
 
 class KLInRewardConfig(_Section):
     """KL penalty subtracted from the token rewards (verl use_kl_in_reward, kl_ctrl)."""
@@ -132,9 +145,7 @@ class ActorConfig(_Section):
     # how token losses are averaged: over all tokens, per sequence then over sequences, or per-
     # sequence sums over a fixed length (Dr. GRPO); local_token_mean is per micro-batch (not
     # invariant to micro-batching)
-    loss_agg: Literal[
-        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
-    ] = "token_mean"
+    loss_agg: LossAgg = "token_mean"
     loss_fn: str = "ppo_clip"  # a name in groupflow.algorithms.POLICY_LOSSES
     loss_options: dict[str, Any] = Field(default_factory=dict)  # extra options of that loss
     # importance ratio per token (PPO/GRPO) or per sequence (GSPO)
@@ -237,10 +248,7 @@ class ActorConfig(_Section):
 
     @model_validator(mode="after")
     def _micro(self):
-        if self.micro_batch_samples and self.micro_batch_tokens:
-            raise ValueError(
-                "set at most one of actor.micro_batch_samples and actor.micro_batch_tokens"
-            )
+        _one_micro_batch_limit("actor", self.micro_batch_samples, self.micro_batch_tokens)
         if self.kl_bias_correction and self.kl_coef == 0:
             raise ValueError(
                 "actor.kl_bias_correction weights the KL loss term, which actor.kl_coef=0 turns "
@@ -290,9 +298,7 @@ class CriticConfig(_Section):
     # form micro-batches by a token budget instead
     micro_batch_tokens: int | None = Field(default=None, ge=1)
     # how token value losses are averaged (as actor.loss_agg)
-    loss_agg: Literal[
-        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "local_token_mean"
-    ] = "token_mean"
+    loss_agg: LossAgg = "token_mean"
     value_clip: float | None = Field(default=0.5, gt=0)  # verl cliprange_value; None: no clipping
     # Padding-free value forwards and updates, as actor.packing (critic.micro_batch_tokens then
     # counts real tokens)
@@ -307,8 +313,5 @@ class CriticConfig(_Section):
             raise ValueError(
                 "set at most one of critic.path and critic.tiny (neither: copy the policy)"
             )
-        if self.micro_batch_samples and self.micro_batch_tokens:
-            raise ValueError(
-                "set at most one of critic.micro_batch_samples and critic.micro_batch_tokens"
-            )
+        _one_micro_batch_limit("critic", self.micro_batch_samples, self.micro_batch_tokens)
         return self

@@ -291,12 +291,7 @@ def gathered_root(root: nn.Module) -> Iterator[nn.Module]:
     """Run a sharded model outside its root's forward (after ``prepare_unsharded_use``): the
     root's own parameters (embeddings, final norm, head) gathered for the block, each layer
     gathering at its own use (its forward hooks, or ``gathered``). A no-op when unsharded."""
-    if not _is_fsdp(root):
+    # FSDP2's unshard of a root gathers only the parameters its own group holds, so the root's
+    # block is ``gathered``'s; the name says at which level a caller uses it
+    with gathered(root):
         yield root
-        return
-    fsdp = cast("FSDPModule", root)
-    fsdp.unshard()
-    try:
-        yield root
-    finally:
-        fsdp.reshard()

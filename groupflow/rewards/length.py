@@ -40,6 +40,17 @@ def _non_negative(reward: str, key: str, value: Any) -> float:
     return float(value)
 
 
+def _per_completion(name: str, score: Callable[[float], float]) -> Callable[..., list[float]]:
+    """A batched reward ``name``: ``score`` of each checked completion length. The trainer passes
+    the lengths by name, so the returned function's parameter is ``completion_lengths``."""
+
+    def batched(completion_lengths: Sequence[Any]) -> list[float]:
+        return [score(_check_length(n)) for n in completion_lengths]
+
+    batched.__name__ = batched.__qualname__ = name  # error messages name the reward, not this
+    return batched
+
+
 def overlong_penalty(
     length: float, max_tokens: int, buffer_tokens: int, penalty_factor: float = 1.0
 ) -> float:
@@ -67,14 +78,9 @@ def make_overlong_penalty(
             f"overlong_penalty: buffer_tokens ({buffer_tokens}) must be <= max_tokens ({max_tokens})"
         )
     penalty_factor = _non_negative("overlong_penalty", "penalty_factor", penalty_factor)
-
-    def overlong(completion_lengths: Sequence[Any]) -> list[float]:
-        return [
-            overlong_penalty(_check_length(n), max_tokens, buffer_tokens, penalty_factor)
-            for n in completion_lengths
-        ]
-
-    return overlong
+    return _per_completion(
+        "overlong_penalty", lambda n: overlong_penalty(n, max_tokens, buffer_tokens, penalty_factor)
+    )
 
 
 def length_penalty(
@@ -98,11 +104,6 @@ def make_length_penalty(
         )
     if max_penalty is not None:
         max_penalty = _non_negative("length_penalty", "max_penalty", max_penalty)
-
-    def length(completion_lengths: Sequence[Any]) -> list[float]:
-        return [
-            length_penalty(_check_length(n), free_tokens, penalty_per_token, max_penalty)
-            for n in completion_lengths
-        ]
-
-    return length
+    return _per_completion(
+        "length_penalty", lambda n: length_penalty(n, free_tokens, penalty_per_token, max_penalty)
+    )

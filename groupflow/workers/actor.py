@@ -35,6 +35,7 @@ import copy
 import math
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -236,10 +237,8 @@ class ActorRolloutWorker(CheckpointMethods):
         Output widths are fixed — prompts left-padded to ``prompt_width``, responses right-padded
         to ``params.max_new_tokens`` — so parts generated on different ranks concatenate.
         """
-        if self.lockstep:  # the root's weights gathered for the call, each layer's at its use
-            with gathered_root(self.policy):
-                out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
-        else:
+        # lockstep: the root's weights gathered for the call, each layer's at its use
+        with gathered_root(self.policy) if self.lockstep else nullcontext():
             out = generate_batch(self.engine, self.pad_id, prompts, params, prompt_width)
         self.generated_samples += len(out)
         return out

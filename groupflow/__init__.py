@@ -5,6 +5,11 @@ stages), `algorithms` (pure tensor math), `rewards` (plain callables), then poli
 the driver. Lower layers never import higher ones, so the math can be used and tested alone.
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what `groupflow.Run` is, for type checkers (at run time: __getattr__ below)
+    from groupflow.api import Run
+
 __version__ = "0.1.0"
 
 __all__ = ["Run"]

@@ -35,9 +35,9 @@ from groupflow.config import Config, DiffusionConfig, TeacherConfig, present
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.encoders import WanTextEncoder, WanVaeDecoder
+from groupflow.diffusion.kinds import default_shift
 from groupflow.diffusion.models import check_teacher_model, load_diffusers_model, load_tiny_model
 from groupflow.diffusion.pretrain import pretrain_tiny_model
-from groupflow.diffusion.schedule import flux_shift
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport
 from groupflow.policies.base import Moved, RolloutView, published, transfer_weights
@@ -88,14 +88,14 @@ class FlowModelSpec:
 
 
 def resolve_shift(d: DiffusionConfig) -> float:
-    """``diffusion.shift``, or when unset 3.0 — for FLUX its image-size-dependent e^μ of the
-    packed token count (H/2 · W/2), as FluxPipeline computes it."""
+    """``diffusion.shift``, or when unset the kind's pipeline's (``kinds.default_shift``): 3.0, or
+    for FLUX.1, Qwen-Image and FLUX.2 their image-size-dependent e^μ."""
     if d.shift is not None:
         return d.shift
-    if d.model.kind == "flux":
-        _, h, w = present(d.model.latent_shape, "diffusion.model.latent_shape")
-        return flux_shift((h // 2) * (w // 2))
-    return 3.0
+    if d.model.kind == "tiny":
+        return 3.0
+    shape = present(d.model.latent_shape, "diffusion.model.latent_shape")
+    return default_shift(d.model.kind, shape, d.num_steps)
 
 
 def settings_from_config(

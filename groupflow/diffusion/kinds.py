@@ -118,7 +118,8 @@ def pack_flux2_latents(x: Tensor) -> Tensor:
 def unpack_flux2_latents(tokens: Tensor, height: int, width: int) -> Tensor:
     """The inverse of :func:`pack_flux2_latents`: [B, H·W, C] -> [B, C, H, W]."""
     b, _, c = tokens.shape
-    return tokens.permute(0, 2, 1).reshape(b, c, height, width)
+    # a copy, not a view: FSDP2's backward hook on a module output is lost to in-place ops on views
+    return tokens.permute(0, 2, 1).reshape(b, c, height, width).contiguous()
 
 
 def flux2_image_ids(height: int, width: int, device=None) -> Tensor:
@@ -185,7 +186,7 @@ def call_z_image(transformer, x: Tensor, sigma: Tensor, cond: dict[str, Tensor],
     hidden, mask = cond["encoder_hidden_states"].to(x.dtype), cond["encoder_hidden_states_mask"]
     captions = z_image_captions(hidden, mask)
     out = transformer(z_image_inputs(x), 1.0 - sigma.to(x.dtype), captions, return_dict=False)
-    return -torch.stack(out[0]).squeeze(2)
+    return -torch.stack([o.squeeze(1) for o in out[0]])  # [C, 1, H, W] each; stacked: no view
 
 
 def call_flux2(transformer, x: Tensor, sigma: Tensor, cond: dict[str, Tensor], guidance: float):

@@ -61,6 +61,7 @@ __all__ = [
     "load_tiny_model",
     "save_tiny_model",
     "load_diffusers_model",
+    "transformer_dir",
     "ModelPathError",
     "UnknownPromptError",
     # re-exported from groupflow.diffusion.kinds (where the per-kind code lives)
@@ -371,6 +372,15 @@ class DiffusersFlowModel(nn.Module):
         return ((x0[:, :c] + 1) / 2).clamp(0, 1)
 
 
+def transformer_dir(path: str | Path) -> Path:
+    """``path``, or its ``transformer/`` where ``path`` is a whole diffusers pipeline (a Hub
+    snapshot of e.g. Qwen/Qwen-Image holds ``model_index.json`` and one folder per part)."""
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file() and (path / "transformer" / "config.json").is_file():
+        return path / "transformer"
+    return path
+
+
 def _default_encoder(kind: str, c) -> PromptEncoder:
     """Fixed random embeddings of the widths ``kind``'s transformer config asks for."""
     if kind in ("sd3", "flux"):
@@ -393,17 +403,20 @@ def load_diffusers_model(
     empty: bool = False,
     guidance: float = 3.5,
 ) -> DiffusersFlowModel:
-    """Load ``kind``'s transformer (:data:`DIFFUSERS_KINDS`) from a local directory (a Hub id
-    is resolved to one before: ``assembly.models``); a config of another class than ``kind``'s is an error
-    naming both.
+    """Load ``kind``'s transformer (:data:`DIFFUSERS_KINDS`) from a local directory — the
+    transformer's own, or a diffusers pipeline's whose ``transformer/`` holds it (a Hub id is
+    resolved to its snapshot before: ``assembly.models``); a config of another class than
+    ``kind``'s is an error naming both.
 
     ``empty``: build it from its config with parameters on the meta device and read no weights
     (the FSDP2 worker shards it, then reads each rank's shard: ``sharding.materialise_shards``).
     """
     _check_kind(kind)
-    path = Path(path).expanduser()
+    path = transformer_dir(path)
     if not (path / "config.json").is_file():
-        raise ModelPathError(f"diffusers transformer directory '{path}' has no config.json")
+        raise ModelPathError(
+            f"diffusers transformer directory '{path}' has no config.json (nor transformer/)"
+        )
     import diffusers
 
     cls = getattr(diffusers, DIFFUSERS_KINDS[kind])
@@ -459,7 +472,7 @@ _TEACHER_KEYS = {
 
 
 def _model_config(path: str | Path, key: str) -> dict:
-    file = Path(path).expanduser() / "config.json"
+    file = transformer_dir(path) / "config.json"
     if not file.is_file():
         raise ModelPathError(f"{key}: '{file.parent}' holds no flow model (no config.json)")
     try:

@@ -36,7 +36,12 @@ from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.encoders import WanTextEncoder, WanVaeDecoder
 from groupflow.diffusion.kinds import default_shift
-from groupflow.diffusion.models import check_teacher_model, load_diffusers_model, load_tiny_model
+from groupflow.diffusion.models import (
+    check_teacher_model,
+    load_diffusers_model,
+    load_tiny_model,
+    transformer_dir,
+)
 from groupflow.diffusion.pretrain import pretrain_tiny_model
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport
@@ -65,7 +70,10 @@ class FlowModelSpec:
     def __init__(
         self, kind: str, path: str, latent_shape: list[int] | None = None, parts: dict | None = None
     ):
-        self.kind, self.path, self.latent_shape = kind, path, latent_shape
+        # a diffusers pipeline's folder means its transformer/: what the loaders and the sharded
+        # weight reader (``weights=spec.path``) read
+        self.path = path if kind == "tiny" else str(transformer_dir(path))
+        self.kind, self.latent_shape = kind, latent_shape
         self.parts = parts or {}  # text_encoder_path, tokenizer_path, max_sequence_length, vae_path
 
     def build(self, empty: bool = False):

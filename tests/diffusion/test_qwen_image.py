@@ -164,3 +164,20 @@ def test_qwen_image_config_shift_and_guidance(qwen_dir):
         ConfigError, match="guidance is for kind 'flux' or 'flux2', not 'qwen_image'"
     ):
         cfg({"guidance": 5.0})
+
+
+def test_a_pipeline_folder_loads_its_transformer(qwen_dir, tmp_path):
+    """A Hub snapshot of Qwen/Qwen-Image is a whole pipeline: model_index.json and a folder per
+    part; diffusion.model.path may name it, and the transformer/ folder is what loads (also the
+    sharded weight reader's path, FlowModelSpec.path)."""
+    import shutil
+
+    from groupflow.policies.diffusion import FlowModelSpec
+
+    shutil.copytree(qwen_dir, tmp_path / "transformer")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    model = load_diffusers_model(tmp_path, "qwen_image", SHAPE)
+    assert type(model.transformer).__name__ == "QwenImageTransformer2DModel"
+    assert FlowModelSpec("qwen_image", str(tmp_path), list(SHAPE)).path == str(
+        tmp_path / "transformer"
+    )

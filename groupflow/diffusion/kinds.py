@@ -38,6 +38,7 @@ from groupflow.diffusion.schedule import flux2_shift, flux_shift
 __all__ = [
     "KIND_CLASSES",
     "KIND_CALLS",
+    "QWEN_IMAGE_SHIFT",
     "check_kind_latent",
     "default_shift",
     "freeze_unused",
@@ -214,8 +215,9 @@ KIND_CALLS: dict[str, Callable[..., Tensor]] = {
 def freeze_unused(transformer: nn.Module, kind: str) -> None:
     """Qwen-Image's last block still updates the text stream, but only the image stream goes on
     to the output: that block's text attention output projection and text MLP never get a
-    gradient. DDP then waits for them forever and FSDP2 reduces gradients that are not there, so
-    they are frozen (they are also frozen in the reference copies, which changes nothing)."""
+    gradient. DDP (without ``find_unused_parameters``) fails on parameters that get none, and
+    under FSDP2 they would still carry optimizer state and gradient buffers for nothing, so they
+    are frozen (in the reference copies too, which changes nothing)."""
     if kind != "qwen_image":
         return
     blocks = getattr(transformer, "transformer_blocks", None)

@@ -31,13 +31,17 @@ class DiffusionLoraConfig(_Section):
 class DiffusionModelConfig(_Section):
     """Where the flow-matching model comes from (a local directory or a Hub id)."""
 
-    # the model family: tiny (built in), sd3 (SD3/3.5 transformer), wan (Wan2.1/2.2), flux (FLUX.1)
-    kind: Literal["tiny", "sd3", "wan", "flux"] = "tiny"
+    # the model family: tiny (built in), sd3 (SD3/3.5 transformer), wan (Wan2.1/2.2), flux (FLUX.1),
+    # qwen_image (Qwen-Image), z_image (Z-Image), flux2 (FLUX.2 dev / klein)
+    kind: Literal["tiny", "sd3", "wan", "flux", "qwen_image", "z_image", "flux2"] = "tiny"
     path: str  # tiny: a `groupflow pretrain-diffusion` dir; else a diffusers transformer dir
     revision: str | None = None  # of a Hub id in path
-    # sd3, flux: [C, H, W] (flux: the unpacked latent, H and W even); wan: [C, F, H, W]
+    # [C, H, W]; wan: [C, F, H, W]. flux, qwen_image: the unpacked latent (H and W even, packed
+    # 2x2 by the adapter); z_image: H and W divisible by its patch; flux2: the pipeline's
+    # 2x2-patchified latent [in_channels, H, W]
     latent_shape: list[int] | None = None
-    # flux only: the guidance scale a guidance-distilled FLUX (guidance_embeds, FLUX.1-dev) takes
+    # flux, flux2 only: the guidance scale a guidance-distilled FLUX (guidance_embeds: FLUX.1-dev,
+    # FLUX.2-dev) takes
     guidance: float = Field(default=3.5, ge=0)
     # tiny only: pre-train the base model into `path` first when it is missing (cached after)
     pretrain_if_missing: bool = False
@@ -61,8 +65,11 @@ class DiffusionModelConfig(_Section):
             )
         if self.kind != "tiny" and self.latent_shape is None:
             raise ValueError(f"diffusion.model.latent_shape is required for kind '{self.kind}'")
-        if self.kind != "flux" and self.guidance != 3.5:  # (a dumped config holds the default)
-            raise ValueError(f"diffusion.model.guidance is for kind 'flux', not '{self.kind}'")
+        guided = self.kind in ("flux", "flux2")
+        if not guided and self.guidance != 3.5:  # (a dumped config holds the default)
+            raise ValueError(
+                f"diffusion.model.guidance is for kind 'flux' or 'flux2', not '{self.kind}'"
+            )
         if self.kind != "tiny" and self.pretrain_if_missing:
             raise ValueError("diffusion.model.pretrain_if_missing applies to kind 'tiny' only")
         return self
@@ -121,8 +128,8 @@ class DiffusionConfig(_Section):
     sampler: str = "flow_sde"  # training sampler: flow_sde | dance_sde | cps (nft: any, ode too)
     noise_level: float | None = Field(default=None, ge=0)  # None: flow_sde 0.7, dance_sde 0.3
     num_steps: int = Field(default=10, ge=1)  # denoising steps per sample
-    # timestep shift of the flow-matching schedule (SD3's shift); None: 3.0, or for kind flux
-    # its image-size-dependent shift (schedule.flux_shift)
+    # timestep shift of the flow-matching schedule (SD3's shift); None: 3.0, or for kinds flux,
+    # qwen_image and flux2 their pipeline's image-size-dependent shift (kinds.default_shift)
     shift: float | None = Field(default=None, gt=0)
     cfg_scale: float = Field(default=1.0, ge=0)  # 1: no classifier-free guidance
     # a group's samples start from the same initial noise (Flow-GRPO)

@@ -10,17 +10,19 @@ images, ``(C, F, H, W)`` for video.
 - :class:`TinyFlowModel` — a ~26k-parameter conditional conv net in pixel space (3×16×16) whose
   condition is one of a few text labels; it pre-trains on synthetic shapes on a CPU
   (``groupflow pretrain-diffusion``) and is what the demo fine-tunes.
-- :class:`DiffusersFlowModel` — wraps ``SD3Transformer2DModel`` (images),
-  ``WanTransformer3DModel`` (video latents [B, C, F, H, W]) or ``FluxTransformer2DModel``
-  (FLUX.1) loaded from a local directory (timestep = 1000·σ, diffusers' convention; FLUX takes σ
-  itself and scales inside). FLUX sees its latent packed as FluxPipeline packs it — 2×2 patches
-  as tokens, [B, H/2·W/2, 4C], with (0, row, column) position ids for the image and zeros for
-  the text — and, for guidance-distilled checkpoints (FLUX.1-dev), the guidance scale as an
-  input; the adapter packs and unpacks, so the policy keeps seeing [B, C, H, W]. Text encoders are outside this repo's CPU scope: a
+- :class:`DiffusersFlowModel` — wraps a diffusers flow transformer loaded from a local
+  directory: ``SD3Transformer2DModel`` (``sd3``), ``WanTransformer3DModel`` (``wan``, video
+  latents [B, C, F, H, W]), ``FluxTransformer2DModel`` (``flux``, FLUX.1),
+  ``QwenImageTransformer2DModel`` (``qwen_image``), ``ZImageTransformer2DModel`` (``z_image``) or
+  ``Flux2Transformer2DModel`` (``flux2``, FLUX.2 dev / klein). Each is called exactly as its
+  diffusers pipeline calls it — latent packing, position ids, timestep scale, text masks,
+  guidance embedding — by ``groupflow.diffusion.kinds``, so the policy keeps seeing
+  [B, C, H, W] and a velocity ε − x0. Text encoders are outside this repo's CPU scope: a
   :class:`PromptEncoder` turns prompts into the transformer's conditioning tensors;
-  :class:`HashPromptEncoder` gives fixed random embeddings per prompt (tests, label-like prompts);
-  real pipelines pass their text encoder through the same interface, and a VAE decoder through
-  ``decoder``.
+  :class:`HashPromptEncoder` gives fixed random embeddings per prompt (tests, label-like prompts)
+  and :class:`MaskedHashPromptEncoder` the same with a text mask of a per-prompt length (the kinds
+  whose transformer takes a mask or variable-length captions); real pipelines pass their text
+  encoder through the same interface, and a VAE decoder through ``decoder``.
 """
 
 from __future__ import annotations
@@ -35,12 +37,22 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from groupflow.diffusion.kinds import (
+    KIND_CALLS,
+    KIND_CLASSES,
+    check_kind_latent,
+    flux_image_ids,
+    freeze_unused,
+    pack_flux_latents,
+    unpack_flux_latents,
+)
 from groupflow.diffusion.sharding import empty_parameters
 
 __all__ = [
     "FlowModel",
     "PromptEncoder",
     "HashPromptEncoder",
+    "MaskedHashPromptEncoder",
     "TinyFlowModel",
     "DiffusersFlowModel",
     "check_latents",
@@ -49,8 +61,13 @@ __all__ = [
     "load_tiny_model",
     "save_tiny_model",
     "load_diffusers_model",
+    "transformer_dir",
     "ModelPathError",
     "UnknownPromptError",
+    # re-exported from groupflow.diffusion.kinds (where the per-kind code lives)
+    "flux_image_ids",
+    "pack_flux_latents",
+    "unpack_flux_latents",
 ]
 
 
@@ -240,34 +257,35 @@ class HashPromptEncoder:
         return out
 
 
-DIFFUSERS_KINDS = {
-    "sd3": "SD3Transformer2DModel",
-    "wan": "WanTransformer3DModel",
-    "flux": "FluxTransformer2DModel",
-}
+class MaskedHashPromptEncoder:
+    """:class:`HashPromptEncoder`'s embeddings with a text mask, for transformers that take one
+    (Qwen-Image) or unpadded captions (Z-Image): a prompt of n words has min(n, seq_len) real
+    tokens (at least 1), the rest zeros and masked out. ``null``: one zero token.
+
+    Keys: ``encoder_hidden_states`` [B, seq_len, dim], ``encoder_hidden_states_mask`` [B, seq_len]
+    (int64, 1: a real token).
+    """
+
+    def __init__(self, dim: int, seq_len: int = 4):
+        self.dim, self.seq_len = dim, seq_len
+        self._hash = HashPromptEncoder(dim, seq_len)
+
+    def _mask(self, lengths: Sequence[int]) -> Tensor:
+        return (torch.arange(self.seq_len)[None] < torch.tensor(lengths)[:, None]).long()
+
+    def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        mask = self._mask([min(max(len(p.split()), 1), self.seq_len) for p in prompts])
+        hidden = self._hash(prompts)["encoder_hidden_states"] * mask[..., None]
+        return {"encoder_hidden_states": hidden, "encoder_hidden_states_mask": mask}
+
+    def null(self, n: int) -> dict[str, Tensor]:
+        return {
+            "encoder_hidden_states": torch.zeros(n, self.seq_len, self.dim),
+            "encoder_hidden_states_mask": self._mask([1] * n),
+        }
 
 
-def pack_flux_latents(x: Tensor) -> Tensor:
-    """[B, C, H, W] -> [B, H/2·W/2, 4C]: each 2×2 patch a token, channel-major within it (the
-    order of FluxPipeline._pack_latents)."""
-    b, c, h, w = x.shape
-    x = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_flux_latents(tokens: Tensor, height: int, width: int) -> Tensor:
-    """The inverse of :func:`pack_flux_latents`: [B, H/2·W/2, 4C] -> [B, C, H, W]."""
-    b, _, d = tokens.shape
-    x = tokens.reshape(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, d // 4, height, width)
-
-
-def flux_image_ids(height: int, width: int, device=None, dtype=torch.float32) -> Tensor:
-    """[H/2·W/2, 3] position ids of the packed tokens: (0, row, column) of each 2×2 patch."""
-    rows = torch.arange(height // 2, device=device, dtype=dtype)
-    cols = torch.arange(width // 2, device=device, dtype=dtype)
-    grid = torch.stack(torch.meshgrid(rows, cols, indexing="ij"), -1).reshape(-1, 2)
-    return torch.cat([torch.zeros(grid.shape[0], 1, device=device, dtype=dtype), grid], 1)
+DIFFUSERS_KINDS = KIND_CLASSES  # kind -> its diffusers transformer class name
 
 
 def _check_kind(kind: str) -> None:
@@ -283,16 +301,7 @@ def check_latent_fits(config, kind: str, latent_shape: Sequence[int]) -> None:
     side than its position embedding holds. ``config``: the transformer's diffusers config."""
     shape = [int(d) for d in latent_shape]
     key = f"diffusion.model.latent_shape={shape}"
-    if kind == "flux":  # the pipeline packs 2×2 patches: in_channels = 4·C, H and W even
-        channels = getattr(config, "in_channels", None)
-        if channels is not None and shape[0] * 4 != channels:
-            raise ValueError(
-                f"{key}: the FluxTransformer2DModel takes packed 2x2 patches of "
-                f"{channels // 4} latent channels (in_channels={channels}), not {shape[0]}"
-            )
-        for name, d in zip(("height", "width"), shape[1:]):
-            if d % 2:
-                raise ValueError(f"{key}: {name} {d} is not divisible by FLUX's 2x2 packing")
+    if check_kind_latent(config, kind, shape, key):  # the kinds groupflow.diffusion.kinds packs
         return
     channels = getattr(config, "in_channels", None)
     if channels is not None and shape[0] != channels:
@@ -316,8 +325,9 @@ def check_latent_fits(config, kind: str, latent_shape: Sequence[int]) -> None:
 
 
 class DiffusersFlowModel(nn.Module):
-    """A diffusers flow transformer as a :class:`FlowModel`; ``kind`` is ``sd3``, ``wan`` or
-    ``flux`` (``guidance``: the guidance scale a guidance-distilled FLUX takes as input)."""
+    """A diffusers flow transformer as a :class:`FlowModel`; ``kind`` is a key of
+    :data:`DIFFUSERS_KINDS` (``guidance``: the guidance scale a guidance-distilled FLUX.1 or
+    FLUX.2 takes as input)."""
 
     def __init__(
         self,
@@ -338,6 +348,7 @@ class DiffusersFlowModel(nn.Module):
             )
         if hasattr(transformer, "config"):
             check_latent_fits(transformer.config, kind, latent_shape)
+        freeze_unused(transformer, kind)
         self.transformer, self.kind = transformer, kind
         self.latent_shape = tuple(int(d) for d in latent_shape)
         self.prompt_encoder, self.decoder = prompt_encoder, decoder
@@ -345,29 +356,7 @@ class DiffusersFlowModel(nn.Module):
 
     def forward(self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor:
         check_latents(x, self.latent_shape, f"{DIFFUSERS_KINDS[self.kind]} adapter")
-        if self.kind == "flux":
-            return self._flux(x, sigma, cond)
-        out = self.transformer(
-            hidden_states=x, timestep=1000.0 * sigma.to(x.dtype), return_dict=False,
-            **{k: v.to(x.dtype) for k, v in cond.items()},
-        )  # fmt: skip
-        return out[0]
-
-    def _flux(self, x: Tensor, sigma: Tensor, cond: dict[str, Tensor]) -> Tensor:
-        """FluxPipeline's call: packed tokens, σ as the timestep (the model scales by 1000),
-        image and (zero) text position ids, and the guidance scale where the model embeds it."""
-        b, _, h, w = x.shape
-        text = cond["encoder_hidden_states"].to(x.dtype)
-        guided = getattr(self.transformer.config, "guidance_embeds", False)
-        out = self.transformer(
-            hidden_states=pack_flux_latents(x), timestep=sigma.to(x.dtype),
-            encoder_hidden_states=text, pooled_projections=cond["pooled_projections"].to(x.dtype),
-            img_ids=flux_image_ids(h, w, x.device, x.dtype),
-            txt_ids=torch.zeros(text.shape[1], 3, device=x.device, dtype=x.dtype),
-            guidance=torch.full((b,), self.guidance, device=x.device, dtype=x.dtype) if guided else None,
-            return_dict=False,
-        )  # fmt: skip
-        return unpack_flux_latents(out[0], h, w)
+        return KIND_CALLS[self.kind](self.transformer, x, sigma, cond, self.guidance)
 
     def encode(self, prompts: Sequence[str]) -> dict[str, Tensor]:
         return self.prompt_encoder(prompts)
@@ -383,6 +372,28 @@ class DiffusersFlowModel(nn.Module):
         return ((x0[:, :c] + 1) / 2).clamp(0, 1)
 
 
+def transformer_dir(path: str | Path) -> Path:
+    """``path``, or its ``transformer/`` where ``path`` is a whole diffusers pipeline (a Hub
+    snapshot of e.g. Qwen/Qwen-Image holds ``model_index.json`` and one folder per part)."""
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file() and (path / "transformer" / "config.json").is_file():
+        return path / "transformer"
+    return path
+
+
+def _default_encoder(kind: str, c) -> PromptEncoder:
+    """Fixed random embeddings of the widths ``kind``'s transformer config asks for."""
+    if kind in ("sd3", "flux"):
+        return HashPromptEncoder(c.joint_attention_dim, pooled_dim=c.pooled_projection_dim)
+    if kind == "qwen_image":
+        return MaskedHashPromptEncoder(c.joint_attention_dim)
+    if kind == "z_image":
+        return MaskedHashPromptEncoder(c.cap_feat_dim)
+    if kind == "flux2":
+        return HashPromptEncoder(c.joint_attention_dim)
+    return HashPromptEncoder(c.text_dim)
+
+
 def load_diffusers_model(
     path: str | Path,
     kind: str,
@@ -392,17 +403,20 @@ def load_diffusers_model(
     empty: bool = False,
     guidance: float = 3.5,
 ) -> DiffusersFlowModel:
-    """Load ``SD3Transformer2DModel`` / ``WanTransformer3DModel`` / ``FluxTransformer2DModel``
-    from a local directory (no hub); a config of another class than ``kind``'s is an error
-    naming both.
+    """Load ``kind``'s transformer (:data:`DIFFUSERS_KINDS`) from a local directory — the
+    transformer's own, or a diffusers pipeline's whose ``transformer/`` holds it (a Hub id is
+    resolved to its snapshot before: ``assembly.models``); a config of another class than
+    ``kind``'s is an error naming both.
 
     ``empty``: build it from its config with parameters on the meta device and read no weights
     (the FSDP2 worker shards it, then reads each rank's shard: ``sharding.materialise_shards``).
     """
     _check_kind(kind)
-    path = Path(path).expanduser()
+    path = transformer_dir(path)
     if not (path / "config.json").is_file():
-        raise ModelPathError(f"diffusers transformer directory '{path}' has no config.json")
+        raise ModelPathError(
+            f"diffusers transformer directory '{path}' has no config.json (nor transformer/)"
+        )
     import diffusers
 
     cls = getattr(diffusers, DIFFUSERS_KINDS[kind])
@@ -419,12 +433,7 @@ def load_diffusers_model(
         transformer = cls.from_pretrained(str(path), local_files_only=True)
     if prompt_encoder is None:
         c = transformer.config
-        if kind in ("sd3", "flux"):
-            prompt_encoder = HashPromptEncoder(
-                c.joint_attention_dim, pooled_dim=c.pooled_projection_dim
-            )
-        else:
-            prompt_encoder = HashPromptEncoder(c.text_dim)
+        prompt_encoder = _default_encoder(kind, c)
     want = getattr(transformer.config, "text_dim", None)
     got = getattr(prompt_encoder, "dim", None)
     if kind == "wan" and want is not None and got is not None and got != want:
@@ -453,11 +462,17 @@ _TEACHER_KEYS = {
     "wan": ("_class_name", "in_channels", "out_channels", "patch_size", "text_dim"),
     "flux": ("_class_name", "in_channels", "out_channels", "joint_attention_dim",
              "pooled_projection_dim", "guidance_embeds"),
+    "qwen_image": ("_class_name", "in_channels", "out_channels", "patch_size",
+                   "joint_attention_dim"),
+    "z_image": ("_class_name", "in_channels", "all_patch_size", "all_f_patch_size",
+                "cap_feat_dim"),
+    "flux2": ("_class_name", "in_channels", "out_channels", "joint_attention_dim",
+              "guidance_embeds"),
 }  # fmt: skip
 
 
 def _model_config(path: str | Path, key: str) -> dict:
-    file = Path(path).expanduser() / "config.json"
+    file = transformer_dir(path) / "config.json"
     if not file.is_file():
         raise ModelPathError(f"{key}: '{file.parent}' holds no flow model (no config.json)")
     try:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["sigma_schedule", "shift_sigmas", "flux_shift"]
+__all__ = ["sigma_schedule", "shift_sigmas", "flux_shift", "flux2_shift"]
 
 
 def flux_shift(
@@ -28,6 +28,19 @@ def flux_shift(
     e^μ / (e^μ + 1/σ − 1) is :func:`shift_sigmas` with s = e^μ."""
     slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
     return math.exp(slope * image_seq_len + base_shift - slope * base_seq_len)
+
+
+def flux2_shift(image_seq_len: int, num_steps: int) -> float:
+    """FLUX.2's shift: exp(μ) of Flux2Pipeline's ``compute_empirical_mu`` — μ fitted as linear in
+    the token count at 10 and at 200 steps and interpolated linearly in the step count between
+    them (above 4300 tokens the 200-step line alone)."""
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    m_200 = a2 * image_seq_len + b2
+    if image_seq_len > 4300:
+        return math.exp(m_200)
+    m_10 = a1 * image_seq_len + b1
+    slope = (m_200 - m_10) / 190.0
+    return math.exp(slope * num_steps + m_200 - 200.0 * slope)
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:

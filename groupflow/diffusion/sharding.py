@@ -47,17 +47,21 @@ def _transformer(model: nn.Module) -> nn.Module:
 def flow_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one (the root keeps embeddings and heads)."""
     inner = _transformer(model)
-    # FLUX has dual-stream transformer_blocks, then single_transformer_blocks: both are shards
+    # FLUX has dual-stream transformer_blocks, then single_transformer_blocks: both are shards;
+    # Z-Image has its refiners (image, caption) before its main `layers`
+    names = ("blocks", "transformer_blocks", "single_transformer_blocks", "noise_refiner",
+             "context_refiner", "layers")  # fmt: skip
     found = [
         block
-        for name in ("blocks", "transformer_blocks", "single_transformer_blocks")
+        for name in names
         if isinstance(getattr(inner, name, None), nn.ModuleList)
         for block in getattr(inner, name)
     ]
     if found:
         return found
     raise ValueError(
-        f"diffusion.fsdp: {type(inner).__name__} has no `blocks` / `transformer_blocks` list to shard"
+        f"diffusion.fsdp: {type(inner).__name__} has no `blocks` / `transformer_blocks` / `layers` "
+        "list to shard"
     )
 
 

@@ -35,9 +35,14 @@ from groupflow.config import Config, DiffusionConfig, TeacherConfig, present
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.encoders import WanTextEncoder, WanVaeDecoder
-from groupflow.diffusion.models import check_teacher_model, load_diffusers_model, load_tiny_model
+from groupflow.diffusion.kinds import default_shift
+from groupflow.diffusion.models import (
+    check_teacher_model,
+    load_diffusers_model,
+    load_tiny_model,
+    transformer_dir,
+)
 from groupflow.diffusion.pretrain import pretrain_tiny_model
-from groupflow.diffusion.schedule import flux_shift
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport
 from groupflow.policies.base import Moved, RolloutView, published, transfer_weights
@@ -65,7 +70,10 @@ class FlowModelSpec:
     def __init__(
         self, kind: str, path: str, latent_shape: list[int] | None = None, parts: dict | None = None
     ):
-        self.kind, self.path, self.latent_shape = kind, path, latent_shape
+        # a diffusers pipeline's folder means its transformer/: what the loaders and the sharded
+        # weight reader (``weights=spec.path``) read
+        self.path = path if kind == "tiny" else str(transformer_dir(path))
+        self.kind, self.latent_shape = kind, latent_shape
         self.parts = parts or {}  # text_encoder_path, tokenizer_path, max_sequence_length, vae_path
 
     def build(self, empty: bool = False):
@@ -88,14 +96,14 @@ class FlowModelSpec:
 
 
 def resolve_shift(d: DiffusionConfig) -> float:
-    """``diffusion.shift``, or when unset 3.0 — for FLUX its image-size-dependent e^μ of the
-    packed token count (H/2 · W/2), as FluxPipeline computes it."""
+    """``diffusion.shift``, or when unset the kind's pipeline's (``kinds.default_shift``): 3.0, or
+    for FLUX.1, Qwen-Image and FLUX.2 their image-size-dependent e^μ."""
     if d.shift is not None:
         return d.shift
-    if d.model.kind == "flux":
-        _, h, w = present(d.model.latent_shape, "diffusion.model.latent_shape")
-        return flux_shift((h // 2) * (w // 2))
-    return 3.0
+    if d.model.kind == "tiny":
+        return 3.0
+    shape = present(d.model.latent_shape, "diffusion.model.latent_shape")
+    return default_shift(d.model.kind, shape, d.num_steps)
 
 
 def settings_from_config(

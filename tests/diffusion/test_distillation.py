@@ -229,3 +229,33 @@ def test_distillation_moves_the_student_toward_the_teacher_and_the_control_does_
     assert distilled[0] < 0.5 * start[0] and distilled[1] < 0.4 * start[1], (start, distilled)
     assert distilled[0] < 0.7 * control[0] and distilled[1] < 0.6 * control[1], (control, distilled)
     assert sum(kls[-5:]) < 0.5 * sum(kls[:5]), kls
+
+
+@pytest.mark.parametrize(
+    ("kind", "cls", "text_key"),
+    [("qwen_image", "QwenImageTransformer2DModel", "joint_attention_dim"),
+     ("z_image", "ZImageTransformer2DModel", "cap_feat_dim"),
+     ("flux2", "Flux2Transformer2DModel", "joint_attention_dim")],
+)  # fmt: skip
+def test_a_teacher_of_the_new_kinds_is_checked_on_latent_and_text_widths(
+    kind, cls, text_key, tmp_path
+):
+    """A deeper teacher is fine; another text width (its prompt encoder's input) is refused, as
+    is another class. Only the two config.json files are read; a pipeline folder means its
+    transformer/."""
+    base = {"_class_name": cls, "in_channels": 16, text_key: 16}
+
+    def model(name, **over):
+        path = tmp_path / name / "transformer"
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps({**base, **over}))
+        return path.parent
+
+    student = model("student", num_layers=1)
+    check_teacher_model(model("deep", num_layers=4), student, kind)
+    with pytest.raises(ValueError, match=rf"teacher.path: .*{text_key}: student 16, teacher 32"):
+        check_teacher_model(model("wide", **{text_key: 32}), student, kind)
+    with pytest.raises(
+        ValueError, match="_class_name: student '.*', teacher 'SD3Transformer2DModel'"
+    ):
+        check_teacher_model(model("other", _class_name="SD3Transformer2DModel"), student, kind)

@@ -176,5 +176,7 @@ def test_flux_config_shift_and_guidance(flux_dir):
     assert resolve_shift(cfg().diffusion) == pytest.approx(flux_shift(16))  # 4x4 packed tokens
     assert resolve_shift(cfg(shift=2.0).diffusion) == 2.0
     assert resolve_shift(cfg({"kind": "sd3"}).diffusion) == 3.0
-    with pytest.raises(ConfigError, match="diffusion.model.guidance is for kind 'flux', not 'sd3'"):
+    with pytest.raises(
+        ConfigError, match="diffusion.model.guidance is for kind 'flux' or 'flux2', not 'sd3'"
+    ):
         cfg({"kind": "sd3", "guidance": 5.0})

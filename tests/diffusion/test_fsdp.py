@@ -275,3 +275,41 @@ def test_two_sharded_workers_equal_one_worker_on_a_flux_transformer_with_lora(wa
     assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
     lora = [k for k in s1["model"] if "lora_" in k]
     assert lora and all(torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5) for k in lora)
+
+
+def _new_kind_dir(kind: str, path):
+    """A kind's tiny random transformer, from the config its own test file shrinks."""
+    import diffusers
+
+    from tests.diffusion import test_flux2, test_qwen_image, test_z_image
+
+    tiny, cls, shape = {
+        "qwen_image": (test_qwen_image.TINY_QWEN_IMAGE, "QwenImageTransformer2DModel", [4, 8, 8]),
+        "z_image": (test_z_image.TINY_Z_IMAGE, "ZImageTransformer2DModel", [4, 8, 8]),
+        "flux2": (test_flux2.TINY_FLUX2, "Flux2Transformer2DModel", [16, 4, 4]),
+    }[kind]
+    torch.manual_seed(0)
+    getattr(diffusers, cls)(**tiny).save_pretrained(path)
+    return shape
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen_image", "z_image", "flux2"])
+def test_two_sharded_workers_equal_one_worker_on_the_new_kinds_with_lora(kind, wan_setup, tmp_path):
+    """Each kind's block lists are sharded (Z-Image's refiners and layers; Qwen-Image with its
+    frozen last text stream), and 1 worker and 2 FSDP2 ranks take the same LoRA step."""
+    pytest.importorskip("ray")
+    model = tmp_path / kind
+    shape = _new_kind_dir(kind, model)
+    over = {"diffusion.model.kind": kind, "diffusion.model.path": str(model),
+            "diffusion.model.latent_shape": shape, "run.total_steps": 1,
+            "diffusion.model.lora": {"rank": 2, "target_modules": ["to_q", "to_k", "to_v"]}}  # fmt: skip
+    one, s1 = _fit(_cfg(tmp_path, model, wan_setup[1], **over))
+    two, s2 = _fit(_cfg(tmp_path, model, wan_setup[1], **over, **{
+        "run.name": "two", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True}))  # fmt: skip
+    a = read_metrics(one.run_dir / "metrics.jsonl")[-1]
+    b = read_metrics(two.run_dir / "metrics.jsonl")[-1]
+    assert a["actor/grad_norm"] > 0
+    assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    lora = [k for k in s1["model"] if "lora_" in k]
+    assert lora and all(torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5) for k in lora)

@@ -107,9 +107,10 @@ def test_diffusers_adapter_bad_input(tmp_path):
         load_diffusers_model(tmp_path / "nothing", "sd3", (4, 8, 8))
     with pytest.raises(
         ValueError,
-        match=r"unknown diffusers model kind 'qwen_image'; valid kinds: \['flux', 'sd3', 'wan'\]",
+        match=r"unknown diffusers model kind 'hunyuan'; valid kinds: \['flux', 'flux2', "
+        r"'qwen_image', 'sd3', 'wan', 'z_image'\]",
     ):
-        load_diffusers_model(tmp_path, "qwen_image", (4, 8, 8))
+        load_diffusers_model(tmp_path, "hunyuan", (4, 8, 8))
     with pytest.raises(ValueError, match=r"a 'wan' latent is \(C, F, H, W\)"):
         DiffusersFlowModel(torch.nn.Identity(), "wan", (4, 8, 8), HashPromptEncoder(4))
 

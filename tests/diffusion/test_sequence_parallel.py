@@ -158,3 +158,17 @@ def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(wan_set
     assert b[-1]["actor/grad_norm"] > 0
     for k in s1["model"]:
         assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
+
+
+@pytest.mark.parametrize("kind", ["qwen_image", "z_image", "flux2"])
+def test_sequence_parallel_is_refused_for_the_new_kinds(kind):
+    from groupflow.config import ConfigError, config_from_dict
+
+    with pytest.raises(
+        ConfigError, match=f"sequence_parallel .* not diffusion.model.kind '{kind}'"
+    ):
+        config_from_dict({
+            "run": {"backend": "ray", "num_workers": 2}, "parallel": {"sequence_parallel": 2},
+            "diffusion": {"model": {"kind": kind, "path": "m", "latent_shape": [4, 8, 8]}},
+            "data": {"train_files": ["p.jsonl"]},
+        })  # fmt: skip

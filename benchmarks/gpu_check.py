@@ -11,8 +11,8 @@ Design decisions:
   so a run cut off by the machine's time limit still leaves what it measured. Parts run in order
   of importance, and a part whose estimate no longer fits the time budget is skipped, saying so.
 - Real shapes, random weights: a Qwen2.5-0.5B-shaped causal LM (its config's sizes, vocabulary
-  included) and Wan2.1-1.3B / SD3-medium-shaped diffusion transformers (their block widths, with
-  few blocks), built here and saved as Hugging Face / diffusers directories, then loaded through
+  included) and diffusion transformers shaped as Wan2.1-1.3B, SD3-medium, FLUX.1-dev, Qwen-Image,
+  Z-Image-Turbo and FLUX.2-dev (their block widths, with few blocks), built here and saved as Hugging Face / diffusers directories, then loaded through
   groupflow's own loading path. The tokenizer is groupflow's character tokenizer padded to the
   model's full vocabulary (one character per id), so every sampled id decodes to text.
 - A random policy gets no reward from a task's answer check, and groupflow leaves zero-advantage
@@ -141,6 +141,70 @@ SD3_MEDIUM = {
 }
 
 
+# The 2026 families' transformers at their real widths (diffusers' defaults are these models'
+# configs), a few blocks each; latents of a 512x512 image (their VAEs downsample 8x; FLUX.2's
+# pipeline samples the 2x2-patchified latent of its 32-channel VAE).
+FAMILIES = {
+    "flux": {  # FLUX.1-dev: 2 of 19 dual-stream and 2 of 38 single-stream blocks
+        "config": {"patch_size": 1, "in_channels": 64, "num_layers": 2, "num_single_layers": 2,
+                   "attention_head_dim": 128, "num_attention_heads": 24,
+                   "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+                   "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
+        "latent": [16, 64, 64],
+    },
+    "qwen_image": {  # Qwen-Image: 2 of its 60 blocks
+        "config": {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 2,
+                   "attention_head_dim": 128, "num_attention_heads": 24,
+                   "joint_attention_dim": 3584, "axes_dims_rope": [16, 56, 56]},
+        "latent": [16, 64, 64],
+    },
+    "z_image": {  # Z-Image-Turbo: 2 of 30 layers, 1 of 2 refiner layers per stream
+        "config": {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16,
+                   "dim": 3840, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 30,
+                   "n_kv_heads": 30, "cap_feat_dim": 2560, "axes_dims": [32, 48, 48],
+                   "axes_lens": [1024, 512, 512]},
+        "latent": [16, 64, 64],
+    },
+    "flux2": {  # FLUX.2-dev: 1 of 8 dual-stream and 1 of 48 single-stream blocks (width 6144;
+        # ≈2.3B parameters, an fp32 AdamW step within an 80 GB GPU)
+        "config": {"patch_size": 1, "in_channels": 128, "num_layers": 1, "num_single_layers": 1,
+                   "attention_head_dim": 128, "num_attention_heads": 48,
+                   "joint_attention_dim": 15360, "timestep_guidance_channels": 256,
+                   "axes_dims_rope": [32, 32, 32, 32], "guidance_embeds": True},
+        "latent": [128, 32, 32],
+    },
+}  # fmt: skip
+# The same families shrunk for the dry run (the configs tests/diffusion builds them from).
+DRY_FAMILIES = {
+    "flux": {
+        "config": {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1,
+                   "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 16,
+                   "pooled_projection_dim": 8, "guidance_embeds": True,
+                   "axes_dims_rope": [2, 2, 4]},
+        "latent": [4, 8, 8],
+    },
+    "qwen_image": {
+        "config": {"patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 1,
+                   "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 16,
+                   "axes_dims_rope": [2, 2, 4]},
+        "latent": [4, 8, 8],
+    },
+    "z_image": {
+        "config": {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 4, "dim": 16,
+                   "n_layers": 1, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+                   "cap_feat_dim": 16, "axes_dims": [2, 2, 4], "axes_lens": [1536, 512, 512]},
+        "latent": [4, 8, 8],
+    },
+    "flux2": {
+        "config": {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1,
+                   "attention_head_dim": 8, "num_attention_heads": 2, "joint_attention_dim": 16,
+                   "timestep_guidance_channels": 8, "axes_dims_rope": [2, 2, 2, 2],
+                   "guidance_embeds": True},
+        "latent": [16, 4, 4],
+    },
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Shapes:
     """What each part runs on: the GPU's real shapes, or the dry run's tiny ones."""
@@ -155,6 +219,7 @@ class Shapes:
     sd3: dict[str, Any]
     sd3_latent: tuple[int, ...]  # [C, H, W]
     diffusion_steps: int  # denoising steps of a rollout
+    families: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> config, latent
     demo_overrides: tuple[str, ...] = ()
     # seconds each part is expected to take here: skipped when the budget has less left
     estimates_s: dict[str, float] = field(default_factory=dict)
@@ -171,11 +236,12 @@ GPU = Shapes(
     sd3=SD3_MEDIUM,
     sd3_latent=(16, 64, 64),
     diffusion_steps=8,
+    families=FAMILIES,
     estimates_s={
         "lm_groupflow": 60,
         "lm_vs_trl": 90,
         "weight_transfer": 30,
-        "diffusion": 60,
+        "diffusion": 150,
         "demo": 120,
         "gpu_tests": 40,
     },
@@ -225,6 +291,7 @@ DRY = Shapes(
     },
     sd3_latent=(4, 8, 8),
     diffusion_steps=2,
+    families=DRY_FAMILIES,
     demo_overrides=(
         "run.total_steps=2",
         "sft.steps=2",
@@ -602,20 +669,22 @@ def part_lm_vs_trl(ctx: Context) -> dict[str, Any]:
     }
 
 
-def _wan_dir(ctx: Context, path: Path) -> Path:
-    from diffusers import WanTransformer3DModel
+def _flow_dir(kind: str, config: dict[str, Any], path: Path) -> Path:
+    """A diffusers directory of ``kind``'s transformer class, built from ``config`` with random
+    weights (the class groupflow loads for that kind)."""
+    import diffusers
+
+    from groupflow.diffusion.models import DIFFUSERS_KINDS
 
     torch.manual_seed(0)
-    WanTransformer3DModel(**ctx.shapes.wan).save_pretrained(str(path))
+    getattr(diffusers, DIFFUSERS_KINDS[kind])(**config).save_pretrained(str(path))
     return path
 
 
-def _sd3_dir(ctx: Context, path: Path) -> Path:
-    from diffusers import SD3Transformer2DModel
-
-    torch.manual_seed(0)
-    SD3Transformer2DModel(**ctx.shapes.sd3).save_pretrained(str(path))
-    return path
+def flow_models(shapes: Shapes) -> list[tuple[str, dict[str, Any], tuple[int, ...]]]:
+    """(kind, transformer config, latent shape) of every diffusion model the check runs."""
+    fams = [(k, f["config"], tuple(f["latent"])) for k, f in shapes.families.items()]
+    return [("wan", shapes.wan, shapes.wan_latent), ("sd3", shapes.sd3, shapes.sd3_latent), *fams]
 
 
 def _diffusion_trainer_step(ctx: Context, kind: str, model: Path, latent: tuple[int, ...]):
@@ -712,16 +781,14 @@ def _bf16_denoising_step(ctx: Context, kind: str, model: Path, latent: tuple[int
 
 
 def part_diffusion(ctx: Context) -> dict[str, Any]:
-    """Wan- and SD3-shaped transformers: one groupflow GRPO step each, and one bf16 denoising step."""
+    """Each model kind's transformer (``flow_models``): one groupflow GRPO step each, and one bf16
+    denoising step."""
     out: dict[str, Any] = {}
     errors = []
-    for kind, build, latent in (
-        ("wan", _wan_dir, ctx.shapes.wan_latent),
-        ("sd3", _sd3_dir, ctx.shapes.sd3_latent),
-    ):
+    for kind, config, latent in flow_models(ctx.shapes):
         free_memory()
         try:
-            model = build(ctx, ctx.work / kind)
+            model = _flow_dir(kind, config, ctx.work / kind)
             out[kind] = {
                 "latent_shape": list(latent),
                 "grpo_step": _diffusion_trainer_step(ctx, kind, model, latent),
@@ -983,8 +1050,9 @@ def format_report(report: dict[str, Any]) -> str:
                 f" (TRL {r['trl_version']})"
             )
         elif name == "diffusion":
-            for kind in ("wan", "sd3"):
-                k = r.get(kind, {})
+            for kind, k in r.items():  # each model kind's result, in the order they ran
+                if not isinstance(k, dict):
+                    continue
                 if "grpo_step" in k:
                     g, b = k["grpo_step"], k["bf16_denoising_step"]
                     lines.append(

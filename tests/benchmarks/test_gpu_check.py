@@ -100,7 +100,10 @@ def test_the_dry_run_runs_every_part_and_writes_the_report(tmp_path, gpu_check):
         assert trl["speedup_vs_trl"] == pytest.approx(ratio)
         assert all(len(v) == s["steps"] for v in trl["step_s"].values())
 
-    for kind, latent in (("wan", s["wan_latent"]), ("sd3", s["sd3_latent"])):
+    kinds = [("wan", s["wan_latent"]), ("sd3", s["sd3_latent"]),
+             *((k, f["latent"]) for k, f in s["families"].items())]  # fmt: skip
+    assert [k for k, _ in kinds] == ["wan", "sd3", "flux", "qwen_image", "z_image", "flux2"]
+    for kind, latent in kinds:
         d = parts["diffusion"][kind]
         assert d["latent_shape"] == latent
         assert d["grpo_step"]["step_s"] > 0 and d["grpo_step"]["grad_norm"] > 0
@@ -219,3 +222,20 @@ def test_without_a_gpu_the_full_check_records_the_environment_and_stops(
     }
     text = (tmp_path / "gpu_check.txt").read_text()
     assert "ERROR: no CUDA device" in text and "did not install: pydantic_core-2.whl" in text
+
+
+def test_the_real_size_diffusion_models_build_and_take_their_latents(gpu_check):
+    """The GPU's real-width transformers (built on the meta device: no memory) are the classes
+    groupflow loads for each kind, and each takes its latent, so a GPU run cannot spend its
+    minutes on a config that fails."""
+    import diffusers
+    import torch
+
+    from groupflow.diffusion.models import DIFFUSERS_KINDS, check_latent_fits
+
+    for kind, config, latent in gpu_check.flow_models(gpu_check.GPU):
+        with torch.device("meta"):
+            model = getattr(diffusers, DIFFUSERS_KINDS[kind])(**config)
+        check_latent_fits(model.config, kind, latent)
+        params = sum(p.numel() for p in model.parameters())
+        assert 5e7 < params < 4e9, (kind, params)  # real widths, few blocks: fits one GPU

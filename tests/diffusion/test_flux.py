@@ -20,6 +20,7 @@ from groupflow.diffusion.models import (
 )
 from groupflow.diffusion.samplers import sample_trajectory
 from groupflow.diffusion.schedule import flux_shift, sigma_schedule
+from tests.diffusion.kind_checks import check_objectives_train
 
 pytestmark = pytest.mark.slow  # importing diffusers takes 10-20 s on a shared CPU
 
@@ -180,3 +181,7 @@ def test_flux_config_shift_and_guidance(flux_dir):
         ConfigError, match="diffusion.model.guidance is for kind 'flux' or 'flux2', not 'sd3'"
     ):
         cfg({"kind": "sd3", "guidance": 5.0})
+
+
+def test_nft_awm_and_flow_dppo_train_it(flux_dir, tmp_path):
+    check_objectives_train("flux", flux_dir, SHAPE, tmp_path)

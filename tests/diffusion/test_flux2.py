@@ -23,6 +23,7 @@ from groupflow.diffusion.models import load_diffusers_model
 from groupflow.diffusion.schedule import flux2_shift
 from tests.diffusion.kind_checks import (
     check_grpo_step_and_resume,
+    check_objectives_train,
     check_sde_logprob,
     our_sigmas,
     scheduler_sigmas,
@@ -121,6 +122,10 @@ def test_bad_flux2_input_names_the_key(flux2_dir, tmp_path):
 
 def test_one_grpo_step_and_an_exact_resume(flux2_dir, tmp_path):
     check_grpo_step_and_resume("flux2", flux2_dir, SHAPE, tmp_path)
+
+
+def test_nft_awm_and_flow_dppo_train_it(flux2_dir, tmp_path):
+    check_objectives_train("flux2", flux2_dir, SHAPE, tmp_path)
 
 
 def test_flux2_config_shift_and_guidance(flux2_dir):

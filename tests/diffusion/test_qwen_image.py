@@ -18,6 +18,7 @@ from groupflow.diffusion.models import load_diffusers_model, pack_flux_latents, 
 from groupflow.diffusion.schedule import flux_shift
 from tests.diffusion.kind_checks import (
     check_grpo_step_and_resume,
+    check_objectives_train,
     check_sde_logprob,
     our_sigmas,
     scheduler_sigmas,
@@ -146,6 +147,10 @@ def test_bad_qwen_image_input_names_the_key(qwen_dir, tmp_path):
 
 def test_one_grpo_step_and_an_exact_resume(qwen_dir, tmp_path):
     check_grpo_step_and_resume("qwen_image", qwen_dir, SHAPE, tmp_path)
+
+
+def test_nft_awm_and_flow_dppo_train_it(qwen_dir, tmp_path):
+    check_objectives_train("qwen_image", qwen_dir, SHAPE, tmp_path)
 
 
 def test_qwen_image_config_shift_and_guidance(qwen_dir):

@@ -16,6 +16,7 @@ from groupflow.diffusion.kinds import default_shift, z_image_captions, z_image_i
 from groupflow.diffusion.models import load_diffusers_model
 from tests.diffusion.kind_checks import (
     check_grpo_step_and_resume,
+    check_objectives_train,
     check_sde_logprob,
     our_sigmas,
     scheduler_sigmas,
@@ -112,6 +113,10 @@ def test_bad_z_image_input_names_the_key(z_dir, tmp_path):
 
 def test_one_grpo_step_and_an_exact_resume(z_dir, tmp_path):
     check_grpo_step_and_resume("z_image", z_dir, SHAPE, tmp_path)
+
+
+def test_nft_awm_and_flow_dppo_train_it(z_dir, tmp_path):
+    check_objectives_train("z_image", z_dir, SHAPE, tmp_path)
 
 
 def test_z_image_config_shift(z_dir):

@@ -242,3 +242,29 @@ def test_rendered_blocks_fail_on_an_unknown_block_or_file():
     with pytest.raises(ValueError, match="no results file benchmarks/results/nope.json"):
         hooks.render_block("benchmarks:nope")
     assert hooks.render_block("recipes") == hooks.readme_results()
+
+
+def _kind_rows(text: str) -> list[str]:
+    """The first cells of a Markdown table whose first header cell names diffusion model kinds."""
+    rows, inside = [], False
+    for line in text.splitlines():
+        cells = (
+            [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        )
+        if cells and cells[0] in ("kind", "`diffusion.model.kind`"):
+            inside = True
+        elif inside and not cells:
+            break
+        elif inside and not set(cells[0]) <= {"-"}:
+            rows.append(cells[0].strip("`"))
+    return rows
+
+
+def test_the_kinds_tables_list_exactly_the_diffusion_model_kinds_the_config_takes():
+    import typing
+
+    from groupflow.config.diffusion import DiffusionModelConfig
+
+    kinds = list(typing.get_args(DiffusionModelConfig.model_fields["kind"].annotation))
+    assert _kind_rows((ROOT / "README.md").read_text()) == kinds
+    assert _kind_rows((ROOT / "docs" / "guides" / "diffusion.md").read_text()) == kinds

@@ -28,6 +28,10 @@ class DiffusionLoraConfig(_Section):
     target_modules: list[str] = Field(default_factory=lambda: ["conv1", "conv2"])
 
 
+# the kinds whose pipeline's VAE decodes through diffusion.model.vae_path (groupflow.diffusion.vaes)
+VAE_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
+
+
 class DiffusionModelConfig(_Section):
     """Where the flow-matching model comes from (a local directory or a Hub id)."""
 
@@ -48,20 +52,28 @@ class DiffusionModelConfig(_Section):
     # tiny with pretrain_if_missing: steps of flow-matching pre-training
     pretrain_steps: int = Field(default=600, ge=1)
     lora: DiffusionLoraConfig | None = None
-    # wan only: the pipeline's other parts (local diffusers folders). Without a text encoder,
-    # prompts get fixed random embeddings; without a VAE, images are latent previews.
+    # wan only: the pipeline's text encoder (local diffusers folders). Without one, prompts get
+    # fixed random embeddings.
     text_encoder_path: str | None = None  # UMT5 (`text_encoder/`)
     tokenizer_path: str | None = None  # default: `tokenizer/` beside the text encoder
     max_sequence_length: int = Field(default=512, ge=1)  # wan: text-encoder tokens per prompt
-    vae_path: str | None = None  # AutoencoderKLWan (`vae/`)
+    # the pipeline's VAE (its local `vae/` folder), decoding what the rewards score; without
+    # one, images are latent previews. wan: AutoencoderKLWan; flux, z_image: AutoencoderKL;
+    # qwen_image: AutoencoderKLQwenImage; flux2: AutoencoderKLFlux2
+    vae_path: str | None = None
 
     @model_validator(mode="after")
     def _shape(self):
-        parts = [k for k in ("text_encoder_path", "tokenizer_path", "vae_path") if getattr(self, k)]
+        parts = [k for k in ("text_encoder_path", "tokenizer_path") if getattr(self, k)]
         if parts and self.kind != "wan":
             raise ValueError(
                 f"diffusion.model.{parts[0]} is for kind 'wan' (the Wan pipeline's parts), "
                 f"not '{self.kind}'"
+            )
+        if self.vae_path and self.kind not in VAE_KINDS:
+            raise ValueError(
+                f"diffusion.model.vae_path is for kinds {', '.join(VAE_KINDS)} (their "
+                f"pipelines' VAEs), not '{self.kind}'"
             )
         if self.kind != "tiny" and self.latent_shape is None:
             raise ValueError(f"diffusion.model.latent_shape is required for kind '{self.kind}'")

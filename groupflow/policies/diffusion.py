@@ -34,7 +34,7 @@ from groupflow.batch import Batch
 from groupflow.config import Config, DiffusionConfig, TeacherConfig, present
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
-from groupflow.diffusion.encoders import WanTextEncoder, WanVaeDecoder
+from groupflow.diffusion.encoders import WanTextEncoder
 from groupflow.diffusion.kinds import default_shift
 from groupflow.diffusion.models import (
     check_teacher_model,
@@ -43,6 +43,7 @@ from groupflow.diffusion.models import (
     transformer_dir,
 )
 from groupflow.diffusion.pretrain import pretrain_tiny_model
+from groupflow.diffusion.vaes import load_vae_decoder
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport
 from groupflow.policies.base import Moved, RolloutView, published, transfer_weights
@@ -87,7 +88,7 @@ class FlowModelSpec:
                 self.parts.get("max_sequence_length", 512),
             )  # fmt: skip
         if self.parts.get("vae_path"):
-            decoder = WanVaeDecoder(self.parts["vae_path"])
+            decoder = load_vae_decoder(self.kind, self.parts["vae_path"])
         shape = present(self.latent_shape, "diffusion.model.latent_shape")
         return load_diffusers_model(
             self.path, self.kind, shape, encoder, decoder, empty=empty,

@@ -1,0 +1,164 @@
+"""The VAE decoders of the image kinds (FLUX.1, Z-Image, Qwen-Image, FLUX.2) behind ``decoder``.
+
+Design decision: the policy's latent is the kind's own layout (``groupflow.diffusion.kinds``), so
+each decoder takes exactly that latent and reproduces the lines its diffusers pipeline runs
+between the last denoising step and ``image_processor.postprocess`` — nothing more, so a rollout
+scores the image the real pipeline would produce. One class per family of math:
+
+- :class:`ScaledVaeDecoder` (``flux``, ``z_image``: ``AutoencoderKL``) — x / scaling_factor +
+  shift_factor, decode (FluxPipeline, ZImagePipeline).
+- :class:`QwenImageVaeDecoder` (``qwen_image``: ``AutoencoderKLQwenImage``) — a one-frame axis,
+  x·latents_std + latents_mean, decode, the frame dropped (QwenImagePipeline).
+- :class:`Flux2VaeDecoder` (``flux2``: ``AutoencoderKLFlux2``) — the policy latent is already the
+  2×2-patchified one: the VAE's batch-norm statistics undone (x·√(var + eps) + mean), the 2×2
+  patches unfolded, decode (Flux2Pipeline).
+
+Each maps the VAE's [−1, 1] to [0, 1] (``postprocess(output_type="pt")``) and exposes ``z_dim``,
+the policy-latent channels it decodes, which ``models.load_diffusers_model`` checks against
+``diffusion.model.latent_shape``. :func:`load_vae_decoder` picks the class by kind and refuses a
+folder holding another VAE class, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from groupflow.diffusion.encoders import WanVaeDecoder
+from groupflow.diffusion.models import ModelPathError
+
+__all__ = [
+    "VAE_CLASSES",
+    "ScaledVaeDecoder",
+    "QwenImageVaeDecoder",
+    "Flux2VaeDecoder",
+    "load_vae_decoder",
+    "unpatchify_flux2_latents",
+]
+
+KEY = "diffusion.model.vae_path"
+
+# kind -> the diffusers VAE class its pipeline decodes with
+VAE_CLASSES = {
+    "wan": "AutoencoderKLWan",
+    "flux": "AutoencoderKL",
+    "z_image": "AutoencoderKL",
+    "qwen_image": "AutoencoderKLQwenImage",
+    "flux2": "AutoencoderKLFlux2",
+}
+
+
+def _to_unit(image: Tensor) -> Tensor:
+    """[−1, 1] -> [0, 1] as ``VaeImageProcessor.postprocess`` does (its denormalize)."""
+    return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+def _vae_folder(path: str | Path, what: str = "VAE") -> Path:
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise ModelPathError(f"{KEY}: '{p}' is not a local {what} folder (no config.json)")
+    return p
+
+
+def _load(cls_name: str, path: str | Path, device: str) -> Any:
+    import diffusers
+
+    cls = getattr(diffusers, cls_name)
+    # Any: diffusers types from_pretrained's result so that .to() looks uncallable
+    vae: Any = cls.from_pretrained(str(_vae_folder(path)), local_files_only=True)
+    return vae.eval().requires_grad_(False).to(device)
+
+
+class ScaledVaeDecoder:
+    """``AutoencoderKL`` decode of [B, C, H, W] latents to images [B, 3, 8H, 8W] in [0, 1]."""
+
+    def __init__(self, path: str | Path, device: str = "cpu"):
+        self.vae = _load("AutoencoderKL", path, device)
+        c = self.vae.config
+        self.scale, self.shift = float(c.scaling_factor), float(c.shift_factor or 0.0)
+        self.z_dim, self.device = int(c.latent_channels), device
+
+    @torch.no_grad()
+    def __call__(self, x0: Tensor) -> Tensor:
+        z = x0 / self.scale + self.shift
+        image = self.vae.decode(z.to(self.device, self.vae.dtype), return_dict=False)[0]
+        return _to_unit(image).to(x0.device)
+
+
+class QwenImageVaeDecoder:
+    """``AutoencoderKLQwenImage`` decode of [B, C, H, W] latents (one frame) to [B, 3, 8H, 8W]."""
+
+    def __init__(self, path: str | Path, device: str = "cpu"):
+        self.vae = _load("AutoencoderKLQwenImage", path, device)
+        c = self.vae.config
+        shape = (1, c.z_dim, 1, 1, 1)
+        self.mean = torch.tensor(c.latents_mean, dtype=torch.float32).view(shape)
+        self.std = torch.tensor(c.latents_std, dtype=torch.float32).view(shape)
+        self.z_dim, self.device = int(c.z_dim), device
+
+    @torch.no_grad()
+    def __call__(self, x0: Tensor) -> Tensor:
+        z = x0.float()[:, :, None] * self.std.to(x0.device) + self.mean.to(x0.device)
+        video = self.vae.decode(z.to(self.device, self.vae.dtype), return_dict=False)[0]
+        return _to_unit(video[:, :, 0]).to(x0.device)
+
+
+def unpatchify_flux2_latents(x: Tensor) -> Tensor:
+    """[B, 4C, H, W] -> [B, C, 2H, 2W]: each position's channels unfolded into its 2×2 patch
+    (Flux2Pipeline._unpatchify_latents)."""
+    b, c, h, w = x.shape
+    x = x.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, c // 4, h * 2, w * 2)
+
+
+class Flux2VaeDecoder:
+    """``AutoencoderKLFlux2`` decode of the 2×2-patchified [B, 4C, H, W] latents to
+    [B, 3, 16H, 16W] in [0, 1]."""
+
+    def __init__(self, path: str | Path, device: str = "cpu"):
+        self.vae = _load("AutoencoderKLFlux2", path, device)
+        bn = self.vae.bn  # its running statistics normalise the patchified latent
+        self.mean = bn.running_mean.detach().float().view(1, -1, 1, 1).cpu()
+        var = bn.running_var.detach().float().view(1, -1, 1, 1).cpu()
+        self.std = torch.sqrt(var + self.vae.config.batch_norm_eps)
+        self.z_dim, self.device = int(bn.num_features), device
+
+    @torch.no_grad()
+    def __call__(self, x0: Tensor) -> Tensor:
+        z = x0.float() * self.std.to(x0.device) + self.mean.to(x0.device)
+        z = unpatchify_flux2_latents(z)
+        image = self.vae.decode(z.to(self.device, self.vae.dtype), return_dict=False)[0]
+        return _to_unit(image).to(x0.device)
+
+
+_DECODERS = {
+    "wan": WanVaeDecoder,
+    "flux": ScaledVaeDecoder,
+    "z_image": ScaledVaeDecoder,
+    "qwen_image": QwenImageVaeDecoder,
+    "flux2": Flux2VaeDecoder,
+}
+
+
+def load_vae_decoder(kind: str, path: str | Path, device: str = "cpu"):
+    """``kind``'s decoder from the local VAE folder ``path``; a folder holding another VAE class
+    than the kind's pipeline uses is an error naming both."""
+    if kind not in _DECODERS:
+        raise ValueError(f"{KEY}: kind '{kind}' has no VAE decoder; kinds with one: "
+                         f"{sorted(_DECODERS)}")  # fmt: skip
+    want = VAE_CLASSES[kind]
+    folder = _vae_folder(path, want)
+    try:
+        found = json.loads((folder / "config.json").read_text()).get("_class_name")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{KEY}: '{folder / 'config.json'}' is not valid JSON ({e})") from None
+    if found is not None and found != want:
+        raise ValueError(
+            f"{KEY}: '{folder}' holds a {found}, but diffusion.model.kind '{kind}' decodes with "
+            f"a {want}"
+        )
+    return _DECODERS[kind](folder, device=device)

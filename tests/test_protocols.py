@@ -81,7 +81,10 @@ IMPLEMENTATIONS: dict[str, list[str]] = {
     ],
     "groupflow.diffusion.models:PromptEncoder": [
         "groupflow.diffusion.models:HashPromptEncoder",
+        "groupflow.diffusion.models:MaskedHashPromptEncoder",
         "groupflow.diffusion.encoders:WanTextEncoder",
+        "groupflow.diffusion.text_encoders:FluxTextEncoder",
+        "groupflow.diffusion.text_encoders:ZImageTextEncoder",
     ],
     "groupflow.serve.access:Access": [
         "groupflow.serve.access:OpenAccess",

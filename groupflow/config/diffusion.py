@@ -30,6 +30,8 @@ class DiffusionLoraConfig(_Section):
 
 # the kinds whose pipeline's VAE decodes through diffusion.model.vae_path (groupflow.diffusion.vaes)
 VAE_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
+# ... and whose text encoder through text_encoder_path (groupflow.diffusion.text_encoders)
+TEXT_ENCODER_KINDS = ("wan", "flux", "z_image")
 
 
 class DiffusionModelConfig(_Section):
@@ -52,11 +54,16 @@ class DiffusionModelConfig(_Section):
     # tiny with pretrain_if_missing: steps of flow-matching pre-training
     pretrain_steps: int = Field(default=600, ge=1)
     lora: DiffusionLoraConfig | None = None
-    # wan only: the pipeline's text encoder (local diffusers folders). Without one, prompts get
-    # fixed random embeddings.
-    text_encoder_path: str | None = None  # UMT5 (`text_encoder/`)
+    # the pipeline's text encoder (a local diffusers folder), for kinds wan, flux and z_image;
+    # without one, prompts get fixed random embeddings. wan: UMT5 (`text_encoder/`); flux: CLIP
+    # (`text_encoder/`, its pooled output), with T5 in text_encoder_2_path; z_image: Qwen3
+    text_encoder_path: str | None = None
     tokenizer_path: str | None = None  # default: `tokenizer/` beside the text encoder
-    max_sequence_length: int = Field(default=512, ge=1)  # wan: text-encoder tokens per prompt
+    # flux only: FLUX.1's T5 encoder; default: `text_encoder_2/` beside text_encoder_path
+    text_encoder_2_path: str | None = None
+    tokenizer_2_path: str | None = None  # flux only; default: `tokenizer_2/` beside the T5
+    # text-encoder tokens per prompt (wan's UMT5, flux's T5, z_image's Qwen3)
+    max_sequence_length: int = Field(default=512, ge=1)
     # the pipeline's VAE (its local `vae/` folder), decoding what the rewards score; without
     # one, images are latent previews. wan: AutoencoderKLWan; flux, z_image: AutoencoderKL;
     # qwen_image: AutoencoderKLQwenImage; flux2: AutoencoderKLFlux2
@@ -65,10 +72,20 @@ class DiffusionModelConfig(_Section):
     @model_validator(mode="after")
     def _shape(self):
         parts = [k for k in ("text_encoder_path", "tokenizer_path") if getattr(self, k)]
-        if parts and self.kind != "wan":
+        if parts and self.kind not in TEXT_ENCODER_KINDS:
             raise ValueError(
-                f"diffusion.model.{parts[0]} is for kind 'wan' (the Wan pipeline's parts), "
-                f"not '{self.kind}'"
+                f"diffusion.model.{parts[0]} is for kinds {', '.join(TEXT_ENCODER_KINDS)} (their "
+                f"pipelines' text encoders), not '{self.kind}'"
+            )
+        flux = [k for k in ("text_encoder_2_path", "tokenizer_2_path") if getattr(self, k)]
+        if flux and self.kind != "flux":
+            raise ValueError(
+                f"diffusion.model.{flux[0]} is FLUX.1's T5 (kind 'flux'), not '{self.kind}'"
+            )
+        if flux and not self.text_encoder_path:
+            raise ValueError(
+                f"diffusion.model.{flux[0]} needs diffusion.model.text_encoder_path (CLIP): "
+                "FLUX.1 conditions on both"
             )
         if self.vae_path and self.kind not in VAE_KINDS:
             raise ValueError(

@@ -23,10 +23,11 @@ from torch import Tensor
 
 from groupflow.diffusion.models import ModelPathError
 
-__all__ = ["WanTextEncoder", "WanVaeDecoder", "clean_prompt"]
+__all__ = ["WanTextEncoder", "WanVaeDecoder", "clean_prompt", "local_folder"]
 
 
-def _folder(path: str | Path, what: str, key: str) -> Path:
+def local_folder(path: str | Path, what: str, key: str) -> Path:
+    """``path`` as a local model or tokenizer folder, or an error naming ``key``."""
     p = Path(path).expanduser()
     if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise ModelPathError(f"{key}: '{p}' is not a local {what} folder (no config.json)")
@@ -50,9 +51,9 @@ class WanTextEncoder:
     ):
         from transformers import AutoTokenizer, UMT5EncoderModel
 
-        path = _folder(path, "UMT5 text encoder", "diffusion.model.text_encoder_path")
+        path = local_folder(path, "UMT5 text encoder", "diffusion.model.text_encoder_path")
         tok = tokenizer_path or path.parent / "tokenizer"
-        tok = _folder(tok, "tokenizer", "diffusion.model.tokenizer_path")
+        tok = local_folder(tok, "tokenizer", "diffusion.model.tokenizer_path")
         # Any: transformers types from_pretrained's result so that .to() looks uncallable
         model: Any = UMT5EncoderModel.from_pretrained(str(path), local_files_only=True)
         self.model = model.eval().requires_grad_(False).to(device)
@@ -82,7 +83,7 @@ class WanVaeDecoder:
     def __init__(self, path: str | Path, device: str = "cpu"):
         from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
-        path = _folder(path, "AutoencoderKLWan", "diffusion.model.vae_path")
+        path = local_folder(path, "AutoencoderKLWan", "diffusion.model.vae_path")
         vae: Any = AutoencoderKLWan.from_pretrained(str(path), local_files_only=True)
         self.vae = vae.eval().requires_grad_(False).to(device)
         c = self.vae.config  # a FrozenDict with attribute access

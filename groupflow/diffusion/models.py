@@ -57,6 +57,7 @@ __all__ = [
     "DiffusersFlowModel",
     "check_latents",
     "check_latent_fits",
+    "check_text_widths",
     "check_teacher_model",
     "load_tiny_model",
     "save_tiny_model",
@@ -394,6 +395,26 @@ def _default_encoder(kind: str, c) -> PromptEncoder:
     return HashPromptEncoder(c.text_dim)
 
 
+# kind -> (the prompt encoder's attribute, the transformer config's field, the key naming it)
+_TEXT_WIDTHS = {
+    "wan": [("dim", "text_dim", "text_encoder_path")],
+    "flux": [("dim", "joint_attention_dim", "text_encoder_2_path"),
+             ("pooled_dim", "pooled_projection_dim", "text_encoder_path")],
+    "z_image": [("dim", "cap_feat_dim", "text_encoder_path")],
+}  # fmt: skip
+
+
+def check_text_widths(config, kind: str, encoder, path) -> None:
+    """Refuse a text encoder whose embeddings are not as wide as the transformer's text input."""
+    for attr, field, key in _TEXT_WIDTHS.get(kind, []):
+        want, got = getattr(config, field, None), getattr(encoder, attr, None)
+        if want is not None and got is not None and got != want:
+            raise ValueError(
+                f"diffusion.model.{key}: its embeddings have {got} features; the transformer at "
+                f"'{path}' takes {field}={want}"
+            )
+
+
 def load_diffusers_model(
     path: str | Path,
     kind: str,
@@ -434,13 +455,7 @@ def load_diffusers_model(
     if prompt_encoder is None:
         c = transformer.config
         prompt_encoder = _default_encoder(kind, c)
-    want = getattr(transformer.config, "text_dim", None)
-    got = getattr(prompt_encoder, "dim", None)
-    if kind == "wan" and want is not None and got is not None and got != want:
-        raise ValueError(
-            f"diffusion.model.text_encoder_path: its embeddings have {got} features; the "
-            f"transformer at '{path}' takes text_dim={want}"
-        )
+    check_text_widths(transformer.config, kind, prompt_encoder, path)
     z_dim = getattr(decoder, "z_dim", None)
     if z_dim is not None and z_dim != int(latent_shape[0]):
         raise ValueError(

@@ -34,7 +34,6 @@ from groupflow.batch import Batch
 from groupflow.config import Config, DiffusionConfig, TeacherConfig, present
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
-from groupflow.diffusion.encoders import WanTextEncoder
 from groupflow.diffusion.kinds import default_shift
 from groupflow.diffusion.models import (
     check_teacher_model,
@@ -43,6 +42,7 @@ from groupflow.diffusion.models import (
     transformer_dir,
 )
 from groupflow.diffusion.pretrain import pretrain_tiny_model
+from groupflow.diffusion.text_encoders import load_text_encoder
 from groupflow.diffusion.vaes import load_vae_decoder
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport
@@ -75,7 +75,7 @@ class FlowModelSpec:
         # weight reader (``weights=spec.path``) read
         self.path = path if kind == "tiny" else str(transformer_dir(path))
         self.kind, self.latent_shape = kind, latent_shape
-        self.parts = parts or {}  # text_encoder_path, tokenizer_path, max_sequence_length, vae_path
+        self.parts = parts or {}  # diffusion.model's text encoder / tokenizer / VAE keys
 
     def build(self, empty: bool = False):
         """``empty``: a diffusers transformer with meta parameters (for sharded loading)."""
@@ -83,10 +83,7 @@ class FlowModelSpec:
             return load_tiny_model(self.path)
         encoder = decoder = None
         if self.parts.get("text_encoder_path"):
-            encoder = WanTextEncoder(
-                self.parts["text_encoder_path"], self.parts.get("tokenizer_path"),
-                self.parts.get("max_sequence_length", 512),
-            )  # fmt: skip
+            encoder = load_text_encoder(self.kind, self.parts)
         if self.parts.get("vae_path"):
             decoder = load_vae_decoder(self.kind, self.parts["vae_path"])
         shape = present(self.latent_shape, "diffusion.model.latent_shape")
@@ -173,6 +170,8 @@ class DiffusionPolicy:
             include={
                 "text_encoder_path",
                 "tokenizer_path",
+                "text_encoder_2_path",
+                "tokenizer_2_path",
                 "max_sequence_length",
                 "vae_path",
                 "guidance",

@@ -10,7 +10,6 @@ unpacking helpers, the lines of its ``__call__`` between the last step and ``pos
 import pytest
 import torch
 
-from groupflow.diffusion.kinds import pack_flux_latents
 from groupflow.policies.diffusion import FlowModelSpec
 
 pytestmark = pytest.mark.slow  # importing diffusers takes 10-20 s on a shared CPU
@@ -190,4 +189,3 @@ def test_a_vae_of_another_class_or_width_names_the_key(vaes, transformers_, tmp_
         ModelPathError, match="diffusion.model.vae_path: .* is not a local AutoencoderKLFlux2"
     ):
         build("flux2", tmp_path / "missing")
-

@@ -1,0 +1,164 @@
+"""The image kinds' text encoders (FLUX.1, Z-Image) behind the FlowModel's PromptEncoder slot.
+
+Design decision: as with Wan's (``groupflow.diffusion.encoders``), each class loads the
+pipeline's text encoder and tokenizer from LOCAL diffusers-layout folders and reproduces the
+pipeline's ``encode_prompt`` on them, returning the per-sample tensors the kind's transformer
+call (``groupflow.diffusion.kinds``) reads. A condition must split and concatenate like any Batch
+entry, so where the pipeline's captions vary in length (Z-Image) they are padded to
+``max_sequence_length`` tokens with a mask, which the kind's call strips again. The
+unconditional input is the empty prompt, encoded like any other (the pipelines' default negative
+prompt).
+
+- :class:`FluxTextEncoder` (``flux``: FluxPipeline) — T5's last hidden state over the prompt
+  padded/truncated to ``max_sequence_length`` tokens, no attention mask and no zeroing
+  (``_get_t5_prompt_embeds``), and CLIP's pooled output over ``model_max_length`` tokens
+  (``_get_clip_prompt_embeds``): ``encoder_hidden_states`` [B, L, d_T5] and
+  ``pooled_projections`` [B, d_CLIP]. CLIP is ``text_encoder_path`` (``text_encoder/``), T5
+  ``text_encoder_2_path`` (default ``text_encoder_2/`` beside it), each tokenizer beside its
+  encoder unless given.
+- :class:`ZImageTextEncoder` (``z_image``: ZImagePipeline) — the prompt in the tokenizer's chat
+  template (a user turn, the generation prompt, thinking enabled), padded/truncated to
+  ``max_sequence_length`` tokens, the causal LM's second-to-last hidden state at the real tokens
+  (``_encode_prompt``): ``encoder_hidden_states`` [B, L, D] (zero past each caption) and
+  ``encoder_hidden_states_mask`` [B, L].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from groupflow.diffusion.encoders import WanTextEncoder, local_folder
+
+__all__ = ["FluxTextEncoder", "ZImageTextEncoder", "TEXT_ENCODER_KINDS", "load_text_encoder"]
+
+TEXT_ENCODER_KINDS = ("wan", "flux", "z_image")  # the kinds whose text encoder is wired
+
+
+def _frozen(model: Any, device: str) -> Any:
+    return model.eval().requires_grad_(False).to(device)
+
+
+def _tokenizer(path: str | Path | None, beside: Path, name: str, key: str):
+    from transformers import AutoTokenizer
+
+    folder = local_folder(path or beside.parent / name, "tokenizer", key)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+class FluxTextEncoder:
+    """FLUX.1's T5 sequence and CLIP pooled embeddings, as FluxPipeline.encode_prompt."""
+
+    def __init__(
+        self,
+        clip_path: str | Path,
+        t5_path: str | Path | None = None,
+        tokenizer_path: str | Path | None = None,
+        tokenizer_2_path: str | Path | None = None,
+        max_sequence_length: int = 512,
+        device: str = "cpu",
+    ):
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        clip = local_folder(clip_path, "CLIP text encoder", "diffusion.model.text_encoder_path")
+        t5 = local_folder(t5_path or clip.parent / "text_encoder_2", "T5 text encoder",
+                     "diffusion.model.text_encoder_2_path")  # fmt: skip
+        self.clip = _frozen(CLIPTextModel.from_pretrained(str(clip), local_files_only=True), device)
+        self.t5 = _frozen(T5EncoderModel.from_pretrained(str(t5), local_files_only=True), device)
+        self.clip_tokenizer = _tokenizer(tokenizer_path, clip, "tokenizer",
+                                         "diffusion.model.tokenizer_path")  # fmt: skip
+        self.t5_tokenizer = _tokenizer(tokenizer_2_path, t5, "tokenizer_2",
+                                       "diffusion.model.tokenizer_2_path")  # fmt: skip
+        self.max_len, self.device = max_sequence_length, device
+        self.dim, self.pooled_dim = self.t5.config.d_model, self.clip.config.hidden_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        prompts = list(prompts)
+        clip_ids = self.clip_tokenizer(
+            prompts, padding="max_length", max_length=self.clip_tokenizer.model_max_length,
+            truncation=True, return_tensors="pt",
+        ).input_ids  # fmt: skip
+        pooled = self.clip(clip_ids.to(self.device), output_hidden_states=False).pooler_output
+        t5_ids = self.t5_tokenizer(
+            prompts, padding="max_length", max_length=self.max_len, truncation=True,
+            return_tensors="pt",
+        ).input_ids  # fmt: skip
+        hidden = self.t5(t5_ids.to(self.device), output_hidden_states=False)[0]
+        return {
+            "encoder_hidden_states": hidden.float().cpu(),
+            "pooled_projections": pooled.float().cpu(),
+        }
+
+    def null(self, n: int) -> dict[str, Tensor]:
+        return self([""] * n)
+
+
+class ZImageTextEncoder:
+    """Z-Image's chat-templated Qwen3 captions (hidden_states[-2] at the real tokens), padded to
+    ``max_sequence_length`` with a mask, as ZImagePipeline._encode_prompt."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer_path: str | Path | None = None,
+        max_sequence_length: int = 512,
+        device: str = "cpu",
+    ):
+        from transformers import AutoModel
+
+        path = local_folder(path, "Qwen3 text encoder", "diffusion.model.text_encoder_path")
+        self.model = _frozen(AutoModel.from_pretrained(str(path), local_files_only=True), device)
+        self.tokenizer = _tokenizer(tokenizer_path, path, "tokenizer",
+                                    "diffusion.model.tokenizer_path")  # fmt: skip
+        self.max_len, self.device = max_sequence_length, device
+        self.dim = self.model.config.hidden_size
+
+    def _template(self, prompt: str) -> str:
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True,
+            enable_thinking=True,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        t = self.tokenizer(
+            [self._template(p) for p in prompts], padding="max_length", max_length=self.max_len,
+            truncation=True, return_tensors="pt",
+        )  # fmt: skip
+        mask = t.attention_mask.bool()
+        out = self.model(
+            input_ids=t.input_ids.to(self.device), attention_mask=mask.to(self.device),
+            output_hidden_states=True,
+        )  # fmt: skip
+        hidden = out.hidden_states[-2].float().cpu()
+        # the pipeline keeps only the real tokens: the rest is zero here and masked out
+        return {
+            "encoder_hidden_states": hidden * mask[:, :, None],
+            "encoder_hidden_states_mask": mask.long(),
+        }
+
+    def null(self, n: int) -> dict[str, Tensor]:
+        return self([""] * n)
+
+
+def load_text_encoder(kind: str, parts: dict):
+    """``kind``'s text encoder from ``diffusion.model``'s part keys (``parts``)."""
+    length = parts.get("max_sequence_length", 512)
+    path, tokenizer = parts["text_encoder_path"], parts.get("tokenizer_path")
+    if kind == "wan":
+        return WanTextEncoder(path, tokenizer, length)
+    if kind == "flux":
+        return FluxTextEncoder(
+            path, parts.get("text_encoder_2_path"), tokenizer, parts.get("tokenizer_2_path"), length
+        )
+    if kind == "z_image":
+        return ZImageTextEncoder(path, tokenizer, length)
+    raise ValueError(
+        f"diffusion.model.text_encoder_path: kind '{kind}' has no text encoder wired; kinds with "
+        f"one: {', '.join(TEXT_ENCODER_KINDS)}"
+    )

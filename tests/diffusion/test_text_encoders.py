@@ -1,0 +1,194 @@
+"""FLUX.1's and Z-Image's text encoders (groupflow.diffusion.text_encoders) against their pipelines.
+
+Tiny random CLIP + T5 (FLUX.1) and Qwen3 (Z-Image) models and word-level tokenizers are saved in
+the pipelines' folder layout; each encoder's output is compared with the pipeline's own
+``encode_prompt``, the pipeline object built with only those parts."""
+
+import pytest
+import torch
+
+from groupflow.diffusion.kinds import z_image_captions
+from groupflow.policies.diffusion import FlowModelSpec
+
+pytestmark = pytest.mark.slow  # transformers' and diffusers' imports dominate; the models are tiny
+
+WORDS = ["a", "cat", "dog", "dancing", "on", "stage", "red", "car"]
+PROMPTS = ["a cat dancing", "red car on a stage dancing dog cat a cat"]  # the second truncates
+# Qwen3's chat template cut down to what ZImagePipeline asks of it (enable_thinking visible)
+CHAT = ("{% for m in messages %}start {{ m['role'] }} {{ m['content'] }} end {% endfor %}"
+        "{% if add_generation_prompt %}start assistant{% if enable_thinking %} think{% endif %}"
+        "{% endif %}")  # fmt: skip
+
+
+def _tokenizer(path, specials, template, chat_template=None, max_length=None):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = specials + WORDS + ["start", "end", "user", "assistant", "think"]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[-1]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if template:
+        tok.post_processor = processors.TemplateProcessing(
+            single=template, special_tokens=[(s, vocab[s]) for s in specials if s in template]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=specials[0], eos_token=specials[1], unk_token=specials[-1],
+        model_max_length=max_length or 10**6, chat_template=chat_template,
+    )  # fmt: skip
+    fast.save_pretrained(path)
+    return len(vocab)
+
+
+def flux_parts(root, t5_dim=16, clip_dim=8):
+    """``text_encoder/`` (CLIP), ``tokenizer/``, ``text_encoder_2/`` (T5), ``tokenizer_2/``."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    n = _tokenizer(root / "tokenizer", ["<pad>", "<eot>", "<sot>", "<unk>"], "<sot> $A <eot>",
+                   max_length=6)  # CLIP's model_max_length (77 in FLUX.1) shrunk  # fmt: skip
+    torch.manual_seed(0)
+    CLIPTextModel(CLIPTextConfig(
+        vocab_size=n, hidden_size=clip_dim, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=6, eos_token_id=1, pad_token_id=0,
+    )).save_pretrained(root / "text_encoder")  # fmt: skip
+    n = _tokenizer(root / "tokenizer_2", ["<pad>", "</s>", "<unk>"], "$A </s>")
+    T5EncoderModel(
+        T5Config(vocab_size=n, d_model=t5_dim, d_kv=4, num_heads=2, num_layers=1, d_ff=16)
+    ).save_pretrained(root / "text_encoder_2")
+    return root / "text_encoder"
+
+
+def z_image_parts(root, dim=16):
+    """``text_encoder/`` (a Qwen3 causal LM, as Z-Image-Turbo's) and ``tokenizer/``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    n = _tokenizer(root / "tokenizer", ["<pad>", "<eos>", "<unk>"], None, chat_template=CHAT)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=n, hidden_size=dim, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+    )).save_pretrained(root / "text_encoder")  # fmt: skip
+    return root / "text_encoder"
+
+
+def test_flux_embeddings_are_the_pipelines(tmp_path):
+    from diffusers import FluxPipeline
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    from groupflow.diffusion.text_encoders import FluxTextEncoder
+
+    torch.set_num_threads(1)
+    clip = flux_parts(tmp_path)
+    enc = FluxTextEncoder(clip, max_sequence_length=8)
+    out = enc(PROMPTS)
+    pipe = FluxPipeline(
+        None, None, CLIPTextModel.from_pretrained(clip), AutoTokenizer.from_pretrained(tmp_path / "tokenizer"),
+        T5EncoderModel.from_pretrained(tmp_path / "text_encoder_2"),
+        AutoTokenizer.from_pretrained(tmp_path / "tokenizer_2"), None,
+    )  # fmt: skip
+    with torch.no_grad():
+        hidden, pooled, _ = pipe.encode_prompt(PROMPTS, None, torch.device("cpu"),
+                                               max_sequence_length=8)  # fmt: skip
+        null = pipe.encode_prompt(["", ""], None, torch.device("cpu"), max_sequence_length=8)
+    assert out["encoder_hidden_states"].shape == (2, 8, 16) and out["pooled_projections"].shape == (
+        2,
+        8,
+    )
+    assert torch.allclose(out["encoder_hidden_states"], hidden, atol=1e-6)
+    assert torch.allclose(out["pooled_projections"], pooled, atol=1e-6)
+    assert not torch.allclose(pooled[0], pooled[1])  # CLIP sees the prompts
+    assert torch.allclose(enc.null(2)["encoder_hidden_states"], null[0], atol=1e-6)
+    assert torch.allclose(enc.null(2)["pooled_projections"], null[1], atol=1e-6)
+
+
+def test_z_image_captions_are_the_pipelines(tmp_path):
+    from diffusers import ZImagePipeline
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from groupflow.diffusion.text_encoders import ZImageTextEncoder
+
+    torch.set_num_threads(1)
+    path = z_image_parts(tmp_path)
+    enc = ZImageTextEncoder(path, max_sequence_length=12)
+    out = enc(PROMPTS)
+    pipe = ZImagePipeline(None, None, Qwen3ForCausalLM.from_pretrained(path),
+                          AutoTokenizer.from_pretrained(tmp_path / "tokenizer"), None)  # fmt: skip
+    with torch.no_grad():
+        want, negative = pipe.encode_prompt(list(PROMPTS), torch.device("cpu"),
+                                            max_sequence_length=12)  # fmt: skip
+    mask = out["encoder_hidden_states_mask"]
+    assert out["encoder_hidden_states"].shape == (2, 12, 16)
+    assert mask.sum(1).tolist() == [9, 12]  # "start user a cat dancing end start assistant think"
+    got = z_image_captions(out["encoder_hidden_states"], mask)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5)
+    null = enc.null(2)
+    for g, w in zip(z_image_captions(null["encoder_hidden_states"], null["encoder_hidden_states_mask"]), negative, strict=True):  # fmt: skip
+        assert torch.allclose(g, w, atol=1e-5)
+    assert bool((out["encoder_hidden_states"][0, 9:] == 0).all())
+
+
+def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key(tmp_path):
+    from diffusers import FluxTransformer2DModel, ZImageTransformer2DModel
+
+    from groupflow.diffusion.models import ModelPathError
+    from tests.diffusion.test_flux import TINY_FLUX
+    from tests.diffusion.test_z_image import TINY_Z_IMAGE
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    FluxTransformer2DModel(**TINY_FLUX).save_pretrained(tmp_path / "flux")
+    ZImageTransformer2DModel(**TINY_Z_IMAGE).save_pretrained(tmp_path / "z_image")
+    clip = flux_parts(tmp_path / "flux_parts")
+    spec = FlowModelSpec(
+        "flux", str(tmp_path / "flux"), [4, 8, 8], {"text_encoder_path": str(clip)}
+    )
+    model = spec.build()
+    cond = model.encode(PROMPTS)
+    with torch.no_grad():
+        assert model(torch.randn(2, 4, 8, 8), torch.tensor([0.5, 0.7]), cond).shape == (2, 4, 8, 8)
+    qwen3 = z_image_parts(tmp_path / "z_parts")
+    parts = {"text_encoder_path": str(qwen3), "max_sequence_length": 12}
+    model = FlowModelSpec("z_image", str(tmp_path / "z_image"), [4, 8, 8], parts).build()
+    with torch.no_grad():
+        v = model(torch.randn(2, 4, 8, 8), torch.tensor([0.5, 0.7]), model.encode(PROMPTS))
+    assert v.shape == (2, 4, 8, 8)
+
+    wide = flux_parts(tmp_path / "wide", clip_dim=12)
+    with pytest.raises(ValueError, match="text_encoder_path: its embeddings have 12 features; .* "
+                       "pooled_projection_dim=8"):  # fmt: skip
+        FlowModelSpec(
+            "flux", str(tmp_path / "flux"), [4, 8, 8], {"text_encoder_path": str(wide)}
+        ).build()
+    wide = flux_parts(tmp_path / "wide_t5", t5_dim=24)
+    with pytest.raises(ValueError, match="text_encoder_2_path: its embeddings have 24 features; "
+                       ".* joint_attention_dim=16"):  # fmt: skip
+        FlowModelSpec(
+            "flux", str(tmp_path / "flux"), [4, 8, 8], {"text_encoder_path": str(wide)}
+        ).build()
+    wide = z_image_parts(tmp_path / "wide_z", dim=24)
+    with pytest.raises(
+        ValueError, match="text_encoder_path: its embeddings have 24 .* cap_feat_dim=16"
+    ):
+        FlowModelSpec(
+            "z_image", str(tmp_path / "z_image"), [4, 8, 8], {"text_encoder_path": str(wide)}
+        ).build()
+    parts = {"text_encoder_path": str(clip), "text_encoder_2_path": str(tmp_path)}
+    with pytest.raises(ModelPathError, match="text_encoder_2_path: .* not a local T5 text encoder"):
+        FlowModelSpec("flux", str(tmp_path / "flux"), [4, 8, 8], parts).build()
+
+
+@pytest.mark.parametrize(
+    "keys,message",
+    [
+        ({"kind": "qwen_image", "text_encoder_path": "t"}, "text_encoder_path is for kinds wan, flux, z_image .*not 'qwen_image'"),
+        ({"kind": "wan", "text_encoder_2_path": "t", "text_encoder_path": "c"}, "text_encoder_2_path is FLUX.1's T5 .*not 'wan'"),
+        ({"kind": "flux", "tokenizer_2_path": "t"}, "tokenizer_2_path needs diffusion.model.text_encoder_path"),
+        ({"kind": "sd3", "vae_path": "v"}, "vae_path is for kinds wan, flux, qwen_image, z_image, flux2 .*not 'sd3'"),
+    ],
+)  # fmt: skip
+def test_part_keys_of_another_kind_are_refused_naming_them(keys, message):
+    from groupflow.config.diffusion import DiffusionModelConfig
+
+    with pytest.raises(ValueError, match=message):
+        DiffusionModelConfig(path="m", latent_shape=[4, 8, 8], **keys)

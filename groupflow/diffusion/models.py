@@ -400,6 +400,7 @@ _TEXT_WIDTHS = {
     "wan": [("dim", "text_dim", "text_encoder_path")],
     "flux": [("dim", "joint_attention_dim", "text_encoder_2_path"),
              ("pooled_dim", "pooled_projection_dim", "text_encoder_path")],
+    "qwen_image": [("dim", "joint_attention_dim", "text_encoder_path")],
     "z_image": [("dim", "cap_feat_dim", "text_encoder_path")],
 }  # fmt: skip
 

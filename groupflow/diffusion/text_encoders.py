@@ -1,10 +1,10 @@
-"""The image kinds' text encoders (FLUX.1, Z-Image) behind the FlowModel's PromptEncoder slot.
+"""The image kinds' text encoders (FLUX.1, Qwen-Image, Z-Image) behind the PromptEncoder slot.
 
 Design decision: as with Wan's (``groupflow.diffusion.encoders``), each class loads the
 pipeline's text encoder and tokenizer from LOCAL diffusers-layout folders and reproduces the
 pipeline's ``encode_prompt`` on them, returning the per-sample tensors the kind's transformer
 call (``groupflow.diffusion.kinds``) reads. A condition must split and concatenate like any Batch
-entry, so where the pipeline's captions vary in length (Z-Image) they are padded to
+entry, so where the pipeline's captions vary in length (Qwen-Image, Z-Image) they are padded to
 ``max_sequence_length`` tokens with a mask, which the kind's call strips again. The
 unconditional input is the empty prompt, encoded like any other (the pipelines' default negative
 prompt).
@@ -16,6 +16,12 @@ prompt).
   ``pooled_projections`` [B, d_CLIP]. CLIP is ``text_encoder_path`` (``text_encoder/``), T5
   ``text_encoder_2_path`` (default ``text_encoder_2/`` beside it), each tokenizer beside its
   encoder unless given.
+- :class:`QwenImageTextEncoder` (``qwen_image``: QwenImagePipeline) — the prompt in the
+  pipeline's system/user template, Qwen2.5-VL's last hidden state at the real tokens with the
+  template's first 34 dropped, at most ``max_sequence_length`` (≤ 1024) of them
+  (``_get_qwen_prompt_embeds``, ``encode_prompt``): ``encoder_hidden_states`` [B, L, D] and
+  ``encoder_hidden_states_mask`` [B, L]. A longer padding than the pipeline's batch-longest one
+  changes nothing: the model is causal and the transformer masks the padding.
 - :class:`ZImageTextEncoder` (``z_image``: ZImagePipeline) — the prompt in the tokenizer's chat
   template (a user turn, the generation prompt, thinking enabled), padded/truncated to
   ``max_sequence_length`` tokens, the causal LM's second-to-last hidden state at the real tokens
@@ -34,9 +40,20 @@ from torch import Tensor
 
 from groupflow.diffusion.encoders import WanTextEncoder, local_folder
 
-__all__ = ["FluxTextEncoder", "ZImageTextEncoder", "TEXT_ENCODER_KINDS", "load_text_encoder"]
+__all__ = [
+    "FluxTextEncoder",
+    "QwenImageTextEncoder",
+    "ZImageTextEncoder",
+    "TEXT_ENCODER_KINDS",
+    "load_text_encoder",
+]
 
-TEXT_ENCODER_KINDS = ("wan", "flux", "z_image")  # the kinds whose text encoder is wired
+TEXT_ENCODER_KINDS = (
+    "wan",
+    "flux",
+    "qwen_image",
+    "z_image",
+)  # the kinds whose text encoder is wired
 
 
 def _frozen(model: Any, device: str) -> Any:
@@ -146,6 +163,64 @@ class ZImageTextEncoder:
         return self([""] * n)
 
 
+# QwenImagePipeline's prompt template and the count of its leading tokens it drops (the system
+# turn and the user turn's opening), and the most caption tokens it keeps
+QWEN_IMAGE_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN_IMAGE_DROP = 34
+QWEN_IMAGE_MAX_TOKENS = 1024
+
+
+class QwenImageTextEncoder:
+    """Qwen-Image's templated Qwen2.5-VL captions (the last hidden state at the real tokens, the
+    template's first 34 dropped), padded to ``max_sequence_length`` with a mask, as
+    QwenImagePipeline._get_qwen_prompt_embeds and encode_prompt."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer_path: str | Path | None = None,
+        max_sequence_length: int = 512,
+        device: str = "cpu",
+    ):
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        path = local_folder(path, "Qwen2.5-VL text encoder", "diffusion.model.text_encoder_path")
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), local_files_only=True)
+        self.model = _frozen(model, device)
+        self.tokenizer = _tokenizer(tokenizer_path, path, "tokenizer",
+                                    "diffusion.model.tokenizer_path")  # fmt: skip
+        self.max_len, self.device = min(max_sequence_length, QWEN_IMAGE_MAX_TOKENS), device
+        config = self.model.config
+        self.dim = getattr(config, "text_config", config).hidden_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        # A causal model: truncating after a caption's first max_len tokens (the pipeline cuts
+        # its embeddings there) leaves those tokens' hidden states as they were.
+        t = self.tokenizer(
+            [QWEN_IMAGE_TEMPLATE.format(p) for p in prompts], padding="max_length",
+            max_length=self.max_len + QWEN_IMAGE_DROP, truncation=True, return_tensors="pt",
+        )  # fmt: skip
+        out = self.model(
+            input_ids=t.input_ids.to(self.device), attention_mask=t.attention_mask.to(self.device),
+            output_hidden_states=True,
+        )  # fmt: skip
+        last, keep = out.hidden_states[-1].float().cpu(), t.attention_mask.bool()
+        hidden = torch.zeros(len(prompts), self.max_len, last.shape[-1])
+        mask = torch.zeros(len(prompts), self.max_len, dtype=torch.long)
+        for i, (h, m) in enumerate(zip(last, keep, strict=True)):
+            caption = h[m][QWEN_IMAGE_DROP:]
+            hidden[i, : len(caption)], mask[i, : len(caption)] = caption, 1
+        return {"encoder_hidden_states": hidden, "encoder_hidden_states_mask": mask}
+
+    def null(self, n: int) -> dict[str, Tensor]:
+        return self([""] * n)
+
+
 def load_text_encoder(kind: str, parts: dict):
     """``kind``'s text encoder from ``diffusion.model``'s part keys (``parts``)."""
     length = parts.get("max_sequence_length", 512)
@@ -158,6 +233,8 @@ def load_text_encoder(kind: str, parts: dict):
         )
     if kind == "z_image":
         return ZImageTextEncoder(path, tokenizer, length)
+    if kind == "qwen_image":
+        return QwenImageTextEncoder(path, tokenizer, length)
     raise ValueError(
         f"diffusion.model.text_encoder_path: kind '{kind}' has no text encoder wired; kinds with "
         f"one: {', '.join(TEXT_ENCODER_KINDS)}"

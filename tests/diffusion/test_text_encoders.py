@@ -71,6 +71,24 @@ def z_image_parts(root, dim=16):
     return root / "text_encoder"
 
 
+def qwen_image_parts(root, dim=16):
+    """``text_encoder/`` (a Qwen2.5-VL, as Qwen-Image's, vision tower included) and
+    ``tokenizer/``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    n = _tokenizer(root / "tokenizer", ["<pad>", "<eos>", "<unk>"], None)
+    torch.manual_seed(0)
+    text = {"vocab_size": n, "hidden_size": dim, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2,
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, dim // 8]}}  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+              "out_hidden_size": dim, "fullatt_block_indexes": [0]}  # fmt: skip
+    Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    ).save_pretrained(root / "text_encoder")
+    return root / "text_encoder"
+
+
 def test_flux_embeddings_are_the_pipelines(tmp_path):
     from diffusers import FluxPipeline
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
@@ -128,17 +146,53 @@ def test_z_image_captions_are_the_pipelines(tmp_path):
     assert bool((out["encoder_hidden_states"][0, 9:] == 0).all())
 
 
+def test_qwen_image_embeddings_and_mask_are_the_pipelines(tmp_path):
+    from diffusers import QwenImagePipeline
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from groupflow.diffusion.text_encoders import QWEN_IMAGE_DROP, QwenImageTextEncoder
+
+    torch.set_num_threads(1)
+    path = qwen_image_parts(tmp_path)
+    enc = QwenImageTextEncoder(path, max_sequence_length=16)
+    out = enc(PROMPTS)
+    pipe = QwenImagePipeline(None, None, Qwen2_5_VLForConditionalGeneration.from_pretrained(path),
+                             AutoTokenizer.from_pretrained(tmp_path / "tokenizer"), None)  # fmt: skip
+    # the template's leading tokens under this tokenizer: what is left after the drop is ours
+    assert len(pipe.tokenizer(pipe.prompt_template_encode.format("")).input_ids) > QWEN_IMAGE_DROP
+    with torch.no_grad():
+        want, want_mask = pipe.encode_prompt(list(PROMPTS), torch.device("cpu"),
+                                             max_sequence_length=16)  # fmt: skip
+        null, _ = pipe.encode_prompt(["", ""], torch.device("cpu"), max_sequence_length=16)
+    assert out["encoder_hidden_states"].shape == (2, 16, 16)
+    mask = out["encoder_hidden_states_mask"]
+    assert mask.sum(1)[0] < 16 and mask.sum(1)[1] == 16  # the second prompt is truncated
+    assert torch.equal(mask[:, : want.shape[1]], want_mask.long())
+    assert torch.allclose(out["encoder_hidden_states"][:, : want.shape[1]], want, atol=1e-5)
+    assert bool((out["encoder_hidden_states"][mask == 0] == 0).all())
+    short = enc.null(2)
+    n = null.shape[1]
+    assert torch.allclose(short["encoder_hidden_states"][:, :n], null, atol=1e-5)
+    assert int(short["encoder_hidden_states_mask"].sum()) == 2 * n
+
+
 def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key(tmp_path):
-    from diffusers import FluxTransformer2DModel, ZImageTransformer2DModel
+    from diffusers import (
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+        ZImageTransformer2DModel,
+    )
 
     from groupflow.diffusion.models import ModelPathError
     from tests.diffusion.test_flux import TINY_FLUX
+    from tests.diffusion.test_qwen_image import TINY_QWEN_IMAGE
     from tests.diffusion.test_z_image import TINY_Z_IMAGE
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     FluxTransformer2DModel(**TINY_FLUX).save_pretrained(tmp_path / "flux")
     ZImageTransformer2DModel(**TINY_Z_IMAGE).save_pretrained(tmp_path / "z_image")
+    QwenImageTransformer2DModel(**TINY_QWEN_IMAGE).save_pretrained(tmp_path / "qwen_image")
     clip = flux_parts(tmp_path / "flux_parts")
     spec = FlowModelSpec(
         "flux", str(tmp_path / "flux"), [4, 8, 8], {"text_encoder_path": str(clip)}
@@ -153,6 +207,19 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
     with torch.no_grad():
         v = model(torch.randn(2, 4, 8, 8), torch.tensor([0.5, 0.7]), model.encode(PROMPTS))
     assert v.shape == (2, 4, 8, 8)
+    qwen = qwen_image_parts(tmp_path / "q_parts")
+    parts = {"text_encoder_path": str(qwen), "max_sequence_length": 16}
+    model = FlowModelSpec("qwen_image", str(tmp_path / "qwen_image"), [4, 8, 8], parts).build()
+    cond, x, sigma = (
+        model.encode(["a cat", "dog"]),
+        torch.randn(2, 4, 8, 8),
+        torch.tensor([0.5, 0.7]),
+    )
+    n = int(cond["encoder_hidden_states_mask"].sum(1).max())  # the pipeline pads to the longest
+    short = {k: v[:, :n] for k, v in cond.items()}
+    with torch.no_grad():
+        v = model(x, sigma, cond)
+        assert n < 16 and torch.allclose(v, model(x, sigma, short), atol=1e-5)  # padding is inert
 
     wide = flux_parts(tmp_path / "wide", clip_dim=12)
     with pytest.raises(ValueError, match="text_encoder_path: its embeddings have 12 features; .* "
@@ -173,6 +240,11 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
         FlowModelSpec(
             "z_image", str(tmp_path / "z_image"), [4, 8, 8], {"text_encoder_path": str(wide)}
         ).build()
+    wide = qwen_image_parts(tmp_path / "wide_q", dim=24)
+    with pytest.raises(ValueError, match="text_encoder_path: .* 24 .* joint_attention_dim=16"):
+        FlowModelSpec(
+            "qwen_image", str(tmp_path / "qwen_image"), [4, 8, 8], {"text_encoder_path": str(wide)}
+        ).build()
     parts = {"text_encoder_path": str(clip), "text_encoder_2_path": str(tmp_path)}
     with pytest.raises(ModelPathError, match="text_encoder_2_path: .* not a local T5 text encoder"):
         FlowModelSpec("flux", str(tmp_path / "flux"), [4, 8, 8], parts).build()
@@ -181,7 +253,7 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
 @pytest.mark.parametrize(
     "keys,message",
     [
-        ({"kind": "qwen_image", "text_encoder_path": "t"}, "text_encoder_path is for kinds wan, flux, z_image .*not 'qwen_image'"),
+        ({"kind": "flux2", "text_encoder_path": "t"}, "text_encoder_path is for kinds wan, flux, qwen_image, z_image .*not 'flux2'"),
         ({"kind": "wan", "text_encoder_2_path": "t", "text_encoder_path": "c"}, "text_encoder_2_path is FLUX.1's T5 .*not 'wan'"),
         ({"kind": "flux", "tokenizer_2_path": "t"}, "tokenizer_2_path needs diffusion.model.text_encoder_path"),
         ({"kind": "sd3", "vae_path": "v"}, "vae_path is for kinds wan, flux, qwen_image, z_image, flux2 .*not 'sd3'"),

@@ -84,6 +84,7 @@ IMPLEMENTATIONS: dict[str, list[str]] = {
         "groupflow.diffusion.models:MaskedHashPromptEncoder",
         "groupflow.diffusion.encoders:WanTextEncoder",
         "groupflow.diffusion.text_encoders:FluxTextEncoder",
+        "groupflow.diffusion.text_encoders:Flux2TextEncoder",
         "groupflow.diffusion.text_encoders:QwenImageTextEncoder",
         "groupflow.diffusion.text_encoders:ZImageTextEncoder",
     ],

@@ -31,7 +31,7 @@ class DiffusionLoraConfig(_Section):
 # the kinds whose pipeline's VAE decodes through diffusion.model.vae_path (groupflow.diffusion.vaes)
 VAE_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
 # ... and whose text encoder through text_encoder_path (groupflow.diffusion.text_encoders)
-TEXT_ENCODER_KINDS = ("wan", "flux", "qwen_image", "z_image")
+TEXT_ENCODER_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
 
 
 class DiffusionModelConfig(_Section):
@@ -55,16 +55,16 @@ class DiffusionModelConfig(_Section):
     pretrain_steps: int = Field(default=600, ge=1)
     lora: DiffusionLoraConfig | None = None
     # the pipeline's text encoder (its local `text_encoder/` folder), for kinds wan, flux,
-    # qwen_image and z_image; without one, prompts get fixed random embeddings. wan: UMT5; flux:
-    # CLIP (its pooled output), with T5 in text_encoder_2_path; qwen_image: Qwen2.5-VL; z_image:
-    # Qwen3
+    # qwen_image, z_image and flux2; without one, prompts get fixed random embeddings. wan: UMT5;
+    # flux: CLIP (its pooled output), with T5 in text_encoder_2_path; qwen_image: Qwen2.5-VL;
+    # z_image: Qwen3; flux2: Mistral3 (dev) or Qwen3 (klein)
     text_encoder_path: str | None = None
     tokenizer_path: str | None = None  # default: `tokenizer/` beside the text encoder
     # flux only: FLUX.1's T5 encoder; default: `text_encoder_2/` beside text_encoder_path
     text_encoder_2_path: str | None = None
     tokenizer_2_path: str | None = None  # flux only; default: `tokenizer_2/` beside the T5
-    # text-encoder tokens per prompt, every prompt padded to them (wan's UMT5, flux's T5,
-    # z_image's Qwen3; qwen_image: caption tokens after its template, at most 1024)
+    # text-encoder tokens per prompt, every prompt padded to them (wan, flux's T5, z_image,
+    # flux2; qwen_image: caption tokens after its template, at most 1024)
     max_sequence_length: int = Field(default=512, ge=1)
     # the pipeline's VAE (its local `vae/` folder), decoding what the rewards score; without
     # one, images are latent previews. wan: AutoencoderKLWan; flux, z_image: AutoencoderKL;

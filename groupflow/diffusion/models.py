@@ -402,6 +402,7 @@ _TEXT_WIDTHS = {
              ("pooled_dim", "pooled_projection_dim", "text_encoder_path")],
     "qwen_image": [("dim", "joint_attention_dim", "text_encoder_path")],
     "z_image": [("dim", "cap_feat_dim", "text_encoder_path")],
+    "flux2": [("dim", "joint_attention_dim", "text_encoder_path")],
 }  # fmt: skip
 
 

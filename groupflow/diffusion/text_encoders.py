@@ -1,4 +1,4 @@
-"""The image kinds' text encoders (FLUX.1, Qwen-Image, Z-Image) behind the PromptEncoder slot.
+"""The image kinds' text encoders (FLUX.1, Qwen-Image, Z-Image, FLUX.2) behind PromptEncoder.
 
 Design decision: as with Wan's (``groupflow.diffusion.encoders``), each class loads the
 pipeline's text encoder and tokenizer from LOCAL diffusers-layout folders and reproduces the
@@ -27,6 +27,11 @@ prompt).
   ``max_sequence_length`` tokens, the causal LM's second-to-last hidden state at the real tokens
   (``_encode_prompt``): ``encoder_hidden_states`` [B, L, D] (zero past each caption) and
   ``encoder_hidden_states_mask`` [B, L].
+- :class:`Flux2TextEncoder` (``flux2``: Flux2Pipeline, Flux2KleinPipeline) — three of the
+  language model's hidden states concatenated per token over the prompt padded/truncated to
+  ``max_sequence_length`` tokens, no mask (dev: Mistral3, layers 10/20/30, the system message
+  and the prompt through the Pixtral processor's chat template; klein: Qwen3, layers 9/18/27, a
+  user turn with thinking off): ``encoder_hidden_states`` [B, L, 3·D].
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch import Tensor
 from groupflow.diffusion.encoders import WanTextEncoder, local_folder
 
 __all__ = [
+    "Flux2TextEncoder",
     "FluxTextEncoder",
     "QwenImageTextEncoder",
     "ZImageTextEncoder",
@@ -221,6 +227,84 @@ class QwenImageTextEncoder:
         return self([""] * n)
 
 
+# the hidden states Flux2Pipeline (Mistral3) and Flux2KleinPipeline (Qwen3) concatenate
+FLUX2_LAYERS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
+
+
+class Flux2TextEncoder:
+    """FLUX.2's text embeddings: three hidden states of its language model concatenated per
+    token over the prompt padded/truncated to ``max_sequence_length`` tokens, as
+    Flux2Pipeline._get_mistral_3_small_prompt_embeds (dev: Mistral3, the system message and the
+    prompt through the processor's chat template) or Flux2KleinPipeline._get_qwen3_prompt_embeds
+    (klein: Qwen3, a user turn with thinking off). The model class is the one its config names."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer_path: str | Path | None = None,
+        max_sequence_length: int = 512,
+        device: str = "cpu",
+    ):
+        import transformers
+
+        path = local_folder(path, "FLUX.2 text encoder", "diffusion.model.text_encoder_path")
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if config.model_type not in FLUX2_LAYERS:
+            raise ValueError(
+                f"diffusion.model.text_encoder_path: '{path}' holds a {config.model_type} model; "
+                f"FLUX.2's text encoder is {' or '.join(FLUX2_LAYERS)} (dev or klein)"
+            )
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        self.layers = FLUX2_LAYERS[config.model_type]
+        self.mistral, self.system = config.model_type == "mistral3", SYSTEM_MESSAGE
+        cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
+        model = cls.from_pretrained(str(path), local_files_only=True)
+        self.model = _frozen(model, device)
+        tok = local_folder(tokenizer_path or path.parent / "tokenizer", "tokenizer",
+                           "diffusion.model.tokenizer_path")  # fmt: skip
+        # dev's tokenizer/ is a Pixtral processor (AutoProcessor, as the pipeline loads it)
+        self.tokenizer = transformers.AutoProcessor.from_pretrained(str(tok), local_files_only=True)
+        self.max_len, self.device = max_sequence_length, device
+        width = getattr(config, "text_config", config).hidden_size
+        self.dim = len(self.layers) * width
+
+    def _tokens(self, prompts: list[str]):
+        pad = {"padding": "max_length", "truncation": True, "max_length": self.max_len,
+               "return_tensors": "pt"}  # fmt: skip
+        if self.mistral:
+            system = {"role": "system", "content": [{"type": "text", "text": self.system}]}
+            batch = [
+                [system, {"role": "user", "content": [{"type": "text", "text": p}]}]
+                for p in (p.replace("[IMG]", "") for p in prompts)  # as the pipeline's format_input
+            ]
+            return self.tokenizer.apply_chat_template(
+                batch, add_generation_prompt=False, tokenize=True, return_dict=True, **pad
+            )
+        texts = [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                enable_thinking=False,
+            )
+            for p in prompts
+        ]  # fmt: skip
+        return self.tokenizer(texts, **pad)
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        t = self._tokens(list(prompts))
+        out = self.model(
+            input_ids=t["input_ids"].to(self.device),
+            attention_mask=t["attention_mask"].to(self.device), output_hidden_states=True,
+            use_cache=False,
+        )  # fmt: skip
+        hidden = torch.cat([out.hidden_states[k] for k in self.layers], dim=-1)  # per token
+        return {"encoder_hidden_states": hidden.float().cpu()}
+
+    def null(self, n: int) -> dict[str, Tensor]:
+        return self([""] * n)
+
+
 def load_text_encoder(kind: str, parts: dict):
     """``kind``'s text encoder from ``diffusion.model``'s part keys (``parts``)."""
     length = parts.get("max_sequence_length", 512)
@@ -235,6 +319,8 @@ def load_text_encoder(kind: str, parts: dict):
         return ZImageTextEncoder(path, tokenizer, length)
     if kind == "qwen_image":
         return QwenImageTextEncoder(path, tokenizer, length)
+    if kind == "flux2":
+        return Flux2TextEncoder(path, tokenizer, length)
     raise ValueError(
         f"diffusion.model.text_encoder_path: kind '{kind}' has no text encoder wired; kinds with "
         f"one: {', '.join(TEXT_ENCODER_KINDS)}"

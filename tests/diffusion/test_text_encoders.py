@@ -89,6 +89,40 @@ def qwen_image_parts(root, dim=16):
     return root / "text_encoder"
 
 
+# Mistral's chat template cut down to text parts (what Flux2Pipeline's format_input makes)
+MISTRAL_CHAT = ("{% for m in messages %}start {{ m['role'] }} {% for c in m['content'] %}"
+                "{{ c['text'] }}{% endfor %} end {% endfor %}")  # fmt: skip
+
+
+def flux2_parts(root, dim=8, klein=False):
+    """``text_encoder/`` (FLUX.2-dev's Mistral3 with a Pixtral tower, or klein's Qwen3 causal LM;
+    31 / 28 layers so the pipeline's hidden-state indices exist) and ``tokenizer/``."""
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    n = _tokenizer(root / "tokenizer", ["<pad>", "<eos>", "<unk>"], None,
+                   chat_template=CHAT if klein else MISTRAL_CHAT)  # fmt: skip
+    torch.manual_seed(0)
+    text = {"vocab_size": n, "hidden_size": dim, "intermediate_size": 16, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 4}  # fmt: skip
+    if klein:
+        model = Qwen3ForCausalLM(Qwen3Config(**text, num_hidden_layers=28))
+    else:
+        vision = {"model_type": "pixtral", "hidden_size": 8, "intermediate_size": 16,
+                  "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 4,
+                  "image_size": 16, "patch_size": 4}  # fmt: skip
+        text = {**text, "model_type": "mistral", "num_hidden_layers": 30}
+        model = Mistral3ForConditionalGeneration(
+            Mistral3Config(text_config=text, vision_config=vision)
+        )
+    model.save_pretrained(root / "text_encoder")
+    return root / "text_encoder"
+
+
 def test_flux_embeddings_are_the_pipelines(tmp_path):
     from diffusers import FluxPipeline
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
@@ -176,8 +210,36 @@ def test_qwen_image_embeddings_and_mask_are_the_pipelines(tmp_path):
     assert int(short["encoder_hidden_states_mask"].sum()) == 2 * n
 
 
+@pytest.mark.parametrize("klein", [False, True], ids=["dev-mistral3", "klein-qwen3"])
+def test_flux2_embeddings_are_the_pipelines(tmp_path, klein):
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
+    from transformers import (
+        AutoProcessor,
+        Mistral3ForConditionalGeneration,
+        Qwen3ForCausalLM,
+    )
+
+    from groupflow.diffusion.text_encoders import Flux2TextEncoder
+
+    torch.set_num_threads(1)
+    path = flux2_parts(tmp_path, klein=klein)
+    enc = Flux2TextEncoder(path, max_sequence_length=48)
+    out = enc(PROMPTS)
+    cls = (Qwen3ForCausalLM if klein else Mistral3ForConditionalGeneration).from_pretrained(path)
+    tokenizer = AutoProcessor.from_pretrained(tmp_path / "tokenizer")
+    pipe = (Flux2KleinPipeline if klein else Flux2Pipeline)(None, None, cls, tokenizer, None)
+    with torch.no_grad():
+        want, _ = pipe.encode_prompt(list(PROMPTS), torch.device("cpu"), max_sequence_length=48)
+        null, _ = pipe.encode_prompt(["", ""], torch.device("cpu"), max_sequence_length=48)
+    assert out["encoder_hidden_states"].shape == (2, 48, 24) and enc.dim == 24
+    assert torch.allclose(out["encoder_hidden_states"], want, atol=1e-5)
+    assert not torch.allclose(want[0], want[1])  # the prompts are inside the 48 tokens
+    assert torch.allclose(enc.null(2)["encoder_hidden_states"], null, atol=1e-5)
+
+
 def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key(tmp_path):
     from diffusers import (
+        Flux2Transformer2DModel,
         FluxTransformer2DModel,
         QwenImageTransformer2DModel,
         ZImageTransformer2DModel,
@@ -185,6 +247,7 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
 
     from groupflow.diffusion.models import ModelPathError
     from tests.diffusion.test_flux import TINY_FLUX
+    from tests.diffusion.test_flux2 import TINY_FLUX2
     from tests.diffusion.test_qwen_image import TINY_QWEN_IMAGE
     from tests.diffusion.test_z_image import TINY_Z_IMAGE
 
@@ -221,6 +284,28 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
         v = model(x, sigma, cond)
         assert n < 16 and torch.allclose(v, model(x, sigma, short), atol=1e-5)  # padding is inert
 
+    Flux2Transformer2DModel(**{**TINY_FLUX2, "joint_attention_dim": 24}).save_pretrained(
+        tmp_path / "flux2"
+    )  # three 8-wide hidden states per token
+    parts = {
+        "text_encoder_path": str(flux2_parts(tmp_path / "f2_parts")),
+        "max_sequence_length": 48,
+    }
+    model = FlowModelSpec("flux2", str(tmp_path / "flux2"), [16, 4, 4], parts).build()
+    with torch.no_grad():
+        v = model(torch.randn(2, 16, 4, 4), torch.tensor([0.5, 0.7]), model.encode(PROMPTS))
+    assert v.shape == (2, 16, 4, 4) and bool(v.isfinite().all())
+    parts = {"text_encoder_path": str(flux2_parts(tmp_path / "f2_wide", dim=4))}
+    with pytest.raises(
+        ValueError, match="text_encoder_path: .* 12 features; .* joint_attention_dim=24"
+    ):
+        FlowModelSpec("flux2", str(tmp_path / "flux2"), [16, 4, 4], parts).build()
+    with pytest.raises(
+        ValueError, match="text_encoder_path: .* holds a t5 model; FLUX.2's text encoder"
+    ):
+        FlowModelSpec("flux2", str(tmp_path / "flux2"), [16, 4, 4],
+                      {"text_encoder_path": str(clip.parent / "text_encoder_2")}).build()  # fmt: skip
+
     wide = flux_parts(tmp_path / "wide", clip_dim=12)
     with pytest.raises(ValueError, match="text_encoder_path: its embeddings have 12 features; .* "
                        "pooled_projection_dim=8"):  # fmt: skip
@@ -253,7 +338,7 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
 @pytest.mark.parametrize(
     "keys,message",
     [
-        ({"kind": "flux2", "text_encoder_path": "t"}, "text_encoder_path is for kinds wan, flux, qwen_image, z_image .*not 'flux2'"),
+        ({"kind": "sd3", "text_encoder_path": "t"}, "text_encoder_path is for kinds wan, flux, qwen_image, z_image, flux2 .*not 'sd3'"),
         ({"kind": "wan", "text_encoder_2_path": "t", "text_encoder_path": "c"}, "text_encoder_2_path is FLUX.1's T5 .*not 'wan'"),
         ({"kind": "flux", "tokenizer_2_path": "t"}, "tokenizer_2_path needs diffusion.model.text_encoder_path"),
         ({"kind": "sd3", "vae_path": "v"}, "vae_path is for kinds wan, flux, qwen_image, z_image, flux2 .*not 'sd3'"),

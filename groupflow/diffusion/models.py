@@ -17,12 +17,13 @@ images, ``(C, F, H, W)`` for video.
   ``Flux2Transformer2DModel`` (``flux2``, FLUX.2 dev / klein). Each is called exactly as its
   diffusers pipeline calls it — latent packing, position ids, timestep scale, text masks,
   guidance embedding — by ``groupflow.diffusion.kinds``, so the policy keeps seeing
-  [B, C, H, W] and a velocity ε − x0. Text encoders are outside this repo's CPU scope: a
-  :class:`PromptEncoder` turns prompts into the transformer's conditioning tensors;
-  :class:`HashPromptEncoder` gives fixed random embeddings per prompt (tests, label-like prompts)
-  and :class:`MaskedHashPromptEncoder` the same with a text mask of a per-prompt length (the kinds
-  whose transformer takes a mask or variable-length captions); real pipelines pass their text
-  encoder through the same interface, and a VAE decoder through ``decoder``.
+  [B, C, H, W] and a velocity ε − x0. A :class:`PromptEncoder` turns prompts into the
+  transformer's conditioning tensors: the pipeline's own text encoder
+  (``groupflow.diffusion.encoders`` / ``text_encoders``), or without one
+  :class:`HashPromptEncoder`'s fixed random embeddings per prompt (tests, label-like prompts) and
+  :class:`MaskedHashPromptEncoder`'s, the same with a text mask of a per-prompt length (the kinds
+  whose transformer takes a mask or variable-length captions); the pipeline's VAE comes through
+  ``decoder`` (``groupflow.diffusion.vaes``).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ __all__ = [
     "ScaledVaeDecoder",
     "QwenImageVaeDecoder",
     "Flux2VaeDecoder",
+    "check_vae_folder",
     "load_vae_decoder",
     "unpatchify_flux2_latents",
 ]
@@ -144,9 +145,10 @@ _DECODERS = {
 }
 
 
-def load_vae_decoder(kind: str, path: str | Path, device: str = "cpu"):
-    """``kind``'s decoder from the local VAE folder ``path``; a folder holding another VAE class
-    than the kind's pipeline uses is an error naming both."""
+def check_vae_folder(kind: str, path: str | Path) -> Path:
+    """``path`` as a local folder of the VAE class ``kind``'s pipeline decodes with, reading only
+    its ``config.json`` (the policy checks this before any worker starts); another class is an
+    error naming both."""
     if kind not in _DECODERS:
         raise ValueError(f"{KEY}: kind '{kind}' has no VAE decoder; kinds with one: "
                          f"{sorted(_DECODERS)}")  # fmt: skip
@@ -161,4 +163,9 @@ def load_vae_decoder(kind: str, path: str | Path, device: str = "cpu"):
             f"{KEY}: '{folder}' holds a {found}, but diffusion.model.kind '{kind}' decodes with "
             f"a {want}"
         )
-    return _DECODERS[kind](folder, device=device)
+    return folder
+
+
+def load_vae_decoder(kind: str, path: str | Path, device: str = "cpu"):
+    """``kind``'s decoder from the local VAE folder ``path`` (:func:`check_vae_folder`)."""
+    return _DECODERS[kind](check_vae_folder(kind, path), device=device)

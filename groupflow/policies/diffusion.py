@@ -43,7 +43,7 @@ from groupflow.diffusion.models import (
 )
 from groupflow.diffusion.pretrain import pretrain_tiny_model
 from groupflow.diffusion.text_encoders import load_text_encoder
-from groupflow.diffusion.vaes import load_vae_decoder
+from groupflow.diffusion.vaes import check_vae_folder, load_vae_decoder
 from groupflow.diffusion.worker import COND_PREFIX, DiffusionSettings, DiffusionWorker
 from groupflow.distributed.transport import DriverTransport
 from groupflow.policies.base import Moved, RolloutView, published, transfer_weights
@@ -179,6 +179,8 @@ class DiffusionPolicy:
         )
         spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape, parts)
         settings = settings_from_config(d, cfg.algorithm.adv_clip_max, cfg.teacher)
+        if d.model.vae_path:  # a VAE of another class fails here, not in every worker
+            check_vae_folder(d.model.kind, d.model.vae_path)
         teacher_spec = None
         if cfg.teacher is not None:  # same kind and text encoder: one conditioning contract
             check_teacher_model(cfg.teacher.path, d.model.path, d.model.kind)

@@ -189,3 +189,45 @@ def test_a_vae_of_another_class_or_width_names_the_key(vaes, transformers_, tmp_
         ModelPathError, match="diffusion.model.vae_path: .* is not a local AutoencoderKLFlux2"
     ):
         build("flux2", tmp_path / "missing")
+
+
+def _trainer_config(tmp_path, kind, model_dir, vae):
+    import json
+
+    from groupflow.config import config_from_dict
+
+    tmp_path.mkdir(exist_ok=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
+    return config_from_dict({
+        "run": {"name": "vae", "output_dir": str(tmp_path), "seed": 0, "total_steps": 1,
+                "loggers": [], "num_threads": 1},
+        "diffusion": {"model": {"kind": kind, "path": str(model_dir),
+                                "latent_shape": list(SHAPES[kind]), "vae_path": str(vae)},
+                      "num_steps": 2, "timestep_fraction": 1.0, "save_images": False},
+        "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 2},
+        "validation": {"every_steps": 0},
+        "actor": {"lr": 1e-3},
+        "reward": {"functions": [{"name": "brightness"}]},
+    })  # fmt: skip
+
+
+def test_a_grpo_step_scores_the_decoded_images_and_a_wrong_vae_fails_before_the_workers(
+    vaes, transformers_, tmp_path
+):
+    import math
+
+    from groupflow.run.tracking import read_metrics
+    from groupflow.trainer import Trainer
+
+    torch.set_num_threads(1)
+    with pytest.raises(ValueError, match="holds a AutoencoderKLQwenImage, but .*'flux' decodes"):
+        Trainer(
+            _trainer_config(tmp_path / "bad", "flux", transformers_["flux"], vaes["qwen_image"])
+        )
+    trainer = Trainer(_trainer_config(tmp_path, "flux", transformers_["flux"], vaes["flux"]))
+    trainer.fit()
+    rows = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "actor/loss" in r]
+    assert len(rows) == 1 and math.isfinite(rows[0]["actor/loss"])
+    assert 0 < rows[0]["reward/mean"] < 1  # the brightness of decoded [0, 1] images

@@ -54,12 +54,8 @@ __all__ = [
     "load_text_encoder",
 ]
 
-TEXT_ENCODER_KINDS = (
-    "wan",
-    "flux",
-    "qwen_image",
-    "z_image",
-)  # the kinds whose text encoder is wired
+# the kinds whose text encoder is wired (config.diffusion.TEXT_ENCODER_KINDS says the same)
+TEXT_ENCODER_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
 
 
 def _frozen(model: Any, device: str) -> Any:
@@ -89,7 +85,7 @@ class FluxTextEncoder:
 
         clip = local_folder(clip_path, "CLIP text encoder", "diffusion.model.text_encoder_path")
         t5 = local_folder(t5_path or clip.parent / "text_encoder_2", "T5 text encoder",
-                     "diffusion.model.text_encoder_2_path")  # fmt: skip
+                          "diffusion.model.text_encoder_2_path")  # fmt: skip
         self.clip = _frozen(CLIPTextModel.from_pretrained(str(clip), local_files_only=True), device)
         self.t5 = _frozen(T5EncoderModel.from_pretrained(str(t5), local_files_only=True), device)
         self.clip_tokenizer = _tokenizer(tokenizer_path, clip, "tokenizer",

@@ -349,3 +349,13 @@ def test_part_keys_of_another_kind_are_refused_naming_them(keys, message):
 
     with pytest.raises(ValueError, match=message):
         DiffusionModelConfig(path="m", latent_shape=[4, 8, 8], **keys)
+
+
+def test_the_configs_kind_lists_are_the_wired_ones():
+    from groupflow.config.diffusion import TEXT_ENCODER_KINDS, VAE_KINDS
+    from groupflow.diffusion import text_encoders, vaes
+
+    assert TEXT_ENCODER_KINDS == text_encoders.TEXT_ENCODER_KINDS
+    assert set(VAE_KINDS) == set(vaes.VAE_CLASSES)
+    with pytest.raises(ValueError, match="text_encoder_path: kind 'sd3' has no text encoder"):
+        text_encoders.load_text_encoder("sd3", {"text_encoder_path": "t"})

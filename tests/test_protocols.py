@@ -81,6 +81,7 @@ IMPLEMENTATIONS: dict[str, list[str]] = {
     ],
     "groupflow.diffusion.models:PromptEncoder": [
         "groupflow.diffusion.models:HashPromptEncoder",
+        "groupflow.diffusion.models:MaskedHashPromptEncoder",
         "groupflow.diffusion.encoders:WanTextEncoder",
     ],
     "groupflow.serve.access:Access": [

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from groupflow.diffusion.sharding import (
     materialise_shards,
 )
 from groupflow.distributed.parallel import cpu_offload_policy, is_distributed, shard
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 __all__ = [
     "LORA_INIT_SEED",
@@ -61,13 +64,13 @@ def meta_init(spec, settings: DiffusionSettings, world_size: int) -> bool:
 @dataclass
 class WorkerModels:
     flow: nn.Module  # the trained FlowModel (adapters injected in place)
-    peft: nn.Module | None  # its PeftModel with LoRA: disable_adapter() is the reference
+    peft: PeftModel | None  # with LoRA: its disable_adapter() is the reference
     ref: nn.Module | None  # a frozen copy (KL without LoRA)
     old: nn.Module | None  # DiffusionNFT's EMA sampling copy
     sharded: bool
 
 
-def lora_adapters(model: nn.Module, lora: dict) -> nn.Module:
+def lora_adapters(model: nn.Module, lora: dict) -> PeftModel:
     """Inject LoRA into ``model`` in place (peft; rank, alpha, target modules from ``lora``) and
     return the PeftModel. The random init comes from :data:`LORA_INIT_SEED`: every rank (replica
     or shard) and every run starts alike. On a meta-built model the adapters come out real, with

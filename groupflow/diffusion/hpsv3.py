@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,9 @@ from torch import Tensor, nn
 from groupflow.diffusion.sharding import empty_parameters
 from groupflow.rewards.errors import RewardConfigError
 from groupflow.utils.safe_state import load_torch_weights_only
+
+if TYPE_CHECKING:
+    from transformers import Qwen2VLTextConfig
 
 __all__ = [
     "PIXELS",
@@ -243,7 +247,10 @@ class _ReferenceVisionRotary(nn.Module):
 
     def __init__(self, rope: nn.Module, dtype: torch.dtype):
         super().__init__()
-        self.rope, self.dtype = rope, dtype
+        # transformers' vision rotary: nn.Module's __getattr__ types its inv_freq buffer and its
+        # recomposition_frequencies method as Tensor | Module
+        self.rope: Any = rope
+        self.dtype = dtype
         rope.inv_freq = rope.inv_freq.to(dtype)
 
     def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -294,22 +301,28 @@ class HPSv3Scorer:
         if REWARD_TOKEN not in self.tokenizer.get_vocab():  # HPSv3 adds it, as we do
             self.tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
         self.reward_id = self.tokenizer.convert_tokens_to_ids(REWARD_TOKEN)
-        self.images = AutoImageProcessor.from_pretrained(base, local_files_only=True)
+        # Qwen2-VL's image processor (transformers types from_pretrained's result as a tuple)
+        self.images: Any = AutoImageProcessor.from_pretrained(base, local_files_only=True)
         config = Qwen2VLConfig.from_pretrained(base, local_files_only=True)
+        # the text sub-config, typed dict | PreTrainedConfig | None: its __init__ made it one
+        text_config = cast("Qwen2VLTextConfig", config.text_config)
         embed = state.get("backbone.language_model.embed_tokens.weight")
         if embed is not None:  # HPSv3 resized the vocabulary after adding <|Reward|>
-            config.text_config.vocab_size = embed.shape[0]
-        if self.reward_id >= config.text_config.vocab_size:
+            text_config.vocab_size = embed.shape[0]
+        if self.reward_id >= text_config.vocab_size:
             raise RewardConfigError(
                 f"hpsv3: the tokenizer in '{base}' gives {REWARD_TOKEN} the id {self.reward_id}, "
-                f"beyond the {config.text_config.vocab_size} embeddings of '{file}'"
+                f"beyond the {text_config.vocab_size} embeddings of '{file}'"
             )
         config._attn_implementation = "sdpa"
         with empty_parameters():  # no random 7B init: the checkpoint fills every parameter
-            model = _RewardModel(Qwen2VLModel(config), config.text_config.hidden_size)
+            backbone = Qwen2VLModel(config)
+            model = _RewardModel(backbone, text_config.hidden_size)
         _check_tensors(model, state, file, base)
         model.load_state_dict(state, strict=True, assign=True)
-        dtype = model.backbone.get_input_embeddings().weight.dtype  # the checkpoint's
+        # the checkpoint's dtype (the input embeddings are an nn.Embedding, typed nn.Module)
+        embeddings = cast(nn.Embedding, backbone.get_input_embeddings())
+        dtype = embeddings.weight.dtype
         round_rotary_like_reference(model.backbone, dtype)
         model.head.float()  # fp32 head, as HPSv3 keeps it
         self.model = model.eval().to(device)
@@ -324,7 +337,7 @@ class HPSv3Scorer:
         for img in images:
             pil = Image.fromarray(img.permute(1, 2, 0).mul(255).round().byte().cpu().numpy())
             h, w = smart_resize(pil.height, pil.width)
-            pils.append(pil.resize((w, h), Image.BICUBIC))
+            pils.append(pil.resize((w, h), Image.Resampling.BICUBIC))
         vision = self.images(images=pils, return_tensors="pt")
         counts = (vision["image_grid_thw"].prod(-1) // self.merge**2).tolist()
         texts = [conversation(p).replace(IMAGE_PAD, IMAGE_PAD * n) for p, n in zip(prompts, counts)]

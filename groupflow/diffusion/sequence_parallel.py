@@ -29,6 +29,8 @@ trains, are neither.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +41,10 @@ from groupflow.distributed.ulysses import (
     gather_heads,
     gather_sequence,
 )
+
+if TYPE_CHECKING:
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.transformers.transformer_wan import WanAttention
 
 __all__ = ["UlyssesWanProcessor", "UlyssesJointProcessor", "enable_ulysses"]
 
@@ -61,7 +67,7 @@ class UlyssesWanProcessor:
 
     def __call__(
         self,
-        attn: nn.Module,
+        attn: WanAttention,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -74,7 +80,10 @@ class UlyssesWanProcessor:
                 "parallel.sequence_parallel: image-conditioned (I2V) Wan attention is not supported"
             )
         self_attention = encoder_hidden_states is None
-        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        # diffusers types encoder_hidden_states as a Tensor; None (self-attention) is its default
+        query, key, value = _get_qkv_projections(
+            attn, hidden_states, cast(torch.Tensor, encoder_hidden_states)
+        )
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
@@ -100,13 +109,13 @@ class UlyssesJointProcessor:
     def __init__(self, sp: SequenceGroup):
         self.sp = sp
 
-    def _heads(self, attn: nn.Module, x: torch.Tensor, proj: str, norm: str | None):
+    def _heads(self, attn: Attention, x: torch.Tensor, proj: str, norm: str | None):
         out = getattr(attn, proj)(x)
         out = out.view(x.shape[0], -1, attn.heads, out.shape[-1] // attn.heads)  # [B, S, H, D]
-        norm = getattr(attn, norm) if norm else None
-        return out if norm is None else norm(out)  # the norms act on the head dimension
+        layer = getattr(attn, norm) if norm else None
+        return out if layer is None else layer(out)  # the norms act on the head dimension
 
-    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor,
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None, attention_mask=None,
                  *args, **kwargs):  # fmt: skip
         sp = self.sp
@@ -127,11 +136,13 @@ class UlyssesJointProcessor:
                                              v.transpose(1, 2)).transpose(1, 2)  # fmt: skip
         out = out.to(q.dtype)
         img = all_to_all(out[:, :image], sp, scatter_dim=1, gather_dim=2).flatten(2, 3)
+        assert attn.to_out is not None, "SD3's attentions project their image tokens out"
         img = attn.to_out[1](attn.to_out[0](img))
         if text is None:
             return img
         txt = gather_heads(out[:, image:], sp, dim=2).flatten(2, 3)
         if not attn.context_pre_only:
+            assert attn.to_add_out is not None, "a joint attention that is not context_pre_only"
             txt = attn.to_add_out(txt)
         return img, txt
 
@@ -151,12 +162,15 @@ def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
     sequence parallel over ``sp``, in place: every forward is then a collective of the group,
     whose members pass the same inputs."""
     kind = type(transformer).__name__
+    # diffusers' Wan or SD3 transformer, its submodules read by name (nn.Module's __getattr__
+    # types each as Tensor | Module)
+    model: Any = transformer
     if kind not in ("WanTransformer3DModel", "SD3Transformer2DModel"):
         raise ValueError(
             "parallel.sequence_parallel for diffusion is implemented for the Wan and SD3 "
             f"transformers (diffusion.model.kind wan / sd3), not {kind}"
         )
-    heads = transformer.config.num_attention_heads
+    heads = model.config.num_attention_heads
     if heads % sp.size:
         raise ValueError(
             f"parallel.sequence_parallel={sp.size} must divide the transformer's {heads} heads"
@@ -165,16 +179,16 @@ def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
     def tokens_gather(_module, _args, out):
         return gather_sequence(out, sp, dim=1)
 
-    transformer.proj_out.register_forward_hook(tokens_gather)
+    model.proj_out.register_forward_hook(tokens_gather)
     if kind == "SD3Transformer2DModel":
-        for block in transformer.transformer_blocks:
+        for block in model.transformer_blocks:
             for attn in (block.attn, getattr(block, "attn2", None)):
                 if attn is not None:
                     attn.set_processor(UlyssesJointProcessor(sp))
         # patch tokens (positions added) → this rank's slice
-        transformer.pos_embed.register_forward_hook(lambda _m, _a, out: _slice(out, sp))
+        model.pos_embed.register_forward_hook(lambda _m, _a, out: _slice(out, sp))
         return transformer
-    for block in transformer.blocks:
+    for block in model.blocks:
         block.attn1.set_processor(UlyssesWanProcessor(sp))
         block.attn2.set_processor(UlyssesWanProcessor(sp))
 
@@ -186,6 +200,6 @@ def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
             raise ValueError("parallel.sequence_parallel: per-token timesteps are not supported")
         return (_slice(args[0], sp), *args[1:])
 
-    transformer.rope.register_forward_hook(rope_slice)
-    transformer.blocks[0].register_forward_pre_hook(tokens_slice)
+    model.rope.register_forward_hook(rope_slice)
+    model.blocks[0].register_forward_pre_hook(tokens_slice)
     return transformer

@@ -40,6 +40,7 @@ reference's is: the states are stored and the teacher frozen, so every epoch see
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -50,7 +51,7 @@ from groupflow.config import ActorConfig
 from groupflow.diffusion import objectives as obj
 from groupflow.diffusion.build import build_worker_models, meta_init
 from groupflow.diffusion.distillation import distillation_loss
-from groupflow.diffusion.models import check_latents
+from groupflow.diffusion.models import FlowModel, check_latents
 from groupflow.diffusion.samplers import (
     get_sampler,
     guided_velocity,
@@ -99,6 +100,11 @@ __all__ = [
     "OLD_PREFIX", "UPDATES_KEY",
 ]  # fmt: skip
 
+if TYPE_CHECKING:  # the flow model as an nn.Module with FlowModel's interface, for the checker
+
+    class _FlowModule(nn.Module, FlowModel): ...
+
+
 # A version's sampling state beside the flow weights (``sampling_weights``): the "old" copy
 # DiffusionNFT / AWM sample with, and the update count that places MixGRPO's SDE window.
 OLD_PREFIX = "sampling_old."
@@ -143,7 +149,7 @@ class DiffusionWorker(CheckpointMethods):
         self.settings, self.cfg = settings, cfg
         self.device = worker_device(rank) if weights else next(model.parameters()).device
         self.meta_built = weights is not None
-        self.flow = model  # the FlowModel interface (encode / null_cond / decode / latent_shape)
+        self.flow = cast("_FlowModule", model)  # FlowModel: encode, null_cond, decode, latent_shape
         held = build_worker_models(
             model, settings, kl_coef=cfg.kl_coef, device=self.device, weights=weights
         )
@@ -182,9 +188,9 @@ class DiffusionWorker(CheckpointMethods):
             raise ValueError("DiffusionWorker: a teacher model and settings.distill go together")
         if teacher is None:
             return None
-        if tuple(teacher.latent_shape) != tuple(self.flow.latent_shape):
+        if tuple(shape := cast(FlowModel, teacher).latent_shape) != tuple(self.flow.latent_shape):
             raise ValueError(
-                f"teacher.path: the teacher's latent shape {list(teacher.latent_shape)} differs "
+                f"teacher.path: the teacher's latent shape {list(shape)} differs "
                 f"from the student's {list(self.flow.latent_shape)}"
             )
         return teacher.to(self.device).eval().requires_grad_(False)
@@ -256,6 +262,7 @@ class DiffusionWorker(CheckpointMethods):
         if null is not None:
             null = {k: v.to(self.device) for k, v in null.items()}
         if teacher:  # the same conditioning contract (checked at load), the student's CFG scale
+            assert self.teacher is not None, "the terms ask for the teacher with settings.distill"
             return guided_velocity(self.teacher, x, sigma, cond, null, self.settings.cfg_scale)
         if old and self.old_model is not None:
             return guided_velocity(self.old_model, x, sigma, cond, null, self.settings.cfg_scale)
@@ -264,6 +271,7 @@ class DiffusionWorker(CheckpointMethods):
         if self.peft is not None:
             with self.peft.disable_adapter():
                 return guided_velocity(self.flow, x, sigma, cond, null, self.settings.cfg_scale)
+        assert self.ref_model is not None, "the terms ask for the reference with a KL (kl_coef)"
         return guided_velocity(self.ref_model, x, sigma, cond, null, self.settings.cfg_scale)
 
     def updates(self) -> int:
@@ -369,7 +377,7 @@ class DiffusionWorker(CheckpointMethods):
             batch, batch["response_mask"], False, means=guard
         )
         out = {"logprobs": (logp * batch["response_mask"]).cpu()}  # placeholders (FSDP) out
-        if guard:  # GRPO-Guard's bias and Flow-DPPO's KL need the old policy's step means
+        if means is not None:  # guard: GRPO-Guard's bias and Flow-DPPO's KL need the old means
             out["old_means"] = means.cpu()
         return self._own(Batch(out), mine)
 
@@ -434,6 +442,7 @@ class DiffusionWorker(CheckpointMethods):
             if to_teacher is not None:
                 kl_teacher = aggregate(to_teacher, mask, cfg.loss_agg, **denominators)
                 accumulate(stats, "actor/distill_kl", float(kl_teacher.detach()))
+                assert self.settings.distill is not None, "a teacher term needs settings.distill"
                 loss = distillation_loss(loss, kl_teacher, **self.settings.distill)
             if kl is not None:
                 kl_term = aggregate(kl, mask, cfg.loss_agg, **denominators)
@@ -457,6 +466,7 @@ class DiffusionWorker(CheckpointMethods):
     @torch.no_grad()
     def _update_old_model(self) -> None:
         """old ← d·old + (1 − d)·current, d rising with the update count (DiffusionNFT)."""
+        assert self.old_model is not None, "update calls this for a worker with an old copy"
         nft = self.settings.nft
         d = obj.ema_decay(
             int(self.scheduler.last_epoch), nft.get("old_decay_rate", 0.001),
@@ -550,7 +560,7 @@ class DiffusionWorker(CheckpointMethods):
                 f"(diffusion.objective={self.settings.objective!r})"
             )
         self.flow.load_state_dict(flow)
-        if old:
+        if old and self.old_model is not None:  # (old weights without an old copy: refused above)
             load_full_weights(self.old_model, old)
         if updates is not None:
             self.received_updates = int(updates)

@@ -29,7 +29,8 @@ class CallRecord:
     prompt_ids: list[int]
     completions: list[Completion]
     messages: list[dict[str, Any]] | None  # the request's messages (chat), None for /completions
-    responses: list[dict[str, Any]] = field(default_factory=list)  # the assistant messages / texts
+    # the assistant messages (chat), the texts (/completions)
+    responses: list[dict[str, Any]] | list[str] = field(default_factory=list)
     tool_calls: int = 0  # over all choices
 
 

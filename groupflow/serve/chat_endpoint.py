@@ -29,6 +29,7 @@ from groupflow.serve.answers import (
 )
 from groupflow.serve.batcher import Completion
 from groupflow.serve.chat import ChatPrompt
+from groupflow.serve.endpoint_core import EndpointCore
 from groupflow.serve.errors import ApiError
 from groupflow.serve.protocol import ChatMessage, ChatRequest, content_text
 from groupflow.serve.scoring import ScoreJob, TokenScores
@@ -36,7 +37,7 @@ from groupflow.serve.scoring import ScoreJob, TokenScores
 __all__ = ["ChatEndpoints", "message_chars"]
 
 
-class ChatEndpoints:
+class ChatEndpoints(EndpointCore):
     """``ServerCore``'s chat endpoint (see the module docstring)."""
 
     async def chat(self, key: str | None, req: ChatRequest) -> dict[str, Any]:
@@ -140,6 +141,7 @@ class ChatEndpoints:
     def _chat_answer(self, key: str | None, req: ChatRequest, prompt: ChatPrompt,
                      params: SamplingParams, completions: list[Completion],
                      scores: list[TokenScores] | None = None) -> dict[str, Any]:  # fmt: skip
+        assert self.chat_prompts is not None, "_chat_prompt refused the request without one"
         choices, responses, calls = [], [], 0
         for j, c in enumerate(completions):
             decoded = self.tokenizer.decode(c.ids, skip_special_tokens=True)

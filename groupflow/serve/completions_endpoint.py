@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 from groupflow.serve.access import CallRecord
 from groupflow.serve.answers import (
@@ -26,6 +26,7 @@ from groupflow.serve.answers import (
     usage_of,
 )
 from groupflow.serve.batcher import Completion
+from groupflow.serve.endpoint_core import EndpointCore
 from groupflow.serve.errors import ApiError
 from groupflow.serve.protocol import CompletionRequest
 from groupflow.serve.scoring import ScoreJob, TokenScores
@@ -33,7 +34,7 @@ from groupflow.serve.scoring import ScoreJob, TokenScores
 __all__ = ["CompletionEndpoints", "encode"]
 
 
-class CompletionEndpoints:
+class CompletionEndpoints(EndpointCore):
     """``ServerCore``'s legacy completions endpoint (see the module docstring)."""
 
     async def complete(self, key: str | None, req: CompletionRequest) -> dict[str, Any]:
@@ -233,12 +234,14 @@ def encode(tokenizer, text: str, special: bool = False) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def _prompt_ids(prompt, tokenizer) -> list[list[int]]:
+def _prompt_ids(prompt: str | list[str] | list[int] | list[list[int]],
+                tokenizer) -> list[list[int]]:  # fmt: skip
     if isinstance(prompt, str):
         prompt = [prompt]
     if all(isinstance(t, int) for t in prompt):
-        return [list(prompt)]
-    return [list(p) if isinstance(p, list) else encode(tokenizer, p) for p in prompt]
+        return [list(cast(list[int], prompt))]  # one prompt's token ids
+    # else texts and token-id lists: the request model's prompt types have no other items
+    return [list(p) if isinstance(p, list) else encode(tokenizer, cast(str, p)) for p in prompt]
 
 
 def _offsets(tokens: list[str]) -> list[int]:

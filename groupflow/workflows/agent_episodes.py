@@ -19,7 +19,7 @@ import json
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -72,7 +72,8 @@ class AgentEpisode:
         """The final conversation: the last chat call's messages and the answer it got."""
         for call in reversed(self.calls):
             if call.messages is not None:
-                return [*call.messages, *call.responses[:1]]
+                # a chat call's responses are its assistant messages (CallRecord)
+                return [*call.messages, *cast(list[dict[str, Any]], call.responses[:1])]
         return []
 
     @property

@@ -49,7 +49,7 @@ from transformers import DynamicCache
 
 from groupflow.models.causal_lm import cache_kwarg, output_cache, token_positions
 from groupflow.rollout.engines.hf import SamplingParams, _sample, _stop_window, left_pad
-from groupflow.rollout.engines.static_cache import StaticDecoder, _kv, unsupported_reason
+from groupflow.rollout.engines.static_cache import StaticDecoder, _kv, _layers, unsupported_reason
 
 __all__ = ["ContinuousDecoder", "Finished", "continuous_reason", "weights_key"]
 
@@ -215,7 +215,7 @@ class ContinuousDecoder:
         done = [0 if h is None else len(h.ids) for h in hits]
         width = max(done)
         cache = DynamicCache()
-        for i in range(len(self.model.model.layers)):
+        for i in range(len(_layers(self.model))):
             k, v = next((h.keys[i], h.values[i]) for h in hits if h is not None)
             shape = (len(prompts), k.shape[0], width, k.shape[2])
             keys, values = k.new_zeros(shape), v.new_zeros(shape)
@@ -241,6 +241,7 @@ class ContinuousDecoder:
         fed = [*row.prompt, *row.ids[:-1]]  # the last sampled token was never fed
         if len(fed) > self.prefix_tokens:
             return
+        assert self.key_pad is not None, "a finished row's slot is in the buffer"
         cols = (~self.key_pad[slot, : row.col]).nonzero().squeeze(-1)
         if len(cols) != len(fed):  # the columns a row attends are exactly its fed tokens
             raise RuntimeError(f"prefix cache: {len(cols)} columns for {len(fed)} fed tokens")
@@ -276,6 +277,7 @@ class ContinuousDecoder:
         n_old, n_new = len(self.rows), len(rows)
         need = width + max(r.params.max_new_tokens for r in rows)
         self._reserve(n_old + n_new, need, cache)
+        assert self.key_pad is not None, "_reserve allocated the buffer"
         new = slice(n_old, n_old + n_new)
         for i in range(len(self.keys)):
             k, v = _kv(cache, i)
@@ -311,7 +313,7 @@ class ContinuousDecoder:
         cols = max(width, cols + cols // 2) if width > cols else cols
         n, used = len(self.rows), max((r.col for r in self.rows), default=0)
         keys, values = [], []
-        for i in range(len(self.model.model.layers)):
+        for i in range(len(_layers(self.model))):
             k, _ = _kv(cache, i)
             shape = (slots, k.shape[1], cols, k.shape[3])
             k_buf, v_buf = k.new_zeros(shape), k.new_zeros(shape)
@@ -322,6 +324,7 @@ class ContinuousDecoder:
             values.append(v_buf)
         pad = torch.ones(slots, cols, dtype=torch.bool, device=k.device)
         if n:
+            assert self.key_pad is not None, "live rows are in the buffer"
             pad[:n, :used] = self.key_pad[:n, :used]
         self.keys, self.values, self.key_pad, self.written = keys, values, pad, used
         if self.decoder is not None:
@@ -330,6 +333,7 @@ class ContinuousDecoder:
     def _views(self) -> None:
         """Point the decoder at the live rows' slots (a view of the buffer: no copy)."""
         n, d = len(self.rows), self.decoder
+        assert d is not None and self.key_pad is not None, "a join made the decoder and buffer"
         d.keys = [k[:n] for k in self.keys]
         d.values = [v[:n] for v in self.values]
         d.key_pad = self.key_pad[:n, None, None, :]
@@ -339,6 +343,9 @@ class ContinuousDecoder:
         """One token for every row: returns ``(tag, token)`` per row and the rows that ended."""
         if not self.rows:
             return [], []
+        assert self.decoder is not None and self.pending is not None and self.key_pad is not None, (
+            "live rows have joined: a decoder, their last tokens and the buffer"
+        )
         device = self.pending.device
         positions = torch.tensor([r.position for r in self.rows], device=device)
         cols = [r.col for r in self.rows]
@@ -376,6 +383,7 @@ class ContinuousDecoder:
         keep = [i for i, r in enumerate(self.rows) if not gone(r.tag)]
         dropped = len(self.rows) - len(keep)
         if dropped:
+            assert self.pending is not None, "live rows have their last tokens"
             self._leave(keep, self.pending)
         return dropped
 
@@ -393,6 +401,7 @@ class ContinuousDecoder:
             order[h] = m
         if movers:
             used = self.written  # their zeros past their columns too (see __init__)
+            assert self.key_pad is not None, "live rows are in the buffer"
             dst = torch.tensor(holes, device=tokens.device)
             src = torch.tensor(movers, device=tokens.device)
             with torch.inference_mode():

@@ -28,6 +28,7 @@ change only the summation order, i.e. float rounding.
 from __future__ import annotations
 
 import inspect
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,11 @@ def _kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     if layers is not None:  # transformers >= 4.56
         return layers[layer].keys, layers[layer].values
     return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    """A supported model's decoder layers (``unsupported_reason`` checked ``.model.layers``)."""
+    return cast(nn.ModuleList, cast(nn.Module, model.model).layers)
 
 
 def unsupported_reason(model: nn.Module, total_len: int) -> str | None:
@@ -118,11 +124,17 @@ def _rope_function(model: nn.Module):
 class StaticDecoder:
     """Decodes one token per row per ``step``; K/V of the prompt are copied in once by ``build``."""
 
-    def __init__(self, model: nn.Module, keys, values, key_pad: torch.Tensor, prompt_len: int):
-        self.model, self.inner = model, model.model
-        self.rope = _rope_function(model)
+    def __init__(self, model: nn.Module, keys, values, key_pad: torch.Tensor | None,
+                 prompt_len: int):  # fmt: skip
+        self.model = model
+        # HF's decoder stack, whose modules unsupported_reason checked (nn.Module's __getattr__
+        # types each of them as Tensor | Module)
+        self.inner: Any = model.model
+        rope = _rope_function(model)
+        assert rope is not None, "unsupported_reason checked the model's apply_rotary_pos_emb"
+        self.rope = rope
         # chosen per generation: the weights (and so the probe) change with every update
-        self.head = head_kernel(model.lm_head)
+        self.head = head_kernel(cast(nn.Module, model.lm_head))  # checked by unsupported_reason
         device = next(model.parameters()).device
         self.attend = grouped_attention if device.type == "cpu" else _sdpa
         self.keys, self.values = keys, values  # per layer [B, H_kv, prompt_len + new, D]
@@ -145,7 +157,7 @@ class StaticDecoder:
         if unsupported_reason(model, prompt_len + max_new_tokens) is not None:
             return None
         keys, values = [], []
-        for i in range(len(model.model.layers)):
+        for i in range(len(_layers(model))):
             k, v = _kv(cache, i)
             if k.shape[2] != prompt_len:
                 return None  # an unexpected cache layout: let HF's forward handle it

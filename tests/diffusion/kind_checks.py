@@ -1,7 +1,7 @@
 """The checks every diffusers model kind's test runs the same way (test_flux.py wrote them out
 first): the SDE step's log-prob against the Flow-GRPO formula with a group sharing its start
-noise, the schedule a pipeline's scheduler makes from a shift, and one GRPO step plus an exact
-resume through the Trainer."""
+noise, the schedule a pipeline's scheduler makes from a shift, one GRPO step plus an exact resume
+through the Trainer (on ``diffusion_config``), and one step of each other objective."""
 
 from __future__ import annotations
 
@@ -54,30 +54,50 @@ def our_sigmas(steps: int, shift: float) -> torch.Tensor:
     return shift_sigmas(torch.linspace(1.0, 1 / steps, steps, dtype=torch.float64), shift)
 
 
+def diffusion_config(
+    kind: str,
+    model_dir,
+    shape,
+    tmp_path,
+    *,
+    name: str,
+    steps: int,
+    model: dict | None = None,
+    diffusion: dict | None = None,
+    **run_over,
+):
+    """The config every kind's Trainer checks run: two prompts, 2 x 2 samples of 2 denoising
+    steps, the brightness reward, no validation (``model``, ``diffusion``, ``run_over``: keys
+    over that)."""
+    from groupflow.config import config_from_dict
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a big dog")))
+    return config_from_dict({
+        "run": {"name": name, "output_dir": str(tmp_path), "seed": 0, "total_steps": steps,
+                "loggers": [], "num_threads": 1, **run_over},
+        "diffusion": {"model": {"kind": kind, "path": str(model_dir), "latent_shape": list(shape),
+                                **(model or {})},
+                      "num_steps": 2, "timestep_fraction": 1.0, "save_images": False,
+                      **(diffusion or {})},
+        "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 2},
+        "validation": {"every_steps": 0},
+        "actor": {"lr": 1e-3},
+        "reward": {"functions": [{"name": "brightness"}]},
+    })  # fmt: skip
+
+
 def check_grpo_step_and_resume(kind: str, model_dir, shape, tmp_path) -> None:
     """Two GRPO steps train (finite loss, a gradient), and one step, a checkpoint and a resumed
     second step reach the same metrics and weights exactly."""
-    from groupflow.config import config_from_dict
     from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a big dog")))
-
     def run(name, steps, **run_over):
-        cfg = config_from_dict({
-            "run": {"name": name, "output_dir": str(tmp_path), "seed": 0, "total_steps": steps,
-                    "loggers": [], "num_threads": 1, **run_over},
-            "diffusion": {"model": {"kind": kind, "path": str(model_dir),
-                                    "latent_shape": list(shape)},
-                          "num_steps": 2, "timestep_fraction": 1.0, "save_images": False},
-            "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
-            "rollout": {"samples_per_prompt": 2},
-            "validation": {"every_steps": 0},
-            "actor": {"lr": 1e-3},
-            "reward": {"functions": [{"name": "brightness"}]},
-        })  # fmt: skip
-        trainer = Trainer(cfg)
+        trainer = Trainer(diffusion_config(kind, model_dir, shape, tmp_path, name=name,
+                                           steps=steps, **run_over))  # fmt: skip
         trainer.fit()
         return trainer
 
@@ -98,26 +118,12 @@ def check_objectives_train(kind: str, model_dir, shape, tmp_path) -> None:
     """One step of each likelihood-free or ratio-free objective (DiffusionNFT, AWM, Flow-DPPO)
     trains the kind: a finite loss and a gradient (the objectives never look inside the model,
     so this checks that the kind's call and latents carry them)."""
-    from groupflow.config import config_from_dict
     from groupflow.run.tracking import read_metrics
     from groupflow.trainer import Trainer
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a big dog")))
     for objective in ("nft", "awm", "flow_dppo"):
-        cfg = config_from_dict({
-            "run": {"name": objective, "output_dir": str(tmp_path), "seed": 0, "total_steps": 1,
-                    "loggers": [], "num_threads": 1},
-            "diffusion": {"model": {"kind": kind, "path": str(model_dir),
-                                    "latent_shape": list(shape)},
-                          "objective": objective, "num_steps": 2, "timestep_fraction": 1.0,
-                          "save_images": False},
-            "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
-            "rollout": {"samples_per_prompt": 2},
-            "validation": {"every_steps": 0},
-            "actor": {"lr": 1e-3},
-            "reward": {"functions": [{"name": "brightness"}]},
-        })  # fmt: skip
+        cfg = diffusion_config(kind, model_dir, shape, tmp_path, name=objective, steps=1,
+                               diffusion={"objective": objective})  # fmt: skip
         trainer = Trainer(cfg)
         trainer.fit()
         rows = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "actor/loss" in r]

@@ -3,7 +3,7 @@
 
 Packing, position ids and the image-size shift are checked against FluxPipeline's own functions;
 the adapter's call against the transformer called as FluxPipeline calls it; the SDE step's
-log-prob against the Flow-GRPO formula written out here; then one GRPO step and an exact resume
+log-prob against the Flow-GRPO formula (kind_checks, which these checks were first written for); then one GRPO step and an exact resume
 through the Trainer."""
 
 import json
@@ -18,9 +18,12 @@ from groupflow.diffusion.models import (
     pack_flux_latents,
     unpack_flux_latents,
 )
-from groupflow.diffusion.samplers import sample_trajectory
-from groupflow.diffusion.schedule import flux_shift, sigma_schedule
-from tests.diffusion.kind_checks import check_objectives_train
+from groupflow.diffusion.schedule import flux_shift
+from tests.diffusion.kind_checks import (
+    check_grpo_step_and_resume,
+    check_objectives_train,
+    check_sde_logprob,
+)
 
 pytestmark = pytest.mark.slow  # importing diffusers takes 10-20 s on a shared CPU
 
@@ -94,26 +97,7 @@ def FluxPipelinePack(x):  # noqa: N802 (the reference is FluxPipeline's own pack
 
 def test_sde_logprob_is_the_flow_grpo_formula_and_groups_share_noise(flux_dir):
     torch.set_num_threads(1)
-    model = load_diffusers_model(flux_dir, "flux", SHAPE)
-    cond = model.encode(["a cat"] * 2)
-    sigmas = sigma_schedule(3, flux_shift(16))
-    noise = torch.randn(1, *SHAPE).expand(2, *SHAPE).clone()  # one group: the same start
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    with torch.no_grad():
-        traj = sample_trajectory(lambda x, s: model(x, s, cond), noise, sigmas, "flow_sde",
-                                 noise_level=0.7, generators=gens)  # fmt: skip
-        assert torch.equal(traj.latents[0, 0], traj.latents[1, 0])
-        assert not torch.equal(traj.next_latents[0, 0], traj.next_latents[1, 0])
-        i = 1  # a step with 0 < σ < 1
-        x, xn = traj.latents[:, i].double(), traj.next_latents[:, i].double()
-        s, sn = float(sigmas[i]), float(sigmas[i + 1])
-        v = model(traj.latents[:, i], torch.full((2,), s), cond).double()
-    dt = sn - s
-    g = 0.7 * math.sqrt(s / (1 - s))
-    mean = x * (1 + g**2 / (2 * s) * dt) + v * (1 + g**2 * (1 - s) / (2 * s)) * dt
-    std = g * math.sqrt(-dt)
-    lp = -((xn - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
-    assert torch.allclose(traj.logprobs[:, i].double(), lp.reshape(2, -1).mean(1), atol=1e-5)
+    check_sde_logprob(load_diffusers_model(flux_dir, "flux", SHAPE), SHAPE, flux_shift(16))
 
 
 def test_bad_flux_input_names_the_key(flux_dir, tmp_path):
@@ -128,41 +112,7 @@ def test_bad_flux_input_names_the_key(flux_dir, tmp_path):
 
 
 def test_one_grpo_step_and_an_exact_resume(flux_dir, tmp_path):
-    from groupflow.config import config_from_dict
-    from groupflow.run.tracking import read_metrics
-    from groupflow.trainer import Trainer
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
-
-    def run(name, steps, **run_over):
-        cfg = config_from_dict({
-            "run": {"name": name, "output_dir": str(tmp_path), "seed": 0, "total_steps": steps,
-                    "loggers": [], "num_threads": 1, **run_over},
-            "diffusion": {"model": {"kind": "flux", "path": str(flux_dir),
-                                    "latent_shape": list(SHAPE)},
-                          "num_steps": 2, "timestep_fraction": 1.0, "save_images": False},
-            "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
-            "rollout": {"samples_per_prompt": 2},
-            "validation": {"every_steps": 0},
-            "actor": {"lr": 1e-3},
-            "reward": {"functions": [{"name": "brightness"}]},
-        })  # fmt: skip
-        trainer = Trainer(cfg)
-        trainer.fit()
-        return trainer
-
-    full = run("full", 2)
-    rows = [r for r in read_metrics(full.run_dir / "metrics.jsonl") if "actor/loss" in r]
-    assert len(rows) == 2 and all(r["actor/grad_norm"] > 0 for r in rows)
-    assert all(math.isfinite(r["actor/loss"]) for r in rows)
-    run("part", 1, save_every=1)
-    resumed = run("part", 2)
-    a, b = rows[-1], read_metrics(resumed.run_dir / "metrics.jsonl")[-1]
-    for key in ("reward/mean", "actor/grad_norm", "actor/loss"):
-        assert a[key] == b[key], key
-    wa, wb = full.policy.actor.state_dict()["model"], resumed.policy.actor.state_dict()["model"]
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    check_grpo_step_and_resume("flux", flux_dir, SHAPE, tmp_path)
 
 
 def test_flux_config_shift_and_guidance(flux_dir):

@@ -192,25 +192,10 @@ def test_a_vae_of_another_class_or_width_names_the_key(vaes, transformers_, tmp_
 
 
 def _trainer_config(tmp_path, kind, model_dir, vae):
-    import json
+    from tests.diffusion.kind_checks import diffusion_config
 
-    from groupflow.config import config_from_dict
-
-    tmp_path.mkdir(exist_ok=True)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
-    return config_from_dict({
-        "run": {"name": "vae", "output_dir": str(tmp_path), "seed": 0, "total_steps": 1,
-                "loggers": [], "num_threads": 1},
-        "diffusion": {"model": {"kind": kind, "path": str(model_dir),
-                                "latent_shape": list(SHAPES[kind]), "vae_path": str(vae)},
-                      "num_steps": 2, "timestep_fraction": 1.0, "save_images": False},
-        "data": {"train_files": [str(prompts)], "prompts_per_step": 2},
-        "rollout": {"samples_per_prompt": 2},
-        "validation": {"every_steps": 0},
-        "actor": {"lr": 1e-3},
-        "reward": {"functions": [{"name": "brightness"}]},
-    })  # fmt: skip
+    return diffusion_config(kind, model_dir, SHAPES[kind], tmp_path, name="vae", steps=1,
+                            model={"vae_path": str(vae)})  # fmt: skip
 
 
 def test_a_grpo_step_scores_the_decoded_images_and_a_wrong_vae_fails_before_the_workers(

@@ -3,8 +3,9 @@
 
 Packing, position ids and the image-size shift are checked against FluxPipeline's own functions;
 the adapter's call against the transformer called as FluxPipeline calls it; the SDE step's
-log-prob against the Flow-GRPO formula (kind_checks, which these checks were first written for); then one GRPO step and an exact resume
-through the Trainer."""
+log-prob against the Flow-GRPO formula; then one GRPO step and an exact resume through the
+Trainer, and one step of each other objective (the last three are ``kind_checks``, shared by
+every kind's tests)."""
 
 import json
 import math

@@ -23,7 +23,10 @@ from torch import Tensor
 
 from groupflow.diffusion.models import ModelPathError
 
-__all__ = ["WanTextEncoder", "WanVaeDecoder", "clean_prompt", "local_folder"]
+__all__ = [
+    "WanTextEncoder", "WanVaeDecoder", "clean_prompt", "frozen", "local_folder",
+    "tokenizer_beside",
+]  # fmt: skip
 
 
 def local_folder(path: str | Path, what: str, key: str) -> Path:
@@ -32,6 +35,20 @@ def local_folder(path: str | Path, what: str, key: str) -> Path:
     if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise ModelPathError(f"{key}: '{p}' is not a local {what} folder (no config.json)")
     return p
+
+
+def frozen(model: Any, device: str) -> Any:
+    """A pipeline part that only encodes or decodes: eval mode, no gradients, on ``device``
+    (Any: transformers types ``from_pretrained``'s result so that ``.to()`` looks uncallable)."""
+    return model.eval().requires_grad_(False).to(device)
+
+
+def tokenizer_beside(path: str | Path | None, encoder: Path, name: str, key: str):
+    """The tokenizer at ``path``, else the pipeline's ``name/`` folder beside the encoder's."""
+    from transformers import AutoTokenizer
+
+    folder = local_folder(path or encoder.parent / name, "tokenizer", key)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def clean_prompt(text: str) -> str:
@@ -49,15 +66,13 @@ class WanTextEncoder:
         max_sequence_length: int = 512,
         device: str = "cpu",
     ):
-        from transformers import AutoTokenizer, UMT5EncoderModel
+        from transformers import UMT5EncoderModel
 
         path = local_folder(path, "UMT5 text encoder", "diffusion.model.text_encoder_path")
-        tok = tokenizer_path or path.parent / "tokenizer"
-        tok = local_folder(tok, "tokenizer", "diffusion.model.tokenizer_path")
-        # Any: transformers types from_pretrained's result so that .to() looks uncallable
-        model: Any = UMT5EncoderModel.from_pretrained(str(path), local_files_only=True)
-        self.model = model.eval().requires_grad_(False).to(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tok), local_files_only=True)
+        self.model = frozen(UMT5EncoderModel.from_pretrained(str(path), local_files_only=True),
+                            device)  # fmt: skip
+        self.tokenizer = tokenizer_beside(tokenizer_path, path, "tokenizer",
+                                          "diffusion.model.tokenizer_path")  # fmt: skip
         self.max_len, self.device = max_sequence_length, device
         self.dim = self.model.config.d_model
 
@@ -84,8 +99,9 @@ class WanVaeDecoder:
         from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
         path = local_folder(path, "AutoencoderKLWan", "diffusion.model.vae_path")
-        vae: Any = AutoencoderKLWan.from_pretrained(str(path), local_files_only=True)
-        self.vae = vae.eval().requires_grad_(False).to(device)
+        self.vae = frozen(
+            AutoencoderKLWan.from_pretrained(str(path), local_files_only=True), device
+        )
         c = self.vae.config  # a FrozenDict with attribute access
         shape = (1, c.z_dim, 1, 1, 1)
         self.mean = torch.tensor(c.latents_mean, dtype=torch.float32).view(shape)

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from groupflow.diffusion.encoders import WanTextEncoder, local_folder
+from groupflow.diffusion.encoders import WanTextEncoder, frozen, local_folder, tokenizer_beside
 
 __all__ = [
     "Flux2TextEncoder",
@@ -56,17 +55,6 @@ __all__ = [
 
 # the kinds whose text encoder is wired (config.diffusion.TEXT_ENCODER_KINDS says the same)
 TEXT_ENCODER_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
-
-
-def _frozen(model: Any, device: str) -> Any:
-    return model.eval().requires_grad_(False).to(device)
-
-
-def _tokenizer(path: str | Path | None, beside: Path, name: str, key: str):
-    from transformers import AutoTokenizer
-
-    folder = local_folder(path or beside.parent / name, "tokenizer", key)
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 class FluxTextEncoder:
@@ -86,12 +74,12 @@ class FluxTextEncoder:
         clip = local_folder(clip_path, "CLIP text encoder", "diffusion.model.text_encoder_path")
         t5 = local_folder(t5_path or clip.parent / "text_encoder_2", "T5 text encoder",
                           "diffusion.model.text_encoder_2_path")  # fmt: skip
-        self.clip = _frozen(CLIPTextModel.from_pretrained(str(clip), local_files_only=True), device)
-        self.t5 = _frozen(T5EncoderModel.from_pretrained(str(t5), local_files_only=True), device)
-        self.clip_tokenizer = _tokenizer(tokenizer_path, clip, "tokenizer",
-                                         "diffusion.model.tokenizer_path")  # fmt: skip
-        self.t5_tokenizer = _tokenizer(tokenizer_2_path, t5, "tokenizer_2",
-                                       "diffusion.model.tokenizer_2_path")  # fmt: skip
+        self.clip = frozen(CLIPTextModel.from_pretrained(str(clip), local_files_only=True), device)
+        self.t5 = frozen(T5EncoderModel.from_pretrained(str(t5), local_files_only=True), device)
+        self.clip_tokenizer = tokenizer_beside(tokenizer_path, clip, "tokenizer",
+                                               "diffusion.model.tokenizer_path")  # fmt: skip
+        self.t5_tokenizer = tokenizer_beside(tokenizer_2_path, t5, "tokenizer_2",
+                                             "diffusion.model.tokenizer_2_path")  # fmt: skip
         self.max_len, self.device = max_sequence_length, device
         self.dim, self.pooled_dim = self.t5.config.d_model, self.clip.config.hidden_size
 
@@ -131,9 +119,9 @@ class ZImageTextEncoder:
         from transformers import AutoModel
 
         path = local_folder(path, "Qwen3 text encoder", "diffusion.model.text_encoder_path")
-        self.model = _frozen(AutoModel.from_pretrained(str(path), local_files_only=True), device)
-        self.tokenizer = _tokenizer(tokenizer_path, path, "tokenizer",
-                                    "diffusion.model.tokenizer_path")  # fmt: skip
+        self.model = frozen(AutoModel.from_pretrained(str(path), local_files_only=True), device)
+        self.tokenizer = tokenizer_beside(tokenizer_path, path, "tokenizer",
+                                          "diffusion.model.tokenizer_path")  # fmt: skip
         self.max_len, self.device = max_sequence_length, device
         self.dim = self.model.config.hidden_size
 
@@ -192,9 +180,9 @@ class QwenImageTextEncoder:
 
         path = local_folder(path, "Qwen2.5-VL text encoder", "diffusion.model.text_encoder_path")
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), local_files_only=True)
-        self.model = _frozen(model, device)
-        self.tokenizer = _tokenizer(tokenizer_path, path, "tokenizer",
-                                    "diffusion.model.tokenizer_path")  # fmt: skip
+        self.model = frozen(model, device)
+        self.tokenizer = tokenizer_beside(tokenizer_path, path, "tokenizer",
+                                          "diffusion.model.tokenizer_path")  # fmt: skip
         self.max_len, self.device = min(max_sequence_length, QWEN_IMAGE_MAX_TOKENS), device
         config = self.model.config
         self.dim = getattr(config, "text_config", config).hidden_size
@@ -256,7 +244,7 @@ class Flux2TextEncoder:
         self.mistral, self.system = config.model_type == "mistral3", SYSTEM_MESSAGE
         cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
         model = cls.from_pretrained(str(path), local_files_only=True)
-        self.model = _frozen(model, device)
+        self.model = frozen(model, device)
         tok = local_folder(tokenizer_path or path.parent / "tokenizer", "tokenizer",
                            "diffusion.model.tokenizer_path")  # fmt: skip
         # dev's tokenizer/ is a Pixtral processor (AutoProcessor, as the pipeline loads it)

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from groupflow.diffusion.encoders import WanVaeDecoder
-from groupflow.diffusion.models import ModelPathError
+from groupflow.diffusion.encoders import WanVaeDecoder, frozen, local_folder
 
 __all__ = [
     "VAE_CLASSES",
@@ -58,20 +57,12 @@ def _to_unit(image: Tensor) -> Tensor:
     return (image.float() / 2 + 0.5).clamp(0, 1)
 
 
-def _vae_folder(path: str | Path, what: str = "VAE") -> Path:
-    p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        raise ModelPathError(f"{KEY}: '{p}' is not a local {what} folder (no config.json)")
-    return p
-
-
 def _load(cls_name: str, path: str | Path, device: str) -> Any:
     import diffusers
 
     cls = getattr(diffusers, cls_name)
-    # Any: diffusers types from_pretrained's result so that .to() looks uncallable
-    vae: Any = cls.from_pretrained(str(_vae_folder(path)), local_files_only=True)
-    return vae.eval().requires_grad_(False).to(device)
+    folder = local_folder(path, "VAE", KEY)
+    return frozen(cls.from_pretrained(str(folder), local_files_only=True), device)
 
 
 class ScaledVaeDecoder:
@@ -153,7 +144,7 @@ def check_vae_folder(kind: str, path: str | Path) -> Path:
         raise ValueError(f"{KEY}: kind '{kind}' has no VAE decoder; kinds with one: "
                          f"{sorted(_DECODERS)}")  # fmt: skip
     want = VAE_CLASSES[kind]
-    folder = _vae_folder(path, want)
+    folder = local_folder(path, want, KEY)
     try:
         found = json.loads((folder / "config.json").read_text()).get("_class_name")
     except json.JSONDecodeError as e:

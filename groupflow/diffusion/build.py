@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from groupflow.diffusion.kinds import freeze_unused
 from groupflow.diffusion.settings import DiffusionSettings
 from groupflow.diffusion.sharding import (
     bf16_policy,
@@ -86,6 +87,11 @@ def lora_adapters(model: nn.Module, lora: dict) -> PeftModel:
         peft = get_peft_model(model, config)
     if any(p.is_meta for n, p in model.named_parameters() if "lora_" in n):
         _replay_adapter_init(model)
+    # peft makes every adapter trainable, also those on layers a kind froze as unused (Qwen-Image's
+    # last text stream): they would get no gradient either, which DDP and FSDP2 refuse
+    transformer, kind = getattr(model, "transformer", None), getattr(model, "kind", None)
+    if isinstance(transformer, nn.Module) and isinstance(kind, str):
+        freeze_unused(transformer, kind)
     return peft
 
 

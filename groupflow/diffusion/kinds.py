@@ -217,7 +217,8 @@ def freeze_unused(transformer: nn.Module, kind: str) -> None:
     to the output: that block's text attention output projection and text MLP never get a
     gradient. DDP (without ``find_unused_parameters``) fails on parameters that get none, and
     under FSDP2 they would still carry optimizer state and gradient buffers for nothing, so they
-    are frozen (in the reference copies too, which changes nothing)."""
+    are frozen (in the reference copies too, which changes nothing; LoRA adapters put on them
+    are frozen again after injection, ``build.lora_adapters``)."""
     if kind != "qwen_image":
         return
     blocks = getattr(transformer, "transformer_blocks", None)

@@ -128,6 +128,26 @@ def test_the_last_blocks_unused_text_stream_is_frozen(qwen_dir):
     assert {n for n, p in raw.named_parameters() if p.grad is None} == frozen
 
 
+def test_lora_on_the_unused_text_stream_stays_frozen(qwen_dir):
+    """peft makes every adapter trainable; those it puts on the last block's unused text stream
+    (``to_add_out`` and ``txt_mlp`` as targets) would never get a gradient, so they stay frozen
+    and every trainable adapter gets one."""
+    from groupflow.diffusion.build import lora_adapters
+
+    torch.set_num_threads(1)
+    model = load_diffusers_model(qwen_dir, "qwen_image", SHAPE)
+    lora_adapters(model, {"rank": 2, "alpha": 4, "target_modules": ["to_add_out", "to_out.0"]})
+    last = "transformer_blocks.0.attn.to_add_out."
+    adapters = {n: p for n, p in model.transformer.named_parameters() if "lora_" in n}
+    assert any(n.startswith(last) for n in adapters) and any(
+        not n.startswith(last) for n in adapters
+    )
+    assert all(p.requires_grad == (not n.startswith(last)) for n, p in adapters.items())
+    x, cond = torch.randn(2, *SHAPE), model.encode(["a cat", "a dog"])
+    model(x, torch.tensor([0.7, 0.3]), cond).square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_sde_logprob_is_the_flow_grpo_formula_and_groups_share_noise(qwen_dir):
     torch.set_num_threads(1)
     model = load_diffusers_model(qwen_dir, "qwen_image", SHAPE)

@@ -5,7 +5,8 @@ kinds; Qwen-Image with a padded text mask), called as groupflow calls them
 thread each): the velocity, a loss and every parameter gradient equal the single-process
 transformer's, with and without activation checkpointing; token counts and heads the group does
 not divide are refused with the key named; a copy of a sequence-parallel model (the worker's
-reference and NFT old copies) runs alike.
+reference and NFT old copies) runs alike; and through the whole driver on Ray, 2 workers as one
+sequence-parallel group of 2 (FSDP2-sharded, LoRA, a KL to the reference) train like 1 worker.
 """
 
 from __future__ import annotations
@@ -140,3 +141,36 @@ def test_a_token_count_or_heads_that_do_not_split_are_refused(kind):
     x, sigma, cond, _ = _inputs(kind, shape)
     with pytest.raises(ValueError, match=r"sequence_parallel=2: the .* 9 image tokens.* 2 ranks"):
         _velocity(model, kind, x, sigma, cond)
+
+
+@pytest.mark.slow  # Ray start-up and diffusers' import dominate; the models are tiny
+@pytest.mark.parametrize("kind", ["flux", "flux2", "qwen_image"])
+def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(kind, tmp_path):
+    """Through the whole driver: FSDP2-sharded, LoRA, a KL to the reference copy; 2 workers as
+    one group of 2 take the same steps as 1 worker."""
+    pytest.importorskip("ray")
+    import json
+
+    from groupflow.run.tracking import read_metrics
+    from tests.diffusion.test_fsdp import _cfg, _fit
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
+    model = tmp_path / kind
+    _model(kind).save_pretrained(model)
+    over = {"diffusion.model.kind": kind, "diffusion.model.path": str(model),
+            "diffusion.model.latent_shape": list(SHAPES[kind]), "actor.kl_coef": 0.01,
+            "diffusion.model.lora": {"rank": 2, "target_modules": ["to_q", "to_k", "to_v"]}}  # fmt: skip
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **over))
+    sp = {"run.name": "sp", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True,
+          "parallel.sequence_parallel": 2}  # fmt: skip
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **over, **sp))
+    a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
+    assert len(a) == len(b) > 1
+    for ra, rb in zip(a[1:], b[1:], strict=True):
+        assert rb["reward/mean"] == pytest.approx(ra["reward/mean"], rel=1e-5)  # same samples
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/loss"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert b[-1]["actor/grad_norm"] > 0
+    lora = [k for k in s1["model"] if "lora_" in k]
+    assert lora and all(torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5) for k in lora)

@@ -167,6 +167,14 @@ def _slice(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
     return x.chunk(sp.size, dim=dim)[sp.rank]
 
 
+# why a transformer that could be asked for is refused (the module docstring says more)
+_REFUSED = {
+    "ZImageTransformer2DModel": (
+        ": Z-Image's unified [image; caption] sequence carries a per-sample padding mask"
+    )
+}
+
+
 def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
     """Make ``transformer`` (a ``WanTransformer3DModel``, ``SD3Transformer2DModel``,
     ``FluxTransformer2DModel``, ``Flux2Transformer2DModel`` or ``QwenImageTransformer2DModel``)
@@ -180,7 +188,7 @@ def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
         raise ValueError(
             "parallel.sequence_parallel for diffusion is implemented for the Wan, SD3, FLUX.1, "
             "FLUX.2 and Qwen-Image transformers (diffusion.model.kind wan / sd3 / flux / flux2 / "
-            f"qwen_image), not {kind}"
+            f"qwen_image), not {kind}{_REFUSED.get(kind, '')}"
         )
     heads = model.config.num_attention_heads
     if heads % sp.size:

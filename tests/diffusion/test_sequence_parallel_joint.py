@@ -174,3 +174,15 @@ def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(kind, t
     assert b[-1]["actor/grad_norm"] > 0
     lora = [k for k in s1["model"] if "lora_" in k]
     assert lora and all(torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5) for k in lora)
+
+
+@pytest.mark.slow  # importing diffusers
+def test_z_image_is_refused_with_the_reason():
+    from diffusers import ZImageTransformer2DModel
+
+    from groupflow.diffusion.sequence_parallel import enable_ulysses
+    from tests.diffusion.test_z_image import TINY_Z_IMAGE
+
+    two = SequenceGroup(group=None, size=2, rank=0)
+    with pytest.raises(ValueError, match="sequence_parallel .* per-sample padding mask"):
+        enable_ulysses(ZImageTransformer2DModel(**TINY_Z_IMAGE), two)

@@ -1,5 +1,6 @@
 """Ulysses sequence parallelism for the diffusers flow transformers: Wan (``WanTransformer3DModel``,
-video) and SD3 (``SD3Transformer2DModel``, images).
+video) and SD3 (``SD3Transformer2DModel``, images) here; FLUX.1, FLUX.2 and Qwen-Image in
+:mod:`groupflow.diffusion.sequence_parallel_joint`, which :func:`enable_ulysses` dispatches to.
 
 Design decision: the transformer stays diffusers' own; :func:`enable_ulysses` changes three places
 of it, in place, for the life of the model. The rotary tables and the patch tokens entering the
@@ -25,6 +26,14 @@ for SD3) must split evenly over the group (refused otherwise: the self-attention
 mask) and the heads too. Image-conditioned (I2V) Wan layers and per-token timesteps (Wan2.2
 TI2V's image-to-video mode) are refused; text-to-video and text-to-image, which groupflow
 trains, are neither.
+
+FLUX.1, FLUX.2 and Qwen-Image follow SD3's joint attention: image tokens cut to 1/N, the text
+whole on every member with 1/N of its heads; the FLUX single-stream blocks cut their
+[text; image] sequence the same way (that module's docstring). Z-Image is refused (and at
+config load): its unified [image; caption] sequence pads each part to a multiple of 32 and
+masks the padding per sample (captions differ in length), so an even cut of that sequence
+is not the same share of real tokens on every sample, and the mask would have to travel with
+the exchange.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from groupflow.diffusion.sequence_parallel_joint import JOINT_KINDS, enable_ulysses_joint
 from groupflow.distributed.ulysses import (
     SequenceGroup,
     all_to_all,
@@ -157,18 +167,28 @@ def _slice(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
     return x.chunk(sp.size, dim=dim)[sp.rank]
 
 
+# why a transformer that could be asked for is refused (the module docstring says more)
+_REFUSED = {
+    "ZImageTransformer2DModel": (
+        ": Z-Image's unified [image; caption] sequence carries a per-sample padding mask"
+    )
+}
+
+
 def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
-    """Make ``transformer`` (a ``WanTransformer3DModel`` or ``SD3Transformer2DModel``) run
-    sequence parallel over ``sp``, in place: every forward is then a collective of the group,
-    whose members pass the same inputs."""
+    """Make ``transformer`` (a ``WanTransformer3DModel``, ``SD3Transformer2DModel``,
+    ``FluxTransformer2DModel``, ``Flux2Transformer2DModel`` or ``QwenImageTransformer2DModel``)
+    run sequence parallel over ``sp``, in place: every forward is then a collective of the
+    group, whose members pass the same inputs."""
     kind = type(transformer).__name__
-    # diffusers' Wan or SD3 transformer, its submodules read by name (nn.Module's __getattr__
-    # types each as Tensor | Module)
+    # diffusers' transformer, its submodules read by name (nn.Module's __getattr__ types each as
+    # Tensor | Module)
     model: Any = transformer
-    if kind not in ("WanTransformer3DModel", "SD3Transformer2DModel"):
+    if kind not in ("WanTransformer3DModel", "SD3Transformer2DModel", *JOINT_KINDS):
         raise ValueError(
-            "parallel.sequence_parallel for diffusion is implemented for the Wan and SD3 "
-            f"transformers (diffusion.model.kind wan / sd3), not {kind}"
+            "parallel.sequence_parallel for diffusion is implemented for the Wan, SD3, FLUX.1, "
+            "FLUX.2 and Qwen-Image transformers (diffusion.model.kind wan / sd3 / flux / flux2 / "
+            f"qwen_image), not {kind}{_REFUSED.get(kind, '')}"
         )
     heads = model.config.num_attention_heads
     if heads % sp.size:
@@ -179,6 +199,8 @@ def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
     def tokens_gather(_module, _args, out):
         return gather_sequence(out, sp, dim=1)
 
+    if kind in JOINT_KINDS:
+        return enable_ulysses_joint(transformer, sp)
     model.proj_out.register_forward_hook(tokens_gather)
     if kind == "SD3Transformer2DModel":
         for block in model.transformer_blocks:

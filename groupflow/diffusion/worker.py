@@ -132,8 +132,8 @@ class DiffusionWorker(CheckpointMethods):
         only samples with the weights it receives (``receive_weights``).
         ``weights``: ``model`` was built with meta parameters (``empty_parameters``); after
         sharding, each rank reads its shards from this diffusers directory.
-        ``sequence_parallel``: Ulysses groups of that many ranks over the Wan transformer's
-        latent tokens; a group pools its rows (``gather_rows``) for every call, so each sample
+        ``sequence_parallel``: Ulysses groups of that many ranks over the transformer's
+        latent tokens (``enable_ulysses``: Wan, SD3, FLUX.1, FLUX.2, Qwen-Image); a group pools its rows (``gather_rows``) for every call, so each sample
         is held by that many ranks (sums over ranks are divided by it).
         ``teacher``: the frozen distillation teacher (with ``settings.distill``)."""
         self.rank, self.world_size, self.role = rank, world_size, role

@@ -121,7 +121,9 @@ def test_a_token_count_or_heads_that_do_not_split_are_refused():
     x = torch.randn(1, 4, 3, 6, 6)  # 3 × 3 × 3 = 27 tokens
     with pytest.raises(ValueError, match="27 tokens .* do not split evenly over 2 ranks"):
         model(x, timestep=torch.tensor([1.0]), encoder_hidden_states=torch.randn(1, 5, 16))
-    with pytest.raises(ValueError, match="implemented for the Wan and SD3 transformers"):
+    with pytest.raises(
+        ValueError, match="implemented for the Wan, SD3, FLUX.1, FLUX.2 and Qwen-Image"
+    ):
         enable_ulysses(torch.nn.Linear(2, 2), two)
 
 
@@ -160,15 +162,29 @@ def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(wan_set
         assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
 
 
-@pytest.mark.parametrize("kind", ["qwen_image", "z_image", "flux2"])
-def test_sequence_parallel_is_refused_for_the_new_kinds(kind):
-    from groupflow.config import ConfigError, config_from_dict
+def _sp_config(kind: str):
+    from groupflow.config import config_from_dict
+
+    return config_from_dict({
+        "run": {"backend": "ray", "num_workers": 2}, "parallel": {"sequence_parallel": 2},
+        "diffusion": {"model": {"kind": kind, "path": "m", "latent_shape": [4, 8, 8]}},
+        "data": {"train_files": ["p.jsonl"]},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kind, why", [("z_image", ": Z-Image's unified sequence carries a per-sample padding mask"),
+                  ("tiny", "")],
+)  # fmt: skip
+def test_sequence_parallel_is_refused_for_the_kinds_without_it(kind, why):
+    from groupflow.config import ConfigError
 
     with pytest.raises(
-        ConfigError, match=f"sequence_parallel .* not diffusion.model.kind '{kind}'"
+        ConfigError, match=f"sequence_parallel .* not diffusion.model.kind '{kind}'{why}"
     ):
-        config_from_dict({
-            "run": {"backend": "ray", "num_workers": 2}, "parallel": {"sequence_parallel": 2},
-            "diffusion": {"model": {"kind": kind, "path": "m", "latent_shape": [4, 8, 8]}},
-            "data": {"train_files": ["p.jsonl"]},
-        })  # fmt: skip
+        _sp_config(kind)
+
+
+@pytest.mark.parametrize("kind", ["flux", "flux2", "qwen_image"])
+def test_sequence_parallel_loads_for_the_joint_attention_kinds(kind):
+    assert _sp_config(kind).parallel.sequence_parallel == 2

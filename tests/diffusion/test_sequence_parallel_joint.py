@@ -1,0 +1,188 @@
+"""Ulysses sequence parallelism of the tiny random-weight FLUX.1, FLUX.2 and Qwen-Image
+transformers the kinds' tests build (one double- and one single-stream block for the FLUX
+kinds; Qwen-Image with a padded text mask), called as groupflow calls them
+(``groupflow.diffusion.kinds.KIND_CALLS``), on two gloo ranks (torch.multiprocessing, one torch
+thread each): the velocity, a loss and every parameter gradient equal the single-process
+transformer's, with and without activation checkpointing; token counts and heads the group does
+not divide are refused with the key named; a copy of a sequence-parallel model (the worker's
+reference and NFT old copies) runs alike; and through the whole driver on Ray, 2 workers as one
+sequence-parallel group of 2 (FSDP2-sharded, LoRA, a KL to the reference) train like 1 worker.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from groupflow.distributed.ulysses import SequenceGroup, sequence_groups
+
+pytest.importorskip("diffusers")
+
+VARIANTS = {
+    "flux": {"kind": "flux"},
+    "flux_checkpointed": {"kind": "flux", "checkpointing": True},
+    "flux2": {"kind": "flux2"},
+    "flux2_checkpointed": {"kind": "flux2", "checkpointing": True},
+    "flux2_copied": {"kind": "flux2", "copied": True},  # the worker copies it (reference, old)
+    "qwen_image": {"kind": "qwen_image"},
+    "qwen_image_checkpointed": {"kind": "qwen_image", "checkpointing": True},
+}
+# latents of 16 image tokens: FLUX.1 and Qwen-Image pack 2x2 patches of [4, 8, 8], FLUX.2's
+# latent is already patchified
+SHAPES = {"flux": (4, 8, 8), "flux2": (16, 4, 4), "qwen_image": (4, 8, 8)}
+
+
+def _model(kind: str, checkpointing: bool = False, copied: bool = False):
+    from diffusers import (
+        Flux2Transformer2DModel,
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+    )
+
+    from tests.diffusion.test_flux import TINY_FLUX
+    from tests.diffusion.test_flux2 import TINY_FLUX2
+    from tests.diffusion.test_qwen_image import TINY_QWEN_IMAGE
+
+    torch.manual_seed(0)
+    build = {"flux": (FluxTransformer2DModel, TINY_FLUX),
+             "flux2": (Flux2Transformer2DModel, TINY_FLUX2),
+             "qwen_image": (QwenImageTransformer2DModel, TINY_QWEN_IMAGE)}[kind]  # fmt: skip
+    model = build[0](**build[1])
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    return model.train()
+
+
+def _inputs(kind: str, shape=None, text: int = 5):
+    """Two latents, σ, the text condition (FLUX.1: pooled too; Qwen-Image: a mask with the
+    second prompt padded) and loss weights."""
+    g = torch.Generator().manual_seed(1)
+    shape = shape or SHAPES[kind]
+    cond = {"encoder_hidden_states": torch.randn(2, text, 16, generator=g)}
+    if kind == "flux":
+        cond["pooled_projections"] = torch.randn(2, 8, generator=g)
+    if kind == "qwen_image":
+        cond["encoder_hidden_states_mask"] = torch.tensor([[1] * text, [1] * (text - 2) + [0, 0]])
+    x = torch.randn(2, *shape, generator=g)
+    return x, torch.tensor([0.25, 0.7]), cond, torch.randn(2, *shape, generator=g)
+
+
+def _velocity(model, kind: str, x, sigma, cond):
+    from groupflow.diffusion.kinds import KIND_CALLS
+
+    return KIND_CALLS[kind](model, x, sigma, cond, 3.5)
+
+
+def _step(model, kind: str) -> dict:
+    x, sigma, cond, weights = _inputs(kind)
+    out = _velocity(model, kind, x, sigma, cond)
+    loss = (out * weights).mean()
+    loss.backward()
+    return {"out": out.detach(), "loss": float(loss.detach()),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "params": sum(1 for p in model.parameters() if p.requires_grad)}  # fmt: skip
+
+
+def _rank(rank: int, world: int, store: str, out: str) -> None:
+    from groupflow.diffusion.sequence_parallel import enable_ulysses
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        sp = sequence_groups(rank, world, world)
+        results = {}
+        for name, kw in VARIANTS.items():
+            model = enable_ulysses(_model(**kw), sp)
+            r = _step(copy.deepcopy(model) if kw.get("copied") else model, kw["kind"])
+            for g in r["grads"].values():  # the members' shares add up (FSDP2 does it there)
+                dist.all_reduce(g)
+            results[name] = r
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()  # neither rank tears gloo down while its peer still talks
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes importing torch and diffusers
+def test_two_sequence_parallel_ranks_equal_one_flux_flux2_and_qwen_image_transformer(tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "results.pt"
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
+    got = torch.load(out, weights_only=False)
+    for name, kw in VARIANTS.items():
+        want, g = _step(_model(**kw), kw["kind"]), got[name]
+        assert torch.allclose(g["out"], want["out"], rtol=1e-5, atol=1e-6), name
+        assert g["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-8), name
+        assert g["grads"].keys() == want["grads"].keys()
+        for k, v in want["grads"].items():
+            assert torch.allclose(g["grads"][k], v, rtol=1e-4, atol=1e-7), (name, k)
+        moved = [k for k, v in want["grads"].items() if v.abs().sum() > 0]
+        assert len(moved) > want["params"] // 2  # a real gradient, not zeros everywhere
+
+
+@pytest.mark.slow  # importing diffusers
+@pytest.mark.parametrize("kind", ["flux", "flux2", "qwen_image"])
+def test_a_token_count_or_heads_that_do_not_split_are_refused(kind):
+    from groupflow.diffusion.sequence_parallel import enable_ulysses
+
+    torch.set_num_threads(1)
+    three = SequenceGroup(group=None, size=3, rank=0)  # nothing is exchanged before the checks
+    with pytest.raises(
+        ValueError, match="sequence_parallel=3 must divide the transformer's 2 heads"
+    ):
+        enable_ulysses(_model(kind), three)
+    model = enable_ulysses(_model(kind), SequenceGroup(group=None, size=2, rank=0))
+    shape = {"flux2": (16, 3, 3)}.get(kind, (4, 6, 6))  # 3 x 3 = 9 image tokens
+    x, sigma, cond, _ = _inputs(kind, shape)
+    with pytest.raises(ValueError, match=r"sequence_parallel=2: the .* 9 image tokens.* 2 ranks"):
+        _velocity(model, kind, x, sigma, cond)
+
+
+@pytest.mark.slow  # Ray start-up and diffusers' import dominate; the models are tiny
+@pytest.mark.parametrize("kind", ["flux", "flux2", "qwen_image"])
+def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(kind, tmp_path):
+    """Through the whole driver: FSDP2-sharded, LoRA, a KL to the reference copy; 2 workers as
+    one group of 2 take the same steps as 1 worker."""
+    pytest.importorskip("ray")
+    import json
+
+    from groupflow.run.tracking import read_metrics
+    from tests.diffusion.test_fsdp import _cfg, _fit
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
+    model = tmp_path / kind
+    _model(kind).save_pretrained(model)
+    over = {"diffusion.model.kind": kind, "diffusion.model.path": str(model),
+            "diffusion.model.latent_shape": list(SHAPES[kind]), "actor.kl_coef": 0.01,
+            "diffusion.model.lora": {"rank": 2, "target_modules": ["to_q", "to_k", "to_v"]}}  # fmt: skip
+    one, s1 = _fit(_cfg(tmp_path, model, prompts, **over))
+    sp = {"run.name": "sp", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True,
+          "parallel.sequence_parallel": 2}  # fmt: skip
+    two, s2 = _fit(_cfg(tmp_path, model, prompts, **over, **sp))
+    a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
+    assert len(a) == len(b) > 1
+    for ra, rb in zip(a[1:], b[1:], strict=True):
+        assert rb["reward/mean"] == pytest.approx(ra["reward/mean"], rel=1e-5)  # same samples
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/loss"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert b[-1]["actor/grad_norm"] > 0
+    lora = [k for k in s1["model"] if "lora_" in k]
+    assert lora and all(torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5) for k in lora)
+
+
+@pytest.mark.slow  # importing diffusers
+def test_z_image_is_refused_with_the_reason():
+    from diffusers import ZImageTransformer2DModel
+
+    from groupflow.diffusion.sequence_parallel import enable_ulysses
+    from tests.diffusion.test_z_image import TINY_Z_IMAGE
+
+    two = SequenceGroup(group=None, size=2, rank=0)
+    with pytest.raises(ValueError, match="sequence_parallel .* per-sample padding mask"):
+        enable_ulysses(ZImageTransformer2DModel(**TINY_Z_IMAGE), two)

@@ -39,6 +39,7 @@ from groupflow.diffusion.models import (
     check_teacher_model,
     load_diffusers_model,
     load_tiny_model,
+    transformer_config,
     transformer_dir,
 )
 from groupflow.diffusion.pretrain import pretrain_tiny_model
@@ -77,15 +78,18 @@ class FlowModelSpec:
         self.kind, self.latent_shape = kind, latent_shape
         self.parts = parts or {}  # diffusion.model's text encoder / tokenizer / VAE keys
 
-    def build(self, empty: bool = False):
-        """``empty``: a diffusers transformer with meta parameters (for sharded loading)."""
+    def build(self, empty: bool = False, device: str = "cpu"):
+        """``empty``: a diffusers transformer with meta parameters (for sharded loading);
+        ``device``: where the text encoder and VAE run (the worker's: they are no parameters of
+        the flow model, so moving it moves neither)."""
         if self.kind == "tiny":
             return load_tiny_model(self.path)
         encoder = decoder = None
         if self.parts.get("text_encoder_path"):
-            encoder = load_text_encoder(self.kind, self.parts)
+            width = transformer_config(self.path).get("joint_attention_dim")
+            encoder = load_text_encoder(self.kind, self.parts, str(device), width=width)
         if self.parts.get("vae_path"):
-            decoder = load_vae_decoder(self.kind, self.parts["vae_path"])
+            decoder = load_vae_decoder(self.kind, self.parts["vae_path"], str(device))
         shape = present(self.latent_shape, "diffusion.model.latent_shape")
         return load_diffusers_model(
             self.path, self.kind, shape, encoder, decoder, empty=empty,
@@ -172,6 +176,7 @@ class DiffusionPolicy:
                 "tokenizer_path",
                 "text_encoder_2_path",
                 "tokenizer_2_path",
+                "text_encoder_3_path",
                 "max_sequence_length",
                 "vae_path",
                 "guidance",

@@ -34,6 +34,7 @@ from groupflow.batch import Batch
 from groupflow.config import Config, DiffusionConfig, TeacherConfig, present
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
+from groupflow.diffusion.encoder_checks import check_text_encoder_folders
 from groupflow.diffusion.kinds import default_shift
 from groupflow.diffusion.models import (
     check_teacher_model,
@@ -86,6 +87,7 @@ class FlowModelSpec:
             return load_tiny_model(self.path)
         encoder = decoder = None
         if self.parts.get("text_encoder_path"):
+            check_text_encoder_folders(self.kind, self.parts, self.path)  # before any weights
             width = transformer_config(self.path).get("joint_attention_dim")
             encoder = load_text_encoder(self.kind, self.parts, str(device), width=width)
         if self.parts.get("vae_path"):
@@ -184,8 +186,10 @@ class DiffusionPolicy:
         )
         spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape, parts)
         settings = settings_from_config(d, cfg.algorithm.adv_clip_max, cfg.teacher)
-        if d.model.vae_path:  # a VAE of another class fails here, not in every worker
+        # a VAE or text encoder of another class or width fails here, not in every worker
+        if d.model.vae_path:
             check_vae_folder(d.model.kind, d.model.vae_path)
+        check_text_encoder_folders(d.model.kind, parts, spec.path)
         teacher_spec = None
         if cfg.teacher is not None:  # same kind and text encoder: one conditioning contract
             check_teacher_model(cfg.teacher.path, d.model.path, d.model.kind)

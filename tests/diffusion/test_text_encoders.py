@@ -49,7 +49,8 @@ def flux_parts(root, t5_dim=16, clip_dim=8):
     torch.manual_seed(0)
     CLIPTextModel(CLIPTextConfig(
         vocab_size=n, hidden_size=clip_dim, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=6, eos_token_id=1, pad_token_id=0,
+        num_attention_heads=2, max_position_embeddings=6, bos_token_id=2, eos_token_id=1,
+        pad_token_id=0,
     )).save_pretrained(root / "text_encoder")  # fmt: skip
     n = _tokenizer(root / "tokenizer_2", ["<pad>", "</s>", "<unk>"], "$A </s>")
     T5EncoderModel(
@@ -70,7 +71,8 @@ def sd3_parts(root, clip_dims=(4, 8), t5_dim=16, t5=True):
                        "<sot> $A <eot>", max_length=6 + 4 * i)  # fmt: skip
         CLIPTextModelWithProjection(CLIPTextConfig(
             vocab_size=n, hidden_size=dim, intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=10, eos_token_id=1, pad_token_id=0,
+            num_attention_heads=2, max_position_embeddings=10, bos_token_id=2, eos_token_id=1,
+            pad_token_id=0,
             projection_dim=4,
         )).save_pretrained(root / f"text_encoder{suffix}")  # fmt: skip
     if t5:
@@ -395,7 +397,9 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
     ):
         FlowModelSpec("flux2", str(tmp_path / "flux2"), [16, 4, 4], parts).build()
     with pytest.raises(
-        ValueError, match="text_encoder_path: .* holds a t5 model; FLUX.2's text encoder"
+        ValueError,
+        match="text_encoder_path: .* holds a T5EncoderModel \\(model_type t5\\), "
+        "but diffusion.model.kind 'flux2' takes a Mistral3 \\(dev\\) or Qwen3",
     ):
         FlowModelSpec("flux2", str(tmp_path / "flux2"), [16, 4, 4],
                       {"text_encoder_path": str(clip.parent / "text_encoder_2")}).build()  # fmt: skip
@@ -425,7 +429,9 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
             "qwen_image", str(tmp_path / "qwen_image"), [4, 8, 8], {"text_encoder_path": str(wide)}
         ).build()
     parts = {"text_encoder_path": str(clip), "text_encoder_2_path": str(tmp_path)}
-    with pytest.raises(ModelPathError, match="text_encoder_2_path: .* not a local T5 text encoder"):
+    with pytest.raises(
+        ModelPathError, match="text_encoder_2_path: .* not a local T5EncoderModel text encoder"
+    ):
         FlowModelSpec("flux", str(tmp_path / "flux"), [4, 8, 8], parts).build()
 
 
@@ -499,3 +505,39 @@ def test_the_worker_builds_the_parts_on_its_own_device(monkeypatch):
         DiffusionWorker.create(0, 1, spec=Spec(), settings=settings, cfg=cfg, total_steps=1,
                                role=role)  # fmt: skip
     assert len(built) == 2 and all(d is ours for d in built)
+
+
+def test_text_encoder_folders_of_another_class_or_width_name_the_key_folder_and_both(tmp_path):
+    from groupflow.diffusion.encoder_checks import check_text_encoder_folders
+    from tests.diffusion.test_models import _sd3
+
+    sd3 = _sd3(tmp_path)  # joint_attention_dim=16, pooled_projection_dim=8
+    clip = sd3_parts(tmp_path / "sd3_parts")
+    flux_clip = flux_parts(tmp_path / "flux_parts")  # a CLIPTextModel and a T5
+    t5 = str(clip.parent / "text_encoder_3")
+    check_text_encoder_folders("sd3", {"text_encoder_path": str(clip), "text_encoder_3_path": t5},
+                               sd3)  # fmt: skip
+    cases = [
+        ({"text_encoder_path": str(flux_clip)}, "text_encoder_path: '.*flux_parts/text_encoder' "
+         "holds a CLIPTextModel \\(model_type clip_text_model\\), but diffusion.model.kind 'sd3' "
+         "takes a CLIPTextModelWithProjection"),
+        ({"text_encoder_path": str(clip), "text_encoder_3_path": str(clip)},
+         "text_encoder_3_path: '.*sd3_parts/text_encoder' holds a CLIPTextModelWithProjection .* "
+         "takes a T5EncoderModel"),
+        ({"text_encoder_path": str(clip), "text_encoder_2_path": str(tmp_path / "sd3")},
+         "text_encoder_2_path: '.*sd3' holds no text encoder's config"),
+    ]  # fmt: skip
+    for parts, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_text_encoder_folders("sd3", parts, sd3)
+    wide = sd3_parts(tmp_path / "wide", t5_dim=24)
+    with pytest.raises(ValueError, match="text_encoder_3_path: its embeddings have 24 features; "
+                       "the transformer at '.*sd3' takes joint_attention_dim=16 \\(text encoder: "
+                       "'.*wide/text_encoder_3'\\)"):  # fmt: skip
+        check_text_encoder_folders("sd3", {"text_encoder_path": str(wide),
+                                   "text_encoder_3_path": str(wide.parent / "text_encoder_3")},
+                                   sd3)  # fmt: skip
+    with pytest.raises(ValueError, match="text_encoder_path: '.*flux_parts/text_encoder_2' holds "
+                       "a T5EncoderModel .*kind 'flux' takes a CLIPTextModel"):  # fmt: skip
+        check_text_encoder_folders("flux", {"text_encoder_path": str(flux_clip.parent /
+                                   "text_encoder_2")}, sd3)  # fmt: skip

@@ -88,7 +88,9 @@ class FlowModelSpec:
         encoder = decoder = None
         if self.parts.get("text_encoder_path"):
             check_text_encoder_folders(self.kind, self.parts, self.path)  # before any weights
-            width = transformer_config(self.path).get("joint_attention_dim")
+            width = None
+            if self.kind == "sd3":  # without T5, zeros as wide as the transformer's text input
+                width = transformer_config(self.path).get("joint_attention_dim")
             encoder = load_text_encoder(self.kind, self.parts, str(device), width=width)
         if self.parts.get("vae_path"):
             decoder = load_vae_decoder(self.kind, self.parts["vae_path"], str(device))

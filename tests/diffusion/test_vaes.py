@@ -237,3 +237,27 @@ def test_a_grpo_step_scores_the_decoded_images_and_a_wrong_vae_fails_before_the_
     rows = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "actor/loss" in r]
     assert len(rows) == 1 and math.isfinite(rows[0]["actor/loss"])
     assert 0 < rows[0]["reward/mean"] < 1  # the brightness of decoded [0, 1] images
+
+
+def test_an_sd3_grpo_step_conditions_on_its_text_encoders_and_scores_decoded_images(
+    vaes, transformers_, tmp_path
+):
+    import math
+
+    from groupflow.run.tracking import read_metrics
+    from groupflow.trainer import Trainer
+    from tests.diffusion.kind_checks import diffusion_config
+    from tests.diffusion.test_text_encoders import sd3_parts
+
+    torch.set_num_threads(1)
+    clip = sd3_parts(tmp_path / "parts")
+    model = {"vae_path": str(vaes["sd3"]), "text_encoder_path": str(clip),
+             "text_encoder_3_path": str(clip.parent / "text_encoder_3"),
+             "max_sequence_length": 8}  # fmt: skip
+    cfg = diffusion_config("sd3", transformers_["sd3"], SHAPES["sd3"], tmp_path, name="sd3",
+                           steps=1, model=model)  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.fit()
+    rows = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "actor/loss" in r]
+    assert len(rows) == 1 and math.isfinite(rows[0]["actor/loss"])
+    assert rows[0]["actor/grad_norm"] > 0 and 0 < rows[0]["reward/mean"] < 1

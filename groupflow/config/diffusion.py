@@ -29,9 +29,11 @@ class DiffusionLoraConfig(_Section):
 
 
 # the kinds whose pipeline's VAE decodes through diffusion.model.vae_path (groupflow.diffusion.vaes)
-VAE_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
+VAE_KINDS = ("sd3", "wan", "flux", "qwen_image", "z_image", "flux2")
 # ... and whose text encoder through text_encoder_path (groupflow.diffusion.text_encoders)
-TEXT_ENCODER_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
+TEXT_ENCODER_KINDS = ("sd3", "wan", "flux", "qwen_image", "z_image", "flux2")
+# the kinds with a second text encoder (text_encoder_2_path): SD3's CLIP-G, FLUX.1's T5
+SECOND_ENCODER_KINDS = ("sd3", "flux")
 
 
 class DiffusionModelConfig(_Section):
@@ -54,21 +56,30 @@ class DiffusionModelConfig(_Section):
     # tiny with pretrain_if_missing: steps of flow-matching pre-training
     pretrain_steps: int = Field(default=600, ge=1)
     lora: DiffusionLoraConfig | None = None
-    # the pipeline's text encoder (its local `text_encoder/` folder), for kinds wan, flux,
-    # qwen_image, z_image and flux2; without one, prompts get fixed random embeddings. wan: UMT5;
-    # flux: CLIP (its pooled output), with T5 in text_encoder_2_path; qwen_image: Qwen2.5-VL;
-    # z_image: Qwen3; flux2: Mistral3 (dev) or Qwen3 (klein)
+    # the pipeline's text encoder (its local `text_encoder/` folder), for kinds sd3, wan, flux,
+    # qwen_image, z_image and flux2; without one, prompts get fixed random embeddings. sd3: CLIP-L
+    # (CLIPTextModelWithProjection), with CLIP-G in text_encoder_2_path and T5 in
+    # text_encoder_3_path; wan: UMT5; flux: CLIP (its pooled output), with T5 in
+    # text_encoder_2_path; qwen_image: Qwen2.5-VL; z_image: Qwen3; flux2: Mistral3 (dev) or
+    # Qwen3 (klein)
     text_encoder_path: str | None = None
     tokenizer_path: str | None = None  # default: `tokenizer/` beside the text encoder
-    # flux only: FLUX.1's T5 encoder; default: `text_encoder_2/` beside text_encoder_path
+    # sd3: CLIP-G (CLIPTextModelWithProjection); flux: FLUX.1's T5 encoder; default:
+    # `text_encoder_2/` beside text_encoder_path
     text_encoder_2_path: str | None = None
-    tokenizer_2_path: str | None = None  # flux only; default: `tokenizer_2/` beside the T5
-    # text-encoder tokens per prompt, every prompt padded to them (wan, flux's T5, z_image,
-    # flux2; qwen_image: caption tokens after its template, at most 1024)
+    # sd3, flux; default: `tokenizer_2/` beside text_encoder_2_path's encoder
+    tokenizer_2_path: str | None = None
+    # sd3 only: SD3's T5-XXL (T5EncoderModel), its tokenizer `tokenizer_3/` beside it; unset:
+    # no T5, its part of the prompt embedding zeros (the pipeline with text_encoder_3=None)
+    text_encoder_3_path: str | None = None
+    # text-encoder tokens per prompt, every prompt padded to them (sd3's T5 — its pipeline's
+    # default is 256 —, wan, flux's T5, z_image, flux2; qwen_image: caption tokens after its
+    # template, at most 1024)
     max_sequence_length: int = Field(default=512, ge=1)
     # the pipeline's VAE (its local `vae/` folder), decoding what the rewards score; without
-    # one, images are latent previews. wan: AutoencoderKLWan; flux, z_image: AutoencoderKL;
-    # qwen_image: AutoencoderKLQwenImage; flux2: AutoencoderKLFlux2
+    # one, images are latent previews. sd3, flux, z_image: AutoencoderKL (its scaling_factor and
+    # shift_factor); wan: AutoencoderKLWan; qwen_image: AutoencoderKLQwenImage; flux2:
+    # AutoencoderKLFlux2
     vae_path: str | None = None
 
     @model_validator(mode="after")
@@ -79,15 +90,21 @@ class DiffusionModelConfig(_Section):
                 f"diffusion.model.{parts[0]} is for kinds {', '.join(TEXT_ENCODER_KINDS)} (their "
                 f"pipelines' text encoders), not '{self.kind}'"
             )
-        flux = [k for k in ("text_encoder_2_path", "tokenizer_2_path") if getattr(self, k)]
-        if flux and self.kind != "flux":
+        second = [k for k in ("text_encoder_2_path", "tokenizer_2_path") if getattr(self, k)]
+        if second and self.kind not in SECOND_ENCODER_KINDS:
             raise ValueError(
-                f"diffusion.model.{flux[0]} is FLUX.1's T5 (kind 'flux'), not '{self.kind}'"
+                f"diffusion.model.{second[0]} is SD3's CLIP-G (kind 'sd3') or FLUX.1's T5 (kind "
+                f"'flux'), not '{self.kind}'"
             )
-        if flux and not self.text_encoder_path:
+        if self.text_encoder_3_path and self.kind != "sd3":
             raise ValueError(
-                f"diffusion.model.{flux[0]} needs diffusion.model.text_encoder_path (CLIP): "
-                "FLUX.1 conditions on both"
+                f"diffusion.model.text_encoder_3_path is SD3's T5 (kind 'sd3'), not '{self.kind}'"
+            )
+        extra = second + (["text_encoder_3_path"] if self.text_encoder_3_path else [])
+        if extra and not self.text_encoder_path:
+            raise ValueError(
+                f"diffusion.model.{extra[0]} needs diffusion.model.text_encoder_path (CLIP): "
+                f"the '{self.kind}' pipeline conditions on all its text encoders together"
             )
         if self.vae_path and self.kind not in VAE_KINDS:
             raise ValueError(

@@ -63,6 +63,7 @@ __all__ = [
     "load_tiny_model",
     "save_tiny_model",
     "load_diffusers_model",
+    "transformer_config",
     "transformer_dir",
     "ModelPathError",
     "UnknownPromptError",
@@ -398,6 +399,8 @@ def _default_encoder(kind: str, c) -> PromptEncoder:
 
 # kind -> (the prompt encoder's attribute, the transformer config's field, the key naming it)
 _TEXT_WIDTHS = {
+    "sd3": [("dim", "joint_attention_dim", "text_encoder_3_path"),
+            ("pooled_dim", "pooled_projection_dim", "text_encoder_path + text_encoder_2_path")],
     "wan": [("dim", "text_dim", "text_encoder_path")],
     "flux": [("dim", "joint_attention_dim", "text_encoder_2_path"),
              ("pooled_dim", "pooled_projection_dim", "text_encoder_path")],
@@ -489,7 +492,8 @@ _TEACHER_KEYS = {
 }  # fmt: skip
 
 
-def _model_config(path: str | Path, key: str) -> dict:
+def transformer_config(path: str | Path, key: str = "diffusion.model.path") -> dict:
+    """The flow model's ``config.json`` at ``path`` (or its ``transformer/``), read only."""
     file = transformer_dir(path) / "config.json"
     if not file.is_file():
         raise ModelPathError(f"{key}: '{file.parent}' holds no flow model (no config.json)")
@@ -505,8 +509,8 @@ def check_teacher_model(teacher_path: str | Path, student_path: str | Path, kind
     each differing field with both values."""
     if kind != "tiny":
         _check_kind(kind)
-    teacher = _model_config(teacher_path, "teacher.path")
-    student = _model_config(student_path, "diffusion.model.path")
+    teacher = transformer_config(teacher_path, "teacher.path")
+    student = transformer_config(student_path, "diffusion.model.path")
     differ = [
         f"{k}: student {student.get(k)!r}, teacher {teacher.get(k)!r}"
         for k in _TEACHER_KEYS[kind]

@@ -1,4 +1,4 @@
-"""The image kinds' text encoders (FLUX.1, Qwen-Image, Z-Image, FLUX.2) behind PromptEncoder.
+"""The image kinds' text encoders (SD3, FLUX.1, Qwen-Image, Z-Image, FLUX.2) behind PromptEncoder.
 
 Design decision: as with Wan's (``groupflow.diffusion.encoders``), each class loads the
 pipeline's text encoder and tokenizer from LOCAL diffusers-layout folders and reproduces the
@@ -9,6 +9,16 @@ entry, so where the pipeline's captions vary in length (Qwen-Image, Z-Image) the
 unconditional input is the empty prompt, encoded like any other (the pipelines' default negative
 prompt).
 
+- :class:`SD3TextEncoder` (``sd3``: StableDiffusion3Pipeline) — CLIP-L's and CLIP-G's
+  (``CLIPTextModelWithProjection``) penultimate hidden states over CLIP-L's tokenizer length,
+  concatenated per token and zero-padded to T5's width, then T5-XXL's last hidden state over the
+  prompt padded/truncated to ``max_sequence_length`` tokens (no mask) after them along the
+  sequence; without T5 (``text_encoder_3_path`` unset, the pipeline with ``text_encoder_3=None``)
+  its part is zeros of the transformer's ``joint_attention_dim``. The two CLIPs' projected pooled
+  outputs concatenated are ``pooled_projections`` (``_get_clip_prompt_embeds``,
+  ``_get_t5_prompt_embeds``, ``encode_prompt``). CLIP-L is ``text_encoder_path``, CLIP-G
+  ``text_encoder_2_path`` (default ``text_encoder_2/`` beside it), each tokenizer beside its
+  encoder unless given, T5's ``tokenizer_3/`` beside it.
 - :class:`FluxTextEncoder` (``flux``: FluxPipeline) — T5's last hidden state over the prompt
   padded/truncated to ``max_sequence_length`` tokens, no attention mask and no zeroing
   (``_get_t5_prompt_embeds``), and CLIP's pooled output over ``model_max_length`` tokens
@@ -36,6 +46,7 @@ prompt).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,9 +55,12 @@ from torch import Tensor
 
 from groupflow.diffusion.encoders import WanTextEncoder, frozen, local_folder, tokenizer_beside
 
+log = logging.getLogger("groupflow")
+
 __all__ = [
     "Flux2TextEncoder",
     "FluxTextEncoder",
+    "SD3TextEncoder",
     "QwenImageTextEncoder",
     "ZImageTextEncoder",
     "TEXT_ENCODER_KINDS",
@@ -54,7 +68,100 @@ __all__ = [
 ]
 
 # the kinds whose text encoder is wired (config.diffusion.TEXT_ENCODER_KINDS says the same)
-TEXT_ENCODER_KINDS = ("wan", "flux", "qwen_image", "z_image", "flux2")
+TEXT_ENCODER_KINDS = ("sd3", "wan", "flux", "qwen_image", "z_image", "flux2")
+
+
+SD3_KEYS = tuple(f"diffusion.model.{k}" for k in
+                 ("text_encoder_path", "text_encoder_2_path", "text_encoder_3_path"))  # fmt: skip
+
+
+class SD3TextEncoder:
+    """SD3's joint CLIP-L + CLIP-G + T5 sequence and pooled CLIP embeddings, as
+    StableDiffusion3Pipeline.encode_prompt (no clip_skip). ``width``: the transformer's
+    ``joint_attention_dim``, the zeros' width when there is no T5."""
+
+    def __init__(
+        self,
+        clip_path: str | Path,
+        clip_2_path: str | Path | None = None,
+        t5_path: str | Path | None = None,
+        tokenizer_path: str | Path | None = None,
+        tokenizer_2_path: str | Path | None = None,
+        max_sequence_length: int = 256,
+        width: int | None = None,
+        device: str = "cpu",
+    ):
+        from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+        clip_l = local_folder(clip_path, "CLIP-L text encoder", SD3_KEYS[0])
+        clip_g = local_folder(clip_2_path or clip_l.parent / "text_encoder_2",
+                              "CLIP-G text encoder", SD3_KEYS[1])  # fmt: skip
+        self.clips = [
+            frozen(
+                CLIPTextModelWithProjection.from_pretrained(str(f), local_files_only=True), device
+            )  # fmt: skip
+            for f in (clip_l, clip_g)
+        ]
+        self.tokenizers = [
+            tokenizer_beside(tokenizer_path, clip_l, "tokenizer", "diffusion.model.tokenizer_path"),
+            tokenizer_beside(
+                tokenizer_2_path, clip_g, "tokenizer_2", "diffusion.model.tokenizer_2_path"
+            ),  # fmt: skip
+        ]
+        self.t5 = self.t5_tokenizer = None
+        if t5_path is not None:
+            t5 = local_folder(t5_path, "T5 text encoder", SD3_KEYS[2])
+            self.t5 = frozen(T5EncoderModel.from_pretrained(str(t5), local_files_only=True), device)
+            self.t5_tokenizer = tokenizer_beside(None, t5, "tokenizer_3", SD3_KEYS[2])
+            width = self.t5.config.d_model
+        elif (clip_l.parent / "text_encoder_3" / "config.json").is_file():
+            # explicit, since dropping T5 is SD3's documented way to save memory
+            log.warning("%s is unset: SD3 runs without the T5 beside %s (its part zeros)",
+                        SD3_KEYS[2], clip_l)  # fmt: skip
+        if width is None:
+            raise ValueError(f"{SD3_KEYS[2]} is unset: SD3's zero T5 part needs the "
+                             "transformer's joint_attention_dim")  # fmt: skip
+        clip_width = sum(int(c.config.hidden_size) for c in self.clips)
+        if clip_width > width:  # the pipeline's pad would silently crop instead
+            raise ValueError(
+                f"{SD3_KEYS[0]} + {SD3_KEYS[1]}: CLIP-L's and CLIP-G's hidden states are "
+                f"{clip_width} wide together, wider than the T5 part's {width}"
+            )
+        # the pipeline pads both CLIPs to CLIP-L's tokenizer's length
+        self.clip_len = int(self.tokenizers[0].model_max_length)
+        self.max_len, self.device, self.dim = max_sequence_length, device, int(width)
+        self.pooled_dim = sum(int(c.config.projection_dim) for c in self.clips)
+
+    def _t5(self, prompts: list[str]) -> Tensor:
+        if self.t5 is None or self.t5_tokenizer is None:
+            return torch.zeros(len(prompts), self.max_len, self.dim)
+        ids = self.t5_tokenizer(
+            prompts, padding="max_length", max_length=self.max_len, truncation=True,
+            add_special_tokens=True, return_tensors="pt",
+        ).input_ids  # fmt: skip
+        return self.t5(ids.to(self.device))[0].float().cpu()
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        prompts = list(prompts)
+        hidden, pooled = [], []
+        for tokenizer, clip in zip(self.tokenizers, self.clips, strict=True):
+            ids = tokenizer(
+                prompts, padding="max_length", max_length=self.clip_len, truncation=True,
+                return_tensors="pt",
+            ).input_ids  # fmt: skip
+            out = clip(ids.to(self.device), output_hidden_states=True)
+            pooled.append(out[0].float().cpu())  # the projected pooled output (text_embeds)
+            hidden.append(out.hidden_states[-2].float().cpu())
+        clip_hidden = torch.cat(hidden, dim=-1)
+        clip_hidden = torch.nn.functional.pad(clip_hidden, (0, self.dim - clip_hidden.shape[-1]))
+        return {
+            "encoder_hidden_states": torch.cat([clip_hidden, self._t5(prompts)], dim=-2),
+            "pooled_projections": torch.cat(pooled, dim=-1),
+        }
+
+    def null(self, n: int) -> dict[str, Tensor]:
+        return self([""] * n)
 
 
 class FluxTextEncoder:
@@ -289,22 +396,30 @@ class Flux2TextEncoder:
         return self([""] * n)
 
 
-def load_text_encoder(kind: str, parts: dict):
-    """``kind``'s text encoder from ``diffusion.model``'s part keys (``parts``)."""
+def load_text_encoder(kind: str, parts: dict, device: str = "cpu", width: int | None = None):
+    """``kind``'s text encoder from ``diffusion.model``'s part keys (``parts``), its models on
+    ``device`` in the dtype their configs name (transformers' ``dtype="auto"``); ``width``: the
+    transformer's text width (SD3 without T5 fills its part with zeros that wide)."""
     length = parts.get("max_sequence_length", 512)
     path, tokenizer = parts["text_encoder_path"], parts.get("tokenizer_path")
+    if kind == "sd3":
+        return SD3TextEncoder(
+            path, parts.get("text_encoder_2_path"), parts.get("text_encoder_3_path"), tokenizer,
+            parts.get("tokenizer_2_path"), length, width=width, device=device,
+        )  # fmt: skip
     if kind == "wan":
-        return WanTextEncoder(path, tokenizer, length)
+        return WanTextEncoder(path, tokenizer, length, device=device)
     if kind == "flux":
         return FluxTextEncoder(
-            path, parts.get("text_encoder_2_path"), tokenizer, parts.get("tokenizer_2_path"), length
-        )
+            path, parts.get("text_encoder_2_path"), tokenizer, parts.get("tokenizer_2_path"), length,
+            device=device,
+        )  # fmt: skip
     if kind == "z_image":
-        return ZImageTextEncoder(path, tokenizer, length)
+        return ZImageTextEncoder(path, tokenizer, length, device=device)
     if kind == "qwen_image":
-        return QwenImageTextEncoder(path, tokenizer, length)
+        return QwenImageTextEncoder(path, tokenizer, length, device=device)
     if kind == "flux2":
-        return Flux2TextEncoder(path, tokenizer, length)
+        return Flux2TextEncoder(path, tokenizer, length, device=device)
     raise ValueError(
         f"diffusion.model.text_encoder_path: kind '{kind}' has no text encoder wired; kinds with "
         f"one: {', '.join(TEXT_ENCODER_KINDS)}"

@@ -1,12 +1,13 @@
-"""The VAE decoders of the image kinds (FLUX.1, Z-Image, Qwen-Image, FLUX.2) behind ``decoder``.
+"""The VAE decoders of the image kinds (SD3, FLUX.1, Z-Image, Qwen-Image, FLUX.2) behind ``decoder``.
 
 Design decision: the policy's latent is the kind's own layout (``groupflow.diffusion.kinds``), so
 each decoder takes exactly that latent and reproduces the lines its diffusers pipeline runs
 between the last denoising step and ``image_processor.postprocess`` — nothing more, so a rollout
 scores the image the real pipeline would produce. One class per family of math:
 
-- :class:`ScaledVaeDecoder` (``flux``, ``z_image``: ``AutoencoderKL``) — x / scaling_factor +
-  shift_factor, decode (FluxPipeline, ZImagePipeline).
+- :class:`ScaledVaeDecoder` (``sd3``, ``flux``, ``z_image``: ``AutoencoderKL``) — x /
+  scaling_factor + shift_factor, decode (StableDiffusion3Pipeline, FluxPipeline,
+  ZImagePipeline; each reads both factors from its ``vae/config.json``).
 - :class:`QwenImageVaeDecoder` (``qwen_image``: ``AutoencoderKLQwenImage``) — a one-frame axis,
   x·latents_std + latents_mean, decode, the frame dropped (QwenImagePipeline).
 - :class:`Flux2VaeDecoder` (``flux2``: ``AutoencoderKLFlux2``) — the policy latent is already the
@@ -44,6 +45,7 @@ KEY = "diffusion.model.vae_path"
 
 # kind -> the diffusers VAE class its pipeline decodes with
 VAE_CLASSES = {
+    "sd3": "AutoencoderKL",
     "wan": "AutoencoderKLWan",
     "flux": "AutoencoderKL",
     "z_image": "AutoencoderKL",
@@ -128,6 +130,7 @@ class Flux2VaeDecoder:
 
 
 _DECODERS = {
+    "sd3": ScaledVaeDecoder,
     "wan": WanVaeDecoder,
     "flux": ScaledVaeDecoder,
     "z_image": ScaledVaeDecoder,

@@ -215,20 +215,21 @@ class DiffusionWorker(CheckpointMethods):
         rollout pool's worker — replicated, no process group (its workers never talk to each
         other), no reference copy, no teacher: it samples, and receives each version's weights
         from the actor's ranks through the weight transport."""
+        device = worker_device(rank)  # the text encoder's and VAE's too: no flow parameters
         if role == "rollout":
-            settings = replace(settings, fsdp=False, distill=None)
-            model = spec.build().to(worker_device(rank))
-            return cls(model, settings, cfg.model_copy(update={"kl_coef": 0.0}),
-                       total_steps=total_steps, rank=rank, world_size=world_size, role=role)  # fmt: skip
+            model = spec.build(device=device).to(device)
+            return cls(model, replace(settings, fsdp=False, distill=None),
+                       cfg.model_copy(update={"kl_coef": 0.0}), total_steps=total_steps,
+                       rank=rank, world_size=world_size, role=role)  # fmt: skip
         init_process_group(rank, world_size, pg_timeout_s)
-        teacher = teacher_spec.build() if teacher_spec is not None else None
+        teacher = teacher_spec.build(device=device) if teacher_spec is not None else None
         if meta_init(spec, settings, world_size):  # no rank ever holds the full transformer
             return cls(
-                spec.build(empty=True), settings, cfg, total_steps=total_steps, rank=rank,
-                world_size=world_size, weights=spec.path, sequence_parallel=sequence_parallel,
-                teacher=teacher,
+                spec.build(empty=True, device=device), settings, cfg, total_steps=total_steps,
+                rank=rank, world_size=world_size, weights=spec.path,
+                sequence_parallel=sequence_parallel, teacher=teacher,
             )  # fmt: skip
-        model = spec.build().to(worker_device(rank))
+        model = spec.build(device=device).to(device)
         return cls(model, settings, cfg, total_steps=total_steps, rank=rank, world_size=world_size,
                    sequence_parallel=sequence_parallel, teacher=teacher)  # fmt: skip
 
@@ -387,9 +388,7 @@ class DiffusionWorker(CheckpointMethods):
         self, batch: Batch, *, shuffle_seed: int | None = None, temperature: float | None = None
     ) -> dict[str, float]:
         """μ epochs over shuffled mini-batches of samples; one optimizer step per mini-batch.
-
-        ``temperature`` is accepted (and ignored) so the driver calls both policy types alike.
-        """
+        ``temperature`` is accepted (and ignored) so the driver calls both policy types alike."""
         cfg = self.cfg
         self._check(batch)
         batch = self._pool(batch)[0].to(self.device)

@@ -34,11 +34,13 @@ from groupflow.batch import Batch
 from groupflow.config import Config, DiffusionConfig, TeacherConfig, present
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
+from groupflow.diffusion.encoder_checks import check_text_encoder_folders
 from groupflow.diffusion.kinds import default_shift
 from groupflow.diffusion.models import (
     check_teacher_model,
     load_diffusers_model,
     load_tiny_model,
+    transformer_config,
     transformer_dir,
 )
 from groupflow.diffusion.pretrain import pretrain_tiny_model
@@ -77,15 +79,21 @@ class FlowModelSpec:
         self.kind, self.latent_shape = kind, latent_shape
         self.parts = parts or {}  # diffusion.model's text encoder / tokenizer / VAE keys
 
-    def build(self, empty: bool = False):
-        """``empty``: a diffusers transformer with meta parameters (for sharded loading)."""
+    def build(self, empty: bool = False, device: str = "cpu"):
+        """``empty``: a diffusers transformer with meta parameters (for sharded loading);
+        ``device``: where the text encoder and VAE run (the worker's: they are no parameters of
+        the flow model, so moving it moves neither)."""
         if self.kind == "tiny":
             return load_tiny_model(self.path)
         encoder = decoder = None
         if self.parts.get("text_encoder_path"):
-            encoder = load_text_encoder(self.kind, self.parts)
+            check_text_encoder_folders(self.kind, self.parts, self.path)  # before any weights
+            width = None
+            if self.kind == "sd3":  # without T5, zeros as wide as the transformer's text input
+                width = transformer_config(self.path).get("joint_attention_dim")
+            encoder = load_text_encoder(self.kind, self.parts, str(device), width=width)
         if self.parts.get("vae_path"):
-            decoder = load_vae_decoder(self.kind, self.parts["vae_path"])
+            decoder = load_vae_decoder(self.kind, self.parts["vae_path"], str(device))
         shape = present(self.latent_shape, "diffusion.model.latent_shape")
         return load_diffusers_model(
             self.path, self.kind, shape, encoder, decoder, empty=empty,
@@ -172,6 +180,7 @@ class DiffusionPolicy:
                 "tokenizer_path",
                 "text_encoder_2_path",
                 "tokenizer_2_path",
+                "text_encoder_3_path",
                 "max_sequence_length",
                 "vae_path",
                 "guidance",
@@ -179,8 +188,10 @@ class DiffusionPolicy:
         )
         spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape, parts)
         settings = settings_from_config(d, cfg.algorithm.adv_clip_max, cfg.teacher)
-        if d.model.vae_path:  # a VAE of another class fails here, not in every worker
+        # a VAE or text encoder of another class or width fails here, not in every worker
+        if d.model.vae_path:
             check_vae_folder(d.model.kind, d.model.vae_path)
+        check_text_encoder_folders(d.model.kind, parts, spec.path)
         teacher_spec = None
         if cfg.teacher is not None:  # same kind and text encoder: one conditioning contract
             check_teacher_model(cfg.teacher.path, d.model.path, d.model.kind)

@@ -91,3 +91,51 @@ def test_frame_lists_average_the_chosen_frames_and_bad_values_fail_at_build():
     for bad in (0, -1, [], [-1], "last", True):
         with pytest.raises(RewardConfigError, match="rewards\\[0\\]: frames must be"):
             build_reward_runner([{"name": "brightness", "kwargs": {"frames": bad}}])
+
+
+@pytest.mark.slow  # imports diffusers and transformers
+def test_a_wrong_text_encoder_folder_fails_the_cli_before_any_worker(tmp_path, capsys, monkeypatch):
+    import json
+
+    import yaml
+
+    from groupflow.cli.commands import main
+    from groupflow.policies import diffusion as policy
+    from tests.diffusion.test_models import _sd3
+    from tests.diffusion.test_text_encoders import flux_parts, sd3_parts
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker group started before the text encoders were checked")
+
+    monkeypatch.setattr(policy, "role_group", no_workers)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a cat"}) + "\n")
+    sd3 = _sd3(tmp_path)
+    wrong = flux_parts(tmp_path / "flux_parts")  # FLUX.1's CLIPTextModel: no projection
+    right = sd3_parts(tmp_path / "sd3_parts", t5_dim=24)
+    t5 = right.parent / "text_encoder_3"
+    cases = [
+        ({"text_encoder_path": str(wrong)},
+         f"diffusion.model.text_encoder_path: '{wrong}' holds a CLIPTextModel (model_type "
+         "clip_text_model), but diffusion.model.kind 'sd3' takes a CLIPTextModelWithProjection"),
+        ({"text_encoder_path": str(right), "text_encoder_3_path": str(t5)},
+         "diffusion.model.text_encoder_3_path: its embeddings have 24 features; the transformer "
+         f"at '{sd3}' takes joint_attention_dim=16 (text encoder: '{t5}')"),
+    ]  # fmt: skip
+    capsys.readouterr()  # the tiny models' saving progress
+    for i, (model, message) in enumerate(cases):
+        config = tmp_path / f"c{i}.yaml"
+        config.write_text(yaml.safe_dump({
+            "run": {"name": f"bad{i}", "output_dir": str(tmp_path), "total_steps": 1,
+                    "loggers": []},
+            "diffusion": {"model": {"kind": "sd3", "path": str(sd3), "latent_shape": [4, 8, 8],
+                                    **model}},
+            "data": {"train_files": [str(prompts)], "prompts_per_step": 1},
+            "reward": {"functions": [{"name": "brightness"}]},
+        }))  # fmt: skip
+        assert main(["train", str(config), "--no-plot"]) == 2
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert "Traceback" not in err
+        assert lines[0] == f"groupflow train: error: {message}", err
+        assert lines[1:] == ["(run with --log-level DEBUG for the full traceback)"], err

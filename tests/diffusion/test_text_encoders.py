@@ -1,6 +1,6 @@
-"""FLUX.1's and Z-Image's text encoders (groupflow.diffusion.text_encoders) against their pipelines.
+"""The image kinds' text encoders (groupflow.diffusion.text_encoders) against their pipelines.
 
-Tiny random CLIP + T5 (FLUX.1) and Qwen3 (Z-Image) models and word-level tokenizers are saved in
+Tiny random CLIP-L + CLIP-G + T5 (SD3), CLIP + T5 (FLUX.1) and Qwen3 (Z-Image) models and word-level tokenizers are saved in
 the pipelines' folder layout; each encoder's output is compared with the pipeline's own
 ``encode_prompt``, the pipeline object built with only those parts."""
 
@@ -49,13 +49,109 @@ def flux_parts(root, t5_dim=16, clip_dim=8):
     torch.manual_seed(0)
     CLIPTextModel(CLIPTextConfig(
         vocab_size=n, hidden_size=clip_dim, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=6, eos_token_id=1, pad_token_id=0,
+        num_attention_heads=2, max_position_embeddings=6, bos_token_id=2, eos_token_id=1,
+        pad_token_id=0,
     )).save_pretrained(root / "text_encoder")  # fmt: skip
     n = _tokenizer(root / "tokenizer_2", ["<pad>", "</s>", "<unk>"], "$A </s>")
     T5EncoderModel(
         T5Config(vocab_size=n, d_model=t5_dim, d_kv=4, num_heads=2, num_layers=1, d_ff=16)
     ).save_pretrained(root / "text_encoder_2")
     return root / "text_encoder"
+
+
+def sd3_parts(root, clip_dims=(4, 8), t5_dim=16, t5=True):
+    """``text_encoder/`` (CLIP-L), ``text_encoder_2/`` (CLIP-G), both
+    ``CLIPTextModelWithProjection`` with 4-wide projections, their tokenizers (CLIP-G's longer:
+    the pipeline pads both to CLIP-L's length), and ``text_encoder_3/`` (T5) + ``tokenizer_3/``."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    for i, (suffix, dim) in enumerate(zip(("", "_2"), clip_dims, strict=True)):
+        n = _tokenizer(root / f"tokenizer{suffix}", ["<pad>", "<eot>", "<sot>", "<unk>"],
+                       "<sot> $A <eot>", max_length=6 + 4 * i)  # fmt: skip
+        CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=n, hidden_size=dim, intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=10, bos_token_id=2, eos_token_id=1,
+            pad_token_id=0,
+            projection_dim=4,
+        )).save_pretrained(root / f"text_encoder{suffix}")  # fmt: skip
+    if t5:
+        n = _tokenizer(root / "tokenizer_3", ["<pad>", "</s>", "<unk>"], "$A </s>")
+        T5EncoderModel(
+            T5Config(vocab_size=n, d_model=t5_dim, d_kv=4, num_heads=2, num_layers=1, d_ff=16)
+        ).save_pretrained(root / "text_encoder_3")
+    return root / "text_encoder"
+
+
+def tiny_sd3(path):
+    from diffusers import SD3Transformer2DModel
+
+    from tests.diffusion.test_models import _sd3
+
+    return SD3Transformer2DModel.from_pretrained(_sd3(path))
+
+
+@pytest.mark.parametrize("t5", [True, False], ids=["clip-t5", "clip-only"])
+def test_sd3_embeddings_are_the_pipelines(tmp_path, t5):
+    from diffusers import StableDiffusion3Pipeline
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
+
+    from groupflow.diffusion.text_encoders import load_text_encoder
+
+    torch.set_num_threads(1)
+    clip = sd3_parts(tmp_path, t5=t5)
+    parts = {"text_encoder_path": str(clip), "max_sequence_length": 8}
+    if t5:
+        parts["text_encoder_3_path"] = str(tmp_path / "text_encoder_3")
+    enc = load_text_encoder("sd3", parts, width=16)
+    out = enc(PROMPTS)
+
+    def part(name, cls):
+        return cls.from_pretrained(tmp_path / name) if (tmp_path / name).is_dir() else None
+
+    pipe = StableDiffusion3Pipeline(
+        tiny_sd3(tmp_path), None, None,
+        part("text_encoder", CLIPTextModelWithProjection), part("tokenizer", AutoTokenizer),
+        part("text_encoder_2", CLIPTextModelWithProjection), part("tokenizer_2", AutoTokenizer),
+        part("text_encoder_3", T5EncoderModel), part("tokenizer_3", AutoTokenizer),
+    )  # fmt: skip
+    with torch.no_grad():
+        hidden, null, pooled, null_pooled = pipe.encode_prompt(
+            PROMPTS, None, None, torch.device("cpu"), max_sequence_length=8
+        )
+    # 6 CLIP tokens (CLIP-L's length) then 8 of T5; CLIP-L's 4 and CLIP-G's 8 features padded
+    assert out["encoder_hidden_states"].shape == (2, 6 + 8, 16) and enc.dim == 16
+    assert out["pooled_projections"].shape == (2, 8) and enc.pooled_dim == 8
+    assert torch.allclose(out["encoder_hidden_states"], hidden, atol=1e-6)
+    assert torch.allclose(out["pooled_projections"], pooled, atol=1e-6)
+    assert bool((out["encoder_hidden_states"][:, :6, 12:] == 0).all())  # the zero padding
+    assert bool((out["encoder_hidden_states"][:, 6:] == 0).all()) != t5  # T5's part, or zeros
+    assert torch.allclose(enc.null(2)["encoder_hidden_states"], null, atol=1e-6)
+    assert torch.allclose(enc.null(2)["pooled_projections"], null_pooled, atol=1e-6)
+
+
+def test_sd3_text_encoders_condition_the_flow_model_and_bad_parts_name_the_key(tmp_path):
+    from tests.diffusion.test_models import _sd3
+
+    torch.set_num_threads(1)
+    sd3 = _sd3(tmp_path)  # joint_attention_dim=16, pooled_projection_dim=8
+    clip = sd3_parts(tmp_path / "parts")
+    parts = {"text_encoder_path": str(clip), "max_sequence_length": 8}
+    for t5 in (None, str(clip.parent / "text_encoder_3")):  # without T5: its zeros
+        model = FlowModelSpec("sd3", str(sd3), [4, 8, 8],
+                              {**parts, "text_encoder_3_path": t5}).build()  # fmt: skip
+        with torch.no_grad():
+            v = model(torch.randn(2, 4, 8, 8), torch.tensor([0.5, 0.7]), model.encode(PROMPTS))
+        assert v.shape == (2, 4, 8, 8) and bool(v.isfinite().all())
+    wide = sd3_parts(tmp_path / "wide", t5_dim=24)
+    with pytest.raises(ValueError, match="text_encoder_3_path: its embeddings have 24 features; "
+                       ".* joint_attention_dim=16"):  # fmt: skip
+        FlowModelSpec("sd3", str(sd3), [4, 8, 8], {"text_encoder_path": str(wide),
+                      "text_encoder_3_path": str(wide.parent / "text_encoder_3")}).build()  # fmt: skip
+    wide = sd3_parts(tmp_path / "wide_clip", clip_dims=(8, 12), t5=False)
+    with pytest.raises(ValueError, match="text_encoder_path \\+ diffusion.model.text_encoder_2_path:"
+                       " .* 20 wide together, wider than the T5 part's 16"):  # fmt: skip
+        FlowModelSpec("sd3", str(sd3), [4, 8, 8], {"text_encoder_path": str(wide)}).build()
 
 
 def z_image_parts(root, dim=16):
@@ -301,7 +397,9 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
     ):
         FlowModelSpec("flux2", str(tmp_path / "flux2"), [16, 4, 4], parts).build()
     with pytest.raises(
-        ValueError, match="text_encoder_path: .* holds a t5 model; FLUX.2's text encoder"
+        ValueError,
+        match="text_encoder_path: .* holds a T5EncoderModel \\(model_type t5\\), "
+        "but diffusion.model.kind 'flux2' takes a Mistral3 \\(dev\\) or Qwen3",
     ):
         FlowModelSpec("flux2", str(tmp_path / "flux2"), [16, 4, 4],
                       {"text_encoder_path": str(clip.parent / "text_encoder_2")}).build()  # fmt: skip
@@ -331,17 +429,21 @@ def test_text_encoder_path_conditions_the_flow_model_and_bad_widths_name_the_key
             "qwen_image", str(tmp_path / "qwen_image"), [4, 8, 8], {"text_encoder_path": str(wide)}
         ).build()
     parts = {"text_encoder_path": str(clip), "text_encoder_2_path": str(tmp_path)}
-    with pytest.raises(ModelPathError, match="text_encoder_2_path: .* not a local T5 text encoder"):
+    with pytest.raises(
+        ModelPathError, match="text_encoder_2_path: .* not a local T5EncoderModel text encoder"
+    ):
         FlowModelSpec("flux", str(tmp_path / "flux"), [4, 8, 8], parts).build()
 
 
 @pytest.mark.parametrize(
     "keys,message",
     [
-        ({"kind": "sd3", "text_encoder_path": "t"}, "text_encoder_path is for kinds wan, flux, qwen_image, z_image, flux2 .*not 'sd3'"),
-        ({"kind": "wan", "text_encoder_2_path": "t", "text_encoder_path": "c"}, "text_encoder_2_path is FLUX.1's T5 .*not 'wan'"),
+        ({"kind": "tiny", "text_encoder_path": "t"}, "text_encoder_path is for kinds sd3, wan, flux, qwen_image, z_image, flux2 .*not 'tiny'"),
+        ({"kind": "wan", "text_encoder_2_path": "t", "text_encoder_path": "c"}, "text_encoder_2_path is SD3's CLIP-G .* or FLUX.1's T5 .*not 'wan'"),
         ({"kind": "flux", "tokenizer_2_path": "t"}, "tokenizer_2_path needs diffusion.model.text_encoder_path"),
-        ({"kind": "sd3", "vae_path": "v"}, "vae_path is for kinds wan, flux, qwen_image, z_image, flux2 .*not 'sd3'"),
+        ({"kind": "flux", "text_encoder_3_path": "t", "text_encoder_path": "c"}, "text_encoder_3_path is SD3's T5 .*not 'flux'"),
+        ({"kind": "sd3", "text_encoder_3_path": "t"}, "text_encoder_3_path needs diffusion.model.text_encoder_path"),
+        ({"kind": "tiny", "vae_path": "v"}, "vae_path is for kinds sd3, wan, flux, qwen_image, z_image, flux2 .*not 'tiny'"),
     ],
 )  # fmt: skip
 def test_part_keys_of_another_kind_are_refused_naming_them(keys, message):
@@ -357,5 +459,85 @@ def test_the_configs_kind_lists_are_the_wired_ones():
 
     assert TEXT_ENCODER_KINDS == text_encoders.TEXT_ENCODER_KINDS
     assert set(VAE_KINDS) == set(vaes.VAE_CLASSES)
-    with pytest.raises(ValueError, match="text_encoder_path: kind 'sd3' has no text encoder"):
-        text_encoders.load_text_encoder("sd3", {"text_encoder_path": "t"})
+    with pytest.raises(ValueError, match="text_encoder_path: kind 'tiny' has no text encoder"):
+        text_encoders.load_text_encoder("tiny", {"text_encoder_path": "t"})
+
+
+def test_the_text_encoder_and_vae_load_on_the_device_given(tmp_path):
+    from diffusers import AutoencoderKL
+
+    from tests.diffusion.test_models import _sd3
+    from tests.diffusion.test_vaes import KL
+
+    torch.set_num_threads(1)
+    clip = sd3_parts(tmp_path / "parts")
+    AutoencoderKL(**KL).save_pretrained(tmp_path / "vae")
+    parts = {"text_encoder_path": str(clip), "vae_path": str(tmp_path / "vae"),
+             "text_encoder_3_path": str(clip.parent / "text_encoder_3")}  # fmt: skip
+    for device in ("meta", "cpu"):  # meta: no accelerator needed to see where they went
+        model = FlowModelSpec("sd3", str(_sd3(tmp_path)), [4, 8, 8], parts).build(device=device)
+        enc, vae = model.prompt_encoder, model.decoder.vae
+        parts_on = {m.device.type for m in (*enc.clips, enc.t5, vae)}
+        assert parts_on == {device} and enc.device == device
+        # the flow model's own parameters are placed by the worker, not here
+        assert next(model.parameters()).device.type == "cpu"
+
+
+def test_the_worker_builds_the_parts_on_its_own_device(monkeypatch):
+    from groupflow.config import ActorConfig
+    from groupflow.diffusion import worker
+    from groupflow.diffusion.models import TinyFlowModel
+    from groupflow.diffusion.worker import DiffusionSettings, DiffusionWorker
+
+    built = []
+
+    class Spec:
+        path, kind = "unused", "tiny"
+
+        def build(self, empty=False, **kwargs):
+            built.append(kwargs.get("device"))
+            return TinyFlowModel(["red", "blue"], image_size=8, width=8)
+
+    ours = torch.device("cpu")  # what worker_device returns on this machine, made visible
+    monkeypatch.setattr(worker, "worker_device", lambda rank: ours)
+    settings, cfg = DiffusionSettings(num_steps=2), ActorConfig(lr=1e-3)
+    for role in ("rollout", "actor"):
+        DiffusionWorker.create(0, 1, spec=Spec(), settings=settings, cfg=cfg, total_steps=1,
+                               role=role)  # fmt: skip
+    assert len(built) == 2 and all(d is ours for d in built)
+
+
+def test_text_encoder_folders_of_another_class_or_width_name_the_key_folder_and_both(tmp_path):
+    from groupflow.diffusion.encoder_checks import check_text_encoder_folders
+    from tests.diffusion.test_models import _sd3
+
+    sd3 = _sd3(tmp_path)  # joint_attention_dim=16, pooled_projection_dim=8
+    clip = sd3_parts(tmp_path / "sd3_parts")
+    flux_clip = flux_parts(tmp_path / "flux_parts")  # a CLIPTextModel and a T5
+    t5 = str(clip.parent / "text_encoder_3")
+    check_text_encoder_folders("sd3", {"text_encoder_path": str(clip), "text_encoder_3_path": t5},
+                               sd3)  # fmt: skip
+    cases = [
+        ({"text_encoder_path": str(flux_clip)}, "text_encoder_path: '.*flux_parts/text_encoder' "
+         "holds a CLIPTextModel \\(model_type clip_text_model\\), but diffusion.model.kind 'sd3' "
+         "takes a CLIPTextModelWithProjection"),
+        ({"text_encoder_path": str(clip), "text_encoder_3_path": str(clip)},
+         "text_encoder_3_path: '.*sd3_parts/text_encoder' holds a CLIPTextModelWithProjection .* "
+         "takes a T5EncoderModel"),
+        ({"text_encoder_path": str(clip), "text_encoder_2_path": str(tmp_path / "sd3")},
+         "text_encoder_2_path: '.*sd3' holds no text encoder's config"),
+    ]  # fmt: skip
+    for parts, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_text_encoder_folders("sd3", parts, sd3)
+    wide = sd3_parts(tmp_path / "wide", t5_dim=24)
+    with pytest.raises(ValueError, match="text_encoder_3_path: its embeddings have 24 features; "
+                       "the transformer at '.*sd3' takes joint_attention_dim=16 \\(text encoder: "
+                       "'.*wide/text_encoder_3'\\)"):  # fmt: skip
+        check_text_encoder_folders("sd3", {"text_encoder_path": str(wide),
+                                   "text_encoder_3_path": str(wide.parent / "text_encoder_3")},
+                                   sd3)  # fmt: skip
+    with pytest.raises(ValueError, match="text_encoder_path: '.*flux_parts/text_encoder_2' holds "
+                       "a T5EncoderModel .*kind 'flux' takes a CLIPTextModel"):  # fmt: skip
+        check_text_encoder_folders("flux", {"text_encoder_path": str(flux_clip.parent /
+                                   "text_encoder_2")}, sd3)  # fmt: skip

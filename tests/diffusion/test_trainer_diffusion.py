@@ -92,7 +92,7 @@ def test_config_chooses_the_policy_type_and_sets_diffusion_defaults(
         ({"diffusion.ratio_norm": True, "diffusion.objective": "nft"}, "objective=nft has its own"),
         ({"diffusion.objective": "nft", "diffusion.sampler": "ode"}, "same_noise_per_group: false"),
         ({"diffusion.nft.beta": 0}, "'diffusion.nft.beta'"),
-        ({"diffusion.model.vae_path": "vae"}, "diffusion.model.vae_path is for kinds wan, flux, .* not 'tiny'"),
+        ({"diffusion.model.vae_path": "vae"}, "diffusion.model.vae_path is for kinds sd3, wan, flux, .* not 'tiny'"),
         ({"diffusion.activation_checkpointing": True}, "not 'tiny'"),
         ({"diffusion.bf16": True}, "diffusion.bf16 is FSDP2's mixed precision .*set diffusion.fsdp: true"),
         ({"diffusion.bf16": True, "diffusion.fsdp": True}, "run.num_workers=1"),

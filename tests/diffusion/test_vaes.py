@@ -1,7 +1,7 @@
 """The image kinds' VAE decoders (groupflow.diffusion.vaes) against their diffusers pipelines.
 
-Each tiny random VAE is built in its class (the pipeline's VAE class, widths shrunk, FLUX.1's
-scaling/shift factors, random latents_mean/std and FLUX.2 batch-norm statistics so the
+Each tiny random VAE is built in its class (the pipeline's VAE class, widths shrunk, SD3's and
+FLUX.1's scaling/shift factors, random latents_mean/std and FLUX.2 batch-norm statistics so the
 un-normalisation is visible), saved as a ``vae/`` folder, and decoded two ways on the same
 policy latent: our decoder, and the pipeline object built with only that VAE — its own packing /
 unpacking helpers, the lines of its ``__call__`` between the last step and ``postprocess``
@@ -16,7 +16,13 @@ pytestmark = pytest.mark.slow  # importing diffusers takes 10-20 s on a shared C
 
 # latent channels as in the kinds' tiny transformers (tests/diffusion/test_<kind>.py): 4, and
 # FLUX.2's 4 VAE channels patchified 2x2 into 16
-SHAPES = {"flux": (4, 8, 8), "z_image": (4, 8, 8), "qwen_image": (4, 8, 8), "flux2": (16, 4, 4)}
+SHAPES = {
+    "sd3": (4, 8, 8),
+    "flux": (4, 8, 8),
+    "z_image": (4, 8, 8),
+    "qwen_image": (4, 8, 8),
+    "flux2": (16, 4, 4),
+}
 KL = {"down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
       "block_out_channels": [8, 8], "layers_per_block": 1, "latent_channels": 4,
       "norm_num_groups": 4}  # fmt: skip
@@ -28,6 +34,8 @@ def _save_vaes(root):
     torch.manual_seed(0)
     # FLUX.1-dev's (and Z-Image's) vae/config.json factors
     AutoencoderKL(**KL, scaling_factor=0.3611, shift_factor=0.1159).save_pretrained(root / "kl")
+    # SD3's (stabilityai/stable-diffusion-3.5-medium vae/config.json)
+    AutoencoderKL(**KL, scaling_factor=1.5305, shift_factor=0.0609).save_pretrained(root / "sd3")
     AutoencoderKLQwenImage(
         base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
         latents_mean=[0.1 * i - 0.2 for i in range(4)], latents_std=[1.0 + 0.5 * i for i in range(4)],
@@ -36,7 +44,7 @@ def _save_vaes(root):
     flux2.bn.running_mean.copy_(torch.randn(16))
     flux2.bn.running_var.copy_(torch.rand(16) + 0.5)
     flux2.save_pretrained(root / "flux2")
-    return {"flux": root / "kl", "z_image": root / "kl", "qwen_image": root / "qwen",
+    return {"sd3": root / "sd3", "flux": root / "kl", "z_image": root / "kl", "qwen_image": root / "qwen",
             "flux2": root / "flux2"}  # fmt: skip
 
 
@@ -54,6 +62,17 @@ def _flux_pipeline_decode(path, x):
     latents = pipe._pack_latents(x, b, c, h, w)  # the pipeline's sampling state
     # FluxPipeline.__call__ after the loop
     latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+    latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+    image = pipe.vae.decode(latents, return_dict=False)[0]
+    return pipe.image_processor.postprocess(image, output_type="pt")
+
+
+def _sd3_pipeline_decode(path, x):
+    from diffusers import AutoencoderKL, StableDiffusion3Pipeline
+
+    vae = AutoencoderKL.from_pretrained(path)
+    pipe = StableDiffusion3Pipeline(None, None, vae, None, None, None, None, None, None)
+    latents = x  # StableDiffusion3Pipeline.__call__ after the loop
     latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
     image = pipe.vae.decode(latents, return_dict=False)[0]
     return pipe.image_processor.postprocess(image, output_type="pt")
@@ -106,6 +125,7 @@ def _flux2_pipeline_decode(path, x):
 
 
 PIPELINE_DECODE = {
+    "sd3": _sd3_pipeline_decode,
     "flux": _flux_pipeline_decode,
     "z_image": _z_image_pipeline_decode,
     "qwen_image": _qwen_image_pipeline_decode,
@@ -139,6 +159,7 @@ def _transformer_dirs(root):
 
     from tests.diffusion.test_flux import TINY_FLUX
     from tests.diffusion.test_flux2 import TINY_FLUX2
+    from tests.diffusion.test_models import _sd3
     from tests.diffusion.test_qwen_image import TINY_QWEN_IMAGE
     from tests.diffusion.test_z_image import TINY_Z_IMAGE
 
@@ -149,7 +170,7 @@ def _transformer_dirs(root):
              "flux2": Flux2Transformer2DModel(**TINY_FLUX2)}  # fmt: skip
     for kind, model in built.items():
         model.save_pretrained(root / kind)
-    return {kind: root / kind for kind in built}
+    return {"sd3": _sd3(root), **{kind: root / kind for kind in built}}
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +237,27 @@ def test_a_grpo_step_scores_the_decoded_images_and_a_wrong_vae_fails_before_the_
     rows = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "actor/loss" in r]
     assert len(rows) == 1 and math.isfinite(rows[0]["actor/loss"])
     assert 0 < rows[0]["reward/mean"] < 1  # the brightness of decoded [0, 1] images
+
+
+def test_an_sd3_grpo_step_conditions_on_its_text_encoders_and_scores_decoded_images(
+    vaes, transformers_, tmp_path
+):
+    import math
+
+    from groupflow.run.tracking import read_metrics
+    from groupflow.trainer import Trainer
+    from tests.diffusion.kind_checks import diffusion_config
+    from tests.diffusion.test_text_encoders import sd3_parts
+
+    torch.set_num_threads(1)
+    clip = sd3_parts(tmp_path / "parts")
+    model = {"vae_path": str(vaes["sd3"]), "text_encoder_path": str(clip),
+             "text_encoder_3_path": str(clip.parent / "text_encoder_3"),
+             "max_sequence_length": 8}  # fmt: skip
+    cfg = diffusion_config("sd3", transformers_["sd3"], SHAPES["sd3"], tmp_path, name="sd3",
+                           steps=1, model=model)  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.fit()
+    rows = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "actor/loss" in r]
+    assert len(rows) == 1 and math.isfinite(rows[0]["actor/loss"])
+    assert rows[0]["actor/grad_norm"] > 0 and 0 < rows[0]["reward/mean"] < 1

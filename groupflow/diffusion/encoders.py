@@ -24,9 +24,11 @@ from torch import Tensor
 from groupflow.diffusion.models import ModelPathError
 
 __all__ = [
-    "WanTextEncoder", "WanVaeDecoder", "clean_prompt", "frozen", "local_folder",
-    "tokenizer_beside",
+    "OneModelTextEncoder", "WanTextEncoder", "WanVaeDecoder", "clean_prompt",
+    "encoder_with_tokenizer", "frozen", "local_folder", "tokenizer_beside", "TEXT_KEY", "TOKENIZER_KEY",
 ]  # fmt: skip
+
+TEXT_KEY, TOKENIZER_KEY = "diffusion.model.text_encoder_path", "diffusion.model.tokenizer_path"
 
 
 def local_folder(path: str | Path, what: str, key: str) -> Path:
@@ -37,9 +39,11 @@ def local_folder(path: str | Path, what: str, key: str) -> Path:
     return p
 
 
-def frozen(model: Any, device: str) -> Any:
-    """A pipeline part that only encodes or decodes: eval mode, no gradients, on ``device``
-    (Any: transformers types ``from_pretrained``'s result so that ``.to()`` looks uncallable)."""
+def frozen(cls: Any, folder: Path, device: str) -> Any:
+    """A pipeline part that only encodes or decodes: ``cls`` (a transformers or diffusers class)
+    from the local ``folder``, in eval mode, without gradients, on ``device`` (Any: transformers
+    types ``from_pretrained``'s result so that ``.to()`` looks uncallable)."""
+    model = cls.from_pretrained(str(folder), local_files_only=True)
     return model.eval().requires_grad_(False).to(device)
 
 
@@ -51,13 +55,30 @@ def tokenizer_beside(path: str | Path | None, encoder: Path, name: str, key: str
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def clean_prompt(text: str) -> str:
-    """The pipeline's prompt clean-up: HTML entities unescaped, whitespace collapsed."""
-    return " ".join(html.unescape(html.unescape(text)).split())
+def encoder_with_tokenizer(
+    cls: Any,
+    path: str | Path,
+    what: str,
+    tokenizer_path: str | Path | None,
+    device: str,
+    key: str = TEXT_KEY,
+    tokenizer: tuple[str, str] = ("tokenizer", TOKENIZER_KEY),
+) -> tuple[Path, Any, Any]:
+    """A text encoder's checked folder, its frozen model and its tokenizer (at ``tokenizer_path``,
+    else the pipeline's ``tokenizer[0]/`` beside it): the lines every encoder class starts with;
+    errors name ``key`` or ``tokenizer[1]``."""
+    folder = local_folder(path, what, key)
+    return folder, frozen(cls, folder, device), tokenizer_beside(tokenizer_path, folder, *tokenizer)
 
 
-class WanTextEncoder:
-    """UMT5 prompt embeddings [B, max_sequence_length, d_model], zero past each prompt's tokens."""
+class OneModelTextEncoder:
+    """What the text encoders of one transformers model (Wan's UMT5, Z-Image's Qwen3, Qwen-Image's
+    Qwen2.5-VL) share: the model and its tokenizer loaded from local folders, the token budget,
+    the device and the hidden width ``dim``. Each subclass names its transformers class
+    (``MODEL``, imported on use: transformers is a heavy import) and encodes as its pipeline."""
+
+    MODEL = "AutoModel"
+    WHAT = "text encoder"
 
     def __init__(
         self,
@@ -66,15 +87,25 @@ class WanTextEncoder:
         max_sequence_length: int = 512,
         device: str = "cpu",
     ):
-        from transformers import UMT5EncoderModel
+        import transformers
 
-        path = local_folder(path, "UMT5 text encoder", "diffusion.model.text_encoder_path")
-        self.model = frozen(UMT5EncoderModel.from_pretrained(str(path), local_files_only=True),
-                            device)  # fmt: skip
-        self.tokenizer = tokenizer_beside(tokenizer_path, path, "tokenizer",
-                                          "diffusion.model.tokenizer_path")  # fmt: skip
+        _, self.model, self.tokenizer = encoder_with_tokenizer(
+            getattr(transformers, self.MODEL), path, self.WHAT, tokenizer_path, device
+        )
         self.max_len, self.device = max_sequence_length, device
-        self.dim = self.model.config.d_model
+        config = self.model.config  # a vision-language model keeps its text width in text_config
+        self.dim: int = getattr(config, "text_config", config).hidden_size
+
+
+def clean_prompt(text: str) -> str:
+    """The pipeline's prompt clean-up: HTML entities unescaped, whitespace collapsed."""
+    return " ".join(html.unescape(html.unescape(text)).split())
+
+
+class WanTextEncoder(OneModelTextEncoder):
+    """UMT5 prompt embeddings [B, max_sequence_length, d_model], zero past each prompt's tokens."""
+
+    MODEL, WHAT = "UMT5EncoderModel", "UMT5 text encoder"
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
@@ -99,9 +130,7 @@ class WanVaeDecoder:
         from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
         path = local_folder(path, "AutoencoderKLWan", "diffusion.model.vae_path")
-        self.vae = frozen(
-            AutoencoderKLWan.from_pretrained(str(path), local_files_only=True), device
-        )
+        self.vae = frozen(AutoencoderKLWan, path, device)
         c = self.vae.config  # a FrozenDict with attribute access
         shape = (1, c.z_dim, 1, 1, 1)
         self.mean = torch.tensor(c.latents_mean, dtype=torch.float32).view(shape)

@@ -53,7 +53,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from groupflow.diffusion.encoders import WanTextEncoder, frozen, local_folder, tokenizer_beside
+from groupflow.diffusion.encoders import (
+    TEXT_KEY,
+    TOKENIZER_KEY,
+    OneModelTextEncoder,
+    WanTextEncoder,
+    encoder_with_tokenizer,
+    frozen,
+    local_folder,
+    tokenizer_beside,
+)
 
 log = logging.getLogger("groupflow")
 
@@ -96,14 +105,9 @@ class SD3TextEncoder:
         clip_l = local_folder(clip_path, "CLIP-L text encoder", SD3_KEYS[0])
         clip_g = local_folder(clip_2_path or clip_l.parent / "text_encoder_2",
                               "CLIP-G text encoder", SD3_KEYS[1])  # fmt: skip
-        self.clips = [
-            frozen(
-                CLIPTextModelWithProjection.from_pretrained(str(f), local_files_only=True), device
-            )  # fmt: skip
-            for f in (clip_l, clip_g)
-        ]
+        self.clips = [frozen(CLIPTextModelWithProjection, f, device) for f in (clip_l, clip_g)]
         self.tokenizers = [
-            tokenizer_beside(tokenizer_path, clip_l, "tokenizer", "diffusion.model.tokenizer_path"),
+            tokenizer_beside(tokenizer_path, clip_l, "tokenizer", TOKENIZER_KEY),
             tokenizer_beside(
                 tokenizer_2_path, clip_g, "tokenizer_2", "diffusion.model.tokenizer_2_path"
             ),  # fmt: skip
@@ -111,7 +115,7 @@ class SD3TextEncoder:
         self.t5 = self.t5_tokenizer = None
         if t5_path is not None:
             t5 = local_folder(t5_path, "T5 text encoder", SD3_KEYS[2])
-            self.t5 = frozen(T5EncoderModel.from_pretrained(str(t5), local_files_only=True), device)
+            self.t5 = frozen(T5EncoderModel, t5, device)
             self.t5_tokenizer = tokenizer_beside(None, t5, "tokenizer_3", SD3_KEYS[2])
             width = self.t5.config.d_model
         elif (clip_l.parent / "text_encoder_3" / "config.json").is_file():
@@ -178,15 +182,14 @@ class FluxTextEncoder:
     ):
         from transformers import CLIPTextModel, T5EncoderModel
 
-        clip = local_folder(clip_path, "CLIP text encoder", "diffusion.model.text_encoder_path")
-        t5 = local_folder(t5_path or clip.parent / "text_encoder_2", "T5 text encoder",
-                          "diffusion.model.text_encoder_2_path")  # fmt: skip
-        self.clip = frozen(CLIPTextModel.from_pretrained(str(clip), local_files_only=True), device)
-        self.t5 = frozen(T5EncoderModel.from_pretrained(str(t5), local_files_only=True), device)
-        self.clip_tokenizer = tokenizer_beside(tokenizer_path, clip, "tokenizer",
-                                               "diffusion.model.tokenizer_path")  # fmt: skip
-        self.t5_tokenizer = tokenizer_beside(tokenizer_2_path, t5, "tokenizer_2",
-                                             "diffusion.model.tokenizer_2_path")  # fmt: skip
+        clip, self.clip, self.clip_tokenizer = encoder_with_tokenizer(
+            CLIPTextModel, clip_path, "CLIP text encoder", tokenizer_path, device
+        )
+        _, self.t5, self.t5_tokenizer = encoder_with_tokenizer(
+            T5EncoderModel, t5_path or clip.parent / "text_encoder_2", "T5 text encoder",
+            tokenizer_2_path, device, key="diffusion.model.text_encoder_2_path",
+            tokenizer=("tokenizer_2", "diffusion.model.tokenizer_2_path"),
+        )  # fmt: skip
         self.max_len, self.device = max_sequence_length, device
         self.dim, self.pooled_dim = self.t5.config.d_model, self.clip.config.hidden_size
 
@@ -212,25 +215,11 @@ class FluxTextEncoder:
         return self([""] * n)
 
 
-class ZImageTextEncoder:
+class ZImageTextEncoder(OneModelTextEncoder):
     """Z-Image's chat-templated Qwen3 captions (hidden_states[-2] at the real tokens), padded to
     ``max_sequence_length`` with a mask, as ZImagePipeline._encode_prompt."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        tokenizer_path: str | Path | None = None,
-        max_sequence_length: int = 512,
-        device: str = "cpu",
-    ):
-        from transformers import AutoModel
-
-        path = local_folder(path, "Qwen3 text encoder", "diffusion.model.text_encoder_path")
-        self.model = frozen(AutoModel.from_pretrained(str(path), local_files_only=True), device)
-        self.tokenizer = tokenizer_beside(tokenizer_path, path, "tokenizer",
-                                          "diffusion.model.tokenizer_path")  # fmt: skip
-        self.max_len, self.device = max_sequence_length, device
-        self.dim = self.model.config.hidden_size
+    MODEL, WHAT = "AutoModel", "Qwen3 text encoder"
 
     def _template(self, prompt: str) -> str:
         return self.tokenizer.apply_chat_template(
@@ -271,28 +260,16 @@ QWEN_IMAGE_DROP = 34
 QWEN_IMAGE_MAX_TOKENS = 1024
 
 
-class QwenImageTextEncoder:
+class QwenImageTextEncoder(OneModelTextEncoder):
     """Qwen-Image's templated Qwen2.5-VL captions (the last hidden state at the real tokens, the
     template's first 34 dropped), padded to ``max_sequence_length`` with a mask, as
     QwenImagePipeline._get_qwen_prompt_embeds and encode_prompt."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        tokenizer_path: str | Path | None = None,
-        max_sequence_length: int = 512,
-        device: str = "cpu",
-    ):
-        from transformers import Qwen2_5_VLForConditionalGeneration
+    MODEL, WHAT = "Qwen2_5_VLForConditionalGeneration", "Qwen2.5-VL text encoder"
 
-        path = local_folder(path, "Qwen2.5-VL text encoder", "diffusion.model.text_encoder_path")
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), local_files_only=True)
-        self.model = frozen(model, device)
-        self.tokenizer = tokenizer_beside(tokenizer_path, path, "tokenizer",
-                                          "diffusion.model.tokenizer_path")  # fmt: skip
-        self.max_len, self.device = min(max_sequence_length, QWEN_IMAGE_MAX_TOKENS), device
-        config = self.model.config
-        self.dim = getattr(config, "text_config", config).hidden_size
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_len = min(self.max_len, QWEN_IMAGE_MAX_TOKENS)  # the pipeline's own cap
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> dict[str, Tensor]:
@@ -338,7 +315,7 @@ class Flux2TextEncoder:
     ):
         import transformers
 
-        path = local_folder(path, "FLUX.2 text encoder", "diffusion.model.text_encoder_path")
+        path = local_folder(path, "FLUX.2 text encoder", TEXT_KEY)
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
         if config.model_type not in FLUX2_LAYERS:
             raise ValueError(
@@ -350,10 +327,8 @@ class Flux2TextEncoder:
         self.layers = FLUX2_LAYERS[config.model_type]
         self.mistral, self.system = config.model_type == "mistral3", SYSTEM_MESSAGE
         cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
-        model = cls.from_pretrained(str(path), local_files_only=True)
-        self.model = frozen(model, device)
-        tok = local_folder(tokenizer_path or path.parent / "tokenizer", "tokenizer",
-                           "diffusion.model.tokenizer_path")  # fmt: skip
+        self.model = frozen(cls, path, device)
+        tok = local_folder(tokenizer_path or path.parent / "tokenizer", "tokenizer", TOKENIZER_KEY)
         # dev's tokenizer/ is a Pixtral processor (AutoProcessor, as the pipeline loads it)
         self.tokenizer = transformers.AutoProcessor.from_pretrained(str(tok), local_files_only=True)
         self.max_len, self.device = max_sequence_length, device

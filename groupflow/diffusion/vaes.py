@@ -64,7 +64,7 @@ def _load(cls_name: str, path: str | Path, device: str) -> Any:
 
     cls = getattr(diffusers, cls_name)
     folder = local_folder(path, "VAE", KEY)
-    return frozen(cls.from_pretrained(str(folder), local_files_only=True), device)
+    return frozen(cls, folder, device)
 
 
 class ScaledVaeDecoder:

@@ -195,8 +195,10 @@ class DiffusionPolicy:
         teacher_spec = None
         if cfg.teacher is not None:  # same kind and text encoder: one conditioning contract
             check_teacher_model(cfg.teacher.path, d.model.path, d.model.kind)
+            # the teacher scores the student's states under the student's conditions: its own
+            # text encoders and VAE would be loaded (onto the device) and never called
             teacher_spec = FlowModelSpec(
-                d.model.kind, cfg.teacher.path, d.model.latent_shape, parts
+                d.model.kind, cfg.teacher.path, d.model.latent_shape, {"guidance": d.model.guidance}
             )
         # the asynchronous rollout side samples with the student alone: no teacher, no distill
         self._worker_kwargs = dict(spec=spec, cfg=cfg.actor, total_steps=cfg.run.total_steps,

@@ -139,3 +139,39 @@ def test_a_wrong_text_encoder_folder_fails_the_cli_before_any_worker(tmp_path, c
         assert "Traceback" not in err
         assert lines[0] == f"groupflow train: error: {message}", err
         assert lines[1:] == ["(run with --log-level DEBUG for the full traceback)"], err
+
+
+@pytest.mark.slow  # imports diffusers and transformers
+def test_a_distillation_teacher_is_built_without_the_students_encoders(tmp_path, monkeypatch):
+    """The teacher scores the student's states under the student's conditions: its spec names
+    no text encoder or VAE (they would load onto the worker's device and never run)."""
+    import json
+
+    from groupflow.config import load_config
+    from groupflow.policies import diffusion as policy
+    from tests.diffusion.test_models import _sd3
+    from tests.diffusion.test_text_encoders import sd3_parts
+
+    seen = {}
+
+    def no_workers(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop before the workers")
+
+    monkeypatch.setattr(policy, "role_group", no_workers)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a cat"}) + "\n")
+    sd3 = _sd3(tmp_path)
+    clip = sd3_parts(tmp_path / "sd3_parts")
+    cfg = load_config(None, [
+        "run.name=t", f"run.output_dir={tmp_path}", "run.total_steps=1", "run.loggers=[]",
+        "diffusion.model.kind=sd3", f"diffusion.model.path={sd3}",
+        "diffusion.model.latent_shape=[4,8,8]", f"diffusion.model.text_encoder_path={clip}",
+        f"teacher.path={sd3}", f"data.train_files=[{prompts}]", "data.prompts_per_step=1",
+        "reward.functions=[{name: brightness}]",
+    ])  # fmt: skip
+    with pytest.raises(RuntimeError, match="stop before the workers"):
+        policy.DiffusionPolicy(cfg, tmp_path, [])
+    student, teacher = seen["spec"], seen["teacher_spec"]
+    assert student.parts["text_encoder_path"] == str(clip)
+    assert teacher.path == student.path and teacher.parts == {"guidance": 3.5}

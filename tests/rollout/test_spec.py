@@ -4,8 +4,8 @@ What is checked: the spec survives a pickle round trip (a child process's route)
 from it draws the trainer's prompts in the trainer's order with the token ids the trainer encoded
 (no prompt is encoded again, no config section is read), and its first batch equals the one the
 trainer's own workflow collects with the same weights — for the single-turn workflow, the
-multi-turn one with tools, and a run with a reward model (its runner rebuilt over the side's
-copy). A workflow that cannot travel as built takes the old route (``RebuiltWorkflow``).
+multi-turn one with tools, a run with a reward model (its runner rebuilt over the side's copy)
+and a vision-language model on image prompts. A workflow that cannot travel as built takes the old route (``RebuiltWorkflow``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,17 @@ CALC = dict(
 )  # fmt: skip
 
 
+# a tiny vision-language model on image prompts (tests/test_vlm_trainer.py's)
+VLM = {
+    "model": {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "max_positions": 32,
+                       "vision": {"image_size": 32, "patch_size": 8, "scale_factor": 2,
+                                  "hidden_size": 16, "num_layers": 1}}},
+    "data": {"task": {"name": "shapes", "num_train": 64, "num_val": 8}, "min_pixels": 1024,
+             "prompts_per_step": 4},
+    "rollout": {"samples_per_prompt": 4, "max_new_tokens": 2, "max_staleness": 1},
+}  # fmt: skip
+
+
 def _reward_model(tmp_path: Path) -> dict:
     path = Path(__file__).parents[1] / "workers" / "test_reward_model.py"
     found = importlib.util.spec_from_file_location("rmt", path)
@@ -66,12 +77,15 @@ def _no_config_reads(monkeypatch) -> None:
     monkeypatch.setattr(collect.Sampling, "from_config", refused)
 
 
-@pytest.mark.parametrize("what", ["single_turn", "multi_turn", "reward_model"])
+@pytest.mark.parametrize("what", ["single_turn", "multi_turn", "reward_model", "vlm"])
 def test_the_side_built_from_the_pickled_spec_collects_as_the_trainers_workflow(
     tiny_config, tmp_path, monkeypatch, what
 ):
-    overrides = {"multi_turn": CALC, "reward_model": _reward_model(tmp_path)}.get(what, {})
-    trainer = Trainer(tiny_config(run__total_steps=2, rollout__max_staleness=1, **overrides))
+    overrides = {"multi_turn": CALC, "vlm": VLM}.get(what, {})
+    if what == "reward_model":
+        overrides = _reward_model(tmp_path)
+    trainer = Trainer(tiny_config(**{"run__total_steps": 2, "rollout__max_staleness": 1,
+                                     **overrides}))  # fmt: skip
     side = None
     try:
         source, workflow = trainer.source, trainer.workflow
@@ -106,6 +120,8 @@ def test_the_side_built_from_the_pickled_spec_collects_as_the_trainers_workflow(
             assert list(batch[key]) == list(expected[key]), key
         for key in ("responses", "response_mask", "rewards", "version"):
             assert torch.equal(batch[key], expected[key]), key
+        if what == "vlm":  # the prompts' images, encoded by the trainer, reach the side's model
+            assert side.workflow.train.vision(mine) is not None
     finally:
         if side is not None:
             side.close()

@@ -15,9 +15,11 @@ section. What cannot be pickled travels as a small description and is rebuilt on
 - the multi-turn workflow's tools, environment factory and turn format: rebuilt by its
   ``attach`` from its own ``rollout`` options over the view's tokenizer.
 
-One route stays the old one, behind ``RebuiltWorkflow``: a workflow that is no ``PolicyParts``
-(the agent workflow, whose OpenAI-compatible server and event loop are built over its policy;
-a custom workflow class) is rebuilt on the side from the run's config and the trainer's rows.
+One route stays the old one, behind ``RebuiltWorkflow``: a workflow that does not travel as built
+(``workflows.detach.travels_as_built``: the agent workflow, whose agent, OpenAI-compatible server
+and event loop live beside its policy and whose rows may be its environment's own; a custom
+workflow class, a subclass of a built-in one included, unless it declares it) is rebuilt on the
+side from the run's config and the trainer's rows.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from groupflow.assembly.rewards import RewardSpec
 from groupflow.data import PromptLoader
 from groupflow.workflows import build_workflow, close_run, rule_reward_spec, rule_rewards
 from groupflow.workflows.collect import Sampling
-from groupflow.workflows.detach import PolicyParts
+from groupflow.workflows.detach import PolicyParts, travels_as_built
 
 __all__ = ["RolloutSpec", "LoaderSpec", "BuiltWorkflow", "RebuiltWorkflow", "workflow_part"]
 
@@ -75,8 +77,8 @@ class BuiltWorkflow:
 
 @dataclass
 class RebuiltWorkflow:
-    """The old route, for a workflow that cannot travel as built (no ``PolicyParts``: the agent
-    workflow, a custom workflow class): built again on the side from the run's config (hub ids
+    """The old route, for a workflow that does not travel as built (the agent workflow, a custom
+    workflow class): built again on the side from the run's config (hub ids
     resolved) and the trainer's training rows, its prompts encoded again; the one check that
     the two agree is the row count."""
 
@@ -103,10 +105,11 @@ class RebuiltWorkflow:
 def workflow_part(
     cfg, run_dir: Path, workflow, functions: tuple = ()
 ) -> BuiltWorkflow | RebuiltWorkflow:
-    """What the rollout side gets of the trainer's ``workflow``: the built workflow when it is a
-    ``PolicyParts``, else the config to rebuild it from (``RebuiltWorkflow``). ``cfg``: the
-    config the trainer built its run from; ``functions``: the rewards given in Python."""
-    if isinstance(workflow, PolicyParts):
+    """What the rollout side gets of the trainer's ``workflow``: the built workflow when it
+    travels as built (``workflows.detach.travels_as_built``), else the config to rebuild it from
+    (``RebuiltWorkflow``). ``cfg``: the config the trainer built its run from; ``functions``:
+    the rewards given in Python."""
+    if travels_as_built(workflow):
         return BuiltWorkflow(workflow.without_policy(), rule_reward_spec(cfg, functions))
     return RebuiltWorkflow(cfg, run_dir, list(workflow.train_rows), tuple(functions))
 

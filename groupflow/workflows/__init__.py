@@ -28,7 +28,8 @@ custom workflow's ``collect`` must use no more of the policy than that (its
 and diffusion workflows travel there as built (``workflows.detach.PolicyParts``: the trainer's
 encoded prompts, the policy and what is built over it left behind and attached again); the
 agent workflow and a custom class are built a second time there from the config and the
-trainer's rows (``rollout.spec.RebuiltWorkflow``), unless the class is a ``PolicyParts`` too.
+trainer's rows (``rollout.spec.RebuiltWorkflow``), unless the class is a ``PolicyParts`` that
+declares ``travels_as_built`` in its own body.
 
 Built-in workflows (``rollout.workflow``): ``single_turn``, ``multi_turn`` (tools or an
 environment; chosen automatically when ``rollout.max_turns > 1``, ``rollout.tools`` or

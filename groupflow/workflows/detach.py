@@ -18,7 +18,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["PolicyParts"]
+__all__ = ["PolicyParts", "travels_as_built"]
+
+
+def travels_as_built(workflow) -> bool:
+    """Whether ``workflow`` can go to the rollout side as built: a ``PolicyParts`` whose own
+    class body sets ``travels_as_built = True``. A subclass of a built-in workflow that does not
+    (a user's, which may keep the policy's groups in attributes of its own) is rebuilt there
+    from the config instead."""
+    return isinstance(workflow, PolicyParts) and vars(type(workflow)).get("travels_as_built", False)
 
 
 class PolicyParts:
@@ -27,6 +35,9 @@ class PolicyParts:
     policy: Any
     # the attributes built over the policy: dropped by without_policy, rebuilt by attach
     over_policy: tuple[str, ...] = ("reward_fn", "contracts")
+    # set in the body of each class that travels as built (not inherited: a subclass may hold
+    # more over the policy than its parent's over_policy names): see ``travels_as_built``
+    travels_as_built: bool = False
 
     def without_policy(self):
         """A copy without the policy and what is built over it (picklable when its prompts and

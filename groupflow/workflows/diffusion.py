@@ -47,6 +47,7 @@ class DiffusionWorkflow(PolicyParts):
     takes_run_dir = True  # validation writes image grids under the run directory
     # the prompt texts are looked up by row identity, the process's own: attach builds them again
     over_policy = (*PolicyParts.over_policy, "train_texts")
+    travels_as_built = True  # to the asynchronous rollout side (workflows.detach)
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                  rewards, run_dir: Path):  # fmt: skip

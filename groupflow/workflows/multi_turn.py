@@ -73,6 +73,7 @@ class MultiTurnWorkflow(EncodedPromptsWorkflow):
     provided_fields = (*LLM_FIELDS, *TRAJECTORY_FIELDS)
     # built over the policy (its tokenizer, live tools): the rollout side builds its own
     over_policy = (*EncodedPromptsWorkflow.over_policy, "tools", "make_env", "format")
+    travels_as_built = True  # to the asynchronous rollout side (workflows.detach)
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                  rewards=None):  # fmt: skip

@@ -31,7 +31,9 @@ from groupflow.rollout.spec import (
 )
 from groupflow.trainer import Trainer
 from groupflow.workflows import collect, multi_turn, single_turn
+from groupflow.workflows.agent import AgentWorkflow
 from groupflow.workflows.collect import collect_step
+from groupflow.workflows.detach import travels_as_built
 from groupflow.workflows.llm import PromptTable
 
 CALC = dict(
@@ -139,15 +141,24 @@ def test_a_prompt_table_finds_its_rows_again_after_a_pickle_round_trip():
     assert table.lookup(table.rows[::-1]) == (["c", "b", "a"], [[3], [2], [1]])
 
 
-def test_a_workflow_that_cannot_travel_as_built_is_rebuilt_from_the_config(tmp_path):
-    """A workflow without ``without_policy`` (the agent workflow, a custom class) takes the old
-    route: the config and the trainer's rows, rebuilt on the side."""
+def test_a_workflow_that_does_not_travel_as_built_is_rebuilt_from_the_config(tmp_path):
+    """A workflow that does not declare ``travels_as_built`` in its own class body (the agent
+    workflow, a custom class, a user's subclass of a built-in one, which may keep more of the
+    policy than its parent) takes the old route: the config and the trainer's rows."""
 
     class Custom:
         train_rows = [1, 2, 3]
 
-    part = workflow_part("cfg", tmp_path, Custom(), ("reward",))
-    assert part == RebuiltWorkflow("cfg", tmp_path, [1, 2, 3], ("reward",))
+    class Subclass(single_turn.SingleTurnWorkflow):
+        def __init__(self):  # only what workflow_part reads
+            self.train = type("T", (), {"rows": [4, 5]})()
+
+    for workflow, rows in ((Custom(), [1, 2, 3]), (Subclass(), [4, 5])):
+        part = workflow_part("cfg", tmp_path, workflow, ("reward",))
+        assert part == RebuiltWorkflow("cfg", tmp_path, rows, ("reward",))
+    assert not travels_as_built(AgentWorkflow.__new__(AgentWorkflow))
+    for cls in (single_turn.SingleTurnWorkflow, multi_turn.MultiTurnWorkflow):
+        assert travels_as_built(cls.__new__(cls))
     assert [f.name for f in dataclasses.fields(RolloutSpec)] == [
         "policy", "workflow", "loader", "sampling", "async_mode", "threads"
     ]  # fmt: skip

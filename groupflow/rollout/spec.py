@@ -13,7 +13,9 @@ section. What cannot be pickled travels as a small description and is rebuilt on
 - the prompt loader: a ``LoaderSpec`` (options and state), built over the attached workflow's
   own rows, which is what the workflow looks prompts up by;
 - the multi-turn workflow's tools, environment factory and turn format: rebuilt by its
-  ``attach`` from its own ``rollout`` options over the view's tokenizer.
+  ``attach`` from its own ``rollout`` options over the view's tokenizer;
+- lookups by row identity (the identities are the process's own): a ``PromptTable`` builds its
+  own when unpickled, the diffusion workflow's ``attach`` its prompt texts.
 
 One route stays the old one, behind ``RebuiltWorkflow``: a workflow that does not travel as built
 (``workflows.detach.travels_as_built``: the agent workflow, whose agent, OpenAI-compatible server

@@ -22,7 +22,7 @@ a Ray actor (``ray_host.PoolSideHost``) — are one ``SideHost``: the pipe's end
 reports a dead host, a description for an error, close; the trainer's calls never ask which.
 
 ``rollout.async_worker: thread`` runs the same side in a thread of this process (no pickling of
-the recipe, slower: one GIL); it is also the fallback, with a warning, when the recipe cannot be
+the spec, slower: one GIL); it is also the fallback, with a warning, when the spec cannot be
 pickled or unpickled in a child — e.g. a reward function given to ``groupflow.Run`` as a lambda or
 defined in a notebook — and when the run was started from the top level of a script outside
 ``if __name__ == "__main__":`` (the child would run the script again: ``utils.main_guard``).
@@ -56,12 +56,12 @@ from groupflow.rollout.side import (
     COLLECTING,
     IDLE,
     LOADING,
-    RECIPE_UNPICKLABLE,
-    RolloutRecipe,
+    SPEC_UNPICKLABLE,
     RolloutSide,
     process_main,
     serve,
 )
+from groupflow.rollout.spec import RolloutSpec
 from groupflow.rollout.weight_ring import WeightRing
 from groupflow.utils.main_guard import unguarded_main_call
 
@@ -123,14 +123,14 @@ class SideHost(Protocol):
 
 class ThreadHost:
     """The side in a thread of the trainer's process (``rollout.async_worker: thread``, or the
-    fallback when the recipe cannot travel to a child)."""
+    fallback when the spec cannot travel to a child)."""
 
     kind = "thread"
     process = None
 
-    def __init__(self, recipe: RolloutRecipe, ring, status: torch.Tensor, eager: bool,
+    def __init__(self, spec: RolloutSpec, ring, status: torch.Tensor, eager: bool,
                  join_timeout_s: float):  # fmt: skip
-        self.side = RolloutSide(recipe)  # built here: a failure surfaces at once
+        self.side = RolloutSide(spec)  # built here: a failure surfaces at once
         self._conn, child = mp.Pipe()
         self.join_timeout_s = join_timeout_s
         self.thread = threading.Thread(
@@ -164,13 +164,13 @@ class AsyncRollout:
     """The trainer's handle on the rollout side: ``publish`` weights, ``submit`` jobs (in step
     order), take each ``result`` in step order."""
 
-    def __init__(self, recipe: RolloutRecipe, template: dict[str, torch.Tensor], *,
+    def __init__(self, spec: RolloutSpec, template: dict[str, torch.Tensor], *,
                  max_staleness: int, process: bool, timeout_s: float, eager: bool = False,
                  role: str = "rollout", ring=None, pool=None):  # fmt: skip
         """``pool``: a Ray rollout pool (``WorkerGroup``): the side runs in a Ray actor there
         (``groupflow.rollout.ray_host``), publishing the tickets in ``ring`` (a ``TicketStore``)."""
         self.timeout_s, self.role = timeout_s, role
-        self.loader_state = recipe.loader_state  # the loader after the last delivered batch
+        self.loader_state = spec.loader.state  # the loader after the last delivered batch
         self._jobs: dict[int, int] = {}  # submitted, not yet taken: step -> scheduled version
         self._ready: dict[int, tuple] = {}  # received, not yet taken: step -> reply
         self._host: SideHost | None = None
@@ -183,7 +183,7 @@ class AsyncRollout:
                 'Start the run under `if __name__ == "__main__":` to keep it in a process.',
             )
             process = False
-        data = _pickled(recipe) if process else None  # None: stays in this process (warned)
+        data = _pickled(spec) if process else None  # None: stays in this process (warned)
         # ring: the versions' store (a caller's, e.g. transport tickets; default shared memory)
         self.ring = (
             ring
@@ -195,9 +195,9 @@ class AsyncRollout:
             self.status.share_memory_()
             self._host = self._start_process(data, eager)
         if pool is not None:
-            self._host = self._start_on_pool(recipe, pool, eager)
+            self._host = self._start_on_pool(spec, pool, eager)
         if self._host is None:
-            self._host = ThreadHost(recipe, self.ring, self.status, eager, self.timeout_s)
+            self._host = ThreadHost(spec, self.ring, self.status, eager, self.timeout_s)
         self._conn = self._host.conn
 
     def _start_process(self, data: bytes, eager: bool) -> ProcessHost | None:
@@ -205,18 +205,18 @@ class AsyncRollout:
         try:
             host = ProcessHost(process_main, args, startup_timeout_s=self.timeout_s)
         except ChildStartError as e:
-            if str(e.value).startswith(RECIPE_UNPICKLABLE):  # e.g. a reward defined in a notebook
-                _warn_thread_route(f"{RECIPE_UNPICKLABLE} ({str(e.value).splitlines()[-1]})")
+            if str(e.value).startswith(SPEC_UNPICKLABLE):  # e.g. a reward defined in a notebook
+                _warn_thread_route(f"{SPEC_UNPICKLABLE} ({str(e.value).splitlines()[-1]})")
                 return None
             raise WorkerError(self._name(), 0, "__init__", str(e)) from None
         except (ChildProcessError, TimeoutError) as e:
             raise WorkerError(self._name(), 0, "__init__", str(e)) from None
         return host
 
-    def _start_on_pool(self, recipe: RolloutRecipe, pool, eager: bool) -> PoolSideHost:
+    def _start_on_pool(self, spec: RolloutSpec, pool, eager: bool) -> PoolSideHost:
         assert isinstance(self.ring, TicketStore), "a pool's versions are transport tickets"
         try:
-            host = PoolSideHost(recipe, pool, self.ring, self.status, eager=eager,
+            host = PoolSideHost(spec, pool, self.ring, self.status, eager=eager,
                                 startup_timeout_s=self.timeout_s)  # fmt: skip
         except (ChildProcessError, TimeoutError) as e:
             raise WorkerError(self._name(), 0, "__init__", str(e)) from None
@@ -352,11 +352,11 @@ class AsyncRollout:
         return f"RolloutSide ({self.role} role)"
 
 
-def _pickled(recipe: RolloutRecipe) -> bytes | None:
+def _pickled(spec: RolloutSpec) -> bytes | None:
     try:
-        return pickle.dumps(recipe, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - e.g. a lambda given as a reward
-        _warn_thread_route(f"the rollout recipe cannot be pickled ({type(e).__name__}: {e})")
+        _warn_thread_route(f"the rollout spec cannot be pickled ({type(e).__name__}: {e})")
         return None
 
 

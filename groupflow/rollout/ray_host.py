@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from groupflow.rollout.side import RolloutRecipe, RolloutSide, serve
+from groupflow.rollout.side import RolloutSide, serve
+from groupflow.rollout.spec import RolloutSpec
 
 __all__ = ["BoardUpdates", "PoolSideHost", "TicketStore", "VersionBoard"]
 
@@ -123,13 +124,13 @@ class SideActor:
     """The Ray actor that owns the rollout loop: a ``RolloutSide`` served by a thread of its
     process; its methods are the driver's end of the pipe."""
 
-    def __init__(self, recipe: RolloutRecipe, slots: int, eager: bool, board=None):
+    def __init__(self, spec: RolloutSpec, slots: int, eager: bool, board=None):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        torch.set_num_threads(recipe.threads)
+        torch.set_num_threads(spec.threads)
         self.ring = TicketStore(slots)  # tickets; the pool's workers fetch the weights
         self.status = torch.zeros(3, dtype=torch.long)  # phase, step, version (side.py)
         self.board = board  # in-flight updates: where the pool's workers look for versions
-        self.side = RolloutSide(recipe)
+        self.side = RolloutSide(spec)
         self.conn, end = mp.Pipe()
         updates = None if board is None else BoardUpdates(board)
         self.thread = threading.Thread(
@@ -179,7 +180,7 @@ class PoolSideHost:
     process = None  # not a child process of the driver
     status_is_copy = True  # as of the actor's last answer: a dead actor's is stale
 
-    def __init__(self, recipe: RolloutRecipe, pool, ring: TicketStore, status: torch.Tensor, *,
+    def __init__(self, spec: RolloutSpec, pool, ring: TicketStore, status: torch.Tensor, *,
                  eager: bool, startup_timeout_s: float):  # fmt: skip
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
@@ -187,10 +188,10 @@ class PoolSideHost:
         self.ring, self.status, self.conn = ring, status, self
         self.where = pool.node_report  # the loop actor shares the pool's first bundle
         self.board = None
-        if recipe.cfg.rollout.async_mode == "in_flight":
+        if spec.async_mode == "in_flight":
             self.board = ray.remote(VersionBoard).options(**pool.placement(0)).remote()
         remote = ray.remote(SideActor).options(**pool.placement(0), max_concurrency=1)
-        self.actor = remote.remote(recipe, ring.slots, eager, self.board)
+        self.actor = remote.remote(spec, ring.slots, eager, self.board)
         try:
             ray.get(self.actor.ready.remote(), timeout=startup_timeout_s)
         except GetTimeoutError:

@@ -6,17 +6,23 @@ unpickled results and served one file descriptor per weight tensor to the child 
 threads that waited for the training loop's GIL at every step, so on a small model the two sides
 barely overlapped. Here the rollout side holds *everything a workflow's collect needs*: a frozen
 copy of the model (a policy's ``RolloutView``: its own rollout worker, tokenizer, sampling
-parameters and, when configured, its own reward-model copy), its own workflow instance built
-from the same config and training rows, and its own prompt loader. The trainer only sends small
-messages and publishes weights into a shared ``WeightRing``; it receives finished, contract-checked
-batches.
+parameters and, when configured, its own reward-model copy), its own copy of the trainer's
+workflow and its own prompt loader. The trainer only sends small messages and publishes weights
+into a shared ``WeightRing``; it receives finished, contract-checked batches.
+
+The side is built from a ``RolloutSpec`` (``groupflow.rollout.spec``) of *built* parts — the
+trainer's workflow without its policy (encoded prompts, options), a description of its rewards,
+the loader's options and state, the sampling plan, the async mode — and attaches its own policy
+view to that workflow; it reads no config section (review of 2026-12-01, Debt 3). Only a
+workflow that cannot travel as built (the agent workflow, a custom class) is rebuilt from the
+config there, behind ``rollout.spec.RebuiltWorkflow``.
 
 Prompts stay bit-identical to a synchronous run because the side's loader is a replica of the
 trainer's: it starts from the trainer's loader state and draws in step order (refills included),
 and every result carries the loader state after it, which is what a checkpoint saves.
 
 Protocol (one pipe; the same ``serve`` loop runs in a spawned child process, in a thread of
-the trainer's process for ``rollout.async_worker: thread`` and as the fallback when the recipe
+the trainer's process for ``rollout.async_worker: thread`` and as the fallback when the spec
 cannot be pickled, or in a Ray actor on a rollout pool, ``groupflow.rollout.ray_host``): the trainer sends ``("weights", v)`` after writing version ``v`` into the
 ring, ``("job", step, v)`` to collect a step's batch with version ``v`` and ``None`` to stop;
 the side answers every job, in order, with a pickled ``("result", step, batch, metrics,
@@ -33,57 +39,28 @@ import threading
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from groupflow.workflows import build_workflow, close_run, rule_rewards
-from groupflow.workflows.collect import Sampling, collect_step, prompt_loader
+from groupflow.rollout.spec import RolloutSpec
+from groupflow.workflows import close_run
+from groupflow.workflows.collect import collect_step
 
-__all__ = ["RolloutRecipe", "RolloutSide", "serve", "process_main", "IDLE", "LOADING", "COLLECTING"]
+__all__ = ["RolloutSpec", "RolloutSide", "serve", "process_main", "IDLE", "LOADING", "COLLECTING"]
 
 IDLE, LOADING, COLLECTING = 0, 1, 2  # the status's phase
-RECIPE_UNPICKLABLE = "the rollout recipe cannot be unpickled in the child process"
-
-
-@dataclass
-class RolloutRecipe:
-    """Everything the rollout side is built from (picklable for the child process)."""
-
-    cfg: Any  # the run's Config (hub ids resolved to local directories)
-    run_dir: Path
-    policy: Callable[[], Any]  # builds the policy's RolloutView (the frozen copy, tokenizer, ...)
-    train_rows: list  # the trainer's workflow's training rows, in its order
-    loader_state: dict  # the trainer's prompt loader when the rollout side starts
-    rewards: tuple = ()  # reward functions given as Python objects (groupflow.Run)
-    threads: int = 1  # torch threads of a child process
+SPEC_UNPICKLABLE = "the rollout spec cannot be unpickled in the child process"
 
 
 class RolloutSide:
     """A workflow, a prompt loader and a frozen model: ``collect(step, version)`` as the trainer's
-    synchronous loop would, with the weights last given to ``load``."""
+    synchronous loop would, with the weights last given to ``load``. Built from a
+    ``RolloutSpec`` of built parts: it reads no config section."""
 
-    def __init__(self, recipe: RolloutRecipe):
-        cfg = recipe.cfg
-        self.policy = recipe.policy()
-        try:
-            rewards = rule_rewards(cfg, recipe.rewards)
-            self.workflow = build_workflow(cfg, self.policy, list(recipe.train_rows), [], rewards,
-                                           Path(recipe.run_dir))  # fmt: skip
-            if len(self.workflow.train_rows) != len(recipe.train_rows):
-                raise RuntimeError(
-                    f"the rollout side's workflow kept {len(self.workflow.train_rows)} of the "
-                    f"trainer's {len(recipe.train_rows)} training rows: its prompts would differ"
-                )
-            self.loader = prompt_loader(cfg, self.workflow.train_rows)
-            self.loader.load_state_dict(recipe.loader_state)
-        except BaseException:
-            self.close()
-            raise
-        self.sampling = Sampling.from_config(cfg)
-        self.async_mode = cfg.rollout.async_mode
+    def __init__(self, spec: RolloutSpec):
+        self.policy, self.workflow, self.loader = spec.build()
+        self.sampling = spec.sampling
+        self.async_mode = spec.async_mode
 
     @property
     def in_flight(self) -> bool:
@@ -200,19 +177,19 @@ def error_payload(error: BaseException, text: str) -> tuple:
         return ("text", f"{type(error).__name__}: {error}", text)
 
 
-def process_main(conn, recipe_bytes: bytes, ring, status: torch.Tensor, eager: bool) -> None:
-    """The child process: build the side from the pickled recipe, answer ``(ok, value)``, serve."""
+def process_main(conn, spec_bytes: bytes, ring, status: torch.Tensor, eager: bool) -> None:
+    """The child process: build the side from the pickled spec, answer ``(ok, value)``, serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no tokenizer thread pool beside the trainer
     _exit_with_parent()
     try:
-        recipe = pickle.loads(recipe_bytes)
+        spec = pickle.loads(spec_bytes)
     except BaseException:  # noqa: BLE001 - e.g. a reward defined in a notebook: not importable here
-        conn.send((False, f"{RECIPE_UNPICKLABLE}:\n{traceback.format_exc()}"))
+        conn.send((False, f"{SPEC_UNPICKLABLE}:\n{traceback.format_exc()}"))
         return
-    torch.set_num_threads(recipe.threads)
+    torch.set_num_threads(spec.threads)
     try:
-        side = RolloutSide(recipe)
+        side = RolloutSide(spec)
     except BaseException:  # noqa: BLE001 - the trainer reports it with the traceback
         conn.send((False, traceback.format_exc()))
         return

@@ -28,7 +28,7 @@ from groupflow.distributed.transport import tensors_nbytes
 from groupflow.policies.base import Moved
 from groupflow.rollout.hosts import AsyncRollout, ring_slots, schedule_version
 from groupflow.rollout.ray_host import TicketStore
-from groupflow.rollout.side import RolloutRecipe
+from groupflow.rollout.spec import LoaderSpec, RolloutSpec, workflow_part
 from groupflow.workflows.collect import Sampling, collect_step
 
 log = logging.getLogger("groupflow")
@@ -105,11 +105,14 @@ class AsyncRolloutSource:
     version max(0, s − k); after the update of step s the new version is published and the batch
     of step s+1+k submitted. The trainer's ``loader`` is the rollout side's replica's state when
     the side stops; the weights that batches to come need are kept here while no side holds them
-    (from a checkpoint, or when one stopped)."""
+    (from a checkpoint, or when one stopped). ``workflow``: what the side gets of the trainer's
+    workflow (``rollout.spec.workflow_part``); with ``sampling`` and the loader's state it
+    makes the side's ``RolloutSpec``."""
 
-    def __init__(self, recipe_parts, policy, loader, *, max_staleness: int, total_steps,
-                 async_worker: str, async_mode: str, timeout_s: float):  # fmt: skip
-        self.recipe_parts = recipe_parts  # (cfg, run_dir, train_rows, rewards) for RolloutRecipe
+    def __init__(self, workflow, policy, loader, *, max_staleness: int, total_steps,
+                 async_worker: str, async_mode: str, timeout_s: float,
+                 sampling: Sampling | None = None):  # fmt: skip
+        self.workflow, self.sampling, self.async_mode = workflow, sampling, async_mode
         self.policy, self.loader, self.k = policy, loader, max_staleness
         self.total_steps = total_steps  # a callable: a resume may raise run.total_steps
         self.process, self.eager = async_worker == "process", async_mode in ("eager", "in_flight")
@@ -139,14 +142,12 @@ class AsyncRolloutSource:
                     f"(rollout.max_staleness={k}): the checkpoint resumed from keeps the "
                     "snapshots of the staleness it was written with; resume with that value"
                 )
-        cfg, run_dir, train_rows, rewards = self.recipe_parts
-        recipe = RolloutRecipe(
-            cfg, run_dir, self.policy.start_async(), list(train_rows), self.loader.state_dict(),
-            rewards,
-        )  # fmt: skip
+        assert self.sampling is not None, "an asynchronous source that starts needs its sampling"
+        spec = RolloutSpec(self.policy.start_async(), self.workflow, LoaderSpec.of(self.loader),
+                           self.sampling, self.async_mode)  # fmt: skip
         on_pool = bool(getattr(self.policy, "async_on_pool", False))
         self.route = route = (PoolRoute if on_pool else RingRoute)(self.policy)
-        self.rollouts = route.open(recipe, max_staleness=k, process=self.process,
+        self.rollouts = route.open(spec, max_staleness=k, process=self.process,
                                    timeout_s=self.timeout_s, eager=self.eager)  # fmt: skip
         needed = (self.needed_versions(step) & self.snapshots.keys()) - {step}
         route.publish_start(self.rollouts, step, {v: self.snapshots[v] for v in sorted(needed)})
@@ -234,11 +235,11 @@ class RingRoute:
     def __init__(self, policy):
         self.policy, self.current = policy, None
 
-    def open(self, recipe: RolloutRecipe, *, max_staleness: int, process: bool, timeout_s: float,
+    def open(self, spec: RolloutSpec, *, max_staleness: int, process: bool, timeout_s: float,
              eager: bool) -> AsyncRollout:  # fmt: skip
         # the ring's layout, and the first version publish_start sends (one gather, not two)
         self.current = self.policy.snapshot(copy=False)
-        return AsyncRollout(recipe, self.current, max_staleness=max_staleness, process=process,
+        return AsyncRollout(spec, self.current, max_staleness=max_staleness, process=process,
                             timeout_s=timeout_s, eager=eager)  # fmt: skip
 
     def publish_start(self, rollouts: AsyncRollout, step: int, held: dict[int, dict]) -> None:
@@ -266,10 +267,10 @@ class PoolRoute:
     def __init__(self, policy):
         self.policy, self.transport = policy, policy.transport
 
-    def open(self, recipe: RolloutRecipe, *, max_staleness: int, process: bool, timeout_s: float,
+    def open(self, spec: RolloutSpec, *, max_staleness: int, process: bool, timeout_s: float,
              eager: bool) -> AsyncRollout:  # fmt: skip
         return AsyncRollout(
-            recipe, {}, max_staleness=max_staleness, process=False, timeout_s=timeout_s,
+            spec, {}, max_staleness=max_staleness, process=False, timeout_s=timeout_s,
             eager=eager, ring=TicketStore(ring_slots(max_staleness)),
             pool=self.policy.rollout_pool,
         )  # fmt: skip
@@ -293,13 +294,17 @@ class PoolRoute:
 
 
 def build_rollout_source(cfg, built_cfg, run_dir, policy, workflow, loader, inputs):
-    """The synchronous source, or with ``rollout.max_staleness >= 1`` the asynchronous one."""
+    """The synchronous source, or with ``rollout.max_staleness >= 1`` the asynchronous one.
+    ``built_cfg``: the config the run was built from (hub ids resolved), which the rewards'
+    description, and a workflow that cannot travel as built (``RebuiltWorkflow``), come from."""
     r = cfg.rollout
+    sampling = Sampling.from_config(cfg)
     if not r.max_staleness:
-        return SyncRollout(policy, workflow, loader, Sampling.from_config(cfg))
+        return SyncRollout(policy, workflow, loader, sampling)
     rewards = tuple(inputs.rewards if inputs else ())
     return AsyncRolloutSource(
-        (built_cfg, run_dir, workflow.train_rows, rewards), policy, loader,
+        workflow_part(built_cfg, run_dir, workflow, rewards), policy, loader,
         max_staleness=r.max_staleness, total_steps=lambda: cfg.run.total_steps,
         async_worker=r.async_worker, async_mode=r.async_mode, timeout_s=cfg.run.worker_timeout_s,
+        sampling=sampling,
     )  # fmt: skip

@@ -20,11 +20,16 @@ A workflow works with a *policy* through its ``PolicyView`` (``groupflow.policie
 generates through the policy's ``rollout`` group, and the trainer hands its batches to the policy's
 ``prepare``/``update``. Every sample carries the ``version`` of the policy that generated it
 (the number of updates applied so far), contract-checked, for asynchronous rollout. There a
-second instance of the workflow is built on the rollout side (``groupflow.rollout.side``, a
-child process by default) over the policy's ``RolloutView`` — ``rollout``, ``tokenizer``,
-``sampling``, ``contracts``, ``reward_model``, no ``actor`` — with the same config and training
-rows, and only its ``collect`` is called there: a custom workflow's ``collect`` must use no more
-of the policy than that (its ``validate``/``warm_start`` run in the trainer as always).
+copy of the workflow runs on the rollout side (``groupflow.rollout.side``, a child process by
+default) over the policy's ``RolloutView`` — ``rollout``, ``tokenizer``, ``sampling``,
+``contracts``, ``reward_model``, no ``actor`` — and only its ``collect`` is called there: a
+custom workflow's ``collect`` must use no more of the policy than that (its
+``validate``/``warm_start`` run in the trainer as always). The built-in single-turn, multi-turn
+and diffusion workflows travel there as built (``workflows.detach.PolicyParts``: the trainer's
+encoded prompts, the policy and what is built over it left behind and attached again); the
+agent workflow and a custom class are built a second time there from the config and the
+trainer's rows (``rollout.spec.RebuiltWorkflow``), unless the class is a ``PolicyParts`` that
+declares ``travels_as_built`` in its own body.
 
 Built-in workflows (``rollout.workflow``): ``single_turn``, ``multi_turn`` (tools or an
 environment; chosen automatically when ``rollout.max_turns > 1``, ``rollout.tools`` or
@@ -45,7 +50,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Protocol
 
-from groupflow.assembly.rewards import build_reward
+from groupflow.assembly.rewards import RewardSpec
 from groupflow.batch import Batch
 from groupflow.config import Config
 from groupflow.data import PromptRow
@@ -58,6 +63,7 @@ __all__ = [
     "BUILTIN_WORKFLOWS",
     "build_workflow",
     "rule_rewards",
+    "rule_reward_spec",
     "close_run",
 ]
 
@@ -104,16 +110,23 @@ def workflow_class(cfg: Config) -> type:
     return resolve_import_path(name, "rollout.workflow")
 
 
-def rule_rewards(cfg: Config, functions: tuple = ()):
-    """The rule-based reward runner (config functions, then ``functions`` given as Python
-    objects), or None when a reward model alone scores."""
+def rule_reward_spec(cfg: Config, functions: tuple = ()) -> RewardSpec | None:
+    """What the rule-based reward runner is built from (config functions, then ``functions``
+    given as Python objects; picklable), or None when a reward model alone scores."""
     rm_only = cfg.reward_model is not None and cfg.reward_model.only
     if rm_only and functions:
         raise ValueError(
             "reward_model.only=true: the reward model is the whole reward, so the rewards "
             "given to groupflow.Run would be ignored; drop them or set reward_model.only=false"
         )
-    return None if rm_only else build_reward(cfg, functions)
+    return None if rm_only else RewardSpec.from_config(cfg, functions)
+
+
+def rule_rewards(cfg: Config, functions: tuple = ()):
+    """The rule-based reward runner (config functions, then ``functions`` given as Python
+    objects), or None when a reward model alone scores."""
+    spec = rule_reward_spec(cfg, functions)
+    return None if spec is None else spec.build()
 
 
 def build_workflow(cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],

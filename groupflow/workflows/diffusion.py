@@ -26,6 +26,7 @@ from groupflow.diffusion import rewards as _rewards  # noqa: F401  (registers th
 from groupflow.diffusion.worker import prompt_rows
 from groupflow.utils.progress import Progress
 from groupflow.utils.seeds import step_seeds
+from groupflow.workflows.detach import PolicyParts
 from groupflow.workflows.llm import finite_metrics, row_fields, with_prompt_info
 
 __all__ = ["DiffusionWorkflow", "save_image_grid"]
@@ -40,10 +41,13 @@ def _prompt_text(row: PromptRow) -> str:
     return row.prompt
 
 
-class DiffusionWorkflow:
+class DiffusionWorkflow(PolicyParts):
     """Text prompts → SDE samples with per-step log-probs → image rewards."""
 
     takes_run_dir = True  # validation writes image grids under the run directory
+    # the prompt texts are looked up by row identity, the process's own: attach builds them again
+    over_policy = (*PolicyParts.over_policy, "train_texts")
+    travels_as_built = True  # to the asynchronous rollout side (workflows.detach)
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                  rewards, run_dir: Path):  # fmt: skip
@@ -57,6 +61,10 @@ class DiffusionWorkflow:
             val_rows or list({self.train_texts[id(r)]: r for r in train_rows}.values())[:8]
         )
         self.contracts = policy.contracts
+
+    def attach(self, policy, rewards) -> None:
+        self.train_texts = {id(r): _prompt_text(r) for r in self._train_rows}
+        self.reward_fn, self.contracts = rewards, policy.contracts
 
     @property
     def train_rows(self) -> list[PromptRow]:

@@ -27,6 +27,7 @@ from groupflow.rollout.engines.hf import SamplingParams
 from groupflow.sft import warm_start
 from groupflow.utils.seeds import step_seeds
 from groupflow.workers.reward_model import ModelRewardRunner
+from groupflow.workflows.detach import PolicyParts
 
 __all__ = [
     "LLM_FIELDS",
@@ -161,6 +162,14 @@ class PromptTable:
         self.encoded = encoded
         self._by_row = {id(r): (t, i) for r, t, i in zip(encoded.rows, encoded.texts, encoded.ids)}
 
+    # the lookup is by the rows' identities, which are the process's own: an unpickled table
+    # (the rollout side's) builds it again over its own row objects
+    def __getstate__(self) -> dict[str, Any]:
+        return {"encoded": self.encoded}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        PromptTable.__init__(self, state["encoded"])
+
     @property
     def rows(self) -> list[PromptRow]:
         return self.encoded.rows
@@ -225,10 +234,11 @@ def scoring_chunks(encoded, n: int, seed: int, chunk_prompts: int):
         yield start, rows, encoded.ids[start:stop], encoded.texts[start:stop], seeds, vision
 
 
-class EncodedPromptsWorkflow:
+class EncodedPromptsWorkflow(PolicyParts):
     """What the single- and multi-turn workflows share beside how a sample is made: they hold
     encoded prompts (``train``, a :class:`PromptTable`, and ``val``), and validate and warm-start
-    through their own ``score`` and ``sft_examples``. The one base class they have."""
+    through their own ``score`` and ``sft_examples``; they travel to the asynchronous rollout
+    side as built (``PolicyParts``: the prompts stay encoded, the reward runner is rebuilt)."""
 
     cfg: Config
     policy: Any
@@ -246,6 +256,9 @@ class EncodedPromptsWorkflow:
         self.reward_fn = build_rewards(self.cfg, self.policy, rewards, tables)
         self.data_stats = prompt_stats(self.train.encoded, self.val)
         self.contracts = self.policy.contracts
+
+    def attach(self, policy, rewards) -> None:
+        self._set_rewards(rewards)
 
     @property
     def train_rows(self) -> list[PromptRow]:

@@ -71,36 +71,16 @@ class MultiTurnWorkflow(EncodedPromptsWorkflow):
 
     # handed to the reward functions with each sample
     provided_fields = (*LLM_FIELDS, *TRAJECTORY_FIELDS)
+    # built over the policy (its tokenizer, live tools): the rollout side builds its own
+    over_policy = (*EncodedPromptsWorkflow.over_policy, "tools", "make_env", "format")
+    travels_as_built = True  # to the asynchronous rollout side (workflows.detach)
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                  rewards=None):  # fmt: skip
         self.cfg, self.policy = cfg, policy
         r = cfg.rollout
         tok = policy.tokenizer
-        self.tools = build_tools(r.tools, default_timeout_s=r.tool_timeout_s)
-        parser = build_parser(r.tool_parser) if self.tools else None
-        env_spec = None
-        if r.environment is not None:
-            cls = resolve_import_path(r.environment.cls, "rollout.environment.class")
-            env_spec = (cls, dict(r.environment.kwargs))
-        self.make_env = environment_factory(
-            env_spec, self.tools, parser, max_calls_per_turn=r.max_tool_calls_per_turn,
-            max_result_chars=r.max_tool_result_chars,
-        )  # fmt: skip
-        schemas = [t.schema for t in self.tools]
-        processor = build_processor(cfg, tok)
-        if r.observation_template is not None:
-            self.format = PlainFormat(tok, r.observation_template)
-            templated = False
-        elif processor is not None:  # a vision-language model: prompts and observations may
-            # show images, rendered by the processor's template (agents.formats)
-            limits = ImageLimits(max_pixels=cfg.data.max_pixels, min_pixels=cfg.data.min_pixels,
-                                 max_file_bytes=cfg.data.max_image_bytes)  # fmt: skip
-            self.format = VisionChatFormat(processor, schemas, limits)
-            templated = True
-        else:
-            self.format = ChatFormat(tok, schemas)
-            templated = True
+        templated = self._episode_parts(policy)
 
         def render(row: PromptRow, _tok, _flag) -> str:
             try:
@@ -136,6 +116,39 @@ class MultiTurnWorkflow(EncodedPromptsWorkflow):
             max_observation_tokens=r.max_observation_tokens, env_timeout_s=r.env_timeout_s,
             max_observation_chars=r.max_observation_chars,
         )  # fmt: skip
+        self._set_rewards(rewards)
+
+    def _episode_parts(self, policy) -> bool:
+        """The tools, the environment factory and the turn format over ``policy``'s tokenizer
+        (from ``rollout``); whether prompts are rendered by a chat template."""
+        cfg, tok = self.cfg, policy.tokenizer
+        r = cfg.rollout
+        self.tools = build_tools(r.tools, default_timeout_s=r.tool_timeout_s)
+        parser = build_parser(r.tool_parser) if self.tools else None
+        env_spec = None
+        if r.environment is not None:
+            cls = resolve_import_path(r.environment.cls, "rollout.environment.class")
+            env_spec = (cls, dict(r.environment.kwargs))
+        self.make_env = environment_factory(
+            env_spec, self.tools, parser, max_calls_per_turn=r.max_tool_calls_per_turn,
+            max_result_chars=r.max_tool_result_chars,
+        )  # fmt: skip
+        schemas = [t.schema for t in self.tools]
+        processor = build_processor(cfg, tok)
+        if r.observation_template is not None:
+            self.format = PlainFormat(tok, r.observation_template)
+            return False
+        if processor is not None:  # a vision-language model: prompts and observations may
+            # show images, rendered by the processor's template (agents.formats)
+            limits = ImageLimits(max_pixels=cfg.data.max_pixels, min_pixels=cfg.data.min_pixels,
+                                 max_file_bytes=cfg.data.max_image_bytes)  # fmt: skip
+            self.format = VisionChatFormat(processor, schemas, limits)
+            return True
+        self.format = ChatFormat(tok, schemas)
+        return True
+
+    def attach(self, policy, rewards) -> None:
+        self._episode_parts(policy)
         self._set_rewards(rewards)
 
     @staticmethod

@@ -35,6 +35,7 @@ class SingleTurnWorkflow(EncodedPromptsWorkflow):
     """Prompt → G completions → rewards (``rollout.max_turns: 1``, no tools or environment)."""
 
     provided_fields = LLM_FIELDS  # handed to the reward functions with each sample
+    travels_as_built = True  # to the asynchronous rollout side (workflows.detach)
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow], val_rows: list[PromptRow],
                  rewards=None):  # fmt: skip

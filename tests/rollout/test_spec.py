@@ -1,0 +1,165 @@
+"""The rollout side is built from a picklable ``RolloutSpec`` of the trainer's built parts.
+
+What is checked: the spec survives a pickle round trip (a child process's route), the side built
+from it draws the trainer's prompts in the trainer's order with the token ids the trainer encoded
+(no prompt is encoded again, no config section is read), and its first batch equals the one the
+trainer's own workflow collects with the same weights — for the single-turn workflow, the
+multi-turn one with tools, a run with a reward model (its runner rebuilt over the side's copy)
+and a vision-language model on image prompts. A workflow that cannot travel as built takes the old route (``RebuiltWorkflow``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from groupflow.config import Config
+from groupflow.rollout import side as side_module
+from groupflow.rollout import spec as spec_module
+from groupflow.rollout.side import RolloutSide
+from groupflow.rollout.spec import (
+    BuiltWorkflow,
+    LoaderSpec,
+    RebuiltWorkflow,
+    RolloutSpec,
+    workflow_part,
+)
+from groupflow.trainer import Trainer
+from groupflow.workflows import collect, multi_turn, single_turn
+from groupflow.workflows.agent import AgentWorkflow
+from groupflow.workflows.collect import collect_step
+from groupflow.workflows.detach import travels_as_built
+from groupflow.workflows.llm import PromptTable
+
+CALC = dict(
+    data__task={"name": "calc", "digits": 2, "num_train": 200, "num_val": 8},
+    model__tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 80},
+    rollout__max_turns=2, rollout__max_new_tokens=20, rollout__max_response_tokens=40,
+    rollout__stop=["</calc>"], rollout__tools=[{"name": "calculator", "label": "calc"}],
+    rollout__tool_parser="tag", rollout__observation_template="={content}\n",
+)  # fmt: skip
+
+
+# a tiny vision-language model on image prompts (tests/test_vlm_trainer.py's)
+VLM = {
+    "model": {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "max_positions": 32,
+                       "vision": {"image_size": 32, "patch_size": 8, "scale_factor": 2,
+                                  "hidden_size": 16, "num_layers": 1}}},
+    "data": {"task": {"name": "shapes", "num_train": 64, "num_val": 8}, "min_pixels": 1024,
+             "prompts_per_step": 4},
+    "rollout": {"samples_per_prompt": 4, "max_new_tokens": 2, "max_staleness": 1},
+}  # fmt: skip
+
+
+def _reward_model(tmp_path: Path) -> dict:
+    path = Path(__file__).parents[1] / "workers" / "test_reward_model.py"
+    found = importlib.util.spec_from_file_location("rmt", path)
+    assert found is not None and found.loader is not None
+    rmt = importlib.util.module_from_spec(found)
+    found.loader.exec_module(rmt)
+    return {"reward_model": {"path": str(rmt.save_tiny_reward_model(tmp_path / "rm")),
+                             "weight": 0.5}}  # fmt: skip
+
+
+def _no_config_reads(monkeypatch) -> None:
+    """What rebuilt the side from the config before: building it now must call none of it."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the rollout side rebuilt a part from the config")
+
+    for module, name in [(spec_module, "build_workflow"), (spec_module, "rule_rewards"),
+                         (single_turn, "encode_prompts"), (multi_turn, "encode_prompts")]:  # fmt: skip
+        monkeypatch.setattr(module, name, refused)
+    monkeypatch.setattr(collect, "prompt_loader", refused)
+    monkeypatch.setattr(collect.Sampling, "from_config", refused)
+
+
+@pytest.mark.parametrize("what", ["single_turn", "multi_turn", "reward_model", "vlm"])
+def test_the_side_built_from_the_pickled_spec_collects_as_the_trainers_workflow(
+    tiny_config, tmp_path, monkeypatch, what
+):
+    overrides = {"multi_turn": CALC, "vlm": VLM}.get(what, {})
+    if what == "reward_model":
+        overrides = _reward_model(tmp_path)
+    trainer = Trainer(tiny_config(**{"run__total_steps": 2, "rollout__max_staleness": 1,
+                                     **overrides}))  # fmt: skip
+    side = None
+    try:
+        source, workflow = trainer.source, trainer.workflow
+        loader = LoaderSpec.of(trainer.loader)
+        # the batch of step 0 as the synchronous trainer collects it (version 0's weights)
+        expected, _ = collect_step(workflow, loader.build(workflow.train_rows), source.sampling,
+                                   0, 0)  # fmt: skip
+        part = source.workflow
+        assert isinstance(part, BuiltWorkflow) and part.workflow.policy is None
+        spec = RolloutSpec(trainer.policy.start_async(), part, loader, source.sampling,
+                           source.async_mode)  # fmt: skip
+        assert not any(isinstance(v, Config) for v in vars(spec).values())
+        data = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        _no_config_reads(monkeypatch)
+        side = RolloutSide(pickle.loads(data))
+        monkeypatch.undo()
+        assert side.workflow.policy is side.policy and side.workflow is not workflow
+        assert side.workflow.contracts == workflow.contracts
+        if what == "reward_model":  # the side's own reward-model copy scores its batches
+            assert side.workflow.reward_fn.scorer is side.policy.reward_model
+            assert side.policy.reward_model is not trainer.policy.reward_model
+        # the trainer's prompts, in its order, with the token ids it encoded
+        theirs = loader.build(workflow.train_rows)
+        for _ in range(3):
+            mine, rows = side.loader.next_batch(), theirs.next_batch()
+            assert [(r.source, r.index) for r in mine] == [(r.source, r.index) for r in rows]
+            assert side.workflow.train.lookup(mine) == workflow.train.lookup(rows)
+        side.loader = loader.build(side.workflow.train_rows)
+        side.load(trainer.policy.snapshot())
+        batch, _ = side.collect(0, 0)
+        for key in ("prompt", "completion"):
+            assert list(batch[key]) == list(expected[key]), key
+        for key in ("responses", "response_mask", "rewards", "version"):
+            assert torch.equal(batch[key], expected[key]), key
+        if what == "vlm":  # the prompts' images, encoded by the trainer, reach the side's model
+            assert side.workflow.train.vision(mine) is not None
+    finally:
+        if side is not None:
+            side.close()
+        trainer.shutdown()
+
+
+def test_a_prompt_table_finds_its_rows_again_after_a_pickle_round_trip():
+    """The table looks rows up by identity: an unpickled one over its own row objects."""
+    from groupflow.assembly.data import EncodedPrompts
+    from groupflow.data import PromptRow
+
+    rows = [PromptRow(prompt=f"p{i}", index=i, source="s", fields={}) for i in range(3)]
+    encoded = EncodedPrompts(rows=rows, texts=["a", "b", "c"], ids=[[1], [2], [3]])
+    table = pickle.loads(pickle.dumps(PromptTable(encoded)))
+    assert table.lookup(table.rows[::-1]) == (["c", "b", "a"], [[3], [2], [1]])
+
+
+def test_a_workflow_that_does_not_travel_as_built_is_rebuilt_from_the_config(tmp_path):
+    """A workflow that does not declare ``travels_as_built`` in its own class body (the agent
+    workflow, a custom class, a user's subclass of a built-in one, which may keep more of the
+    policy than its parent) takes the old route: the config and the trainer's rows."""
+
+    class Custom:
+        train_rows = [1, 2, 3]
+
+    class Subclass(single_turn.SingleTurnWorkflow):
+        def __init__(self):  # only what workflow_part reads
+            self.train = type("T", (), {"rows": [4, 5]})()
+
+    for workflow, rows in ((Custom(), [1, 2, 3]), (Subclass(), [4, 5])):
+        part = workflow_part("cfg", tmp_path, workflow, ("reward",))
+        assert part == RebuiltWorkflow("cfg", tmp_path, rows, ("reward",))
+    assert not travels_as_built(AgentWorkflow.__new__(AgentWorkflow))
+    for cls in (single_turn.SingleTurnWorkflow, multi_turn.MultiTurnWorkflow):
+        assert travels_as_built(cls.__new__(cls))
+    assert [f.name for f in dataclasses.fields(RolloutSpec)] == [
+        "policy", "workflow", "loader", "sampling", "async_mode", "threads"
+    ]  # fmt: skip
+    assert side_module.RolloutSpec is RolloutSpec

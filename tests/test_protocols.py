@@ -83,6 +83,7 @@ IMPLEMENTATIONS: dict[str, list[str]] = {
         "groupflow.diffusion.models:HashPromptEncoder",
         "groupflow.diffusion.models:MaskedHashPromptEncoder",
         "groupflow.diffusion.encoders:WanTextEncoder",
+        "groupflow.diffusion.text_encoders:SD3TextEncoder",
         "groupflow.diffusion.text_encoders:FluxTextEncoder",
         "groupflow.diffusion.text_encoders:Flux2TextEncoder",
         "groupflow.diffusion.text_encoders:QwenImageTextEncoder",

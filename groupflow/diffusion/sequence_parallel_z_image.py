@@ -51,7 +51,13 @@ SEQ_MULTI_OF = 32  # diffusers' transformer_z_image.SEQ_MULTI_OF: each part padd
 def image_share(hidden: int, table: int, size: int) -> int:
     """How many image tokens this rank's hidden state starts with: its rotary ``table`` has a
     row for every image token (S) and caption token (C), the ``hidden`` state S/N + C rows."""
-    return (table - hidden) // (size - 1)
+    share, rest = divmod(table - hidden, size - 1)
+    if rest or share < 0 or share > hidden:  # not a cut this module made
+        raise ValueError(
+            f"parallel.sequence_parallel={size}: a Z-Image hidden state of {hidden} tokens with "
+            f"a rotary table of {table} rows is not [this rank's image tokens; the caption]"
+        )
+    return share
 
 
 def padded_image_tokens(size: tuple[int, int, int], patch: int, f_patch: int) -> int:

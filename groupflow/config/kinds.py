@@ -25,7 +25,7 @@ Check = Callable[[Any], None]
 
 # diffusion.model.kind values whose transformer runs Ulysses sequence parallel
 # (groupflow.diffusion.sequence_parallel); the others are refused at load
-SEQUENCE_PARALLEL_KINDS = ("wan", "sd3", "flux", "flux2", "qwen_image")
+SEQUENCE_PARALLEL_KINDS = ("wan", "sd3", "flux", "flux2", "qwen_image", "z_image")
 
 
 @dataclass(frozen=True)
@@ -178,13 +178,10 @@ def _diffusion_parallel(cfg) -> None:
             )
     sp = cfg.parallel.sequence_parallel
     if sp > 1 and d.model.kind not in SEQUENCE_PARALLEL_KINDS:
-        # z_image: its unified [image; caption] sequence pads each part to a multiple of 32 and
-        # masks the padding, per sample, with captions of different lengths
-        why = {"z_image": ": Z-Image's unified sequence carries a per-sample padding mask"}
         raise ValueError(
             f"parallel.sequence_parallel is implemented for LLM policies and the diffusers "
             f"transformers (diffusion.model.kind {' / '.join(SEQUENCE_PARALLEL_KINDS)}), not "
-            f"diffusion.model.kind {d.model.kind!r}{why.get(d.model.kind, '')}"
+            f"diffusion.model.kind {d.model.kind!r}"
         )
     # a rollout pool holds a replicated flow model that samples with each version it receives
     # (the NFT/AWM "old" copy and the SDE window's update count travel with the weights)

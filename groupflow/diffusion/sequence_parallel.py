@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism for the diffusers flow transformers: Wan (``WanTransformer3DModel``,
 video) and SD3 (``SD3Transformer2DModel``, images) here; FLUX.1, FLUX.2 and Qwen-Image in
-:mod:`groupflow.diffusion.sequence_parallel_joint`, which :func:`enable_ulysses` dispatches to.
+:mod:`groupflow.diffusion.sequence_parallel_joint`, Z-Image in
+:mod:`groupflow.diffusion.sequence_parallel_z_image`, which :func:`enable_ulysses` dispatches to.
 
 Design decision: the transformer stays diffusers' own; :func:`enable_ulysses` changes three places
 of it, in place, for the life of the model. The rotary tables and the patch tokens entering the
@@ -29,11 +30,10 @@ trains, are neither.
 
 FLUX.1, FLUX.2 and Qwen-Image follow SD3's joint attention: image tokens cut to 1/N, the text
 whole on every member with 1/N of its heads; the FLUX single-stream blocks cut their
-[text; image] sequence the same way (that module's docstring). Z-Image is refused (and at
-config load): its unified [image; caption] sequence pads each part to a multiple of 32 and
-masks the padding per sample (captions differ in length), so an even cut of that sequence
-is not the same share of real tokens on every sample, and the mask would have to travel with
-the exchange.
+[text; image] sequence the same way (that module's docstring). Z-Image too: its unified
+[image; caption] sequence pads each caption to a multiple of 32 and masks the padding per
+sample, and since every member holds the whole caption that mask masks keys only, after the
+image exchange.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from groupflow.diffusion.sequence_parallel_joint import JOINT_KINDS, enable_ulysses_joint
+from groupflow.diffusion.sequence_parallel_z_image import enable_ulysses_z_image
 from groupflow.distributed.ulysses import (
     SequenceGroup,
     all_to_all,
@@ -167,30 +168,24 @@ def _slice(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
     return x.chunk(sp.size, dim=dim)[sp.rank]
 
 
-# why a transformer that could be asked for is refused (the module docstring says more)
-_REFUSED = {
-    "ZImageTransformer2DModel": (
-        ": Z-Image's unified [image; caption] sequence carries a per-sample padding mask"
-    )
-}
-
-
 def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
     """Make ``transformer`` (a ``WanTransformer3DModel``, ``SD3Transformer2DModel``,
-    ``FluxTransformer2DModel``, ``Flux2Transformer2DModel`` or ``QwenImageTransformer2DModel``)
+    ``FluxTransformer2DModel``, ``Flux2Transformer2DModel``, ``QwenImageTransformer2DModel`` or
+    ``ZImageTransformer2DModel``)
     run sequence parallel over ``sp``, in place: every forward is then a collective of the
     group, whose members pass the same inputs."""
     kind = type(transformer).__name__
     # diffusers' transformer, its submodules read by name (nn.Module's __getattr__ types each as
     # Tensor | Module)
     model: Any = transformer
-    if kind not in ("WanTransformer3DModel", "SD3Transformer2DModel", *JOINT_KINDS):
+    z_image = kind == "ZImageTransformer2DModel"
+    if kind not in ("WanTransformer3DModel", "SD3Transformer2DModel", *JOINT_KINDS) and not z_image:
         raise ValueError(
             "parallel.sequence_parallel for diffusion is implemented for the Wan, SD3, FLUX.1, "
-            "FLUX.2 and Qwen-Image transformers (diffusion.model.kind wan / sd3 / flux / flux2 / "
-            f"qwen_image), not {kind}{_REFUSED.get(kind, '')}"
+            "FLUX.2, Qwen-Image and Z-Image transformers (diffusion.model.kind wan / sd3 / flux / "
+            f"flux2 / qwen_image / z_image), not {kind}"
         )
-    heads = model.config.num_attention_heads
+    heads = model.config.n_heads if z_image else model.config.num_attention_heads
     if heads % sp.size:
         raise ValueError(
             f"parallel.sequence_parallel={sp.size} must divide the transformer's {heads} heads"
@@ -201,6 +196,8 @@ def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:
 
     if kind in JOINT_KINDS:
         return enable_ulysses_joint(transformer, sp)
+    if z_image:
+        return enable_ulysses_z_image(transformer, sp)
     model.proj_out.register_forward_hook(tokens_gather)
     if kind == "SD3Transformer2DModel":
         for block in model.transformer_blocks:

@@ -1,6 +1,8 @@
-"""Ulysses sequence parallelism of the tiny random-weight FLUX.1, FLUX.2 and Qwen-Image
+"""Ulysses sequence parallelism of the tiny random-weight FLUX.1, FLUX.2, Qwen-Image and Z-Image
 transformers the kinds' tests build (one double- and one single-stream block for the FLUX
-kinds; Qwen-Image with a padded text mask), called as groupflow calls them
+kinds; Qwen-Image with a padded text mask; Z-Image with captions of 40 and 5 tokens, so padded
+to 64 and 32 and masked per sample in its unified sequence, and its image tokens padded to 32
+or not), called as groupflow calls them
 (``groupflow.diffusion.kinds.KIND_CALLS``), on two gloo ranks (torch.multiprocessing, one torch
 thread each): the velocity, a loss and every parameter gradient equal the single-process
 transformer's, with and without activation checkpointing; token counts and heads the group does
@@ -30,28 +32,35 @@ VARIANTS = {
     "flux2_copied": {"kind": "flux2", "copied": True},  # the worker copies it (reference, old)
     "qwen_image": {"kind": "qwen_image"},
     "qwen_image_checkpointed": {"kind": "qwen_image", "checkpointing": True},
+    "z_image": {"kind": "z_image"},  # 16 image tokens, padded to 32
+    "z_image_checkpointed": {"kind": "z_image", "checkpointing": True},
+    "z_image_unpadded": {"kind": "z_image", "shape": (4, 8, 16)},  # 32 image tokens
+    "z_image_copied": {"kind": "z_image", "copied": True},
 }
 # latents of 16 image tokens: FLUX.1 and Qwen-Image pack 2x2 patches of [4, 8, 8], FLUX.2's
 # latent is already patchified
-SHAPES = {"flux": (4, 8, 8), "flux2": (16, 4, 4), "qwen_image": (4, 8, 8)}
+SHAPES = {"flux": (4, 8, 8), "flux2": (16, 4, 4), "qwen_image": (4, 8, 8), "z_image": (4, 8, 8)}
 
 
-def _model(kind: str, checkpointing: bool = False, copied: bool = False):
+def _model(kind: str, checkpointing: bool = False, copied: bool = False, shape=None, **config):
     from diffusers import (
         Flux2Transformer2DModel,
         FluxTransformer2DModel,
         QwenImageTransformer2DModel,
+        ZImageTransformer2DModel,
     )
 
     from tests.diffusion.test_flux import TINY_FLUX
     from tests.diffusion.test_flux2 import TINY_FLUX2
     from tests.diffusion.test_qwen_image import TINY_QWEN_IMAGE
+    from tests.diffusion.test_z_image import TINY_Z_IMAGE
 
     torch.manual_seed(0)
     build = {"flux": (FluxTransformer2DModel, TINY_FLUX),
              "flux2": (Flux2Transformer2DModel, TINY_FLUX2),
-             "qwen_image": (QwenImageTransformer2DModel, TINY_QWEN_IMAGE)}[kind]  # fmt: skip
-    model = build[0](**build[1])
+             "qwen_image": (QwenImageTransformer2DModel, TINY_QWEN_IMAGE),
+             "z_image": (ZImageTransformer2DModel, TINY_Z_IMAGE)}[kind]  # fmt: skip
+    model = build[0](**{**build[1], **config})
     if checkpointing:
         model.enable_gradient_checkpointing()
     return model.train()
@@ -59,14 +68,17 @@ def _model(kind: str, checkpointing: bool = False, copied: bool = False):
 
 def _inputs(kind: str, shape=None, text: int = 5):
     """Two latents, σ, the text condition (FLUX.1: pooled too; Qwen-Image: a mask with the
-    second prompt padded) and loss weights."""
+    second prompt padded; Z-Image: captions of 40 and 5 tokens) and loss weights."""
     g = torch.Generator().manual_seed(1)
     shape = shape or SHAPES[kind]
+    text = 40 if kind == "z_image" else text
     cond = {"encoder_hidden_states": torch.randn(2, text, 16, generator=g)}
     if kind == "flux":
         cond["pooled_projections"] = torch.randn(2, 8, generator=g)
     if kind == "qwen_image":
         cond["encoder_hidden_states_mask"] = torch.tensor([[1] * text, [1] * (text - 2) + [0, 0]])
+    if kind == "z_image":  # padded to 64 and 32: a per-sample mask over the unified sequence
+        cond["encoder_hidden_states_mask"] = torch.tensor([[1] * text, [1] * 5 + [0] * (text - 5)])
     x = torch.randn(2, *shape, generator=g)
     return x, torch.tensor([0.25, 0.7]), cond, torch.randn(2, *shape, generator=g)
 
@@ -77,8 +89,8 @@ def _velocity(model, kind: str, x, sigma, cond):
     return KIND_CALLS[kind](model, x, sigma, cond, 3.5)
 
 
-def _step(model, kind: str) -> dict:
-    x, sigma, cond, weights = _inputs(kind)
+def _step(model, kind: str, shape=None) -> dict:
+    x, sigma, cond, weights = _inputs(kind, shape)
     out = _velocity(model, kind, x, sigma, cond)
     loss = (out * weights).mean()
     loss.backward()
@@ -97,7 +109,9 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         results = {}
         for name, kw in VARIANTS.items():
             model = enable_ulysses(_model(**kw), sp)
-            r = _step(copy.deepcopy(model) if kw.get("copied") else model, kw["kind"])
+            r = _step(
+                copy.deepcopy(model) if kw.get("copied") else model, kw["kind"], kw.get("shape")
+            )
             for g in r["grads"].values():  # the members' shares add up (FSDP2 does it there)
                 dist.all_reduce(g)
             results[name] = r
@@ -109,13 +123,15 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
 
 
 @pytest.mark.slow  # two processes importing torch and diffusers
-def test_two_sequence_parallel_ranks_equal_one_flux_flux2_and_qwen_image_transformer(tmp_path):
+def test_two_sequence_parallel_ranks_equal_one_flux_flux2_qwen_image_and_z_image_transformer(
+    tmp_path,
+):
     torch.set_num_threads(1)
     out = tmp_path / "results.pt"
     mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
     got = torch.load(out, weights_only=False)
     for name, kw in VARIANTS.items():
-        want, g = _step(_model(**kw), kw["kind"]), got[name]
+        want, g = _step(_model(**kw), kw["kind"], kw.get("shape")), got[name]
         assert torch.allclose(g["out"], want["out"], rtol=1e-5, atol=1e-6), name
         assert g["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-8), name
         assert g["grads"].keys() == want["grads"].keys()
@@ -144,7 +160,7 @@ def test_a_token_count_or_heads_that_do_not_split_are_refused(kind):
 
 
 @pytest.mark.slow  # Ray start-up and diffusers' import dominate; the models are tiny
-@pytest.mark.parametrize("kind", ["flux", "flux2", "qwen_image"])
+@pytest.mark.parametrize("kind", ["flux", "flux2", "qwen_image", "z_image"])
 def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(kind, tmp_path):
     """Through the whole driver: FSDP2-sharded, LoRA, a KL to the reference copy; 2 workers as
     one group of 2 take the same steps as 1 worker."""
@@ -177,12 +193,23 @@ def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(kind, t
 
 
 @pytest.mark.slow  # importing diffusers
-def test_z_image_is_refused_with_the_reason():
-    from diffusers import ZImageTransformer2DModel
-
+def test_z_image_heads_image_tokens_omni_mode_and_controlnet_that_do_not_split_are_refused():
     from groupflow.diffusion.sequence_parallel import enable_ulysses
-    from tests.diffusion.test_z_image import TINY_Z_IMAGE
 
-    two = SequenceGroup(group=None, size=2, rank=0)
-    with pytest.raises(ValueError, match="sequence_parallel .* per-sample padding mask"):
-        enable_ulysses(ZImageTransformer2DModel(**TINY_Z_IMAGE), two)
+    torch.set_num_threads(1)
+    three = SequenceGroup(group=None, size=3, rank=0)  # nothing is exchanged before the checks
+    with pytest.raises(
+        ValueError, match="sequence_parallel=3 must divide the transformer's 2 heads"
+    ):
+        enable_ulysses(_model("z_image"), three)
+    # 3 heads (of 8 dims: the rotary axes'), 16 image tokens padded to 32
+    model = enable_ulysses(_model("z_image", dim=24, n_heads=3, n_kv_heads=3), three)
+    x, sigma, cond, _ = _inputs("z_image")
+    with pytest.raises(ValueError, match=r"sequence_parallel=3: the z_image .* 32 image tokens"):
+        _velocity(model, "z_image", x, sigma, cond)
+    model = enable_ulysses(_model("z_image"), SequenceGroup(group=None, size=2, rank=0))
+    caption = [torch.randn(5, 16)]
+    with pytest.raises(ValueError, match="sequence_parallel: Z-Image's omni mode"):
+        model([[x[0, :, None]]], sigma[:1], [caption], return_dict=False)
+    with pytest.raises(ValueError, match="sequence_parallel: Z-Image's ControlNet"):
+        model([x[0, :, None]], sigma[:1], caption, controlnet_block_samples={0: x})

@@ -225,7 +225,12 @@ class AgentWorkflow(PolicyParts):
         over the policy."""
         _quiet_clients()
         self.agent = self.recipe.build(self.cfg.rollout)
-        self._over_policy(policy, rewards)
+        try:
+            self._over_policy(policy, rewards)
+        except BaseException:  # the side gets no workflow to close: the adapter's server goes now
+            if hasattr(self.agent, "close"):
+                self.agent.close()
+            raise
 
     @property
     def train_rows(self) -> list[PromptRow]:

@@ -214,3 +214,24 @@ def test_a_workflow_that_does_not_travel_as_built_is_rebuilt_from_the_config(tmp
         "policy", "workflow", "loader", "sampling", "async_mode", "threads"
     ]  # fmt: skip
     assert side_module.RolloutSpec is RolloutSpec
+
+
+def test_an_agent_attach_that_fails_closes_the_agent_it_built(monkeypatch):
+    """The side gets no workflow to close when ``attach`` fails: the agent it built (an OpenEnv
+    adapter's server) is closed there."""
+    closed = []
+
+    class Adapter:
+        def close(self):
+            closed.append("agent")
+
+    def fails(self, policy, rewards):
+        raise RuntimeError("no reward runner")
+
+    monkeypatch.setattr(AgentRecipe, "build", lambda self, rollout_cfg: Adapter())
+    monkeypatch.setattr(AgentWorkflow, "_over_policy", fails)
+    part = AgentWorkflow.__new__(AgentWorkflow)
+    part.cfg, part.recipe = type("C", (), {"rollout": None})(), AgentRecipe()
+    with pytest.raises(RuntimeError, match="no reward runner"):
+        part.with_policy("policy", None)
+    assert closed == ["agent"]

@@ -6,7 +6,9 @@ Design decision: each adapter is an agent of ``groupflow.workflows.agent`` — a
 validation are the agent workflow's, unchanged. ``rollout.openenv``: an OpenEnv server
 (``groupflow.envs.openenv``); ``rollout.verifiers``: a verifiers
 environment (``groupflow.envs.verifiers``). An adapter with ``rows()`` brings its own prompt rows
-(train, validation), which replace the data section's.
+(train, validation), which replace the data section's, and ``built_tasks()``: those tasks,
+pickled, which an adapter built again on the asynchronous rollout side is given (``tasks``)
+instead of reading its row source again (the rows travel as built: ``workflows.agent``).
 """
 
 from groupflow.envs.openenv import OpenEnvAgent, OpenEnvServerError
@@ -22,10 +24,11 @@ __all__ = [
 ]
 
 
-def build_env_agent(rollout_cfg):
-    """The adapter agent the rollout section asks for, or None (``rollout.agent`` then)."""
+def build_env_agent(rollout_cfg, tasks: bytes | None = None):
+    """The adapter agent the rollout section asks for, or None (``rollout.agent`` then).
+    ``tasks``: an adapter's ``built_tasks()`` (the trainer's), to run instead of loading its own."""
     if rollout_cfg.openenv is not None:
         return OpenEnvAgent(rollout_cfg.openenv)
     if rollout_cfg.verifiers is not None:
-        return VerifiersAgent(rollout_cfg.verifiers)
+        return VerifiersAgent(rollout_cfg.verifiers, tasks)
     return None

@@ -12,6 +12,10 @@ the trace's weighted reward is the episode's reward and each named reward is log
 (``rollout/agent/rewards/<name>``). An episode verifiers marks failed (a harness, task or
 scoring error) is a counted failure of the agent workflow; the step goes on.
 
+On the asynchronous rollout side the adapter is built again with the trainer's tasks
+(``built_tasks``, pickled; ``tasks``): its environment is loaded there (its serving resources
+are the side's own), its taskset is not listed again, so the side runs exactly the trainer's rows.
+
 The API key reaches verifiers' client through an environment variable named in its client
 config (``api_key_var``: how verifiers reads keys), one variable per episode, removed after it.
 """
@@ -23,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import os
+import pickle
 import shutil
 import sys
 from pathlib import Path
@@ -46,7 +51,7 @@ def _vf():
 class VerifiersAgent:
     """``async (client, row) -> dict``: one verifiers episode per call (see the module doc)."""
 
-    def __init__(self, cfg):  # cfg: the rollout.verifiers section
+    def __init__(self, cfg, tasks: bytes | None = None):  # cfg: the rollout.verifiers section
         require("verifiers", _PIP, "rollout.verifiers")
         vf = _vf()
         self.cfg = cfg
@@ -68,16 +73,35 @@ class VerifiersAgent:
         here = str(Path(sys.executable).parent)
         if shutil.which("uv") is None and (Path(here) / "uv").exists():
             os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
-        self.env = self._load(vf, cfg.taskset_args)
-        self.tasks = {"train": list(self.env.taskset)[: cfg.max_train_tasks]}
-        self.tasks["val"] = []
-        if cfg.val_taskset_args is not None:
-            val_env = self._load(vf, {**cfg.taskset_args, **cfg.val_taskset_args})
-            self.tasks["val"] = list(val_env.taskset)[: cfg.max_val_tasks]
+        self.env = self._load(vf, cfg.taskset_args)  # builds the taskset; lists no task
+        # given (the rollout side's adapter): the trainer's tasks, unpickled now that the
+        # taskset's directory is importable; the taskset is not read again
+        self.tasks = pickle.loads(tasks) if tasks is not None else self._list_tasks(vf)
         if not self.tasks["train"]:
             raise ValueError(f"rollout.verifiers: the taskset {cfg.taskset!r} has no tasks")
         self._keys = itertools.count()
         self._serving: dict[int, tuple[asyncio.AbstractEventLoop, contextlib.AsyncExitStack]] = {}
+
+    def _list_tasks(self, vf) -> dict[str, list]:
+        """The taskset's tasks (train; validation from ``val_taskset_args``' view of it)."""
+        c = self.cfg
+        tasks = {"train": list(self.env.taskset)[: c.max_train_tasks], "val": []}
+        if c.val_taskset_args is not None:
+            val_env = self._load(vf, {**c.taskset_args, **c.val_taskset_args})
+            tasks["val"] = list(val_env.taskset)[: c.max_val_tasks]
+        return tasks
+
+    def built_tasks(self) -> bytes:
+        """The tasks as listed here, pickled: what the rollout side's adapter runs (``tasks``)."""
+        try:
+            return pickle.dumps(self.tasks, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - any pickling error: the taskset's to fix
+            raise ValueError(
+                f"rollout.verifiers.taskset={self.cfg.taskset!r}: its tasks cannot be pickled "
+                f"({type(e).__name__}: {e}), and the asynchronous rollout side "
+                "(rollout.max_staleness >= 1) runs the trainer's tasks; make the task data "
+                "picklable or set rollout.max_staleness: 0"
+            ) from e
 
     def _load(self, vf, taskset_args: dict[str, Any]):
         c = self.cfg

@@ -13,9 +13,10 @@ into a shared ``WeightRing``; it receives finished, contract-checked batches.
 The side is built from a ``RolloutSpec`` (``groupflow.rollout.spec``) of *built* parts — the
 trainer's workflow without its policy (encoded prompts, options), a description of its rewards,
 the loader's options and state, the sampling plan, the async mode — and attaches its own policy
-view to that workflow; it reads no config section (review of 2026-12-01, Debt 3). Only a
-workflow that cannot travel as built (the agent workflow, a custom class) is rebuilt from the
-config there, behind ``rollout.spec.RebuiltWorkflow``.
+view to that workflow; it reads no config section (review of 2026-12-01, Debt 3). Every
+built-in workflow, the agent workflow included, travels so; only a user's workflow class that
+does not declare ``travels_as_built`` is rebuilt from the config there, behind
+``rollout.spec.RebuiltWorkflow``.
 
 Prompts stay bit-identical to a synchronous run because the side's loader is a replica of the
 trainer's: it starts from the trainer's loader state and draws in step order (refills included),

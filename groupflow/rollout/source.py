@@ -296,7 +296,8 @@ class PoolRoute:
 def build_rollout_source(cfg, built_cfg, run_dir, policy, workflow, loader, inputs):
     """The synchronous source, or with ``rollout.max_staleness >= 1`` the asynchronous one.
     ``built_cfg``: the config the run was built from (hub ids resolved), which the rewards'
-    description, and a workflow that cannot travel as built (``RebuiltWorkflow``), come from."""
+    description, and a user's workflow class that does not travel as built (``RebuiltWorkflow``),
+    come from."""
     r = cfg.rollout
     sampling = Sampling.from_config(cfg)
     if not r.max_staleness:

@@ -15,13 +15,18 @@ section. What cannot be pickled travels as a small description and is rebuilt on
 - the multi-turn workflow's tools, environment factory and turn format: rebuilt by its
   ``attach`` from its own ``rollout`` options over the view's tokenizer;
 - lookups by row identity (the identities are the process's own): a ``PromptTable`` builds its
-  own when unpickled, the diffusion workflow's ``attach`` its prompt texts.
+  own when unpickled, the diffusion workflow's ``attach`` its prompt texts;
+- the agent workflow's agent, server and event loop: its ``attach`` finds the agent again from
+  its ``AgentRecipe`` (``rollout.agent``'s import path; an OpenEnv adapter starts its own
+  environment server; a verifiers adapter is given the trainer's tasks and does not list its
+  taskset again) and starts the server and the loop where collect runs; its rows, the data
+  section's or its environment's own, travel as built.
 
-One route stays the old one, behind ``RebuiltWorkflow``: a workflow that does not travel as built
-(``workflows.detach.travels_as_built``: the agent workflow, whose agent, OpenAI-compatible server
-and event loop live beside its policy and whose rows may be its environment's own; a custom
-workflow class, a subclass of a built-in one included, unless it declares it) is rebuilt on the
-side from the run's config and the trainer's rows.
+Every built-in workflow travels as built. The old route stays, behind ``RebuiltWorkflow``, for
+one case only: a user's workflow class that does not declare it (``workflows.detach.
+travels_as_built``: a custom class, or a subclass of a built-in one, which may keep more of the
+policy than its parent's ``over_policy`` names) is rebuilt on the side from the run's config and
+the trainer's rows.
 """
 
 from __future__ import annotations
@@ -79,10 +84,11 @@ class BuiltWorkflow:
 
 @dataclass
 class RebuiltWorkflow:
-    """The old route, for a workflow that does not travel as built (the agent workflow, a custom
-    workflow class): built again on the side from the run's config (hub ids
-    resolved) and the trainer's training rows, its prompts encoded again; the one check that
-    the two agree is the row count."""
+    """The old route, kept only for a user's workflow class that does not declare
+    ``travels_as_built`` (every built-in workflow does): built again on the side from the run's
+    config (hub ids resolved) and the trainer's training rows, its prompts encoded again; the one
+    check that the two agree is the row count. Declaring it (a ``workflows.detach.PolicyParts``
+    with its own ``over_policy`` and ``attach``) sends the class as built instead."""
 
     cfg: Any
     run_dir: Path

@@ -24,11 +24,11 @@ copy of the workflow runs on the rollout side (``groupflow.rollout.side``, a chi
 default) over the policy's ``RolloutView`` — ``rollout``, ``tokenizer``, ``sampling``,
 ``contracts``, ``reward_model``, no ``actor`` — and only its ``collect`` is called there: a
 custom workflow's ``collect`` must use no more of the policy than that (its
-``validate``/``warm_start`` run in the trainer as always). The built-in single-turn, multi-turn
-and diffusion workflows travel there as built (``workflows.detach.PolicyParts``: the trainer's
-encoded prompts, the policy and what is built over it left behind and attached again); the
-agent workflow and a custom class are built a second time there from the config and the
-trainer's rows (``rollout.spec.RebuiltWorkflow``), unless the class is a ``PolicyParts`` that
+``validate``/``warm_start`` run in the trainer as always). Every built-in workflow travels
+there as built (``workflows.detach.PolicyParts``: the trainer's encoded prompts or rows, the
+policy and what is built over it — for the agent workflow its agent, server and event loop —
+left behind and attached again); a custom class is built a second time there from the config
+and the trainer's rows (``rollout.spec.RebuiltWorkflow``), unless it is a ``PolicyParts`` that
 declares ``travels_as_built`` in its own body.
 
 Built-in workflows (``rollout.workflow``): ``single_turn``, ``multi_turn`` (tools or an

@@ -27,6 +27,9 @@ the workflow's ``collect`` runs: synchronously on the driver (with a Ray rollout
 engine calls go to the pool's workers); asynchronously (``rollout.max_staleness >= 1``) on the
 rollout side — the local child process, or with a Ray rollout pool the pool's loop actor on the
 pool's node (``groupflow.rollout.ray_host``), so the agents' traffic never reaches the driver.
+The workflow goes there as built (its rows, its environment's own included, and options); the
+agent, the server and the loop do not travel (threads, sockets, processes): the side finds the
+agent again from a small ``AgentRecipe`` and starts its own server and loop (``AgentWorkflow``).
 
 The run's sampling settings hold for every call (the training forward assumes them): a request's
 own temperature/top-p is replaced and counted (``rollout/agent/sampling_overrides``). The warm
@@ -50,7 +53,7 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -83,11 +86,12 @@ from groupflow.workflows.agent_runtime import (
     AgentServer,
     require_openai,
 )
+from groupflow.workflows.detach import PolicyParts
 from groupflow.workflows.llm import build_rewards, llm_step_metrics, sft_turns
 
 log = logging.getLogger("groupflow")
 
-__all__ = ["AgentBlockedError", "AgentWorkflow", "resolve_agent", "AGENT_FIELDS"]
+__all__ = ["AgentBlockedError", "AgentRecipe", "AgentWorkflow", "resolve_agent", "AGENT_FIELDS"]
 
 # Abandoned event loops (each blocked by an agent's sync code) still blocked at once: the run stops.
 MAX_BLOCKED_LOOPS = 4
@@ -127,20 +131,60 @@ def _row_dict(row: PromptRow) -> dict[str, Any]:
     return {"prompt": row.prompt, **row.fields}
 
 
-class AgentWorkflow:
-    """Prompt rows → G agent episodes each (through the server) → samples → rewards."""
+@dataclass(frozen=True)
+class AgentRecipe:
+    """How the run found its agent, small and picklable: what the rollout side finds it again by
+    (``AgentWorkflow.attach``). The agent itself cannot travel: an adapter holds an OpenEnv
+    server's child process or a verifiers environment's serving resources, and a user's
+    function may keep objects bound to the trainer's event loop. The import path and the
+    adapters' sections are the workflow's own ``cfg.rollout``; what the recipe adds is a
+    verifiers adapter's tasks as the trainer listed them (``VerifiersAgent.built_tasks``), so the
+    side runs exactly the trainer's rows without reading the taskset again."""
+
+    # pickled by the adapter, unpickled by the side's adapter once it has put the taskset's
+    # directory on sys.path (rollout.verifiers.taskset_dir): the tasks' classes are the taskset's
+    tasks: bytes | None = None
+
+    @classmethod
+    def of(cls, agent: Any) -> AgentRecipe:
+        built_tasks = getattr(agent, "built_tasks", None)
+        return cls(built_tasks() if built_tasks is not None else None)
+
+    def build(self, rollout_cfg) -> Any:
+        """The agent ``rollout_cfg`` names: an environment adapter, else ``rollout.agent``."""
+        return build_env_agent(rollout_cfg, self.tasks) or resolve_agent(
+            present(rollout_cfg.agent, "rollout.agent")
+        )
+
+
+def _quiet_clients() -> None:
+    """The agents' HTTP clients log every request at INFO: one line per call would bury the
+    run's console (a level set explicitly by the user is kept)."""
+    require_openai()
+    for name in ("httpx", "httpx2", "openai"):
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class AgentWorkflow(PolicyParts):
+    """Prompt rows → G agent episodes each (through the server) → samples → rewards.
+
+    It travels to the asynchronous rollout side as built (``workflows.detach``): its rows (the
+    data section's, or its environment's own) and options go as they are; ``without_policy``
+    drops what lives beside the policy — the reward runner, the contracts, the agent, the
+    server (a uvicorn thread over the policy's rollout group), the event loop (a thread) and
+    the loops abandoned to blocking code — and ``attach`` builds them again over the side's
+    policy view, the agent from its ``recipe``."""
 
     provided_fields = AGENT_FIELDS
+    over_policy = (*PolicyParts.over_policy, "agent", "_server", "_loop", "_blocked")
+    travels_as_built = True  # to the asynchronous rollout side (workflows.detach)
+    recipe: AgentRecipe  # set by without_policy: what the rollout side finds its agent by
 
     def __init__(self, cfg: Config, policy, train_rows: list[PromptRow],
                  val_rows: list[PromptRow], rewards=None):  # fmt: skip
-        require_openai()
-        # the agents' HTTP clients log every request at INFO: one line per call would bury the
-        # run's console (a level set explicitly by the user is kept)
-        for name in ("httpx", "httpx2", "openai"):
-            if logging.getLogger(name).level == logging.NOTSET:
-                logging.getLogger(name).setLevel(logging.WARNING)
         self.cfg, self.policy = cfg, policy
+        _quiet_clients()
         # an environment adapter (rollout.openenv) is the agent, else the user's own function
         self.agent = build_env_agent(cfg.rollout) or resolve_agent(
             present(cfg.rollout.agent, "rollout.agent")
@@ -150,18 +194,43 @@ class AgentWorkflow:
             # an environment's own tasks (a verifiers taskset)
             self._train_rows, self.val_rows = own_rows()
             train_rows, val_rows = self._train_rows, self.val_rows
-        self.reward_fn = None
-        if cfg.rollout.agent_reward != "return":
-            self.reward_fn = build_rewards(cfg, policy, rewards, [])
-        self.contracts = policy.contracts
         self.data_stats = {"data/train_prompts": float(len(train_rows)),
                            "data/val_prompts": float(len(val_rows))}  # fmt: skip
         r = cfg.rollout
         self.width = r.max_response_tokens or r.max_new_tokens * r.max_turns
+        self._over_policy(policy, rewards)
+
+    def _over_policy(self, policy, rewards) -> None:
+        """The reward runner and the contracts over ``policy``; no server or loop yet (started
+        where collect runs: ``server``, ``loop``)."""
+        self.reward_fn = None
+        if self.cfg.rollout.agent_reward != "return":
+            self.reward_fn = build_rewards(self.cfg, policy, rewards, [])
+        self.contracts = policy.contracts
         self._server: AgentServer | None = None
         self._loop: AgentLoop | None = None
         self._blocked = Abandoned()  # loops given up on, while their agent's code still blocks
-        self._logged: set[str | None] = set()
+        self._logged: set[str | None] = set()  # the failure kinds logged (once each) here
+
+    def without_policy(self):
+        """``PolicyParts.without_policy``, with the ``recipe`` the side finds its agent by."""
+        part = super().without_policy()
+        part.recipe = AgentRecipe.of(self.agent)
+        return part
+
+    def attach(self, policy, rewards) -> None:
+        """On the rollout side: the agent found again from ``recipe`` (an OpenEnv adapter starts
+        its own server, a verifiers one loads its environment over the trainer's tasks; neither
+        reads its row source again: the rows travelled as built), then what ``__init__`` builds
+        over the policy."""
+        _quiet_clients()
+        self.agent = self.recipe.build(self.cfg.rollout)
+        try:
+            self._over_policy(policy, rewards)
+        except BaseException:  # the side gets no workflow to close: the adapter's server goes now
+            if hasattr(self.agent, "close"):
+                self.agent.close()
+            raise
 
     @property
     def train_rows(self) -> list[PromptRow]:

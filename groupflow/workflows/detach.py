@@ -6,7 +6,8 @@ build a second one from (which re-encoded every prompt and re-read every section
 built over the policy cannot travel and is not the workflow's own: the policy itself (worker
 groups), its contracts, the reward runner (it may wrap the policy's reward model, and its
 functions may come from a file a child process cannot import) and, for a workflow that has
-them, objects over the policy's tokenizer or live resources (tools, an environment factory).
+them, objects over the policy's tokenizer or live resources (tools, an environment factory;
+the agent workflow's agent, server and event loop).
 ``without_policy`` drops exactly those (``over_policy``); ``with_policy`` copies the detached
 workflow and lets it ``attach`` them again over the given policy, from the workflow's own state
 and a freshly built reward runner. Copies are shallow: what both share (encoded prompts, rows)

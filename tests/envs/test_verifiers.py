@@ -216,3 +216,67 @@ def test_a_multi_turn_tool_environment_trains_its_calls_as_one_sample(tiny_base,
         t.workflow.close()
     assert "val/greedy/acc" not in final or final["val/greedy/failures"] == 0
     assert final["rollout/agent/episodes"] == 4
+
+
+@pytest.mark.slow
+def test_the_rollout_side_runs_the_trainers_tasks_without_listing_the_taskset_again(
+    vf_log, tiny_base, tmp_path, monkeypatch
+):
+    """max_staleness 1: the agent workflow travels to the rollout side as built (its rows, the
+    taskset's tasks), the side's adapter loads its environment over the trainer's tasks (pickled)
+    with the taskset's listing refused, and the side's first batch equals the trainer's."""
+    import pickle
+
+    from groupflow.rollout.side import RolloutSide
+    from groupflow.rollout.spec import BuiltWorkflow, LoaderSpec, RolloutSpec
+    from groupflow.trainer import Trainer
+    from groupflow.workflows.collect import collect_step
+
+    torch.set_num_threads(1)
+    t = Trainer(_config(tiny_base, tmp_path, **{"rollout.max_staleness": 1}))
+    side = None
+    try:
+        source, workflow = t.source, t.workflow
+        loader = LoaderSpec.of(t.loader)
+        expected, _ = collect_step(workflow, loader.build(workflow.train_rows), source.sampling,
+                                   0, 0)  # fmt: skip
+        part = source.workflow
+        assert isinstance(part, BuiltWorkflow) and part.workflow.recipe.tasks is not None
+        spec = RolloutSpec(t.policy.start_async(), part, loader, source.sampling)
+        data = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        import calc_verifiers  # on sys.path: the trainer's adapter put its taskset_dir there
+
+        def refused(self):
+            raise AssertionError("the rollout side listed the taskset again")
+
+        monkeypatch.setattr(calc_verifiers.CalcTaskset, "load", refused)
+        side = RolloutSide(pickle.loads(data))
+        monkeypatch.undo()
+        mine, theirs = side.workflow.agent, workflow.agent
+        assert mine is not theirs and side.workflow.train_rows == workflow.train_rows
+        assert [x.data for x in mine.tasks["train"]] == [x.data for x in theirs.tasks["train"]]
+        assert [x.data for x in mine.tasks["val"]] == [x.data for x in theirs.tasks["val"]]
+        side.load(t.policy.snapshot())
+        batch, metrics = side.collect(0, 0)
+        assert metrics["rollout/agent/failures"] == 0
+        for key in ("prompt", "completion"):
+            assert list(batch[key]) == list(expected[key]), key
+        for key in ("responses", "response_mask", "rewards", "version"):
+            assert torch.equal(batch[key], expected[key]), key
+    finally:
+        if side is not None:
+            side.close()
+        t.shutdown()
+
+
+def test_tasks_that_cannot_be_pickled_name_the_taskset_and_the_way_out():
+    """The asynchronous rollout side runs the trainer's tasks: ones that cannot travel are a
+    named error when the workflow is detached, not a side that lists the taskset again."""
+    from groupflow.config import VerifiersConfig
+    from groupflow.envs import VerifiersAgent
+
+    agent = VerifiersAgent.__new__(VerifiersAgent)
+    agent.cfg = VerifiersConfig(taskset="calc_verifiers")
+    agent.tasks = {"train": [lambda: None], "val": []}
+    with pytest.raises(ValueError, match=r"calc_verifiers.*cannot be pickled.*max_staleness: 0"):
+        agent.built_tasks()

@@ -56,7 +56,10 @@ class DiffusionModelConfig(_Section):
     # tiny with pretrain_if_missing: steps of flow-matching pre-training
     pretrain_steps: int = Field(default=600, ge=1)
     lora: DiffusionLoraConfig | None = None
-    # the pipeline's text encoder (its local `text_encoder/` folder), for kinds sd3, wan, flux,
+    # The pipeline's parts below (text encoders, tokenizers, VAE) are each a local folder, a Hub
+    # id, or, when `path` is a whole diffusers pipeline (a Hub snapshot: model_index.json), the
+    # name of its folder there (`text_encoder`, `vae`); a local path wins.
+    # the pipeline's text encoder (its `text_encoder/` folder), for kinds sd3, wan, flux,
     # qwen_image, z_image and flux2; without one, prompts get fixed random embeddings. sd3: CLIP-L
     # (CLIPTextModelWithProjection), with CLIP-G in text_encoder_2_path and T5 in
     # text_encoder_3_path; wan: UMT5; flux: CLIP (its pooled output), with T5 in
@@ -76,7 +79,7 @@ class DiffusionModelConfig(_Section):
     # default is 256 —, wan, flux's T5, z_image, flux2; qwen_image: caption tokens after its
     # template, at most 1024)
     max_sequence_length: int = Field(default=512, ge=1)
-    # the pipeline's VAE (its local `vae/` folder), decoding what the rewards score; without
+    # the pipeline's VAE (its `vae/` folder), decoding what the rewards score; without
     # one, images are latent previews. sd3, flux, z_image: AutoencoderKL (its scaling_factor and
     # shift_factor); wan: AutoencoderKLWan; qwen_image: AutoencoderKLQwenImage; flux2:
     # AutoencoderKLFlux2

@@ -38,14 +38,9 @@ def build_rollout_engine(cfg: Config):
         processor_path = str(
             Path(present(present(cfg.model, "model").path, "model.path")).expanduser()
         )
+    # rollout.vllm's keys are the engine's own options, passed through whole
     return VLLMOptions(
-        gpu_memory_utilization=v.gpu_memory_utilization,
-        sleep_mode=v.sleep_mode,
-        cpu_kv_cache_gib=v.cpu_kv_cache_gib,
-        max_model_len=v.max_model_len,
-        dtype=v.dtype,
-        enforce_eager=v.enforce_eager,
-        enable_prefix_caching=v.enable_prefix_caching,
+        **v.model_dump(),
         seed=cfg.run.seed,
         processor_path=processor_path,
         in_flight=cfg.rollout.async_mode == "in_flight",

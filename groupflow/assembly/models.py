@@ -44,7 +44,33 @@ def resolve_hub_models(cfg: Config) -> Config:
     dm = out.diffusion.model if out.diffusion is not None else None
     if dm is not None and not (dm.kind == "tiny" and dm.pretrain_if_missing):
         dm.path = resolve_model_path(dm.path, dm.revision, "diffusion.model.path")
+        for key in DIFFUSION_PARTS:
+            value = getattr(dm, key)
+            if value is not None:
+                setattr(dm, key, _pipeline_part(value, dm.path, key))
     return out
+
+
+# a diffusers pipeline's other parts, each a local folder, a folder of the pipeline at
+# diffusion.model.path (`text_encoder`, `vae`: a Hub snapshot holds one per part) or a Hub id
+DIFFUSION_PARTS = (
+    "text_encoder_path", "tokenizer_path", "text_encoder_2_path", "tokenizer_2_path",
+    "text_encoder_3_path", "vae_path",
+)  # fmt: skip
+
+
+def _pipeline_part(value: str, pipeline: str, key: str) -> str:
+    """A local path wins; then ``value`` as a folder of the pipeline (``model_index.json`` beside
+    it: the same snapshot, so the same revision, as its transformer); then ``value`` as a Hub id
+    of its own (at its default branch: diffusion.model.revision is the pipeline's). What none of
+    them is stays as written: the part's loader names the key and the folder."""
+    if Path(value).expanduser().exists():
+        return value
+    root = Path(pipeline).expanduser()
+    inside = root / value
+    if (root / "model_index.json").is_file() and inside.is_dir():
+        return str(inside)
+    return resolve_model_path(value, None, f"diffusion.model.{key}")
 
 
 def check_model_dir(path: str, key: str) -> None:

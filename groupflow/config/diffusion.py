@@ -56,7 +56,10 @@ class DiffusionModelConfig(_Section):
     # tiny with pretrain_if_missing: steps of flow-matching pre-training
     pretrain_steps: int = Field(default=600, ge=1)
     lora: DiffusionLoraConfig | None = None
-    # the pipeline's text encoder (its local `text_encoder/` folder), for kinds sd3, wan, flux,
+    # The pipeline's parts below (text encoders, tokenizers, VAE) are each a local folder, a Hub
+    # id, or, when `path` is a whole diffusers pipeline (a Hub snapshot: model_index.json), the
+    # name of its folder there (`text_encoder`, `vae`); a local path wins.
+    # the pipeline's text encoder (its `text_encoder/` folder), for kinds sd3, wan, flux,
     # qwen_image, z_image and flux2; without one, prompts get fixed random embeddings. sd3: CLIP-L
     # (CLIPTextModelWithProjection), with CLIP-G in text_encoder_2_path and T5 in
     # text_encoder_3_path; wan: UMT5; flux: CLIP (its pooled output), with T5 in
@@ -76,7 +79,7 @@ class DiffusionModelConfig(_Section):
     # default is 256 —, wan, flux's T5, z_image, flux2; qwen_image: caption tokens after its
     # template, at most 1024)
     max_sequence_length: int = Field(default=512, ge=1)
-    # the pipeline's VAE (its local `vae/` folder), decoding what the rewards score; without
+    # the pipeline's VAE (its `vae/` folder), decoding what the rewards score; without
     # one, images are latent previews. sd3, flux, z_image: AutoencoderKL (its scaling_factor and
     # shift_factor); wan: AutoencoderKLWan; qwen_image: AutoencoderKLQwenImage; flux2:
     # AutoencoderKLFlux2
@@ -84,43 +87,37 @@ class DiffusionModelConfig(_Section):
 
     @model_validator(mode="after")
     def _shape(self):
-        parts = [k for k in ("text_encoder_path", "tokenizer_path") if getattr(self, k)]
-        if parts and self.kind not in TEXT_ENCODER_KINDS:
-            raise ValueError(
-                f"diffusion.model.{parts[0]} is for kinds {', '.join(TEXT_ENCODER_KINDS)} (their "
-                f"pipelines' text encoders), not '{self.kind}'"
-            )
-        second = [k for k in ("text_encoder_2_path", "tokenizer_2_path") if getattr(self, k)]
-        if second and self.kind not in SECOND_ENCODER_KINDS:
-            raise ValueError(
-                f"diffusion.model.{second[0]} is SD3's CLIP-G (kind 'sd3') or FLUX.1's T5 (kind "
-                f"'flux'), not '{self.kind}'"
-            )
-        if self.text_encoder_3_path and self.kind != "sd3":
-            raise ValueError(
-                f"diffusion.model.text_encoder_3_path is SD3's T5 (kind 'sd3'), not '{self.kind}'"
-            )
-        extra = second + (["text_encoder_3_path"] if self.text_encoder_3_path else [])
+        for key, (kinds, what) in _PART_KINDS.items():
+            if getattr(self, key) and self.kind not in kinds:
+                raise ValueError(f"diffusion.model.{key} {what}, not '{self.kind}'")
+        extra = [k for k in ("text_encoder_2_path", "tokenizer_2_path", "text_encoder_3_path")
+                 if getattr(self, k)]  # fmt: skip
         if extra and not self.text_encoder_path:
             raise ValueError(
                 f"diffusion.model.{extra[0]} needs diffusion.model.text_encoder_path (CLIP): "
                 f"the '{self.kind}' pipeline conditions on all its text encoders together"
             )
-        if self.vae_path and self.kind not in VAE_KINDS:
-            raise ValueError(
-                f"diffusion.model.vae_path is for kinds {', '.join(VAE_KINDS)} (their "
-                f"pipelines' VAEs), not '{self.kind}'"
-            )
         if self.kind != "tiny" and self.latent_shape is None:
             raise ValueError(f"diffusion.model.latent_shape is required for kind '{self.kind}'")
-        guided = self.kind in ("flux", "flux2")
-        if not guided and self.guidance != 3.5:  # (a dumped config holds the default)
+        if self.kind not in ("flux", "flux2") and self.guidance != 3.5:  # (dumped: the default)
             raise ValueError(
                 f"diffusion.model.guidance is for kind 'flux' or 'flux2', not '{self.kind}'"
             )
         if self.kind != "tiny" and self.pretrain_if_missing:
             raise ValueError("diffusion.model.pretrain_if_missing applies to kind 'tiny' only")
         return self
+
+
+_TEXT = (TEXT_ENCODER_KINDS, f"is for kinds {', '.join(TEXT_ENCODER_KINDS)} (their pipelines' "
+         "text encoders)")  # fmt: skip
+_SECOND = (SECOND_ENCODER_KINDS, "is SD3's CLIP-G (kind 'sd3') or FLUX.1's T5 (kind 'flux')")
+# which kinds take each pipeline part, and what the part is (the refusal says it)
+_PART_KINDS = {
+    "text_encoder_path": _TEXT, "tokenizer_path": _TEXT,
+    "text_encoder_2_path": _SECOND, "tokenizer_2_path": _SECOND,
+    "text_encoder_3_path": (("sd3",), "is SD3's T5 (kind 'sd3')"),
+    "vae_path": (VAE_KINDS, f"is for kinds {', '.join(VAE_KINDS)} (their pipelines' VAEs)"),
+}  # fmt: skip
 
 
 class SdeWindowConfig(_Section):

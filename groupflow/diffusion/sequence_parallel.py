@@ -51,6 +51,7 @@ from groupflow.distributed.ulysses import (
     all_to_all,
     gather_heads,
     gather_sequence,
+    split_sequence,
 )
 
 if TYPE_CHECKING:
@@ -159,13 +160,8 @@ class UlyssesJointProcessor:
 
 
 def _slice(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.Tensor:
-    if x.shape[dim] % sp.size:
-        raise ValueError(
-            f"parallel.sequence_parallel={sp.size}: the latent has {x.shape[dim]} tokens (frames × "
-            f"height/2 × width/2 for Wan, (height/p) × (width/p) for SD3), which do not split evenly "
-            f"over {sp.size} ranks; choose a latent_shape whose token count it divides"
-        )
-    return x.chunk(sp.size, dim=dim)[sp.rank]
+    what = "the latent (frames × height/2 × width/2 for Wan, (height/p) × (width/p) for SD3)"
+    return split_sequence(x, sp, what, dim)
 
 
 def enable_ulysses(transformer: nn.Module, sp: SequenceGroup) -> nn.Module:

@@ -41,6 +41,7 @@ from groupflow.distributed.ulysses import (
     all_to_all,
     gather_heads,
     gather_sequence,
+    split_sequence,
 )
 
 __all__ = ["JOINT_KINDS", "joint_attention", "enable_ulysses_joint"]
@@ -57,13 +58,7 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def split_tokens(x: torch.Tensor, sp: SequenceGroup, kind: str, dim: int = 1) -> torch.Tensor:
     """This rank's 1/N of ``x``'s image tokens along ``dim``; refused where they do not divide."""
-    if x.shape[dim] % sp.size:
-        raise ValueError(
-            f"parallel.sequence_parallel={sp.size}: the {kind} latent has {x.shape[dim]} image "
-            f"tokens, which do not split evenly over {sp.size} ranks (no padding mask over the "
-            f"image tokens); choose a latent_shape whose token count it divides"
-        )
-    return x.chunk(sp.size, dim=dim)[sp.rank]
+    return split_sequence(x, sp, f"the {kind} latent's image part", dim)
 
 
 def joint_attention(text: QKV, image: QKV, sp: SequenceGroup, text_mask=None):

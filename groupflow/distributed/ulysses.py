@@ -30,6 +30,7 @@ __all__ = [
     "sequence_groups",
     "all_to_all",
     "gather_sequence",
+    "split_sequence",
     "gather_heads",
     "gather_rows",
     "padded_length",
@@ -126,6 +127,19 @@ def gather_sequence(x: torch.Tensor, sp: SequenceGroup, dim: int = 1) -> torch.T
     this member's slice of the gradient — valid because every member uses the gathered tensor
     in the same way (the same loss)."""
     return _GatherSequence.apply(x, sp.group, sp.size, sp.rank, dim)
+
+
+def split_sequence(x: torch.Tensor, sp: SequenceGroup, what: str, dim: int = 1) -> torch.Tensor:
+    """This member's 1/N of ``x`` along ``dim`` (what :func:`gather_sequence` puts back together);
+    ``what`` names the tokens in the refusal when the group does not divide them (there is no
+    padding mask to even them out)."""
+    if x.shape[dim] % sp.size:
+        raise ValueError(
+            f"parallel.sequence_parallel={sp.size}: {what} has {x.shape[dim]} tokens that do "
+            f"not split evenly over {sp.size} ranks; choose a latent_shape whose token count "
+            "it divides"
+        )
+    return x.chunk(sp.size, dim=dim)[sp.rank]
 
 
 class _GatherHeads(torch.autograd.Function):

@@ -31,7 +31,7 @@ from typing import Any
 from groupflow.assembly.engines import build_weight_transport
 from groupflow.assembly.groups import role_group, snapshot_group
 from groupflow.batch import Batch
-from groupflow.config import Config, DiffusionConfig, TeacherConfig, present
+from groupflow.config import Config, DiffusionConfig, DiffusionModelConfig, TeacherConfig, present
 from groupflow.contracts import DIFFUSION_CONTRACTS, validate
 from groupflow.data import DataError, PromptRow
 from groupflow.diffusion.encoder_checks import check_text_encoder_folders
@@ -57,6 +57,7 @@ __all__ = [
     "DiffusionPolicy",
     "frozen_view",
     "FlowModelSpec",
+    "parts_of",
     "settings_from_config",
     "ensure_tiny_model",
 ]
@@ -99,6 +100,15 @@ class FlowModelSpec:
             self.path, self.kind, shape, encoder, decoder, empty=empty,
             guidance=self.parts.get("guidance", 3.5),
         )  # fmt: skip
+
+
+def parts_of(m: DiffusionModelConfig) -> dict:
+    """The pipeline parts a worker's :class:`FlowModelSpec` builds beside the transformer: the
+    text encoders, tokenizers and VAE keys of ``diffusion.model``, its token budget and guidance."""
+    return m.model_dump(include={
+        "text_encoder_path", "tokenizer_path", "text_encoder_2_path", "tokenizer_2_path",
+        "text_encoder_3_path", "max_sequence_length", "vae_path", "guidance",
+    })  # fmt: skip
 
 
 def resolve_shift(d: DiffusionConfig) -> float:
@@ -174,18 +184,7 @@ class DiffusionPolicy:
         self.pretrain_stats = ensure_tiny_model(d, cfg.run.seed)
         if d.model.kind == "tiny":
             check_labels(Path(d.model.path), corpus)
-        parts = d.model.model_dump(
-            include={
-                "text_encoder_path",
-                "tokenizer_path",
-                "text_encoder_2_path",
-                "tokenizer_2_path",
-                "text_encoder_3_path",
-                "max_sequence_length",
-                "vae_path",
-                "guidance",
-            }
-        )
+        parts = parts_of(d.model)
         spec = FlowModelSpec(d.model.kind, d.model.path, d.model.latent_shape, parts)
         settings = settings_from_config(d, cfg.algorithm.adv_clip_max, cfg.teacher)
         # a VAE or text encoder of another class or width fails here, not in every worker

@@ -92,6 +92,18 @@ def tiny_config(tiny_config_data):
 
 
 @pytest.fixture
+def hf_home(tmp_path, monkeypatch):
+    """An empty Hugging Face home of this test (``HF_HOME``; no other cache variable), offline:
+    the Hub ids a test resolves come from the snapshots it writes under ``hub/``."""
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return home
+
+
+@pytest.fixture
 def helpers_on_path(monkeypatch):
     """Put ``tests/`` on ``sys.path`` so ``reward_helpers:fn`` import paths resolve."""
     monkeypatch.syspath_prepend(str(TESTS_DIR))

@@ -21,16 +21,6 @@ from tests.utils.test_hub import MAIN, V2, _snapshot
 pytestmark = pytest.mark.slow  # imports diffusers and transformers
 
 
-@pytest.fixture
-def hf_home(tmp_path, monkeypatch):
-    home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return home
-
-
 def _flux_pipeline(snap):
     """A FLUX.1 pipeline snapshot: model_index.json, transformer/, the CLIP and T5 encoders with
     their tokenizers (text_encoder/, tokenizer/, text_encoder_2/, tokenizer_2/)."""

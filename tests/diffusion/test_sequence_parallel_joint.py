@@ -17,10 +17,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from groupflow.distributed.ulysses import SequenceGroup, sequence_groups
+from groupflow.distributed.ulysses import SequenceGroup
+from tests.diffusion.sp_checks import check_two_ranks_equal_one, step
 
 pytest.importorskip("diffusers")
 
@@ -91,35 +90,21 @@ def _velocity(model, kind: str, x, sigma, cond):
 
 def _step(model, kind: str, shape=None) -> dict:
     x, sigma, cond, weights = _inputs(kind, shape)
-    out = _velocity(model, kind, x, sigma, cond)
-    loss = (out * weights).mean()
-    loss.backward()
-    return {"out": out.detach(), "loss": float(loss.detach()),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-            "params": sum(1 for p in model.parameters() if p.requires_grad)}  # fmt: skip
+    return step(model, _velocity(model, kind, x, sigma, cond), weights)
 
 
-def _rank(rank: int, world: int, store: str, out: str) -> None:
+def _steps(sp: SequenceGroup | None) -> dict:
+    """Each variant's step, sequence-parallel over ``sp`` (None: the single process); a copied
+    variant steps a deep copy of the (sequence-parallel) model."""
     from groupflow.diffusion.sequence_parallel import enable_ulysses
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
-        sp = sequence_groups(rank, world, world)
-        results = {}
-        for name, kw in VARIANTS.items():
-            model = enable_ulysses(_model(**kw), sp)
-            r = _step(
-                copy.deepcopy(model) if kw.get("copied") else model, kw["kind"], kw.get("shape")
-            )
-            for g in r["grads"].values():  # the members' shares add up (FSDP2 does it there)
-                dist.all_reduce(g)
-            results[name] = r
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()  # neither rank tears gloo down while its peer still talks
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for name, kw in VARIANTS.items():
+        model = _model(**kw)
+        model = model if sp is None else enable_ulysses(model, sp)
+        model = copy.deepcopy(model) if kw.get("copied") and sp is not None else model
+        results[name] = _step(model, kw["kind"], kw.get("shape"))
+    return results
 
 
 @pytest.mark.slow  # two processes importing torch and diffusers
@@ -127,18 +112,7 @@ def test_two_sequence_parallel_ranks_equal_one_flux_flux2_qwen_image_and_z_image
     tmp_path,
 ):
     torch.set_num_threads(1)
-    out = tmp_path / "results.pt"
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2)
-    got = torch.load(out, weights_only=False)
-    for name, kw in VARIANTS.items():
-        want, g = _step(_model(**kw), kw["kind"], kw.get("shape")), got[name]
-        assert torch.allclose(g["out"], want["out"], rtol=1e-5, atol=1e-6), name
-        assert g["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-8), name
-        assert g["grads"].keys() == want["grads"].keys()
-        for k, v in want["grads"].items():
-            assert torch.allclose(g["grads"][k], v, rtol=1e-4, atol=1e-7), (name, k)
-        moved = [k for k, v in want["grads"].items() if v.abs().sum() > 0]
-        assert len(moved) > want["params"] // 2  # a real gradient, not zeros everywhere
+    check_two_ranks_equal_one(_steps, tmp_path)
 
 
 @pytest.mark.slow  # importing diffusers

@@ -130,14 +130,9 @@ def test_serve_a_plain_model_directory_without_a_config(tmp_path):
     assert core.limits.max_tokens == 3 and core.limits.max_context_tokens == 64  # config.json's
 
 
-def test_serve_a_hub_id_from_the_hf_cache_offline(tmp_path, monkeypatch):
-    home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_serve_a_hub_id_from_the_hf_cache_offline(tmp_path, monkeypatch, hf_home):
     commit = "c" * 40
-    repo = home / "hub" / "models--tiny-org--tiny-lm"
+    repo = hf_home / "hub" / "models--tiny-org--tiny-lm"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     _model_dir(repo / "snapshots" / commit)

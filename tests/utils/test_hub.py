@@ -30,17 +30,6 @@ MAIN = "a" * 40
 V2 = "b" * 40
 
 
-@pytest.fixture
-def hf_home(tmp_path, monkeypatch):
-    home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return home
-
-
 def _snapshot(home, repo_id, commit, refs=("main",), repo_type="models"):
     repo = home / "hub" / f"{repo_type}--{repo_id.replace('/', '--')}"
     for ref in refs:

@@ -57,3 +57,30 @@ def check_two_ranks_equal_one(steps: Steps, tmp_path) -> None:
             assert torch.allclose(g["grads"][k], v, rtol=1e-4, atol=1e-7), (name, k)
         moved = [k for k, v in want["grads"].items() if v.abs().sum() > 0]
         assert len(moved) > want["params"] // 2  # a real gradient, not zeros everywhere
+
+
+# a Ray run whose 2 workers form one sequence-parallel group (FSDP2-sharded)
+SP_RAY = {"run.name": "sp", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True,
+          "parallel.sequence_parallel": 2}  # fmt: skip
+
+
+def check_ray_group_equals_one_worker(one_cfg, sp_cfg, *, atol: float, only: str = "") -> None:
+    """Through the whole driver: ``sp_cfg`` (``one_cfg`` with :data:`SP_RAY`) trains like 1
+    worker — the same rewards (so the same samples), grad norms and losses at every step after
+    the first, a real gradient, and the same final weights (those whose names contain ``only``)."""
+    from groupflow.run.tracking import read_metrics
+    from tests.diffusion.test_fsdp import _fit
+
+    one, s1 = _fit(one_cfg)
+    two, s2 = _fit(sp_cfg)
+    a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
+    assert len(a) == len(b) > 1
+    for ra, rb in zip(a[1:], b[1:], strict=True):
+        assert rb["reward/mean"] == pytest.approx(ra["reward/mean"], rel=1e-5)  # same samples
+        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/loss"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
+    assert b[-1]["actor/grad_norm"] > 0
+    weights = [k for k in s1["model"] if only in k]
+    assert weights
+    for k in weights:
+        assert torch.allclose(s1["model"][k], s2["model"][k], atol=atol), k

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from groupflow.distributed.ulysses import SequenceGroup
-from tests.diffusion.sp_checks import check_two_ranks_equal_one, step
+from tests.diffusion.sp_checks import (
+    SP_RAY,
+    check_ray_group_equals_one_worker,
+    check_two_ranks_equal_one,
+    step,
+)
 
 pytest.importorskip("diffusers")
 
@@ -116,24 +121,14 @@ def wan_setup(tmp_path_factory):
 @pytest.mark.slow  # Ray start-up and diffusers' import dominate; the model is tiny
 def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(wan_setup, tmp_path):
     pytest.importorskip("ray")
-    from groupflow.run.tracking import read_metrics
-    from tests.diffusion.test_fsdp import _cfg, _fit
+    from tests.diffusion.test_fsdp import _cfg
 
     model, prompts = wan_setup
     kl = {"actor.kl_coef": 0.01}
-    one, s1 = _fit(_cfg(tmp_path, model, prompts, **kl))
-    sp = {"run.name": "sp", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True,
-          "parallel.sequence_parallel": 2}  # fmt: skip
-    two, s2 = _fit(_cfg(tmp_path, model, prompts, **kl, **sp))
-    a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
-    assert len(a) == len(b) > 1
-    for ra, rb in zip(a[1:], b[1:], strict=True):
-        assert rb["reward/mean"] == pytest.approx(ra["reward/mean"], rel=1e-5)  # same samples
-        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/loss"):
-            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
-    assert b[-1]["actor/grad_norm"] > 0
-    for k in s1["model"]:
-        assert torch.allclose(s1["model"][k], s2["model"][k], atol=1e-6), k
+    check_ray_group_equals_one_worker(
+        _cfg(tmp_path, model, prompts, **kl), _cfg(tmp_path, model, prompts, **kl, **SP_RAY),
+        atol=1e-6,
+    )  # fmt: skip
 
 
 def _sp_config(kind: str):

@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from groupflow.distributed.ulysses import SequenceGroup
-from tests.diffusion.sp_checks import check_two_ranks_equal_one, step
+from tests.diffusion.sp_checks import (
+    SP_RAY,
+    check_ray_group_equals_one_worker,
+    check_two_ranks_equal_one,
+    step,
+)
 
 pytest.importorskip("diffusers")
 
@@ -143,8 +148,7 @@ def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(kind, t
     pytest.importorskip("ray")
     import json
 
-    from groupflow.run.tracking import read_metrics
-    from tests.diffusion.test_fsdp import _cfg, _fit
+    from tests.diffusion.test_fsdp import _cfg
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a cat", "a dog")))
@@ -153,19 +157,10 @@ def test_two_ray_workers_as_one_sequence_parallel_group_equal_one_worker(kind, t
     over = {"diffusion.model.kind": kind, "diffusion.model.path": str(model),
             "diffusion.model.latent_shape": list(SHAPES[kind]), "actor.kl_coef": 0.01,
             "diffusion.model.lora": {"rank": 2, "target_modules": ["to_q", "to_k", "to_v"]}}  # fmt: skip
-    one, s1 = _fit(_cfg(tmp_path, model, prompts, **over))
-    sp = {"run.name": "sp", "run.backend": "ray", "run.num_workers": 2, "diffusion.fsdp": True,
-          "parallel.sequence_parallel": 2}  # fmt: skip
-    two, s2 = _fit(_cfg(tmp_path, model, prompts, **over, **sp))
-    a, b = read_metrics(one.run_dir / "metrics.jsonl"), read_metrics(two.run_dir / "metrics.jsonl")
-    assert len(a) == len(b) > 1
-    for ra, rb in zip(a[1:], b[1:], strict=True):
-        assert rb["reward/mean"] == pytest.approx(ra["reward/mean"], rel=1e-5)  # same samples
-        for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/loss"):
-            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-7), key
-    assert b[-1]["actor/grad_norm"] > 0
-    lora = [k for k in s1["model"] if "lora_" in k]
-    assert lora and all(torch.allclose(s1["model"][k], s2["model"][k], atol=1e-5) for k in lora)
+    check_ray_group_equals_one_worker(
+        _cfg(tmp_path, model, prompts, **over), _cfg(tmp_path, model, prompts, **over, **SP_RAY),
+        atol=1e-5, only="lora_",
+    )  # fmt: skip
 
 
 @pytest.mark.slow  # importing diffusers

@@ -34,6 +34,7 @@ from groupflow.rollout.hosts import RolloutTimeoutError, schedule_version
 from groupflow.run import checkpoint as ckpt_module
 from groupflow.run.tracking import read_metrics
 from groupflow.trainer import Trainer
+from tests.workflows.calc_tools import CALC_TOOLS
 
 KEYS = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean")
 _TIME = ("time/", "perf/", "wall_time")
@@ -344,7 +345,7 @@ def test_in_flight_updates_reach_a_multi_turn_episode_between_decode_steps(
     go back; tokens 0-2 are version 0; the switch is counted (observations between turns:
     tests/workflows/test_episodes.py)."""
     pin = _PinnedSwitch(monkeypatch)
-    rows = pin.run(tiny_config, "mt", steps=2, **CALC)
+    rows = pin.run(tiny_config, "mt", steps=2, **CALC_TOOLS)
     batch = pin.trained[1]
     mask, versions = batch["response_mask"].bool(), batch["token_versions"]
     assert (versions[~mask] == -1).all()  # observations and padding
@@ -461,18 +462,11 @@ def test_dynamic_sampling_refills_use_the_scheduled_version(tiny_config):
     assert [rows[s]["async/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
-CALC = dict(
-    data__task={"name": "calc", "digits": 2, "num_train": 200, "num_val": 8},
-    model__tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 80},
-    rollout__max_turns=2, rollout__max_new_tokens=20, rollout__max_response_tokens=40,
-    rollout__stop=["</calc>"], rollout__tools=[{"name": "calculator", "label": "calc"}],
-    rollout__tool_parser="tag", rollout__observation_template="={content}\n",
-)  # fmt: skip
-
-
 def test_multi_turn_tools_run_asynchronously(tiny_config):
-    sync = _run(tiny_config, run__name="mt0", run__total_steps=2, **CALC)
-    k1 = _run(tiny_config, run__name="mt1", run__total_steps=2, rollout__max_staleness=1, **CALC)
+    sync = _run(tiny_config, run__name="mt0", run__total_steps=2, **CALC_TOOLS)
+    k1 = _run(
+        tiny_config, run__name="mt1", run__total_steps=2, rollout__max_staleness=1, **CALC_TOOLS
+    )
     assert [sync[1][k] for k in KEYS] == [k1[1][k] for k in KEYS]
     assert sync[1]["rollout/turns/mean"] == k1[1]["rollout/turns/mean"]
     assert k1[2]["async/staleness"] == 1.0

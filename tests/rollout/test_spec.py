@@ -39,15 +39,7 @@ from groupflow.workflows.agent import AgentRecipe, AgentWorkflow
 from groupflow.workflows.collect import collect_step
 from groupflow.workflows.detach import travels_as_built
 from groupflow.workflows.llm import PromptTable
-
-CALC = dict(
-    data__task={"name": "calc", "digits": 2, "num_train": 200, "num_val": 8},
-    model__tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 80},
-    rollout__max_turns=2, rollout__max_new_tokens=20, rollout__max_response_tokens=40,
-    rollout__stop=["</calc>"], rollout__tools=[{"name": "calculator", "label": "calc"}],
-    rollout__tool_parser="tag", rollout__observation_template="={content}\n",
-)  # fmt: skip
-
+from tests.workflows.calc_tools import CALC_TOOLS
 
 # a tiny vision-language model on image prompts (tests/test_vlm_trainer.py's)
 VLM = {
@@ -116,7 +108,9 @@ def _no_config_reads(monkeypatch) -> None:
 def test_the_side_built_from_the_pickled_spec_collects_as_the_trainers_workflow(
     tiny_config, tmp_path, monkeypatch, what
 ):
-    overrides = {"multi_turn": CALC, "vlm": VLM, "agent": AGENT, "openenv": OPENENV}.get(what, {})
+    overrides = {"multi_turn": CALC_TOOLS, "vlm": VLM, "agent": AGENT, "openenv": OPENENV}.get(
+        what, {}
+    )
     if what == "reward_model":
         overrides = _reward_model(tmp_path)
     if what == "agent":

@@ -10,6 +10,7 @@ import pytest
 
 from groupflow.config import ConfigError
 from groupflow.trainer import Trainer
+from tests.workflows.calc_tools import CALC_TOOLS
 
 
 def _steps(run_dir):
@@ -17,12 +18,7 @@ def _steps(run_dir):
 
 
 CALC = dict(
-    data__task={"name": "calc", "digits": 2, "num_train": 200, "num_val": 8},
-    model__tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 80},
-    rollout__max_turns=2, rollout__max_new_tokens=20, rollout__max_response_tokens=40,
-    rollout__stop=["</calc>"], rollout__tools=[{"name": "calculator", "label": "calc"}],
-    rollout__tool_parser="tag", rollout__observation_template="={content}\n",
-    rollout__temperature=0.7,
+    CALC_TOOLS, rollout__temperature=0.7,
     sft__steps=200, sft__lr=5e-3, sft__batch_samples=32, sft__target_field="demo",
 )  # fmt: skip
 

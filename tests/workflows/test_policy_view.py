@@ -8,20 +8,13 @@ import pytest
 
 from groupflow.trainer import Trainer
 from groupflow.workflows import build_workflow
+from tests.workflows.calc_tools import CALC_TOOLS
 
 VIEW = ("contracts", "rollout", "reward_model", "tokenizer", "sampling", "sync", "sft_step")
 CALC = dict(
-    data__task={"name": "calc", "digits": 2, "num_train": 64, "num_val": 8},
-    model__tiny={"hidden_size": 32, "num_layers": 2, "num_heads": 2, "max_positions": 80},
-    rollout__max_turns=2,
-    rollout__max_new_tokens=20,
-    rollout__max_response_tokens=40,
-    rollout__stop=["</calc>"],
-    rollout__tools=[{"name": "calculator", "label": "calc"}],
-    rollout__tool_parser="tag",
-    rollout__observation_template="={content}\n",
+    CALC_TOOLS, data__task={"name": "calc", "digits": 2, "num_train": 64, "num_val": 8},
     sft__target_field="demo",
-)  # fmt: skip (as tests/workflows/test_multi_turn.py)
+)  # fmt: skip
 
 
 class ViewOnly:

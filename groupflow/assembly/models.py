@@ -16,7 +16,7 @@ from groupflow.models.causal_lm import ModelLoadError, build_tiny_llama, hf_mode
 from groupflow.models.logit_transform import check_logit_transform
 from groupflow.models.tiny_vlm import tiny_idefics3
 from groupflow.models.vision import freeze_vision_tower, is_vision_model
-from groupflow.utils.hub import resolve_model_path
+from groupflow.utils.hub import is_hub_id, resolve_model_path
 
 __all__ = ["resolve_hub_models", "check_model_dir", "build_model", "eos_ids"]
 
@@ -62,15 +62,21 @@ DIFFUSION_PARTS = (
 def _pipeline_part(value: str, pipeline: str, key: str) -> str:
     """A local path wins; then ``value`` as a folder of the pipeline (``model_index.json`` beside
     it: the same snapshot, so the same revision, as its transformer); then ``value`` as a Hub id
-    of its own (at its default branch: diffusion.model.revision is the pipeline's). What none of
-    them is stays as written: the part's loader names the key and the folder."""
+    of its own (at its default branch: diffusion.model.revision is the pipeline's). Neither: a
+    ModelLoadError naming the key, the value and the places looked in."""
     if Path(value).expanduser().exists():
         return value
     root = Path(pipeline).expanduser()
-    inside = root / value
-    if (root / "model_index.json").is_file() and inside.is_dir():
-        return str(inside)
-    return resolve_model_path(value, None, f"diffusion.model.{key}")
+    is_pipeline = (root / "model_index.json").is_file()
+    if is_pipeline and (root / value).is_dir():
+        return str(root / value)
+    if is_hub_id(value):
+        return resolve_model_path(value, None, f"diffusion.model.{key}")
+    where = f" nor a folder of the pipeline at '{root}'" if is_pipeline else ""
+    raise ModelLoadError(
+        f"diffusion.model.{key}: '{value}' is neither a local directory{where} nor a Hub id "
+        "(owner/name)"
+    )
 
 
 def check_model_dir(path: str, key: str) -> None:

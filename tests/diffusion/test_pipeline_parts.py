@@ -83,3 +83,8 @@ def test_a_local_path_wins_and_an_unknown_part_is_named(hf_home, tmp_path, monke
         "local directory nor in the Hugging Face cache",
     ):
         resolve_hub_models(_cfg(tmp_path, path="acme/flux-pipe", vae_path="acme/no-vae"))
+    # a name that is no local folder, no folder of the pipeline (it has no vae/) and no Hub id
+    with pytest.raises(ValueError, match=(
+        "diffusion.model.vae_path: 'vae' is neither a local directory nor a folder of the "
+        f"pipeline at '{snap}' nor a Hub id")):  # fmt: skip
+        resolve_hub_models(_cfg(tmp_path, path="acme/flux-pipe", vae_path="vae"))
